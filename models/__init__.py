@@ -1,0 +1,145 @@
+"""Model zoo: AlexNet, MobileNetV1, MobileNetV2 as Relax graphs with named parameters, their
+initialisation and checkpoints.
+
+A checkpoint is one ``.npz`` file: every parameter and state under its name, plus ``__header__``,
+a JSON string ``{"format": "thomas_tune.checkpoint/1", "arch", "config", "classes", "shapes"}``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import dataclass
+
+import numpy as np
+from tvm import relax
+
+from .alexnet import AlexNet
+from .layers import Graph, ParamSpec
+from .mobilenet_v1 import MobileNetV1
+from .mobilenet_v2 import MobileNetV2
+
+ARCHS = {m.arch: m for m in (MobileNetV2, MobileNetV1, AlexNet)}
+CHECKPOINT_FORMAT = "thomas_tune.checkpoint/1"
+
+
+def build(arch: str, **config):
+    """Instantiate a model by architecture name (``mobilenet_v2``, ``mobilenet_v1``, ``alexnet``).
+
+    Raises ValueError naming the known architectures for an unknown name.
+    """
+    if arch not in ARCHS:
+        raise ValueError(f"unknown model {arch!r}; choose one of {sorted(ARCHS)}")
+    return ARCHS[arch](**config)
+
+
+@dataclass
+class ModelSpec:
+    """What one forward pass needs: parameters and states in graph order, blocks, dropout masks."""
+
+    params: list[ParamSpec]
+    states: list[ParamSpec]
+    blocks: list[str]
+    masks: dict[str, tuple[tuple[int, ...], float]]
+
+
+def trace(model, batch: int, mode: str, dtype: str = "float32"):
+    """A fresh BlockBuilder, a :class:`Graph` for ``mode`` and the input variable ``x``;
+    callers open a function and emit ``model.forward(g, x)`` into it.
+
+    Used by the graph builders; callers close the function themselves. ``dtype``: float32 for
+    the product, float64 for reference computations.
+    """
+    bb = relax.BlockBuilder()
+    g = Graph(bb, mode, dtype)
+    x = relax.Var("x", relax.TensorType(model.input_shape(batch), dtype))
+    return bb, g, x
+
+
+def spec(model, batch: int = 1, mode: str = "train") -> ModelSpec:
+    """Parameters, states, blocks and dropout masks of ``model`` (shapes for ``batch``)."""
+    bb, g, x = trace(model, batch, mode)
+    with bb.function("spec"):
+        with bb.dataflow():
+            y = bb.emit_output(model.forward(g, x))
+        bb.emit_func_output(y, params=[x])
+    return ModelSpec([p for p, _ in g.params.values()], [s for s, _ in g.states.values()],
+                     list(g.blocks), {k: (v[0], v[1]) for k, v in g.masks.items()})
+
+
+def init_params(model, seed: int = 0) -> dict[str, np.ndarray]:
+    """Fresh float32 parameters and states for ``model`` (initialisers in :class:`ParamSpec`)."""
+    rng = np.random.default_rng(seed)
+    s = spec(model)
+    out = {}
+    for p in s.params + s.states:
+        if p.init == "kaiming_out":
+            fan_out = p.shape[0] * int(np.prod(p.shape[2:]))
+            out[p.name] = rng.normal(0.0, np.sqrt(2.0 / fan_out), p.shape)
+        elif p.init == "linear":
+            out[p.name] = rng.normal(0.0, 0.01, p.shape)
+        elif p.init == "ones":
+            out[p.name] = np.ones(p.shape)
+        elif p.init == "zeros":
+            out[p.name] = np.zeros(p.shape)
+        else:
+            raise ValueError(f"unknown initialiser {p.init!r} for {p.name}")
+        out[p.name] = out[p.name].astype("float32")
+    return out
+
+
+def save_checkpoint(path: str, model, tensors: dict[str, np.ndarray],
+                    classes: list[str] | None = None) -> None:
+    """Write ``tensors`` (parameters and states) of ``model`` to ``path`` atomically.
+
+    The file appears complete or not at all: it is written to a temporary file in the same folder,
+    flushed, fsync'ed and renamed. Raises ValueError when a tensor is missing or mis-shaped.
+    """
+    s = spec(model)
+    shapes = {}
+    for p in s.params + s.states:
+        if p.name not in tensors:
+            raise ValueError(f"checkpoint for {model.arch}: tensor {p.name!r} is missing")
+        arr = np.asarray(tensors[p.name], dtype="float32")
+        if arr.shape != p.shape:
+            raise ValueError(f"checkpoint for {model.arch}: {p.name!r} has shape {arr.shape}, "
+                             f"the model needs {p.shape}")
+        shapes[p.name] = list(p.shape)
+    header = {"format": CHECKPOINT_FORMAT, "arch": model.arch, "config": model.config(),
+              "classes": list(classes) if classes else None, "shapes": shapes}
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".ckpt-", suffix=".npz", dir=folder)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            np.savez(f, __header__=np.array(json.dumps(header)),
+                     **{k: np.asarray(tensors[k], dtype="float32") for k in shapes})
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def load_checkpoint(path: str):
+    """Read a checkpoint written by :func:`save_checkpoint`.
+
+    Returns (model, tensors, classes). Raises ValueError for a file that is not a thomas_tune
+    checkpoint or whose tensors do not match the model it names.
+    """
+    try:
+        data = np.load(path, allow_pickle=False)
+        header = json.loads(str(data["__header__"]))
+    except (OSError, KeyError, ValueError) as err:
+        raise ValueError(f"{path}: not a thomas_tune checkpoint ({err})") from err
+    if header.get("format") != CHECKPOINT_FORMAT:
+        raise ValueError(f"{path}: unknown checkpoint format {header.get('format')!r}")
+    model = build(header["arch"], **header["config"])
+    tensors = {k: data[k] for k in header["shapes"]}
+    for p in spec(model).params + spec(model).states:
+        if p.name not in tensors or tensors[p.name].shape != p.shape:
+            raise ValueError(f"{path}: tensor {p.name!r} missing or mis-shaped for {model.arch}")
+    return model, tensors, header.get("classes")

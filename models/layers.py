@@ -1,0 +1,167 @@
+"""Graph builder shared by the model definitions.
+
+A model's ``forward(g, x)`` calls the methods of :class:`Graph`; each call emits Relax operators
+into a :class:`tvm.relax.BlockBuilder` and creates the named parameters and states it needs the
+first time it sees a name. The same ``forward`` is run once per mode:
+
+* ``"infer"``: BatchNorm uses its running statistics, dropout is the identity;
+* ``"train"``: BatchNorm normalises with the batch statistics and returns updated running
+  statistics (PyTorch semantics: biased variance to normalise, unbiased variance into the running
+  estimate, ``new = (1 - momentum) * old + momentum * batch``), dropout multiplies by a mask that
+  the caller feeds as an input (``1 / (1 - p)`` where kept, 0 where dropped).
+
+Every tensor is NCHW float32. Parameters belong to a *block* (a layer of the network as a user
+counts layers when saying "fine-tune the last k layers"); the order of blocks is the order of
+the forward pass.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import numpy as np
+from tvm import relax
+from tvm.relax import op as R
+
+DTYPE = "float32"
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    """A named tensor of the model: a parameter (trainable or frozen) or a state.
+
+    ``init`` names the initialiser: ``kaiming_out`` (conv weights, He et al. 2015, fan-out mode
+    as torchvision uses for MobileNet), ``linear`` (normal with std 0.01), ``ones``, ``zeros``.
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    block: str
+    init: str
+
+
+def shape_of(x: relax.Expr) -> tuple[int, ...]:
+    """Static shape of a Relax tensor expression as a tuple of ints."""
+    return tuple(int(v) for v in x.ty.shape.values)
+
+
+class Graph:
+    """Emits one forward pass (see the module docstring) and records what it needs."""
+
+    def __init__(self, bb: relax.BlockBuilder, mode: str, dtype: str = DTYPE):
+        if mode not in ("train", "infer"):
+            raise ValueError(f"Graph mode must be 'train' or 'infer', got {mode!r}")
+        self.bb = bb
+        self.dtype = dtype
+        self.training = mode == "train"
+        self.params: dict[str, tuple[ParamSpec, relax.Var]] = {}
+        self.states: dict[str, tuple[ParamSpec, relax.Var]] = {}
+        self.masks: dict[str, tuple[tuple[int, ...], float, relax.Var]] = {}
+        self.new_states: dict[str, relax.Expr] = {}
+        self.blocks: list[str] = []
+        self._block = "stem"
+
+    # ---- bookkeeping -------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def block(self, name: str):
+        """Parameters created inside belong to block ``name``."""
+        prev, self._block = self._block, name
+        if name not in self.blocks:
+            self.blocks.append(name)
+        try:
+            yield
+        finally:
+            self._block = prev
+
+    def _var(self, table, name, shape, init):
+        if name in table:
+            return table[name][1]
+        if self._block not in self.blocks:
+            self.blocks.append(self._block)
+        var = relax.Var(name, relax.TensorType(shape, self.dtype))
+        table[name] = (ParamSpec(name, tuple(shape), self._block, init), var)
+        return var
+
+    def param(self, name, shape, init):
+        return self._var(self.params, name, shape, init)
+
+    def state(self, name, shape, init):
+        return self._var(self.states, name, shape, init)
+
+    def emit(self, expr):
+        return self.bb.emit(expr)
+
+    # ---- layers ------------------------------------------------------------------------------
+    def conv2d(self, name, x, out_channels, kernel, stride=1, padding=0, groups=1, bias=False):
+        """2-D convolution, weight ``name.weight`` of shape (O, I/groups, k, k)."""
+        in_channels = shape_of(x)[1]
+        w = self.param(f"{name}.weight", (out_channels, in_channels // groups, kernel, kernel),
+                       "kaiming_out")
+        y = self.emit(R.nn.conv2d(x, w, strides=stride, padding=padding, groups=groups))
+        if bias:
+            b = self.param(f"{name}.bias", (out_channels,), "zeros")
+            y = self.emit(R.add(y, R.reshape(b, (1, out_channels, 1, 1))))
+        return y
+
+    def batch_norm(self, name, x, eps=1e-5, momentum=0.1):
+        """BatchNorm2d over axis 1 (Ioffe & Szegedy 2015) with PyTorch's running-stat rule."""
+        n, c, h, w = shape_of(x)
+        gamma = self.param(f"{name}.weight", (c,), "ones")
+        beta = self.param(f"{name}.bias", (c,), "zeros")
+        mean = self.state(f"{name}.running_mean", (c,), "zeros")
+        var = self.state(f"{name}.running_var", (c,), "ones")
+        if self.training:
+            bmean = self.emit(R.mean(x, axis=[0, 2, 3]))
+            bvar = self.emit(R.variance(x, axis=[0, 2, 3]))
+            count = n * h * w
+            unbiased = R.multiply(bvar, relax.const(count / max(count - 1, 1), self.dtype))
+            m = relax.const(momentum, self.dtype)
+            keep = relax.const(1.0 - momentum, self.dtype)
+            self.new_states[f"{name}.running_mean"] = self.emit(
+                R.add(R.multiply(mean, keep), R.multiply(bmean, m)))
+            self.new_states[f"{name}.running_var"] = self.emit(
+                R.add(R.multiply(var, keep), R.multiply(unbiased, m)))
+            mean, var = bmean, bvar
+        shape4 = (1, c, 1, 1)
+        inv = R.divide(relax.const(1.0, self.dtype),
+                       R.sqrt(R.add(R.reshape(var, shape4), relax.const(eps, self.dtype))))
+        scale = self.emit(R.multiply(R.reshape(gamma, shape4), inv))
+        y = R.multiply(R.subtract(x, R.reshape(mean, shape4)), scale)
+        return self.emit(R.add(y, R.reshape(beta, shape4)))
+
+    def relu(self, x):
+        return self.emit(R.nn.relu(x))
+
+    def relu6(self, x):
+        """min(max(x, 0), 6), as ``relax.clip`` (its gradient is registered by thomas_tune)."""
+        return self.emit(R.clip(x, 0.0, 6.0))
+
+    def max_pool2d(self, x, kernel, stride, padding=0):
+        return self.emit(R.nn.max_pool2d(x, kernel, stride, padding))
+
+    def adaptive_avg_pool2d(self, x, output_size):
+        return self.emit(R.nn.adaptive_avg_pool2d(x, output_size))
+
+    def flatten(self, x):
+        """(N, C, H, W) -> (N, C*H*W), as torch.flatten(x, 1); ``relax.flatten`` flattens all."""
+        n, *rest = shape_of(x)
+        return self.emit(R.reshape(x, (n, int(np.prod(rest)))))
+
+    def add(self, a, b):
+        return self.emit(R.add(a, b))
+
+    def linear(self, name, x, out_features):
+        """y = x W^T + b with W of shape (out, in), as torch.nn.Linear."""
+        in_features = shape_of(x)[1]
+        w = self.param(f"{name}.weight", (out_features, in_features), "linear")
+        b = self.param(f"{name}.bias", (out_features,), "zeros")
+        return self.emit(R.add(R.matmul(x, R.permute_dims(w)), b))
+
+    def dropout(self, name, x, p):
+        """Inverted dropout: in training ``x * mask`` with the mask an input of the graph."""
+        if not self.training or p == 0.0:
+            return x
+        mask = relax.Var(f"{name}.mask", relax.TensorType(shape_of(x), self.dtype))
+        self.masks[f"{name}.mask"] = (shape_of(x), p, mask)
+        return self.emit(R.multiply(x, mask))

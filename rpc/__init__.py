@@ -1,0 +1,99 @@
+"""TVM RPC tracker and device-server launchers (TVM's own ``tvm.rpc`` tracker and servers).
+
+A device server registers with the tracker under a *device key* (e.g. ``pocl-cpu``, ``h100``,
+``galaxy-s8``); the tuner asks the tracker for a server of that key for each measurement. A
+phone running TVM's Android RPC app registers with the same tracker by entering its address and
+key in the app. Everything binds to 127.0.0.1 unless told otherwise.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+import time
+
+from tvm import rpc
+from tvm.rpc import tracker as rpc_tracker
+
+
+def parse_address(text: str, default_port: int = 9190) -> tuple[str, int]:
+    """``HOST:PORT`` (or ``HOST``) -> (host, port); ValueError for anything else."""
+    host, _, port = text.rpartition(":") if ":" in text else (text, "", str(default_port))
+    try:
+        return host or "127.0.0.1", int(port)
+    except ValueError as err:
+        raise ValueError(f"tracker address {text!r}: expected HOST:PORT, e.g. 127.0.0.1:9190") from err
+
+
+def start_tracker(host: str = "127.0.0.1", port: int = 9190, port_end: int = 9290):
+    """Start TVM's tracker in a child process; returns it (``.host``, ``.port``, ``.terminate()``)."""
+    return rpc_tracker.Tracker(host, port=port, port_end=port_end, silent=True)
+
+
+def _init_device_server():
+    # Runs inside the server process: importing thomas_tune registers its runtime extensions.
+    import thomas_tune  # noqa: F401
+
+
+def start_server(tracker: tuple[str, int], key: str, host: str = "127.0.0.1",
+                 port: int = 9090, port_end: int = 9190):
+    """Start one TVM RPC device server registered with ``tracker`` under ``key``."""
+    return rpc.Server(host, port=port, port_end=port_end, tracker_addr=tracker, key=key,
+                      silent=True, server_init_callback=_init_device_server)
+
+
+def tracker_summary(tracker: tuple[str, int]) -> dict:
+    """The tracker's view: ``{"queue_info": {key: {"free": n, "pending": m}}, ...}``."""
+    return rpc.connect_tracker(*tracker).summary()
+
+
+def wait_for_key(tracker: tuple[str, int], key: str, timeout: float = 30.0) -> int:
+    """Block until at least one server of ``key`` is free on ``tracker``; returns how many are.
+
+    Raises TimeoutError naming the key and the keys that are registered.
+    """
+    deadline = time.monotonic() + timeout
+    seen = {}
+    while time.monotonic() < deadline:
+        try:
+            seen = tracker_summary(tracker).get("queue_info", {})
+        except (OSError, RuntimeError, socket.error):
+            seen = {}
+        free = seen.get(key, {}).get("free", 0)
+        if free > 0:
+            return free
+        time.sleep(0.2)
+    raise TimeoutError(f"no free device server with key {key!r} on tracker "
+                       f"{tracker[0]}:{tracker[1]} after {timeout:.0f} s (registered: "
+                       f"{sorted(seen) or 'none'}); start one with "
+                       f"'thomas-tune rpc server --tracker {tracker[0]}:{tracker[1]} --key {key}'")
+
+
+@contextlib.contextmanager
+def loopback(key: str = "local", servers: int = 1, lifetime: float = 3600.0):
+    """A tracker and ``servers`` device servers on 127.0.0.1, stopped on exit or after
+    ``lifetime`` seconds, whichever comes first. Yields the tracker's (host, port)."""
+    tracker = start_tracker()
+    procs = []
+    timer = None
+    try:
+        addr = ("127.0.0.1", tracker.port)
+        procs = [start_server(addr, key) for _ in range(servers)]
+        wait_for_key(addr, key)
+
+        def _stop():
+            for p in procs:
+                p.terminate()
+            tracker.terminate()
+
+        timer = threading.Timer(lifetime, _stop)
+        timer.daemon = True
+        timer.start()
+        yield addr
+    finally:
+        if timer is not None:
+            timer.cancel()
+        for p in procs:
+            p.terminate()
+        tracker.terminate()

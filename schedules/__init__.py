@@ -1,0 +1,83 @@
+"""Search spaces for MetaSchedule: schedule rules, postprocessors and mutators per target.
+
+CPU (``llvm``) uses MetaSchedule's own defaults. GPU targets (OpenCL above all: PoCL, NVIDIA, a
+phone's Adreno) get the rule set written out here, its limits read from the target: thread
+counts from ``max_threads_per_block`` and shared-memory tiling that respects
+``max_shared_memory_per_block`` (16 KiB on the ``qcom/adreno-opencl`` tag; the Adreno 540 has
+1 MB of on-chip memory in all, per Qualcomm's description), and ``thread_warp_size`` (1 on Adreno,
+so cross-thread reductions use plain workgroup barriers).
+"""
+
+from __future__ import annotations
+
+import tvm
+from tvm.s_tir import meta_schedule as ms
+
+
+def _thread_extents(max_threads: int) -> list[int]:
+    return [t for t in (16, 32, 64, 128, 256, 512, 1024) if t <= max_threads] or [max_threads]
+
+
+def gpu_rules(target: tvm.target.Target) -> list[ms.ScheduleRule]:
+    """Schedule rules for an OpenCL/CUDA-like target: multi-level tiling with shared-memory reuse
+    (structure SSSRRSRS, Zheng et al. 2020 "Ansor", section 4.1), inlining, cross-thread
+    reduction and auto-binding, with thread extents capped by the target."""
+    max_threads = int(target.attrs.get("max_threads_per_block", 256))
+    extents = _thread_extents(max_threads)
+    return [
+        ms.schedule_rule.ApplyCustomRule(),
+        ms.schedule_rule.AutoInline(
+            into_producer=True, into_consumer=True, inline_const_tensor=True,
+            disallow_if_then_else=False, require_injective=False, require_ordered=False,
+            disallow_op=None),
+        ms.schedule_rule.CrossThreadReduction(thread_extents=extents),
+        ms.schedule_rule.MultiLevelTiling(
+            structure="SSSRRSRS",
+            tile_binds=["blockIdx.x", "vthread.x", "threadIdx.x"],
+            max_innermost_factor=64,
+            vector_load_lens=[1, 2, 3, 4, 8, 16],
+            reuse_read=ms.schedule_rule.ReuseType(req="must", levels=[4], scope="shared"),
+            reuse_write=ms.schedule_rule.ReuseType(req="must", levels=[3], scope="local"),
+        ),
+        ms.schedule_rule.InlineConstantScalars(),
+        ms.schedule_rule.AutoInline(
+            into_producer=True, into_consumer=True, inline_const_tensor=True,
+            disallow_if_then_else=False, require_injective=False, require_ordered=False,
+            disallow_op=None),
+        ms.schedule_rule.ParallelizeVectorizeUnroll(
+            max_jobs_per_core=-1, max_vectorize_extent=-1,
+            unroll_max_steps=[0, 16, 64, 512, 1024], unroll_explicit=True),
+        ms.schedule_rule.AutoBind(max_threadblocks=256, thread_extents=extents),
+    ]
+
+
+def gpu_postprocs() -> list[ms.Postproc]:
+    """Postprocessors that make a sampled GPU schedule valid, last of all VerifyGPUCode, which
+    rejects schedules over the target's thread and shared-memory limits before they are built."""
+    return [
+        ms.postproc.DisallowDynamicLoop(),
+        ms.postproc.RewriteCooperativeFetch(),
+        ms.postproc.RewriteUnboundBlock(max_threadblocks=256),
+        ms.postproc.RewriteParallelVectorizeUnroll(),
+        ms.postproc.RewriteReductionBlock(),
+        ms.postproc.VerifyGPUCode(),
+    ]
+
+
+def gpu_mutators() -> dict[ms.Mutator, float]:
+    """Mutation probabilities of the evolutionary search on GPU targets."""
+    return {
+        ms.mutator.MutateTileSize(): 0.9,
+        ms.mutator.MutateUnroll(): 0.08,
+        ms.mutator.MutateThreadBinding(): 0.02,
+    }
+
+
+def space_generator(target: tvm.target.Target) -> ms.SpaceGenerator:
+    """The design-space generator for ``target`` (post-order application of the rules above)."""
+    if target.kind.name == "llvm":
+        return ms.space_generator.PostOrderApply(sch_rules="llvm", postprocs="llvm",
+                                                 mutator_probs="llvm")
+    return ms.space_generator.PostOrderApply(sch_rules=gpu_rules(target),
+                                             postprocs=gpu_postprocs(),
+                                             mutator_probs=gpu_mutators())

@@ -1,0 +1,1 @@
+"""thomas_tune: autotuned kernels for on-device training of CNNs."""

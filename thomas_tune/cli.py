@@ -1,0 +1,413 @@
+"""The ``thomas-tune`` command: tasks, rpc, tune, export, replay, train, infer, bench, demo."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import tempfile
+import time
+
+DEFAULT_LOG_ROOT = "tuning_logs"
+
+
+# ---- shared options ---------------------------------------------------------------------------
+def _model_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("model")
+    g.add_argument("--model", default="mobilenet_v2",
+                   help="mobilenet_v2, mobilenet_v1 or alexnet (default: mobilenet_v2)")
+    g.add_argument("--width", type=float, default=0.35, help="width multiplier (default 0.35)")
+    g.add_argument("--resolution", type=int, default=64, help="input size in pixels (default 64)")
+    g.add_argument("--classes", type=int, default=10, help="number of classes (default 10)")
+    g.add_argument("--checkpoint", help="a .npz checkpoint: its architecture, shape and weights "
+                   "replace --model/--width/--resolution/--classes")
+    g.add_argument("--batch", type=int, default=8, help="images per training step (default 8)")
+    g.add_argument("--infer-batch", type=int, default=1, help="batch of the inference module")
+    g.add_argument("--trainable", default="all",
+                   help="'all' or 'last:K' (the last K layers train, the rest are frozen)")
+    g.add_argument("--from-scratch", action="store_true",
+                   help="fresh random weights even if --checkpoint is given (all trainable)")
+    g.add_argument("--optimizer", default="momentum_sgd", choices=["momentum_sgd", "sgd", "adam"])
+    g.add_argument("--lr", type=float, default=0.01, help="learning rate (default 0.01)")
+    g.add_argument("--momentum", type=float, default=0.9)
+    g.add_argument("--weight-decay", type=float, default=0.0)
+
+
+def _target_arg(p, default="llvm"):
+    p.add_argument("--target", default=default,
+                   help="llvm, opencl, a tag such as qcom/adreno-opencl, or a JSON dict "
+                        f"(default {default})")
+
+
+def _model(args):
+    from .models import build, init_params, load_checkpoint
+    classes = None
+    if args.checkpoint:
+        model, tensors, classes = load_checkpoint(args.checkpoint)
+    else:
+        model = build(args.model, num_classes=args.classes, resolution=args.resolution,
+                      width=args.width)
+        tensors = init_params(model)
+    if args.from_scratch:
+        tensors = init_params(model, seed=int(time.time()) % 100000)
+        args.trainable = "all"
+    return model, tensors, classes
+
+
+def _optimizer(args):
+    from .graph import OptimizerConfig
+    return OptimizerConfig(name=args.optimizer, lr=args.lr, momentum=args.momentum,
+                           weight_decay=args.weight_decay)
+
+
+def _graphs(args, model):
+    from . import graph as G
+    return {"infer": G.inference_module(model, args.infer_batch),
+            "train": G.training_module(model, args.batch, args.trainable, _optimizer(args)).mod}
+
+
+def _model_tag(model, args) -> str:
+    return (f"{model.arch}-w{model.width:g}-r{model.resolution}-c{model.num_classes}"
+            f"-b{args.batch}")
+
+
+# ---- verbs ------------------------------------------------------------------------------------
+def cmd_tasks(args) -> int:
+    from .target import parse_target
+    from .tasks import extract, summary
+    model, _, _ = _model(args)
+    tasks = extract(_graphs(args, model), parse_target(args.target))
+    print(summary(tasks[: args.limit] if args.limit else tasks))
+    if args.limit and len(tasks) > args.limit:
+        print(f"(first {args.limit} of {len(tasks)} tasks by FLOPs)")
+    return 0
+
+
+def cmd_rpc(args) -> int:
+    from . import rpc
+    if args.rpc_verb == "tracker":
+        tracker = rpc.start_tracker(args.host, args.port)
+        print(f"tracker listening on {args.host}:{tracker.port}", flush=True)
+        procs = [tracker]
+    else:
+        addr = rpc.parse_address(args.tracker)
+        if args.target != "llvm":
+            import thomas_tune  # noqa: F401  (loads runtime extensions before serving)
+        server = rpc.start_server(addr, args.key, host=args.host, port=args.port)
+        print(f"device server {args.key!r} on {args.host}:{server.port}, registered with "
+              f"{addr[0]}:{addr[1]}", flush=True)
+        procs = [server]
+    deadline = time.monotonic() + args.duration if args.duration else None
+    try:
+        while deadline is None or time.monotonic() < deadline:
+            time.sleep(0.5)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        for p in procs:
+            p.terminate()
+    return 0
+
+
+def _default_log(args, model, key):
+    return os.path.join(DEFAULT_LOG_ROOT, key, _model_tag(model, args))
+
+
+def cmd_tune(args) -> int:
+    from . import rpc
+    from .target import parse_target
+    from .tasks import extract, select, summary
+    from .tune import rpc_runner, tune
+    from .tuning_log import TuningLog
+    model, _, _ = _model(args)
+    target = parse_target(args.target)
+    tracker = rpc.parse_address(args.tracker)
+    free = rpc.wait_for_key(tracker, args.key, timeout=args.wait)
+    tasks = select(extract(_graphs(args, model), target), top=args.top,
+                   flops_share=args.flops_share)
+    log = TuningLog(args.log or _default_log(args, model, args.key))
+    print(summary(tasks), flush=True)
+    print(f"tuning {len(tasks)} tasks, {args.trials} trials, on {free} server(s) of key "
+          f"{args.key!r}; tuning log {log.path}", flush=True)
+    report = tune(tasks, target, log, rpc_runner(tracker, args.key, servers=free), args.trials,
+                  trials_per_iter=args.trials_per_iter, seed=args.seed)
+    print(f"measured {report.trials} new trials ({report.skipped} candidates already in the "
+          f"log were not re-measured; {report.resumed_records} records resumed)")
+    for t in report.tasks:
+        if t.trials:
+            print(f"  {t.name[:56]:<56} {t.trials:>4} trials  best {t.best_s * 1e3:9.4f} ms  "
+                  f"{t.gflops:8.2f} GFLOP/s  ({t.errors} failed)")
+    return 0
+
+
+def cmd_export(args) -> int:
+    from .export import export
+    from .target import parse_target
+    from .tuning_log import TuningLog
+    model, tensors, classes = _model(args)
+    log = TuningLog(args.log) if args.log else None
+    if log is not None and not log.exists():
+        print(f"error: tuning log {args.log!r} has no records; tune first, or drop --log to "
+              "export with default schedules", file=sys.stderr)
+        return 2
+    manifest = export(args.out, model, tensors, parse_target(args.target), batch=args.batch,
+                      infer_batch=args.infer_batch, trainable=args.trainable,
+                      optimizer=_optimizer(args), log=log, classes=classes)
+    print(f"exported {manifest['arch']} to {args.out}: {len(manifest['trainable'])} trainable, "
+          f"{len(manifest['frozen'])} frozen parameters; tuning log "
+          f"{manifest['tuning_log'] or 'none'} (sha256 {str(manifest['tuning_log_sha256'])[:12]})")
+    return 0
+
+
+def cmd_replay(args) -> int:
+    from .replay import replay
+    from .target import parse_target
+    from .tuning_log import TuningLog
+    model, _, _ = _model(args)
+    report = replay(model, parse_target(args.target), TuningLog(args.log), batch=args.batch,
+                    infer_batch=args.infer_batch, trainable=args.trainable,
+                    check=not args.no_check)
+    print(f"{report.tuned}/{report.tasks} tasks have a tuning record "
+          f"({100 * report.task_coverage:.1f}% of tasks, {100 * report.flops_coverage:.1f}% "
+          f"of FLOPs)")
+    ok = report.flops_coverage >= args.min_flops_coverage
+    if not ok:
+        print(f"FAIL: FLOP coverage {report.flops_coverage:.3f} is below "
+              f"--min-flops-coverage {args.min_flops_coverage}", file=sys.stderr)
+    if report.checked:
+        tol = {"logits": 1e-4, "loss": 1e-4, "gradients": args.grad_tolerance}
+        for k, v in report.errors.items():
+            good = v <= tol[k]
+            ok &= good
+            print(f"max relative error of {k} vs float64 reference: {v:.2e} "
+                  f"({'ok' if good else 'FAIL'}, tolerance {tol[k]:.0e})")
+    else:
+        print("numbers not checked: the target does not run on this machine")
+    return 0 if ok else 1
+
+
+def _data(args, model):
+    from .data import load
+    return load(args.data, model.resolution, limit=args.limit, seed=args.seed)
+
+
+def cmd_train(args) -> int:
+    from .runtime import Session
+    from .train import fine_tune
+    session = Session(args.export, seed=args.seed)
+    data = _data(args, session.model)
+    if len(data.classes) > session.model.num_classes:
+        print(f"error: data set has {len(data.classes)} classes, the model "
+              f"{session.model.num_classes}; export a model with --classes "
+              f"{len(data.classes)}", file=sys.stderr)
+        return 2
+    train, test = data.split(args.test_fraction, seed=args.seed)
+    print(f"data {data.source}: {len(train.y)} training / {len(test.y)} held-out images, "
+          f"{len(data.classes)} classes; {len(session.manifest['trainable'])} trainable "
+          f"parameters", flush=True)
+    r = fine_tune(session, train, test, args.steps, seed=args.seed,
+                  show_progress=not args.quiet)
+    print(f"accuracy before {100 * r.acc_before:.1f}%  after {100 * r.acc_after:.1f}%  "
+          f"({r.steps} steps, loss {r.losses[0]:.3f} -> {r.losses[-1]:.3f}, "
+          f"{r.ms_per_step:.1f} ms per training step)")
+    if args.save:
+        session.save(args.save)
+        print(f"saved checkpoint {args.save}")
+    return 0
+
+
+def cmd_infer(args) -> int:
+    import numpy as np
+    from .data import IMAGE_EXTENSIONS, to_model_input
+    from .runtime import Session
+    session = Session(args.export)
+    if args.data:
+        data = _data(args, session.model)
+        acc = session.evaluate(data.x, data.y)
+        print(f"accuracy on {data.source}: {100 * acc:.1f}% of {len(data.y)} images")
+        return 0
+    from PIL import Image
+    paths = [p for p in args.images if p.lower().endswith(IMAGE_EXTENSIONS)]
+    if not paths:
+        print("error: give image files or --data", file=sys.stderr)
+        return 2
+    images = [np.asarray(Image.open(p).convert("RGB"), dtype="float32") for p in paths]
+    logits = session.predict(to_model_input(images, session.model.resolution))
+    names = session.classes or [str(i) for i in range(session.model.num_classes)]
+    for p, row in zip(paths, logits):
+        e = np.exp(row - row.max())
+        k = int(np.argmax(row))
+        print(f"{p}: {names[k]} ({100 * e[k] / e.sum():.1f}%)")
+    return 0
+
+
+def cmd_bench(args) -> int:
+    import numpy as np
+    from .runtime import Session, time_steps
+    session = Session(args.export)
+    rng = np.random.default_rng(args.seed)
+    x = rng.standard_normal(session.model.input_shape(session.batch)).astype("float32")
+    y = rng.integers(0, session.model.num_classes, session.batch)
+    session.train_step(x, y)  # warm-up
+    ms = time_steps(session, x, y, args.steps)
+    t0 = time.perf_counter()
+    for _ in range(args.steps):
+        session.predict(x[: session.infer_batch])
+    infer_ms = (time.perf_counter() - t0) * 1e3 / args.steps
+    print(json.dumps({"export": args.export, "batch": session.batch,
+                      "ms_per_training_step": round(ms, 3),
+                      "ms_per_inference": round(infer_ms, 3),
+                      "images_per_s_training": round(1e3 * session.batch / ms, 1)}))
+    return 0
+
+
+def cmd_demo(args) -> int:
+    """The README's main job on loopback: tracker + server, tune, export, fine-tune, stop."""
+    from . import rpc
+    work = args.work or tempfile.mkdtemp(prefix="thomas-tune-demo-")
+    log_dir = args.log or os.path.join(work, "tuning_log")
+    export_dir = os.path.join(work, "export")
+    common = ["--model", args.model, "--width", str(args.width), "--resolution",
+              str(args.resolution), "--classes", "10", "--batch", str(args.batch),
+              "--trainable", args.trainable, "--target", args.target]
+    t0 = time.perf_counter()
+    with rpc.loopback(key=args.key, servers=1, lifetime=3600) as (host, port):
+        print(f"[demo] tracker on {host}:{port}, one device server with key {args.key!r}",
+              flush=True)
+        rc = main(["tune", *common, "--tracker", f"{host}:{port}", "--key", args.key,
+                   "--trials", str(args.trials), "--top", str(args.top), "--log", log_dir,
+                   "--trials-per-iter", "2"])
+        if rc:
+            return rc
+    print(f"[demo] tuning done in {time.perf_counter() - t0:.0f} s; servers stopped", flush=True)
+    rc = main(["export", *common, "--log", log_dir, "--out", export_dir])
+    if rc:
+        return rc
+    rc = main(["train", "--export", export_dir, "--data", args.data, "--steps", str(args.steps),
+               "--limit", str(args.limit), "--quiet"])
+    print(f"[demo] finished in {time.perf_counter() - t0:.0f} s; files in {work}")
+    return rc
+
+
+# ---- parser -----------------------------------------------------------------------------------
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="thomas-tune", description=__doc__)
+    sub = p.add_subparsers(dest="verb", required=True)
+
+    s = sub.add_parser("tasks", help="list the tasks of the inference and training graphs")
+    _model_args(s)
+    _target_arg(s)
+    s.add_argument("--limit", type=int, default=0, help="show only the largest N tasks")
+    s.set_defaults(fn=cmd_tasks)
+
+    s = sub.add_parser("rpc", help="start a TVM RPC tracker or device server")
+    rsub = s.add_subparsers(dest="rpc_verb", required=True)
+    t = rsub.add_parser("tracker")
+    t.add_argument("--host", default="127.0.0.1")
+    t.add_argument("--port", type=int, default=9190)
+    t.add_argument("--duration", type=float, default=0, help="stop after N seconds (0: never)")
+    t = rsub.add_parser("server")
+    t.add_argument("--tracker", default="127.0.0.1:9190", help="tracker HOST:PORT")
+    t.add_argument("--key", required=True, help="device key to register under")
+    t.add_argument("--host", default="127.0.0.1")
+    t.add_argument("--port", type=int, default=9090)
+    t.add_argument("--duration", type=float, default=0, help="stop after N seconds (0: never)")
+    _target_arg(t)
+    s.set_defaults(fn=cmd_rpc)
+
+    s = sub.add_parser("tune", help="tune the tasks on device servers of a tracker")
+    _model_args(s)
+    _target_arg(s)
+    s.add_argument("--tracker", required=True, help="tracker HOST:PORT")
+    s.add_argument("--key", required=True, help="device key of the servers to measure on")
+    s.add_argument("--trials", type=int, default=64, help="measurements in all (default 64)")
+    s.add_argument("--trials-per-iter", type=int, default=8,
+                   help="candidates measured per task per round (default 8)")
+    s.add_argument("--top", type=int, help="tune only the N tasks with the most FLOPs")
+    s.add_argument("--flops-share", type=float,
+                   help="tune the fewest largest tasks covering this share of FLOPs")
+    s.add_argument("--log", help="tuning-log folder (default tuning_logs/<key>/<model tag>)")
+    s.add_argument("--wait", type=float, default=30, help="seconds to wait for a free server")
+    s.add_argument("--seed", type=int, default=0)
+    s.set_defaults(fn=cmd_tune)
+
+    s = sub.add_parser("export", help="compile inference and training modules with a log")
+    _model_args(s)
+    _target_arg(s)
+    s.add_argument("--log", help="tuning-log folder (none: default schedules)")
+    s.add_argument("--out", required=True, help="export folder")
+    s.set_defaults(fn=cmd_export)
+
+    s = sub.add_parser("replay", help="compile from a tuning log with no device and check it")
+    _model_args(s)
+    _target_arg(s)
+    s.add_argument("--log", required=True)
+    s.add_argument("--min-flops-coverage", type=float, default=0.5,
+                   help="fail when tuned tasks hold less than this share of FLOPs (0.5)")
+    s.add_argument("--grad-tolerance", type=float, default=1e-2,
+                   help="max relative gradient error vs float64 (default 1e-2)")
+    s.add_argument("--no-check", action="store_true", help="skip the numeric check")
+    s.set_defaults(fn=cmd_replay)
+
+    for name, fn, hlp in (("train", cmd_train, "fine-tune an exported module on data"),
+                          ("infer", cmd_infer, "classify images with an exported module")):
+        s = sub.add_parser(name, help=hlp)
+        s.add_argument("--export", required=True, help="export folder")
+        s.add_argument("--data", default=None if name == "infer" else "mnist5k",
+                       help="image folder (one sub-folder per class) or a shipped data set: "
+                            "mnist5k, digits")
+        s.add_argument("--limit", type=int, help="use at most N images (stratified)")
+        s.add_argument("--seed", type=int, default=0)
+        if name == "train":
+            s.add_argument("--steps", type=int, default=200)
+            s.add_argument("--test-fraction", type=float, default=0.2)
+            s.add_argument("--save", help="write the fine-tuned checkpoint here")
+            s.add_argument("--quiet", action="store_true", help="no progress bar")
+        else:
+            s.add_argument("images", nargs="*", help="image files")
+        s.set_defaults(fn=fn)
+
+    s = sub.add_parser("bench", help="time training steps and inference of an export")
+    s.add_argument("--export", required=True)
+    s.add_argument("--steps", type=int, default=20)
+    s.add_argument("--seed", type=int, default=0)
+    s.set_defaults(fn=cmd_bench)
+
+    s = sub.add_parser("demo", help="tune, export and fine-tune a small MobileNetV2 on loopback")
+    s.add_argument("--model", default="mobilenet_v2")
+    s.add_argument("--width", type=float, default=0.35)
+    s.add_argument("--resolution", type=int, default=64)
+    s.add_argument("--batch", type=int, default=8)
+    s.add_argument("--trainable", default="all")
+    s.add_argument("--target", default="llvm")
+    s.add_argument("--key", default="local-cpu")
+    s.add_argument("--trials", type=int, default=24)
+    s.add_argument("--top", type=int, default=8)
+    s.add_argument("--steps", type=int, default=150)
+    s.add_argument("--data", default="mnist5k")
+    s.add_argument("--limit", type=int, default=2000)
+    s.add_argument("--log", help="tuning-log folder (default: inside --work)")
+    s.add_argument("--work", help="folder for the log and the export (default: a temp folder)")
+    s.set_defaults(fn=cmd_demo)
+    return p
+
+
+def _terminate(signum, frame):
+    raise SystemExit(128 + signum)
+
+
+def main(argv=None) -> int:
+    """Entry point; returns the exit status (2 for bad input, with the reason on stderr)."""
+    signal.signal(signal.SIGTERM, _terminate)  # so that loopback servers are stopped
+    args = parser().parse_args(argv)
+    try:
+        return args.fn(args)
+    except (ValueError, TimeoutError, FileNotFoundError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

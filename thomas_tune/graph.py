@@ -1,0 +1,166 @@
+"""Training graph: model -> Relax module with ``predict``, ``train_adjoint`` and ``optimizer``.
+
+``train_adjoint`` is built by ``relax.training.SetupTrainer`` (loss appended, ``Gradient`` pass)
+from a backbone whose arguments are ordered
+
+    x, dropout masks..., frozen parameters..., trainable parameters..., states...
+
+so that frozen parameters are ordinary inputs: they get no gradient and no update, and the
+backward pass stops where no trainable parameter needs it (the "fine-tune the last k layers"
+case pays only for the backward of those layers). It returns ``((loss, new_states...),
+(grads...))``. ``optimizer(params, grads, optim_state)`` returns ``(new_params, new_state)``.
+``predict(x, params..., states...)`` is the inference graph (BatchNorm on running statistics).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import tvm
+from tvm import relax
+from tvm.relax.training import SetupTrainer
+from tvm.relax.training import loss as rloss
+from tvm.relax.training import optimizer as ropt
+
+from . import gradients  # noqa: F401  (registers the missing gradients)
+from .models import spec, trace
+
+PREDICT = "predict"
+ADJOINT = "train_adjoint"
+OPTIMIZER = "optimizer"
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    """Optimizer of the training step: ``momentum_sgd`` or ``adam``.
+
+    ``momentum_sgd``: v = momentum * v + g + weight_decay * p; p -= lr * v (PyTorch's SGD).
+    ``adam``: Kingma & Ba 2015, Algorithm 1, with ``betas`` and ``eps``.
+    """
+
+    name: str = "momentum_sgd"
+    lr: float = 0.01
+    momentum: float = 0.9
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+
+    def build(self) -> ropt.Optimizer:
+        if self.name == "momentum_sgd":
+            return ropt.MomentumSGD(self.lr, self.momentum, weight_decay=self.weight_decay)
+        if self.name == "sgd":
+            return ropt.SGD(self.lr, weight_decay=self.weight_decay)
+        if self.name == "adam":
+            return ropt.Adam(self.lr, self.betas, self.eps, weight_decay=self.weight_decay)
+        raise ValueError(f"unknown optimizer {self.name!r}; use momentum_sgd, sgd or adam")
+
+
+def select_trainable(model, trainable: str) -> list[str]:
+    """Names of the trainable parameters for a ``--trainable`` value.
+
+    ``all``: every parameter. ``last:K``: the parameters of the last K blocks (layers) in forward
+    order; K must be in 1..number of blocks. Raises ValueError with the valid range otherwise.
+    """
+    s = spec(model)
+    if trainable == "all":
+        return [p.name for p in s.params]
+    if trainable.startswith("last:"):
+        try:
+            k = int(trainable.split(":", 1)[1])
+        except ValueError:
+            k = -1
+        if not 1 <= k <= len(s.blocks):
+            raise ValueError(f"--trainable {trainable!r}: K must be 1..{len(s.blocks)} for "
+                             f"{model.arch} (blocks: {', '.join(s.blocks)})")
+        keep = set(s.blocks[-k:])
+        return [p.name for p in s.params if p.block in keep]
+    raise ValueError(f"--trainable {trainable!r}: use 'all' or 'last:K'")
+
+
+@dataclass
+class TrainingGraph:
+    """The Relax module of one model, batch size, trainable set and optimizer, with its layout.
+
+    ``inputs`` lists the argument names of ``train_adjoint`` in order (``targets`` last, int64 of
+    shape (batch,)); ``optim_state`` the optimizer state's initial values (float32/int64 arrays).
+    """
+
+    mod: tvm.IRModule
+    model: object
+    batch: int
+    trainable: list[str]
+    frozen: list[str]
+    states: list[str]
+    masks: dict[str, tuple[tuple[int, ...], float]]
+    optimizer: OptimizerConfig
+    optim_state: list[np.ndarray] = field(default_factory=list)
+
+    @property
+    def params(self) -> list[str]:
+        return [p.name for p in spec(self.model).params]
+
+
+def _predict_function(model, batch: int, dtype: str = "float32") -> relax.Function:
+    bb, g, x = trace(model, batch, "infer", dtype)
+    with bb.function(PREDICT):
+        with bb.dataflow():
+            y = bb.emit_output(model.forward(g, x))
+        args = [x] + [v for _, v in g.params.values()] + [v for _, v in g.states.values()]
+        bb.emit_func_output(y, params=args)
+    return bb.get()[PREDICT]
+
+
+def inference_module(model, batch: int, dtype: str = "float32") -> tvm.IRModule:
+    """Module with only ``predict(x, params..., states...) -> logits (batch, classes)``."""
+    return tvm.IRModule({PREDICT: _predict_function(model, batch, dtype)})
+
+
+def training_module(model, batch: int, trainable: str | list[str] = "all",
+                    optimizer: OptimizerConfig | None = None,
+                    dtype: str = "float32") -> TrainingGraph:
+    """Build the training graph (see the module docstring) for ``model`` at ``batch``.
+
+    ``trainable``: a ``--trainable`` string or a list of parameter names; ``dtype``: float32, or
+    float64 for reference computations. Raises ValueError when
+    no parameter is trainable or a name is unknown.
+    """
+    optimizer = optimizer or OptimizerConfig()
+    names = select_trainable(model, trainable) if isinstance(trainable, str) else list(trainable)
+    s = spec(model, batch)
+    known = {p.name for p in s.params}
+    unknown = [n for n in names if n not in known]
+    if unknown or not names:
+        raise ValueError(f"trainable parameters {unknown or names} are not parameters of "
+                         f"{model.arch} (it has {len(known)}, e.g. {sorted(known)[:3]})")
+    train_set = set(names)
+    bb, g, x = trace(model, batch, "train", dtype)
+    with bb.function("backbone"):
+        with bb.dataflow():
+            logits = bb.emit_output(model.forward(g, x))
+            new_states = [bb.emit_output(g.new_states[n]) for n in g.states]
+        masks = [v for _, _, v in g.masks.values()]
+        frozen = [v for n, (_, v) in g.params.items() if n not in train_set]
+        trained = [v for n, (_, v) in g.params.items() if n in train_set]
+        states = [v for _, v in g.states.values()]
+        bb.emit_func_output(relax.Tuple([logits, *new_states]) if states else logits,
+                            params=[x, *masks, *frozen, *trained, *states])
+    backbone = bb.get().with_attrs({"param_num": len(trained), "state_num": len(states)})
+    classes = model.num_classes
+    opt = optimizer.build()
+    trainer = SetupTrainer(rloss.CrossEntropyLoss(reduction="mean"), opt,
+                           [relax.TensorType((batch, classes), dtype),
+                            relax.TensorType((batch,), "int64")], legalize=False)
+    mod = trainer(backbone)
+    out = tvm.IRModule({
+        ADJOINT: mod["backbone_loss_adjoint"].with_attr("global_symbol", ADJOINT),
+        OPTIMIZER: mod["optimizer"],
+        PREDICT: _predict_function(model, batch, dtype),
+    })
+    out = relax.transform.DeadCodeElimination([ADJOINT, OPTIMIZER, PREDICT])(out)
+    return TrainingGraph(
+        mod=out, model=model, batch=batch,
+        trainable=[n for n in g.params if n in train_set],
+        frozen=[n for n in g.params if n not in train_set],
+        states=list(g.states), masks={k: (v[0], v[1]) for k, v in g.masks.items()},
+        optimizer=optimizer, optim_state=[t.numpy() for t in opt.state])

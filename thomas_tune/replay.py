@@ -1,0 +1,117 @@
+"""Replay: compile from a tuning log with no device, report coverage, check the numbers.
+
+Coverage is the share of tasks, and of FLOPs (calls x FLOPs per call), whose workload has at
+least one valid tuning record. The numeric check runs (on this machine's CPU, so only for
+``llvm`` targets) the tuned float32 inference and training graphs against the same graphs built
+in float64 with default schedules, on fresh random inputs and parameters.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import tvm
+from tvm import relax
+
+from . import graph as G
+from .build import compile_graph
+from .models import init_params, spec
+from .tasks import extract
+from .tuning_log import TuningLog
+
+
+@dataclass
+class ReplayReport:
+    tasks: int = 0
+    tuned: int = 0
+    flops: float = 0.0
+    tuned_flops: float = 0.0
+    errors: dict[str, float] = field(default_factory=dict)
+    checked: bool = False
+
+    @property
+    def task_coverage(self) -> float:
+        return self.tuned / self.tasks if self.tasks else 0.0
+
+    @property
+    def flops_coverage(self) -> float:
+        return self.tuned_flops / self.flops if self.flops else 0.0
+
+
+def coverage(tasks, database) -> tuple[int, float]:
+    """(number of tasks, FLOPs) of ``tasks`` that have a valid record in ``database``."""
+    n, flops = 0, 0.0
+    for t in tasks:
+        if database.has_workload(t.mod) and database.get_top_k(
+                database.commit_workload(t.mod), 1):
+            n += 1
+            flops += t.total_flops
+    return n, flops
+
+
+def _rel_err(got: np.ndarray, ref: np.ndarray) -> float:
+    scale = max(float(np.max(np.abs(ref))), 1e-12)
+    return float(np.max(np.abs(got.astype("float64") - ref))) / scale
+
+
+def check_numbers(model, target, database, batch: int, trainable: str, seed: int) -> dict:
+    """Max relative error (max |got - ref| / max |ref|) of logits, loss and every gradient."""
+    rng = np.random.default_rng(seed)
+    tensors = init_params(model, seed=seed)
+    for k in tensors:  # non-trivial BN statistics and biases
+        if k.endswith(("running_mean", "bias")):
+            tensors[k] = rng.normal(0, 0.1, tensors[k].shape).astype("float32")
+        elif k.endswith("running_var"):
+            tensors[k] = rng.uniform(0.5, 1.5, tensors[k].shape).astype("float32")
+    tg32 = G.training_module(model, batch, trainable)
+    tg64 = G.training_module(model, batch, trainable, dtype="float64")
+    dev = tvm.cpu()
+    vm32 = relax.VirtualMachine(compile_graph(tg32.mod, target, database), dev)
+    vm64 = relax.VirtualMachine(compile_graph(tg64.mod, target, None), dev)
+    x = rng.standard_normal(model.input_shape(batch))
+    y = rng.integers(0, model.num_classes, batch)
+    masks = [(rng.random(shape) >= p) / (1 - p) for shape, p in tg32.masks.values()]
+    s = spec(model)
+    names_pred = [p.name for p in s.params] + [p.name for p in s.states]
+    order = tg32.frozen + tg32.trainable + tg32.states
+
+    def run(vm, dt):
+        t = lambda a: tvm.runtime.tensor(np.asarray(a, dtype=dt), dev)  # noqa: E731
+        logits = vm[G.PREDICT](t(x), *[t(tensors[n]) for n in names_pred]).numpy()
+        ret, grads = vm[G.ADJOINT](t(x), *[t(m) for m in masks], *[t(tensors[n]) for n in order],
+                                   tvm.runtime.tensor(y.astype("int64"), dev))
+        loss = (ret[0] if tg32.states else ret).numpy()
+        return logits, loss, [g.numpy() for g in grads]
+
+    l32, loss32, g32 = run(vm32, "float32")
+    l64, loss64, g64 = run(vm64, "float64")
+    errors = {"logits": _rel_err(l32, l64), "loss": _rel_err(loss32, loss64)}
+    # Gradients that are zero in exact arithmetic (a bias followed by BatchNorm) are compared
+    # against 1e-3 of the largest gradient instead of their own (rounding-level) size.
+    floor = 1e-3 * max(float(np.max(np.abs(b))) for b in g64)
+    errors["gradients"] = max(float(np.max(np.abs(a - b))) / max(float(np.max(np.abs(b))), floor)
+                              for a, b in zip(g32, g64))
+    return errors
+
+
+def replay(model, target, log: TuningLog, batch: int = 8, infer_batch: int = 1,
+           trainable: str = "all", check: bool = True, seed: int = 0) -> ReplayReport:
+    """Compile ``model``'s inference and training graphs with ``log``; see the module docstring.
+
+    Raises ValueError when the log folder has no records at all.
+    """
+    if not log.exists():
+        raise ValueError(f"tuning log {log.path!r} has no records; tune first or fix the path")
+    database = log.database()
+    graphs = {"infer": G.inference_module(model, infer_batch),
+              "train": G.training_module(model, batch, trainable).mod}
+    tasks = extract(graphs, target)
+    report = ReplayReport(tasks=len(tasks), flops=sum(t.total_flops for t in tasks))
+    report.tuned, report.tuned_flops = coverage(tasks, database)
+    for mod in graphs.values():
+        compile_graph(mod, target, database)
+    if check and target.kind.name == "llvm":
+        report.errors = check_numbers(model, target, database, batch, trainable, seed)
+        report.checked = True
+    return report

@@ -1,0 +1,175 @@
+"""Tuning: MetaSchedule over an RPC tracker, with the XGBoost cost model and evolutionary search.
+
+Each task's candidates are built locally and measured on a device server that the tracker hands
+out for the device key. Records go to the tuning log as they arrive (one line per trial, see
+:mod:`thomas_tune.tuning_log`). A run on an existing log resumes: MetaSchedule's evolutionary
+search only de-duplicates within one run, so :class:`ResumingSearch` drops every candidate whose
+schedule is already in the log before it is built, and the new run measures only new ones.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+
+import tvm_ffi
+from tqdm import tqdm
+from tvm.s_tir import meta_schedule as ms
+from tvm.ir.utils import derived_object
+
+from .schedules import space_generator
+from .tasks import Task
+from .tuning_log import TuningLog
+
+
+@derived_object
+class ResumingSearch(ms.search_strategy.PySearchStrategy):
+    """Evolutionary search that never proposes a schedule measured before (in this run or in the
+    tuning log it resumes). ``skipped`` counts the candidates dropped as already measured."""
+
+    def __init__(self, measured: set[int] | None = None, max_empty_rounds: int = 8, **kwargs):
+        self.inner = ms.search_strategy.EvolutionarySearch(**kwargs)
+        self.kwargs = kwargs
+        self.measured = set(measured or ())
+        self.max_empty_rounds = max_empty_rounds
+        self.skipped = 0
+
+    def _initialize_with_tune_context(self, context) -> None:
+        self.inner._initialize_with_tune_context(context)
+
+    def pre_tuning(self, max_trials, num_trials_per_iter, design_spaces, database=None,
+                   cost_model=None) -> None:
+        self.inner.pre_tuning(max_trials, num_trials_per_iter, design_spaces, database,
+                              cost_model)
+
+    def post_tuning(self) -> None:
+        self.inner.post_tuning()
+
+    def generate_measure_candidates(self):
+        for _ in range(self.max_empty_rounds):
+            cands = self.inner.generate_measure_candidates()
+            if cands is None:
+                return None
+            fresh = []
+            for c in cands:
+                h = tvm_ffi.structural_hash(c.sch.mod)
+                if h in self.measured:
+                    self.skipped += 1
+                else:
+                    self.measured.add(h)
+                    fresh.append(c)
+            if fresh:
+                return fresh
+        return None
+
+    def notify_runner_results(self, measure_candidates, results) -> None:
+        self.inner.notify_runner_results(measure_candidates, results)
+
+    def clone(self):
+        return ResumingSearch(set(self.measured), self.max_empty_rounds, **self.kwargs)
+
+
+@dataclass
+class TaskProgress:
+    name: str
+    flops: float
+    trials: int = 0
+    errors: int = 0
+    best_s: float = math.inf
+
+    @property
+    def gflops(self) -> float:
+        return self.flops / self.best_s / 1e9 if self.best_s < math.inf else 0.0
+
+
+@derived_object
+class Progress(ms.measure_callback.PyMeasureCallback):
+    """A tqdm bar over all trials: per measured batch, the task's best time (ms) and GFLOP/s;
+    tqdm's own estimate gives the time left."""
+
+    def __init__(self, tasks: list[TaskProgress], total: int, disable: bool = False):
+        self.tasks = tasks
+        self.bar = tqdm(total=total, unit="trial", disable=disable, dynamic_ncols=True)
+
+    def apply(self, task_scheduler, task_id, measure_candidates, builder_results,
+              runner_results) -> None:
+        t = self.tasks[task_id]
+        for b, r in zip(builder_results, runner_results):
+            t.trials += 1
+            if b.error_msg is not None or r.error_msg is not None or not r.run_secs:
+                t.errors += 1
+                continue
+            secs = sum(float(s) for s in r.run_secs) / len(r.run_secs)
+            t.best_s = min(t.best_s, secs)
+        self.bar.update(len(runner_results))
+        self.bar.set_postfix_str(f"{t.name[:28]} best {t.best_s * 1e3:.3f} ms "
+                                 f"{t.gflops:.2f} GFLOP/s")
+
+
+@dataclass
+class TuneReport:
+    """Per task: trials measured now, failures, best time; ``skipped``: duplicates not re-run."""
+
+    tasks: list[TaskProgress] = field(default_factory=list)
+    skipped: int = 0
+    resumed_records: int = 0
+
+    @property
+    def trials(self) -> int:
+        return sum(t.trials for t in self.tasks)
+
+
+def rpc_runner(tracker: tuple[str, int], key: str, servers: int = 1, number: int = 3,
+               repeat: int = 1, timeout_s: float = 60.0) -> ms.runner.RPCRunner:
+    """MetaSchedule's RPC runner: each trial runs ``number`` times x ``repeat`` on a server of
+    ``key``; a server that dies fails only the trials it holds (MetaSchedule reports them as
+    errors and the tracker stops handing it out)."""
+    return ms.runner.RPCRunner(
+        rpc_config=ms.runner.RPCConfig(tracker_host=tracker[0], tracker_port=tracker[1],
+                                       tracker_key=key, session_timeout_sec=int(timeout_s)),
+        evaluator_config=ms.runner.EvaluatorConfig(number=number, repeat=repeat,
+                                                   min_repeat_ms=0,
+                                                   enable_cpu_cache_flush=False),
+        max_workers=servers)
+
+
+def tune(tasks: list[Task], target, log: TuningLog, runner: ms.Runner, trials: int,
+         trials_per_iter: int = 8, builder_workers: int | None = None, seed: int = 0,
+         show_progress: bool = True) -> TuneReport:
+    """Tune ``tasks`` for ``target`` with ``trials`` measurements in all, appending to ``log``.
+
+    The gradient task scheduler (Zheng et al. 2020, "Ansor", section 6) spends the budget where
+    it shortens the graph's total time most (weights are the call counts). Raises ValueError for
+    an empty task list or a budget smaller than one round over the tasks.
+    """
+    if not tasks:
+        raise ValueError("no task to tune")
+    if trials < len(tasks):
+        raise ValueError(f"--trials {trials} is below one trial per task ({len(tasks)} tasks); "
+                         "raise --trials or tune fewer tasks (--top)")
+    database = log.database()
+    report = TuneReport()
+    contexts, weights, progress = [], [], []
+    for i, task in enumerate(tasks):
+        measured = log.measured(database, task.mod)
+        report.resumed_records += len(measured)
+        strategy = ResumingSearch(measured)
+        contexts.append(ms.TuneContext(
+            mod=task.mod, target=target, space_generator=space_generator(target),
+            search_strategy=strategy, task_name=task.name, rand_state=seed + i,
+            num_threads=max(1, os.cpu_count() or 1)).clone())
+        weights.append(float(task.weight))
+        progress.append(TaskProgress(task.name, task.flops))
+    report.tasks = progress
+    callbacks = [*ms.measure_callback.MeasureCallback.create("default"),
+                 Progress(progress, trials, disable=not show_progress)]
+    builder = ms.builder.LocalBuilder(max_workers=builder_workers or max(1, (os.cpu_count() or 2)))
+    ms.tune_tasks(
+        tasks=contexts, task_weights=weights, work_dir=log.path, max_trials_global=trials,
+        num_trials_per_iter=trials_per_iter, builder=builder, runner=runner, database=database,
+        cost_model="xgb", measure_callbacks=callbacks, task_scheduler="gradient")
+    callbacks[-1].bar.close()
+    report.skipped = sum(c.search_strategy.skipped for c in contexts
+                         if isinstance(c.search_strategy, ResumingSearch))
+    return report
