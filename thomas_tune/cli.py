@@ -132,13 +132,16 @@ def cmd_tune(args) -> int:
     print(f"tuning {len(tasks)} tasks, {args.trials} trials, on {free} server(s) of key "
           f"{args.key!r}; tuning log {log.path}", flush=True)
     report = tune(tasks, target, log, rpc_runner(tracker, args.key, servers=free), args.trials,
-                  trials_per_iter=args.trials_per_iter, seed=args.seed)
+                  trials_per_iter=args.trials_per_iter, seed=args.seed,
+                  population=args.population)
     print(f"measured {report.trials} new trials ({report.skipped} candidates already in the "
           f"log were not re-measured; {report.resumed_records} records resumed)")
     for t in report.tasks:
         if t.trials:
             print(f"  {t.name[:56]:<56} {t.trials:>4} trials  best {t.best_s * 1e3:9.4f} ms  "
                   f"{t.gflops:8.2f} GFLOP/s  ({t.errors} failed)")
+            if t.errors:
+                print(f"    last failure: {t.last_error.strip().splitlines()[-1][:200]}")
     return 0
 
 
@@ -278,7 +281,7 @@ def cmd_demo(args) -> int:
               flush=True)
         rc = main(["tune", *common, "--tracker", f"{host}:{port}", "--key", args.key,
                    "--trials", str(args.trials), "--top", str(args.top), "--log", log_dir,
-                   "--trials-per-iter", "2"])
+                   "--trials-per-iter", "2", "--population", "32"])
         if rc:
             return rc
     print(f"[demo] tuning done in {time.perf_counter() - t0:.0f} s; servers stopped", flush=True)
@@ -330,6 +333,8 @@ def parser() -> argparse.ArgumentParser:
                    help="tune the fewest largest tasks covering this share of FLOPs")
     s.add_argument("--log", help="tuning-log folder (default tuning_logs/<key>/<model tag>)")
     s.add_argument("--wait", type=float, default=30, help="seconds to wait for a free server")
+    s.add_argument("--population", type=int, default=128,
+                   help="evolutionary-search population per round (default 128)")
     s.add_argument("--seed", type=int, default=0)
     s.set_defaults(fn=cmd_tune)
 

@@ -23,6 +23,21 @@ from .tasks import Task
 from .tuning_log import TuningLog
 
 
+def build_candidate(mod, target, _params=None):
+    """Builder function for MetaSchedule's LocalBuilder workers.
+
+    MetaSchedule's default imports ``tvm.s_tir.tensor_intrin`` in every worker, about 30 s on a
+    2-core machine (CUDA/ROCm intrinsic tables); the LocalBuilder starts new workers for every
+    batch, so that import, not compilation, would dominate tuning. Kernels tuned here use no
+    tensor intrinsics, so the import is skipped; the rest is the default: drop the weight-layout
+    rewrite blocks and build.
+    """
+    from tvm.driver import build as tvm_build
+    from tvm.s_tir.transform import RemoveWeightLayoutRewriteBlock
+
+    return tvm_build(RemoveWeightLayoutRewriteBlock(skip_tensor_rewrite=True)(mod), target=target)
+
+
 @derived_object
 class ResumingSearch(ms.search_strategy.PySearchStrategy):
     """Evolutionary search that never proposes a schedule measured before (in this run or in the
@@ -77,6 +92,7 @@ class TaskProgress:
     trials: int = 0
     errors: int = 0
     best_s: float = math.inf
+    last_error: str = ""
 
     @property
     def gflops(self) -> float:
@@ -99,6 +115,7 @@ class Progress(ms.measure_callback.PyMeasureCallback):
             t.trials += 1
             if b.error_msg is not None or r.error_msg is not None or not r.run_secs:
                 t.errors += 1
+                t.last_error = str(b.error_msg or r.error_msg or "no run time")
                 continue
             secs = sum(float(s) for s in r.run_secs) / len(r.run_secs)
             t.best_s = min(t.best_s, secs)
@@ -136,11 +153,13 @@ def rpc_runner(tracker: tuple[str, int], key: str, servers: int = 1, number: int
 
 def tune(tasks: list[Task], target, log: TuningLog, runner: ms.Runner, trials: int,
          trials_per_iter: int = 8, builder_workers: int | None = None, seed: int = 0,
-         show_progress: bool = True) -> TuneReport:
+         population: int = 128, show_progress: bool = True) -> TuneReport:
     """Tune ``tasks`` for ``target`` with ``trials`` measurements in all, appending to ``log``.
 
     The gradient task scheduler (Zheng et al. 2020, "Ansor", section 6) spends the budget where
-    it shortens the graph's total time most (weights are the call counts). Raises ValueError for
+    it shortens the graph's total time most (weights are the call counts). ``population``: the
+    evolutionary search's population per round (MetaSchedule's default is 512, sized for large
+    hosts; each member is scored by the cost model on this machine). Raises ValueError for
     an empty task list or a budget smaller than one round over the tasks.
     """
     if not tasks:
@@ -154,7 +173,9 @@ def tune(tasks: list[Task], target, log: TuningLog, runner: ms.Runner, trials: i
     for i, task in enumerate(tasks):
         measured = log.measured(database, task.mod)
         report.resumed_records += len(measured)
-        strategy = ResumingSearch(measured)
+        strategy = ResumingSearch(measured, population_size=population,
+                                  init_min_unmeasured=max(8, population // 4),
+                                  genetic_num_iters=2)
         contexts.append(ms.TuneContext(
             mod=task.mod, target=target, space_generator=space_generator(target),
             search_strategy=strategy, task_name=task.name, rand_state=seed + i,
@@ -164,7 +185,8 @@ def tune(tasks: list[Task], target, log: TuningLog, runner: ms.Runner, trials: i
     report.tasks = progress
     callbacks = [*ms.measure_callback.MeasureCallback.create("default"),
                  Progress(progress, trials, disable=not show_progress)]
-    builder = ms.builder.LocalBuilder(max_workers=builder_workers or max(1, (os.cpu_count() or 2)))
+    builder = ms.builder.LocalBuilder(max_workers=builder_workers or max(1, (os.cpu_count() or 2)),
+                                      f_build=build_candidate, timeout_sec=60)
     ms.tune_tasks(
         tasks=contexts, task_weights=weights, work_dir=log.path, max_trials_global=trials,
         num_trials_per_iter=trials_per_iter, builder=builder, runner=runner, database=database,

@@ -1,0 +1,106 @@
+"""Export, load back, train: the loss goes down, frozen layers stay bit-identical; errors."""
+
+import json
+import os
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from thomas_tune import cli, data
+from thomas_tune.export import export
+from thomas_tune.models import build, init_params, load_checkpoint, save_checkpoint
+from thomas_tune.runtime import Session
+from thomas_tune.target import parse_target
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("export"))
+    model = build("mobilenet_v2", num_classes=10, resolution=32, width=0.35)
+    export(out, model, init_params(model, seed=3), parse_target("llvm"), batch=8,
+           trainable="last:3", progress=lambda *_: None)
+    return out
+
+
+def test_training_steps_lower_the_loss_and_keep_frozen_layers(exported, rng):
+    s = Session(exported, seed=int(rng.integers(1000)))
+    m = s.manifest
+    x = rng.standard_normal((8, 3, 32, 32)).astype("float32")
+    y = rng.integers(0, 10, 8)
+    before = s.tensors()
+    losses = [s.train_step(x, y) for _ in range(8)]
+    after = s.tensors()
+    assert losses[-1] < losses[0]
+    assert all(np.array_equal(before[n], after[n]) for n in m["frozen"])
+    assert all(not np.array_equal(before[n], after[n]) for n in m["trainable"])
+    # BN running statistics of frozen layers still follow the data (train mode, as PyTorch)
+    assert any(not np.array_equal(before[n], after[n]) for n in m["states"])
+    assert s.predict(x[:3]).shape == (3, 10)
+
+
+def test_manifest_and_atomic_checkpoint(exported, tmp_path):
+    with open(os.path.join(exported, "manifest.json")) as f:
+        m = json.load(f)
+    assert m["arch"] == "mobilenet_v2" and m["target"]["kind"] == "llvm"
+    assert m["trainable"] and m["frozen"] and m["tuning_log_sha256"] is None
+    model, tensors, _ = load_checkpoint(os.path.join(exported, "params.npz"))
+    bad = dict(tensors)
+    bad.pop(next(iter(bad)))
+    path = tmp_path / "ck.npz"
+    with pytest.raises(ValueError, match="missing"):
+        save_checkpoint(str(path), model, bad)
+    assert os.listdir(tmp_path) == []  # nothing half-written
+
+
+def test_wrong_input_shape_is_a_clear_error(exported, rng):
+    s = Session(exported)
+    with pytest.raises(ValueError, match="expected float32"):
+        s.train_step(rng.standard_normal((8, 3, 64, 64)).astype("float32"), np.zeros(8, int))
+
+
+def _write_images(folder, classes, per_class, rng):
+    for c in classes:
+        os.makedirs(folder / c, exist_ok=True)
+        for i in range(per_class):
+            arr = rng.integers(0, 255, (20, 24, 3), dtype=np.uint8)
+            Image.fromarray(arr).save(folder / c / f"{i}.png")
+
+
+def test_image_folder(tmp_path, rng):
+    _write_images(tmp_path, ["cat", "dog", "eel"], 4, rng)
+    d = data.load(str(tmp_path), 32)
+    assert d.x.shape == (12, 3, 32, 32) and d.classes == ["cat", "dog", "eel"]
+    assert sorted(set(d.y.tolist())) == [0, 1, 2]
+
+
+def test_image_folder_errors(tmp_path, rng):
+    with pytest.raises(ValueError, match="does not exist"):
+        data.load(str(tmp_path / "nope"), 32)
+    _write_images(tmp_path / "one", ["only"], 2, rng)
+    with pytest.raises(ValueError, match="at least 2"):
+        data.load(str(tmp_path / "one"), 32)
+    os.makedirs(tmp_path / "empty" / "a")
+    os.makedirs(tmp_path / "empty" / "b")
+    with pytest.raises(ValueError, match="no images"):
+        data.load(str(tmp_path / "empty"), 32)
+    _write_images(tmp_path / "broken", ["a", "b"], 2, rng)
+    (tmp_path / "broken" / "a" / "bad.png").write_bytes(b"not a png")
+    with pytest.raises(ValueError, match="cannot be read"):
+        data.load(str(tmp_path / "broken"), 32)
+
+
+def test_shipped_mnist_is_real_and_balanced():
+    d = data.load("mnist5k", 32, limit=200)
+    assert d.x.shape == (200, 3, 32, 32)
+    assert np.bincount(d.y).tolist() == [20] * 10
+    assert d.x.std() > 0.5  # real images, not constants
+
+
+def test_cli_errors(capsys):
+    assert cli.main(["tasks", "--target", "no-such-kind"]) == 2
+    assert "target" in capsys.readouterr().err
+    assert cli.main(["tasks", "--trainable", "last:0"]) == 2
+    assert "--trainable" in capsys.readouterr().err
+    assert cli.main(["train", "--export", "/nonexistent"]) == 2
+    assert "thomas-tune export" in capsys.readouterr().err

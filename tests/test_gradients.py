@@ -1,0 +1,109 @@
+"""Each gradient thomas_tune registers matches central finite differences in float64."""
+
+import numpy as np
+import pytest
+import tvm
+from tvm import relax
+from tvm.relax import op as R
+
+from thomas_tune import gradients
+from thomas_tune.target import parse_target
+
+
+def _compile_grad(build_out, shapes):
+    """f(x..) = sum(out * w) with w a fixed random weight; returns (value_fn, grad_fn)."""
+    bb = relax.BlockBuilder()
+    xs = [relax.Var(f"x{i}", relax.TensorType(s, "float64")) for i, s in enumerate(shapes)]
+    with bb.function("main"):
+        with bb.dataflow():
+            out = bb.emit(build_out(*xs))
+            w = relax.Var("w", relax.TensorType(out.ty.shape, "float64"))
+            loss = bb.emit_output(R.sum(R.multiply(out, w)))
+        bb.emit_func_output(loss, params=[*xs, w])
+    mod = bb.get()
+    mod = relax.transform.Gradient("main", require_grads=mod["main"].params[:len(xs)])(mod)
+    ex = tvm.compile(mod, parse_target("llvm"))
+    vm = relax.VirtualMachine(ex, tvm.cpu())
+    out_shape = [int(v) for v in mod["main"].params[-1].ty.shape.values]
+    return vm, out_shape
+
+
+def _check(build_out, shapes, rng, data=None, tol=1e-6):
+    vm, out_shape = _compile_grad(build_out, shapes)
+    xs = data or [rng.standard_normal(s) for s in shapes]
+    w = rng.standard_normal(out_shape)
+    t = lambda a: tvm.runtime.tensor(np.asarray(a, "float64"))  # noqa: E731
+    f = lambda *a: float(vm["main"](*[t(v) for v in a], t(w)).numpy())  # noqa: E731
+    _, grads = vm["main_adjoint"](*[t(v) for v in xs], t(w))
+    eps = 1e-6
+    for i, x in enumerate(xs):
+        num = np.zeros_like(x)
+        for idx in np.ndindex(x.shape):
+            xp = [v.copy() for v in xs]
+            xm = [v.copy() for v in xs]
+            xp[i][idx] += eps
+            xm[i][idx] -= eps
+            num[idx] = (f(*xp) - f(*xm)) / (2 * eps)
+        got = grads[i].numpy()
+        np.testing.assert_allclose(got, num, rtol=tol, atol=tol * max(1.0, np.abs(num).max()))
+
+
+def test_all_missing_gradients_are_registered():
+    assert gradients.missing_gradients() == []
+
+
+def test_clip_relu6(rng):
+    x = rng.uniform(-3, 9, (3, 7))
+    x[np.abs(x) < 1e-3] = 0.5  # keep finite differences away from the kinks
+    x[np.abs(x - 6) < 1e-3] = 5.5
+    _check(lambda a: R.clip(a, 0.0, 6.0), [(3, 7)], rng, data=[x])
+
+
+def test_flatten(rng):
+    _check(lambda a: R.flatten(a), [(2, 3, 2, 2)], rng)
+
+
+@pytest.mark.parametrize("in_hw,out_hw", [((4, 4), 1), ((2, 3), (6, 6)), ((7, 5), (3, 2))])
+def test_adaptive_avg_pool2d(rng, in_hw, out_hw):
+    _check(lambda a: R.nn.adaptive_avg_pool2d(a, out_hw), [(2, 2, *in_hw)], rng)
+
+
+def test_adaptive_pool_matrix_matches_numpy_mean():
+    from thomas_tune.gradients import adaptive_pool_matrix
+    p = adaptive_pool_matrix(7, 3)
+    x = np.arange(7.0)
+    np.testing.assert_allclose(p @ x, [x[0:3].mean(), x[2:5].mean(), x[4:7].mean()])
+
+
+@pytest.mark.parametrize("training", [True, False])
+def test_batch_norm(rng, training):
+    c = 3
+    shapes = [(4, c, 3, 3), (c,), (c,), (c,), (c,)]
+    data = [rng.standard_normal(shapes[0]), rng.uniform(0.5, 1.5, c), rng.standard_normal(c),
+            rng.standard_normal(c) * 0.1, rng.uniform(0.5, 1.5, c)]
+
+    def bn(x, g, b, m, v):
+        out = R.nn.batch_norm(x, g, b, m, v, axis=1, training=training)
+        return relax.TupleGetItem(out, 0)
+
+    vm, out_shape = _compile_grad(bn, shapes)
+    w = rng.standard_normal(out_shape)
+    t = lambda a: tvm.runtime.tensor(np.asarray(a, "float64"))  # noqa: E731
+    _, grads = vm["main_adjoint"](*[t(v) for v in data], t(w))
+    # finite differences for x, gamma, beta (running statistics are not differentiated)
+    f = lambda *a: float(vm["main"](*[t(v) for v in a], t(w)).numpy())  # noqa: E731
+    eps = 1e-6
+    for i in range(3):
+        num = np.zeros_like(data[i])
+        for idx in np.ndindex(data[i].shape):
+            p = [v.copy() for v in data]
+            m = [v.copy() for v in data]
+            p[i][idx] += eps
+            m[i][idx] -= eps
+            num[idx] = (f(*p) - f(*m)) / (2 * eps)
+        np.testing.assert_allclose(grads[i].numpy(), num, rtol=1e-5, atol=1e-6)
+
+
+def test_dropout_gradient_follows_its_lowering(rng):
+    # This TVM lowers dropout to the identity with an all-ones mask: the gradient is dy.
+    _check(lambda a: relax.TupleGetItem(R.nn.dropout(a, 0.3), 0), [(2, 5)], rng)

@@ -1,0 +1,91 @@
+"""Every model's training graph against PyTorch 2.13 in float64: loss, the gradient of every
+parameter, the new BatchNorm running statistics; and the inference graph's logits."""
+
+import numpy as np
+import pytest
+import tvm
+from tvm import relax
+
+from conftest import SMALL, TorchGraph, random_tensors
+from thomas_tune import graph as G
+from thomas_tune.build import compile_graph
+from thomas_tune.models import build, spec
+from thomas_tune.target import parse_target
+
+torch = pytest.importorskip("torch")
+RTOL = 1e-7  # float64 on both sides; only summation order differs
+
+
+def _torch_reference(model, tensors, x, y, masks, training):
+    names = {q.name for q in spec(model).params}
+    p = {k: torch.tensor(v, dtype=torch.float64, requires_grad=True)
+         for k, v in tensors.items() if k in names}
+    st = {k: torch.tensor(v, dtype=torch.float64) for k, v in tensors.items() if k not in names}
+    tm = {k: torch.tensor(v, dtype=torch.float64) for k, v in masks.items()}
+    g = TorchGraph(p, st, tm, training)
+    logits = model.forward(g, torch.tensor(x, dtype=torch.float64))
+    loss = torch.nn.functional.cross_entropy(logits, torch.tensor(y))
+    if training:
+        loss.backward()
+    return logits.detach().numpy(), float(loss.detach()), p, g.new_states
+
+
+def _close(got, ref, what):
+    scale = max(np.abs(ref).max(), 1e-3)
+    err = np.abs(np.asarray(got) - ref).max() / scale
+    assert err < RTOL, f"{what}: relative error {err:.2e}"
+
+
+@pytest.mark.parametrize("arch", sorted(SMALL))
+def test_training_graph_matches_pytorch(arch, rng):
+    model = build(arch, **SMALL[arch])
+    batch = 4
+    tensors = {k: v.astype("float64") for k, v in random_tensors(model, rng).items()}
+    tg = G.training_module(model, batch, "all", dtype="float64")
+    vm = relax.VirtualMachine(compile_graph(tg.mod, parse_target("llvm")), tvm.cpu())
+    x = rng.standard_normal(model.input_shape(batch))
+    y = rng.integers(0, model.num_classes, batch)
+    masks = {k: (rng.random(shape) >= p) / (1 - p) for k, (shape, p) in tg.masks.items()}
+    t = lambda a: tvm.runtime.tensor(np.asarray(a))  # noqa: E731
+    ret, grads = vm[G.ADJOINT](t(x), *[t(masks[k]) for k in tg.masks],
+                               *[t(tensors[n]) for n in tg.frozen + tg.trainable + tg.states],
+                               t(y.astype("int64")))
+    loss = ret[0] if tg.states else ret
+    ref_logits, ref_loss, p, new_states = _torch_reference(model, tensors, x, y, masks, True)
+    _close(float(loss.numpy()), ref_loss, "loss")
+    for name, grad in zip(tg.trainable, grads):
+        _close(grad.numpy(), p[name].grad.numpy(), f"gradient of {name}")
+    for name, value in zip(tg.states, list(ret)[1:] if tg.states else []):
+        _close(value.numpy(), new_states[name].numpy(), f"running statistic {name}")
+
+    # inference graph: BatchNorm on running statistics, no dropout
+    s = spec(model)
+    ref_logits, _, _, _ = _torch_reference(model, tensors, x, y, masks, False)
+    logits = vm[G.PREDICT](t(x), *[t(tensors[q.name]) for q in s.params + s.states]).numpy()
+    _close(logits, ref_logits, "inference logits")
+
+
+def test_standard_sizes_have_torchvision_parameter_counts():
+    # torchvision: mobilenet_v2 3,504,872; alexnet 61,100,840 parameters (BN stats excluded).
+    for arch, want in (("mobilenet_v2", 3_504_872), ("alexnet", 61_100_840)):
+        got = sum(int(np.prod(p.shape)) for p in spec(build(arch)).params)
+        assert got == want, arch
+
+
+def test_frozen_layers_get_no_gradient_and_no_backward():
+    model = build("mobilenet_v2", **SMALL["mobilenet_v2"])
+    full = G.training_module(model, 2, "all")
+    last = G.training_module(model, 2, "last:2")
+    assert set(last.trainable) == {p.name for p in spec(model).params
+                                   if p.block in spec(model).blocks[-2:]}
+    assert not set(last.trainable) & set(last.frozen)
+    ops = lambda tg: str(tg.mod[G.ADJOINT]).count("R.nn.conv2d")  # noqa: E731
+    # the backward of frozen blocks is not computed: far fewer convolutions
+    assert ops(last) < ops(full) / 2
+
+
+@pytest.mark.parametrize("bad", ["last:0", "last:999", "first:2", "some"])
+def test_bad_trainable_is_a_clear_error(bad):
+    model = build("mobilenet_v2", **SMALL["mobilenet_v2"])
+    with pytest.raises(ValueError, match="--trainable"):
+        G.select_trainable(model, bad)

@@ -1,0 +1,69 @@
+"""Tuning over a real tvm.rpc tracker and device server on 127.0.0.1: records are written,
+a resumed run measures no candidate twice, a corrupt record is reported and set aside."""
+
+import json
+import os
+
+import pytest
+
+from thomas_tune import graph as G
+from thomas_tune import rpc
+from thomas_tune.models import build
+from thomas_tune.target import parse_target
+from thomas_tune.tasks import extract
+from thomas_tune.tune import rpc_runner, tune
+from thomas_tune.tuning_log import TuningLog
+
+
+@pytest.fixture(scope="module")
+def small_tasks():
+    model = build("mobilenet_v2", num_classes=5, resolution=32, width=0.35)
+    tasks = extract({"infer": G.inference_module(model, 1)}, parse_target("llvm"))
+    # two cheap kernels with small search spaces: duplicates are likely, runs are quick
+    cheap = sorted((t for t in tasks if t.flops > 0), key=lambda t: t.flops)
+    return cheap[:2]
+
+
+def _records(log):
+    with open(log.record_path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def test_tune_resume_and_corrupt_record(tmp_path, small_tasks):
+    target = parse_target("llvm")
+    log = TuningLog(str(tmp_path / "log"))
+    with rpc.loopback(key="test-cpu", servers=1, lifetime=600) as addr:
+        r1 = tune(small_tasks, target, log, rpc_runner(addr, "test-cpu"), trials=8,
+                  trials_per_iter=4, show_progress=False)
+        first = _records(log)
+        assert r1.trials == 8 and len(first) == 8
+        assert r1.resumed_records == 0
+
+        # a killed run leaves a torn last line: it is reported, set aside, never silently lost
+        with open(log.record_path, "a") as f:
+            f.write('[0, [[["GetSBlock", [], ["pad_te')
+        report = log.check(report_to=None)
+        assert len(report.rejected) == 1 and report.records == 8
+        assert os.path.exists(log.record_path + ".rejected")
+
+        r2 = tune(small_tasks, target, log, rpc_runner(addr, "test-cpu"), trials=8,
+                  trials_per_iter=4, seed=1, show_progress=False)
+        assert r2.resumed_records == 8
+    database = log.database()
+    for task in small_tasks:
+        n = len([r for r in database.get_all_tuning_records()
+                 if r.workload.mod.script() == database.commit_workload(task.mod).mod.script()])
+        # every record of a workload is a different schedule: nothing was measured twice
+        assert len(log.measured(database, task.mod)) == n
+    assert len(_records(log)) == 8 + r2.trials
+
+
+def test_wait_for_key_names_the_missing_key():
+    with rpc.loopback(key="present", servers=1, lifetime=120) as addr:
+        with pytest.raises(TimeoutError, match="absent"):
+            rpc.wait_for_key(addr, "absent", timeout=1.0)
+
+
+def test_bad_tracker_address():
+    with pytest.raises(ValueError, match="HOST:PORT"):
+        rpc.parse_address("localhost:abc")
