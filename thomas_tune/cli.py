@@ -79,7 +79,8 @@ def cmd_tasks(args) -> int:
     from .tasks import extract, summary
     model, _, _ = _model(args)
     tasks = extract(_graphs(args, model), parse_target(args.target))
-    print(summary(tasks[: args.limit] if args.limit else tasks))
+    total = sum(t.total_flops for t in tasks)
+    print(summary(tasks[: args.limit] if args.limit else tasks, total))
     if args.limit and len(tasks) > args.limit:
         print(f"(first {args.limit} of {len(tasks)} tasks by FLOPs)")
     return 0
@@ -125,10 +126,10 @@ def cmd_tune(args) -> int:
     target = parse_target(args.target)
     tracker = rpc.parse_address(args.tracker)
     free = rpc.wait_for_key(tracker, args.key, timeout=args.wait)
-    tasks = select(extract(_graphs(args, model), target), top=args.top,
-                   flops_share=args.flops_share)
+    everything = extract(_graphs(args, model), target)
+    tasks = select(everything, top=args.top, flops_share=args.flops_share)
     log = TuningLog(args.log or _default_log(args, model, args.key))
-    print(summary(tasks), flush=True)
+    print(summary(tasks, sum(t.total_flops for t in everything)), flush=True)
     print(f"tuning {len(tasks)} tasks, {args.trials} trials, on {free} server(s) of key "
           f"{args.key!r}; tuning log {log.path}", flush=True)
     report = tune(tasks, target, log, rpc_runner(tracker, args.key, servers=free), args.trials,
@@ -390,7 +391,7 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--key", default="local-cpu")
     s.add_argument("--trials", type=int, default=24)
     s.add_argument("--top", type=int, default=8)
-    s.add_argument("--steps", type=int, default=150)
+    s.add_argument("--steps", type=int, default=400)
     s.add_argument("--data", default="mnist5k")
     s.add_argument("--limit", type=int, default=2000)
     s.add_argument("--log", help="tuning-log folder (default: inside --work)")

@@ -68,9 +68,10 @@ def extract(graphs: dict[str, tvm.IRModule], target: tvm.target.Target) -> list[
     return sorted(by_key.values(), key=lambda t: -t.total_flops)
 
 
-def summary(tasks: list[Task]) -> str:
-    """A text table: task, FLOPs per call (MFLOP), calls per graph, share of all FLOPs."""
-    total = sum(t.total_flops for t in tasks) or 1.0
+def summary(tasks: list[Task], total: float | None = None) -> str:
+    """A text table: task, FLOPs per call (MFLOP), calls per graph, share of ``total`` FLOPs
+    (default: of the tasks listed)."""
+    total = total or sum(t.total_flops for t in tasks) or 1.0
     graphs = sorted({g for t in tasks for g in t.calls})
     lines = [f"{'#':>3}  {'task':<48} {'MFLOP/call':>11} " + " ".join(f"{g:>9}" for g in graphs)
              + f" {'share':>6}"]
@@ -79,7 +80,8 @@ def summary(tasks: list[Task]) -> str:
                      + " ".join(f"{t.calls.get(g, 0):>9}" for g in graphs)
                      + f" {100 * t.total_flops / total:>5.1f}%")
     counts = ", ".join(f"{g}: {sum(1 for t in tasks if g in t.calls)}" for g in graphs)
-    lines.append(f"{len(tasks)} tasks ({counts}); {total / 1e9:.3f} GFLOP per call of all graphs")
+    lines.append(f"{len(tasks)} tasks ({counts}); {sum(t.total_flops for t in tasks) / 1e9:.3f} "
+                 "GFLOP per call of all graphs")
     return "\n".join(lines)
 
 
