@@ -7,6 +7,7 @@ cd "$(dirname "$0")/.."
 LOG=tuning_logs/local-cpu/mobilenet_v2-w0.35-r64-c10-b8
 PORT=${PORT:-9290}
 thomas-tune rpc tracker --port "$PORT" --duration 3600 & TRACKER=$!
+# the tracker takes the first free port from $PORT on and prints it; this script needs $PORT itself
 sleep 3
 thomas-tune rpc server --tracker "127.0.0.1:$PORT" --key local-cpu --duration 3600 & SERVER=$!
 trap 'kill $SERVER $TRACKER 2>/dev/null || true' EXIT

@@ -26,9 +26,10 @@ def parse_address(text: str, default_port: int = 9190) -> tuple[str, int]:
         raise ValueError(f"tracker address {text!r}: expected HOST:PORT, e.g. 127.0.0.1:9190") from err
 
 
-def start_tracker(host: str = "127.0.0.1", port: int = 9190, port_end: int = 9290):
-    """Start TVM's tracker in a child process; returns it (``.host``, ``.port``, ``.terminate()``)."""
-    return rpc_tracker.Tracker(host, port=port, port_end=port_end, silent=True)
+def start_tracker(host: str = "127.0.0.1", port: int = 9190, port_end: int | None = None):
+    """Start TVM's tracker in a child process on the first free port in [port, port_end)
+    (default: the next 100); returns it (``.host``, ``.port``, ``.terminate()``)."""
+    return rpc_tracker.Tracker(host, port=port, port_end=port_end or port + 100, silent=True)
 
 
 def _init_device_server():
@@ -37,9 +38,10 @@ def _init_device_server():
 
 
 def start_server(tracker: tuple[str, int], key: str, host: str = "127.0.0.1",
-                 port: int = 9090, port_end: int = 9190):
+                 port: int = 9090, port_end: int | None = None):
     """Start one TVM RPC device server registered with ``tracker`` under ``key``."""
-    return rpc.Server(host, port=port, port_end=port_end, tracker_addr=tracker, key=key,
+    return rpc.Server(host, port=port, port_end=port_end or port + 100, tracker_addr=tracker,
+                      key=key,
                       silent=True, server_init_callback=_init_device_server)
 
 

@@ -1,0 +1,568 @@
+// thomas_tune's OpenCL runtime for the pinned apache-tvm wheel (built with USE_OPENCL=OFF).
+//
+// It registers what TVM looks up by name when it meets OpenCL:
+//   device_api.opencl                    the device API (discovery, memory, copies, sync, attrs)
+//   ffi.Module.load_from_bytes.opencl    the loader of the "opencl" module that tvm.compile
+//                                        embeds in an exported library
+//   thomas_tune.opencl.*                 device listing and selection helpers for Python
+//
+// Device selection: environment variable THOMAS_TUNE_OPENCL_PLATFORM (index or a substring of
+// the platform name, e.g. "Portable" for PoCL, "NVIDIA"), else every platform's devices in
+// order. tvm.opencl(i) is the i-th device of the selected platforms.
+//
+// Memory: a device pointer is the cl_mem handle itself; views with a byte offset are not used
+// by thomas_tune's graphs and are refused with a clear error.
+#define CL_TARGET_OPENCL_VERSION 120
+#include <CL/cl.h>
+
+#include <tvm/ffi/cast.h>
+#include <tvm/ffi/extra/module.h>
+#include <tvm/ffi/function.h>
+#include <tvm/ffi/reflection/registry.h>
+#include <tvm/runtime/device_api.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <mutex>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <unordered_map>
+#include <vector>
+
+
+namespace thomas_tune {
+namespace opencl {
+
+using tvm::ffi::Any;
+using tvm::ffi::PackedArgs;
+using tvm::runtime::DeviceAPI;
+using tvm::runtime::DeviceAttrKind;
+using Device = DLDevice;
+
+const char* ErrorName(cl_int e) {
+  switch (e) {
+    case CL_SUCCESS: return "CL_SUCCESS";
+    case CL_DEVICE_NOT_FOUND: return "CL_DEVICE_NOT_FOUND";
+    case CL_MEM_OBJECT_ALLOCATION_FAILURE: return "CL_MEM_OBJECT_ALLOCATION_FAILURE";
+    case CL_OUT_OF_RESOURCES: return "CL_OUT_OF_RESOURCES";
+    case CL_OUT_OF_HOST_MEMORY: return "CL_OUT_OF_HOST_MEMORY";
+    case CL_BUILD_PROGRAM_FAILURE: return "CL_BUILD_PROGRAM_FAILURE";
+    case CL_INVALID_VALUE: return "CL_INVALID_VALUE";
+    case CL_INVALID_BUFFER_SIZE: return "CL_INVALID_BUFFER_SIZE";
+    case CL_INVALID_KERNEL_ARGS: return "CL_INVALID_KERNEL_ARGS";
+    case CL_INVALID_WORK_GROUP_SIZE: return "CL_INVALID_WORK_GROUP_SIZE";
+    case CL_INVALID_WORK_ITEM_SIZE: return "CL_INVALID_WORK_ITEM_SIZE";
+    case CL_INVALID_MEM_OBJECT: return "CL_INVALID_MEM_OBJECT";
+    case CL_INVALID_KERNEL_NAME: return "CL_INVALID_KERNEL_NAME";
+    default: return "CL error";
+  }
+}
+
+#define TT_CL_CHECK(expr, what)                                                          \
+  do {                                                                                   \
+    cl_int _e = (expr);                                                                  \
+    if (_e != CL_SUCCESS) {                                                              \
+      TVM_FFI_THROW(RuntimeError) << "OpenCL: " << what << " failed: " << ErrorName(_e) \
+                                  << " (" << _e << ")";                                  \
+    }                                                                                    \
+  } while (0)
+
+struct Dev {
+  cl_platform_id platform;
+  cl_device_id id;
+  std::string name, platform_name;
+  cl_context context = nullptr;
+  cl_command_queue queue = nullptr;
+};
+
+std::string DeviceString(cl_device_id d, cl_device_info key) {
+  size_t n = 0;
+  clGetDeviceInfo(d, key, 0, nullptr, &n);
+  std::string s(n, '\0');
+  clGetDeviceInfo(d, key, n, s.data(), nullptr);
+  while (!s.empty() && s.back() == '\0') s.pop_back();
+  return s;
+}
+
+std::string PlatformString(cl_platform_id p, cl_platform_info key) {
+  size_t n = 0;
+  clGetPlatformInfo(p, key, 0, nullptr, &n);
+  std::string s(n, '\0');
+  clGetPlatformInfo(p, key, n, s.data(), nullptr);
+  while (!s.empty() && s.back() == '\0') s.pop_back();
+  return s;
+}
+
+thread_local int current_device = 0;
+
+class Workspace final : public DeviceAPI {
+ public:
+  static Workspace* Global() {
+    static Workspace* inst = new Workspace();  // never destroyed: outlives static modules
+    return inst;
+  }
+
+  std::vector<Dev>& Devices() {
+    std::call_once(init_, [this] { Discover(); });
+    return devices_;
+  }
+
+  Dev& Get(int index) {
+    auto& devs = Devices();
+    if (devs.empty()) {
+      TVM_FFI_THROW(RuntimeError)
+          << "OpenCL: no device found" << filter_note_
+          << ". Install an OpenCL driver (PoCL: apt-get install pocl-opencl-icd) or set "
+             "THOMAS_TUNE_OPENCL_PLATFORM to a platform that has devices";
+    }
+    if (index < 0 || index >= static_cast<int>(devs.size())) {
+      TVM_FFI_THROW(IndexError) << "OpenCL: device " << index << " does not exist; "
+                                << devs.size() << " device(s): " << Listing();
+    }
+    Dev& d = devs[index];
+    std::lock_guard<std::mutex> lock(mu_);
+    if (d.context == nullptr) {
+      cl_int err;
+      d.context = clCreateContext(nullptr, 1, &d.id, nullptr, nullptr, &err);
+      TT_CL_CHECK(err, "clCreateContext on " << d.name);
+      d.queue = clCreateCommandQueue(d.context, d.id, CL_QUEUE_PROFILING_ENABLE, &err);
+      TT_CL_CHECK(err, "clCreateCommandQueue on " << d.name);
+    }
+    return d;
+  }
+
+  std::string Listing() {
+    std::ostringstream os;
+    auto& devs = Devices();
+    for (size_t i = 0; i < devs.size(); ++i) {
+      os << (i ? "; " : "") << i << ": " << devs[i].name << " [" << devs[i].platform_name << "]";
+    }
+    return os.str();
+  }
+
+  // ---- DeviceAPI ----------------------------------------------------------------------------
+  void SetDevice(Device dev) final {
+    Get(dev.device_id);
+    current_device = dev.device_id;
+  }
+
+  void GetAttr(Device dev, DeviceAttrKind kind, Any* rv) final {
+    auto& devs = Devices();
+    if (kind == tvm::runtime::kExist) {
+      *rv = static_cast<int64_t>(dev.device_id >= 0 &&
+                                 dev.device_id < static_cast<int>(devs.size()));
+      return;
+    }
+    cl_device_id d = Get(dev.device_id).id;
+    switch (kind) {
+      case tvm::runtime::kMaxThreadsPerBlock: {
+        size_t v;
+        clGetDeviceInfo(d, CL_DEVICE_MAX_WORK_GROUP_SIZE, sizeof(v), &v, nullptr);
+        *rv = static_cast<int64_t>(v);
+        break;
+      }
+      case tvm::runtime::kWarpSize:
+        *rv = static_cast<int64_t>(1);  // OpenCL has no portable sub-group size: TVM's convention
+        break;
+      case tvm::runtime::kMaxSharedMemoryPerBlock: {
+        cl_ulong v;
+        clGetDeviceInfo(d, CL_DEVICE_LOCAL_MEM_SIZE, sizeof(v), &v, nullptr);
+        *rv = static_cast<int64_t>(v);
+        break;
+      }
+      case tvm::runtime::kComputeVersion:
+        *rv = tvm::ffi::String(DeviceString(d, CL_DEVICE_VERSION));
+        break;
+      case tvm::runtime::kDeviceName:
+        *rv = tvm::ffi::String(DeviceString(d, CL_DEVICE_NAME));
+        break;
+      case tvm::runtime::kMaxClockRate: {
+        cl_uint v;
+        clGetDeviceInfo(d, CL_DEVICE_MAX_CLOCK_FREQUENCY, sizeof(v), &v, nullptr);
+        *rv = static_cast<int64_t>(v) * 1000;  // kHz, as TVM's other device APIs
+        break;
+      }
+      case tvm::runtime::kMultiProcessorCount: {
+        cl_uint v;
+        clGetDeviceInfo(d, CL_DEVICE_MAX_COMPUTE_UNITS, sizeof(v), &v, nullptr);
+        *rv = static_cast<int64_t>(v);
+        break;
+      }
+      case tvm::runtime::kMaxThreadDimensions: {
+        size_t dims[3] = {1, 1, 1};
+        clGetDeviceInfo(d, CL_DEVICE_MAX_WORK_ITEM_SIZES, sizeof(dims), dims, nullptr);
+        std::ostringstream os;
+        os << "[" << dims[0] << ", " << dims[1] << ", " << dims[2] << "]";
+        *rv = tvm::ffi::String(os.str());
+        break;
+      }
+      case tvm::runtime::kDriverVersion:
+        *rv = tvm::ffi::String(DeviceString(d, CL_DRIVER_VERSION));
+        break;
+      case tvm::runtime::kTotalGlobalMemory: {
+        cl_ulong v;
+        clGetDeviceInfo(d, CL_DEVICE_GLOBAL_MEM_SIZE, sizeof(v), &v, nullptr);
+        *rv = static_cast<int64_t>(v);
+        break;
+      }
+      default:
+        break;  // unknown attributes stay None
+    }
+  }
+
+  void* AllocDataSpace(Device dev, size_t nbytes, size_t alignment, DLDataType) final {
+    Dev& d = Get(dev.device_id);
+    cl_ulong max_alloc = 0;
+    clGetDeviceInfo(d.id, CL_DEVICE_MAX_MEM_ALLOC_SIZE, sizeof(max_alloc), &max_alloc, nullptr);
+    if (max_alloc != 0 && nbytes > max_alloc) {
+      TVM_FFI_THROW(RuntimeError) << "OpenCL: allocating " << nbytes << " bytes on " << d.name
+                                  << " [" << d.platform_name << "] exceeds its largest buffer ("
+                                  << max_alloc << " bytes, CL_DEVICE_MAX_MEM_ALLOC_SIZE): out "
+                                  << "of device memory; use a smaller batch or model";
+    }
+    cl_int err;
+    cl_mem m = clCreateBuffer(d.context, CL_MEM_READ_WRITE, nbytes == 0 ? 1 : nbytes, nullptr,
+                              &err);
+    TT_CL_CHECK(err, "allocating " << nbytes << " bytes on " << d.name
+                                   << " (device out of memory?)");
+    return m;
+  }
+
+  void FreeDataSpace(Device dev, void* ptr) final {
+    if (ptr != nullptr) clReleaseMemObject(static_cast<cl_mem>(ptr));
+  }
+
+  void CopyDataFromTo(const void* from, size_t from_offset, void* to, size_t to_offset,
+                      size_t size, Device dev_from, Device dev_to, DLDataType,
+                      TVMStreamHandle) final {
+    if (size == 0) return;
+    bool from_cl = dev_from.device_type == kDLOpenCL;
+    bool to_cl = dev_to.device_type == kDLOpenCL;
+    if (from_cl && to_cl) {
+      Dev& d = Get(dev_from.device_id);
+      TT_CL_CHECK(clEnqueueCopyBuffer(d.queue, (cl_mem)from, (cl_mem)to, from_offset,
+                                      to_offset, size, 0, nullptr, nullptr),
+                  "device-to-device copy");
+    } else if (from_cl) {
+      Dev& d = Get(dev_from.device_id);
+      TT_CL_CHECK(clEnqueueReadBuffer(d.queue, (cl_mem)from, CL_TRUE, from_offset, size,
+                                      static_cast<char*>(to) + to_offset, 0, nullptr, nullptr),
+                  "device-to-host copy");
+    } else if (to_cl) {
+      Dev& d = Get(dev_to.device_id);
+      TT_CL_CHECK(clEnqueueWriteBuffer(d.queue, (cl_mem)to, CL_TRUE, to_offset, size,
+                                       static_cast<const char*>(from) + from_offset, 0,
+                                       nullptr, nullptr),
+                  "host-to-device copy");
+    } else {
+      std::memcpy(static_cast<char*>(to) + to_offset,
+                  static_cast<const char*>(from) + from_offset, size);
+    }
+  }
+
+  void StreamSync(Device dev, TVMStreamHandle) final {
+    TT_CL_CHECK(clFinish(Get(dev.device_id).queue), "clFinish");
+  }
+
+ private:
+  void Discover() {
+    cl_uint np = 0;
+    cl_int err = clGetPlatformIDs(0, nullptr, &np);
+    if (err != CL_SUCCESS || np == 0) {
+      filter_note_ = " (no OpenCL platform: the ICD loader found none)";
+      return;
+    }
+    std::vector<cl_platform_id> plats(np);
+    clGetPlatformIDs(np, plats.data(), nullptr);
+    const char* want = std::getenv("THOMAS_TUNE_OPENCL_PLATFORM");
+    std::string filter = want ? want : "";
+    if (!filter.empty()) filter_note_ = " on platforms matching '" + filter + "'";
+    for (cl_uint i = 0; i < np; ++i) {
+      std::string pname = PlatformString(plats[i], CL_PLATFORM_NAME);
+      if (!filter.empty()) {
+        bool is_index = filter.find_first_not_of("0123456789") == std::string::npos;
+        if (is_index ? std::stoul(filter) != i : pname.find(filter) == std::string::npos) {
+          continue;
+        }
+      }
+      cl_uint nd = 0;
+      if (clGetDeviceIDs(plats[i], CL_DEVICE_TYPE_ALL, 0, nullptr, &nd) != CL_SUCCESS) continue;
+      std::vector<cl_device_id> ids(nd);
+      clGetDeviceIDs(plats[i], CL_DEVICE_TYPE_ALL, nd, ids.data(), nullptr);
+      for (cl_device_id id : ids) {
+        Dev d;
+        d.platform = plats[i];
+        d.id = id;
+        d.name = DeviceString(id, CL_DEVICE_NAME);
+        d.platform_name = pname;
+        devices_.push_back(d);
+      }
+    }
+  }
+
+  std::once_flag init_;
+  std::mutex mu_;
+  std::vector<Dev> devices_;
+  std::string filter_note_;
+};
+
+// ---- the "opencl" module ---------------------------------------------------------------------
+struct FunctionInfo {
+  std::string name;
+  std::vector<DLDataType> arg_types;
+  std::vector<std::string> launch_param_tags;
+  std::vector<int32_t> arg_extra_tags;
+};
+
+class Reader {
+ public:
+  explicit Reader(const std::string& s) : s_(s) {}
+  uint64_t U64() {
+    uint64_t v;
+    Need(8);
+    std::memcpy(&v, s_.data() + pos_, 8);
+    pos_ += 8;
+    return v;
+  }
+  std::string Str() {
+    uint64_t n = U64();
+    Need(n);
+    std::string out = s_.substr(pos_, n);
+    pos_ += n;
+    return out;
+  }
+  template <typename T>
+  T Pod() {
+    T v;
+    Need(sizeof(T));
+    std::memcpy(&v, s_.data() + pos_, sizeof(T));
+    pos_ += sizeof(T);
+    return v;
+  }
+
+ private:
+  void Need(uint64_t n) {
+    if (pos_ + n > s_.size()) {
+      TVM_FFI_THROW(ValueError) << "OpenCL module: serialized blob is truncated (wanted " << n
+                                << " bytes at offset " << pos_ << " of " << s_.size() << ")";
+    }
+  }
+  const std::string& s_;
+  size_t pos_ = 0;
+};
+
+class OpenCLModuleObj;
+
+// One kernel: its program is built once per device; kernel objects are cached per device and
+// thread (a cl_kernel holds its arguments, so threads must not share one).
+class KernelLauncher {
+ public:
+  // Launch tags name the extents the host code passes after the kernel arguments, in order:
+  // "blockIdx.{x,y,z}" (work-groups per dimension) and "threadIdx.{x,y,z}" (work-group size).
+  KernelLauncher(OpenCLModuleObj* m, FunctionInfo info) : m_(m), info_(std::move(info)) {
+    for (const std::string& tag : info_.launch_param_tags) {
+      int rank = -1;
+      if (tag.rfind("blockIdx.", 0) == 0) rank = 0;
+      if (tag.rfind("threadIdx.", 0) == 0) rank = 1;
+      if (rank < 0 || tag.size() != (rank == 0 ? 10u : 11u) || tag.back() < 'x' ||
+          tag.back() > 'z') {
+        TVM_FFI_THROW(ValueError) << "OpenCL kernel " << info_.name << ": launch tag '" << tag
+                                  << "' is not supported (blockIdx.* / threadIdx.* only)";
+      }
+      int dim = tag.back() - 'x';
+      slots_.push_back(rank * 3 + dim);
+      work_dim_ = std::max(work_dim_, dim + 1);
+    }
+  }
+  void operator()(PackedArgs args, Any* rv) const;
+
+ private:
+  OpenCLModuleObj* m_;
+  FunctionInfo info_;
+  std::vector<int> slots_;
+  int work_dim_ = 1;
+};
+
+class OpenCLModuleObj : public tvm::ffi::ModuleObj {
+ public:
+  OpenCLModuleObj(std::string source, std::unordered_map<std::string, FunctionInfo> fmap,
+                  std::string blob)
+      : source_(std::move(source)), fmap_(std::move(fmap)), blob_(std::move(blob)) {}
+
+  ~OpenCLModuleObj() {
+    for (auto& kv : kernels_) clReleaseKernel(kv.second);
+    for (auto& kv : programs_) clReleaseProgram(kv.second);
+  }
+
+  const char* kind() const final { return "opencl"; }
+  int GetPropertyMask() const final {
+    return tvm::ffi::Module::kBinarySerializable | tvm::ffi::Module::kRunnable;
+  }
+
+  tvm::ffi::Bytes SaveToBytes() const final { return tvm::ffi::Bytes(blob_); }
+
+  tvm::ffi::String InspectSource(const tvm::ffi::String&) const final { return source_; }
+
+  tvm::ffi::Optional<tvm::ffi::Function> GetFunction(const tvm::ffi::String& name) final {
+    auto it = fmap_.find(std::string(name));
+    if (it == fmap_.end()) return std::nullopt;
+    auto launcher = std::make_shared<KernelLauncher>(this, it->second);
+    // keep this module alive as long as the function lives
+    tvm::ffi::ObjectPtr<tvm::ffi::Object> self = tvm::ffi::GetObjectPtr<tvm::ffi::Object>(this);
+    return tvm::ffi::Function::FromPacked(
+        [launcher, self](PackedArgs args, Any* rv) { (*launcher)(args, rv); });
+  }
+
+  cl_kernel Kernel(int device_id, const std::string& name) {
+    std::lock_guard<std::mutex> lock(mu_);
+    std::ostringstream k;
+    k << device_id << '/' << std::hash<std::thread::id>()(std::this_thread::get_id()) << '/'
+      << name;
+    auto it = kernels_.find(k.str());
+    if (it != kernels_.end()) return it->second;
+    cl_program prog = Program(device_id);
+    cl_int err;
+    cl_kernel kern = clCreateKernel(prog, name.c_str(), &err);
+    TT_CL_CHECK(err, "clCreateKernel(" << name << ")");
+    kernels_[k.str()] = kern;
+    return kern;
+  }
+
+ private:
+  cl_program Program(int device_id) {
+    auto it = programs_.find(device_id);
+    if (it != programs_.end()) return it->second;
+    Dev& d = Workspace::Global()->Get(device_id);
+    const char* src = source_.c_str();
+    size_t len = source_.size();
+    cl_int err;
+    cl_program prog = clCreateProgramWithSource(d.context, 1, &src, &len, &err);
+    TT_CL_CHECK(err, "clCreateProgramWithSource");
+    err = clBuildProgram(prog, 1, &d.id, nullptr, nullptr, nullptr);
+    if (err != CL_SUCCESS) {
+      size_t n = 0;
+      clGetProgramBuildInfo(prog, d.id, CL_PROGRAM_BUILD_LOG, 0, nullptr, &n);
+      std::string log(n, '\0');
+      clGetProgramBuildInfo(prog, d.id, CL_PROGRAM_BUILD_LOG, n, log.data(), nullptr);
+      clReleaseProgram(prog);
+      TVM_FFI_THROW(RuntimeError) << "OpenCL: building the kernels failed on " << d.name << " ["
+                                  << d.platform_name << "]: " << ErrorName(err)
+                                  << "\nbuild log:\n" << log;
+    }
+    programs_[device_id] = prog;
+    return prog;
+  }
+
+  std::string source_;
+  std::unordered_map<std::string, FunctionInfo> fmap_;
+  std::string blob_;
+  std::mutex mu_;
+  std::unordered_map<int, cl_program> programs_;
+  std::unordered_map<std::string, cl_kernel> kernels_;
+};
+
+void KernelLauncher::operator()(PackedArgs args, Any* rv) const {
+  const size_t n = info_.arg_types.size();
+  if (static_cast<size_t>(args.size()) != n + slots_.size()) {
+    TVM_FFI_THROW(ValueError) << "OpenCL kernel " << info_.name << ": expected " << n
+                              << " arguments and " << slots_.size() << " launch extents, got "
+                              << args.size() << " values";
+  }
+  const TVMFFIAny* raw = reinterpret_cast<const TVMFFIAny*>(args.data());
+  int dev_id = current_device;
+  Dev& d = Workspace::Global()->Get(dev_id);
+  cl_kernel k = m_->Kernel(dev_id, info_.name);
+  for (size_t i = 0; i < n; ++i) {
+    const DLDataType& t = info_.arg_types[i];
+    cl_int err;
+    if (t.code == kDLOpaqueHandle) {
+      void* p = raw[i].v_ptr;
+      if (raw[i].type_index == kTVMFFIDLTensorPtr) p = static_cast<DLTensor*>(p)->data;
+      cl_mem m = static_cast<cl_mem>(p);
+      err = clSetKernelArg(k, i, sizeof(cl_mem), &m);
+    } else if (t.code == kDLFloat && t.bits == 32) {
+      float v = static_cast<float>(raw[i].v_float64);
+      err = clSetKernelArg(k, i, sizeof(v), &v);
+    } else if (t.code == kDLFloat && t.bits == 64) {
+      double v = raw[i].v_float64;
+      err = clSetKernelArg(k, i, sizeof(v), &v);
+    } else if ((t.code == kDLInt || t.code == kDLUInt) && t.bits == 64) {
+      int64_t v = raw[i].v_int64;
+      err = clSetKernelArg(k, i, sizeof(v), &v);
+    } else if (t.code == kDLInt || t.code == kDLUInt) {
+      int32_t v = static_cast<int32_t>(raw[i].v_int64);
+      err = clSetKernelArg(k, i, sizeof(v), &v);
+    } else {
+      TVM_FFI_THROW(ValueError) << "OpenCL kernel " << info_.name << ": argument " << i
+                                << " has an unsupported type code " << int(t.code);
+    }
+    TT_CL_CHECK(err, "setting argument " << i << " of kernel " << info_.name);
+  }
+  size_t ext[6] = {1, 1, 1, 1, 1, 1};
+  for (size_t j = 0; j < slots_.size(); ++j) {
+    int64_t v = raw[n + j].v_int64;
+    ext[slots_[j]] = v > 0 ? static_cast<size_t>(v) : 1;
+  }
+  size_t global[3], local[3];
+  for (int i = 0; i < work_dim_; ++i) {
+    local[i] = ext[3 + i];
+    global[i] = ext[i] * ext[3 + i];
+  }
+  TT_CL_CHECK(clEnqueueNDRangeKernel(d.queue, k, work_dim_, nullptr, global, local, 0, nullptr,
+                                     nullptr),
+              "launching kernel " << info_.name << " on " << d.name);
+}
+
+tvm::ffi::Module LoadFromBytes(const tvm::ffi::Bytes& bytes) {
+  std::string blob(bytes.data(), bytes.size());
+  Reader r(blob);
+  std::string fmt = r.Str();
+  if (fmt != "cl") {
+    TVM_FFI_THROW(ValueError) << "OpenCL module: format '" << fmt
+                              << "' is not supported (only OpenCL C source, 'cl')";
+  }
+  std::unordered_map<std::string, FunctionInfo> fmap;
+  uint64_t n = r.U64();
+  for (uint64_t i = 0; i < n; ++i) {
+    std::string key = r.Str();
+    FunctionInfo info;
+    info.name = r.Str();
+    uint64_t na = r.U64();
+    for (uint64_t j = 0; j < na; ++j) {
+      DLDataType t;
+      t.code = r.Pod<uint8_t>();
+      t.bits = r.Pod<uint8_t>();
+      t.lanes = r.Pod<uint16_t>();
+      info.arg_types.push_back(t);
+    }
+    uint64_t nt = r.U64();
+    for (uint64_t j = 0; j < nt; ++j) info.launch_param_tags.push_back(r.Str());
+    uint64_t ne = r.U64();
+    for (uint64_t j = 0; j < ne; ++j) info.arg_extra_tags.push_back(r.Pod<int32_t>());
+    fmap[key] = std::move(info);
+  }
+  std::string source = r.Str();
+  return tvm::ffi::Module(
+      tvm::ffi::make_object<OpenCLModuleObj>(std::move(source), std::move(fmap), blob));
+}
+
+}  // namespace opencl
+}  // namespace thomas_tune
+
+TVM_FFI_STATIC_INIT_BLOCK() {
+  namespace refl = tvm::ffi::reflection;
+  using thomas_tune::opencl::Workspace;
+  refl::GlobalDef()
+      .def_packed("device_api.opencl",
+                  [](tvm::ffi::PackedArgs, tvm::ffi::Any* rv) {
+                    *rv = static_cast<void*>(Workspace::Global());
+                  })
+      .def("ffi.Module.load_from_bytes.opencl", thomas_tune::opencl::LoadFromBytes)
+      .def("thomas_tune.opencl.devices",
+           []() { return tvm::ffi::String(Workspace::Global()->Listing()); })
+      .def("thomas_tune.opencl.num_devices",
+           []() { return static_cast<int64_t>(Workspace::Global()->Devices().size()); });
+}

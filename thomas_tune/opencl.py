@@ -1,0 +1,178 @@
+"""The OpenCL runtime sidecar: build it once, load it into TVM.
+
+The pinned TVM wheel generates OpenCL C but has no OpenCL runtime. ``csrc/opencl_runtime.cc``
+provides one (the ``device_api.opencl`` device API and the ``opencl`` module loader). It is
+compiled with the system C++ compiler against the headers the wheel ships and the OpenCL ICD
+loader, the first time it is needed, into a cache keyed by the source and the TVM version; then
+loaded with ``RTLD_GLOBAL`` so that TVM finds its registrations.
+
+Set ``THOMAS_TUNE_OPENCL_PLATFORM`` to a platform index or name substring (``Portable`` for PoCL,
+``NVIDIA``) to choose which devices ``tvm.opencl(i)`` enumerates.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import sysconfig
+import tempfile
+
+import tvm
+import tvm_ffi
+
+SOURCE = os.path.join(os.path.dirname(__file__), "csrc", "opencl_runtime.cc")
+_loaded: str | None = None
+
+
+class OpenCLUnavailable(RuntimeError):
+    """The sidecar cannot be built or loaded here; the message says what is missing."""
+
+
+def _cache_dir() -> str:
+    base = os.environ.get("THOMAS_TUNE_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "thomas_tune")
+    os.makedirs(base, exist_ok=True)
+    return base
+
+
+def library_path() -> str:
+    """Where the sidecar for this source and this TVM lives (built or not)."""
+    with open(SOURCE, "rb") as f:
+        key = hashlib.sha256(f.read() + tvm.__version__.encode()).hexdigest()[:16]
+    return os.path.join(_cache_dir(), f"libtvm_runtime_opencl-{key}.so")
+
+
+def _find_opencl_lib() -> str | None:
+    for d in ("/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/lib64", "/usr/lib",
+              "/usr/local/lib", sysconfig.get_config_var("LIBDIR") or ""):
+        for name in ("libOpenCL.so", "libOpenCL.so.1"):
+            if d and os.path.exists(os.path.join(d, name)):
+                return os.path.join(d, name)
+    return None
+
+
+def build(force: bool = False) -> str:
+    """Compile the sidecar if needed; returns its path.
+
+    Raises OpenCLUnavailable naming what is missing (a C++ compiler, the OpenCL headers, the
+    ICD loader) and how to install it, with the compiler's output when compilation fails.
+    """
+    out = library_path()
+    if os.path.exists(out) and not force:
+        return out
+    cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    if cxx is None:
+        raise OpenCLUnavailable("no C++ compiler to build the OpenCL runtime: install g++")
+    if not any(os.path.exists(os.path.join(d, "CL", "cl.h"))
+               for d in ("/usr/include", "/usr/local/include")):
+        raise OpenCLUnavailable("OpenCL headers (CL/cl.h) are missing: apt-get install "
+                                "opencl-headers ocl-icd-opencl-dev")
+    cl_lib = _find_opencl_lib()
+    if cl_lib is None:
+        raise OpenCLUnavailable("the OpenCL ICD loader (libOpenCL.so) is missing: apt-get install "
+                                "ocl-icd-opencl-dev (and a driver, e.g. pocl-opencl-icd)")
+    tvm_dir = os.path.dirname(tvm.__file__)
+    ffi_dir = os.path.dirname(tvm_ffi.__file__)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=os.path.dirname(out))
+    os.close(fd)
+    cmd = [cxx, "-std=c++17", "-O2", "-shared", "-fPIC", "-o", tmp, SOURCE,
+           f"-I{tvm_dir}/include", f"-I{ffi_dir}/include",
+           f"-L{tvm_dir}/lib", f"-L{ffi_dir}/lib", "-ltvm_runtime", "-ltvm_ffi", cl_lib,
+           f"-Wl,-rpath,{tvm_dir}/lib", f"-Wl,-rpath,{ffi_dir}/lib"]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        os.unlink(tmp)
+        raise OpenCLUnavailable(f"building the OpenCL runtime failed:\n{' '.join(cmd)}\n"
+                                f"{proc.stderr[-4000:]}")
+    os.replace(tmp, out)
+    return out
+
+
+def serialize(fmt: str, fmap, source: str) -> bytes:
+    """The byte layout TVM embeds for an "opencl" module (and the sidecar loads): u64-length
+    prefixed strings; format; a map name -> (name, argument dtypes as code u8 / bits u8 /
+    lanes u16, launch tags, one int32 extra tag per argument); the OpenCL C source."""
+    out = bytearray()
+
+    def u64(n):
+        out.extend(int(n).to_bytes(8, "little"))
+
+    def text(t):
+        b = t.encode() if isinstance(t, str) else bytes(t)
+        u64(len(b))
+        out.extend(b)
+
+    text(fmt)
+    u64(len(fmap))
+    for key, info in fmap.items():
+        text(str(key))
+        text(str(info.name))
+        u64(len(info.arg_types))
+        for dt in info.arg_types:
+            out.extend(bytes([dt.type_code, dt.bits]) + int(dt.lanes).to_bytes(2, "little"))
+        u64(len(info.launch_param_tags))
+        for tag in info.launch_param_tags:
+            text(str(tag))
+        u64(len(info.arg_extra_tags))
+        for tag in info.arg_extra_tags:
+            out.extend(int(tag).to_bytes(4, "little", signed=True))
+    text(source)
+    return bytes(out)
+
+
+def _create_module(data, fmt, fmap, source):
+    # Called by TVM's OpenCL codegen (as "ffi.Module.create.opencl") for every compiled module,
+    # so that tvm.compile's result runs directly, not only after export and load.
+    if str(fmt) != "cl":
+        raise ValueError(f"OpenCL module format {fmt!r} is not supported (only 'cl' source)")
+    loader = tvm_ffi.get_global_func("ffi.Module.load_from_bytes.opencl")
+    source_text = data if isinstance(data, str) else bytes(data).decode()
+    return loader(serialize("cl", fmap, source_text))
+
+
+def load() -> str:
+    """Build (if needed) and load the sidecar once per process; returns its path."""
+    global _loaded
+    if _loaded is None:
+        path = build()
+        ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+        tvm.register_global_func("ffi.Module.create.opencl", _create_module, override=True)
+        _loaded = path
+    return _loaded
+
+
+def available() -> bool:
+    """True when the sidecar loads and sees at least one OpenCL device."""
+    try:
+        load()
+    except OpenCLUnavailable:
+        return False
+    return num_devices() > 0
+
+
+def num_devices() -> int:
+    return int(tvm_ffi.get_global_func("thomas_tune.opencl.num_devices")())
+
+
+def devices() -> str:
+    """``index: device [platform]; ...`` for the devices ``tvm.opencl(i)`` can open."""
+    load()
+    return str(tvm_ffi.get_global_func("thomas_tune.opencl.devices")())
+
+
+def target_for(index: int = 0) -> tvm.target.Target:
+    """An OpenCL target from what device ``index`` reports (threads per work-group, local
+    memory), with an ``llvm`` host."""
+    load()
+    dev = tvm.opencl(index)
+    if not dev.exist:
+        raise OpenCLUnavailable(f"OpenCL device {index} does not exist; devices: {devices()}")
+    return tvm.target.Target({"kind": "opencl", "device": "generic",
+                              "max_threads_per_block": min(int(dev.max_threads_per_block), 1024),
+                              "max_shared_memory_per_block":
+                                  int(dev.max_shared_memory_per_block),
+                              "max_num_threads": min(int(dev.max_threads_per_block), 1024),
+                              "thread_warp_size": 1}, host={"kind": "llvm"})
