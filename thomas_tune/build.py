@@ -7,6 +7,7 @@ targets the rest get dlight's default GPU schedules so that every kernel has thr
 from __future__ import annotations
 
 import tvm
+import tvm_ffi
 from tvm import relax
 from tvm.s_tir import dlight as dl
 from tvm.s_tir import meta_schedule as ms
@@ -52,8 +53,15 @@ def _pipeline(target: tvm.target.Target, database: ms.Database | None):
     def pipeline(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
         mod = fuse(mod)
         if database is not None:
+            before = dict(mod.functions)
             with target, database:
                 mod = relax.transform.MetaScheduleApplyDatabase(enable_warning=False)(mod)
+            # kernels that got their tuned schedule are final: mark them so that the default
+            # GPU schedules below leave them alone
+            for gv, func in list(mod.functions.items()):
+                if isinstance(func, tvm.tirx.PrimFunc) and not tvm_ffi.structural_equal(
+                        func, before.get(gv)):
+                    mod[gv] = func.with_attr("tir.is_scheduled", True)
         if is_gpu(target):
             mod = default_gpu_schedules(mod, target)
         passes = [relax.transform.RewriteDataflowReshape(), relax.transform.ToNonDataflow(),

@@ -98,6 +98,13 @@ std::string PlatformString(cl_platform_id p, cl_platform_info key) {
 
 thread_local int current_device = 0;
 
+// Kernel events recorded between a device timer's Start and Stop (this thread's launches).
+struct Recording {
+  bool on = false;
+  std::vector<cl_event> events;
+};
+thread_local Recording recording;
+
 class Workspace final : public DeviceAPI {
  public:
   static Workspace* Global() {
@@ -511,9 +518,11 @@ void KernelLauncher::operator()(PackedArgs args, Any* rv) const {
     local[i] = ext[3 + i];
     global[i] = ext[i] * ext[3 + i];
   }
+  cl_event ev = nullptr;
   TT_CL_CHECK(clEnqueueNDRangeKernel(d.queue, k, work_dim_, nullptr, global, local, 0, nullptr,
-                                     nullptr),
+                                     recording.on ? &ev : nullptr),
               "launching kernel " << info_.name << " on " << d.name);
+  if (ev != nullptr) recording.events.push_back(ev);
 }
 
 tvm::ffi::Module LoadFromBytes(const tvm::ffi::Bytes& bytes) {
@@ -549,6 +558,57 @@ tvm::ffi::Module LoadFromBytes(const tvm::ffi::Bytes& bytes) {
       tvm::ffi::make_object<OpenCLModuleObj>(std::move(source), std::move(fmap), blob));
 }
 
+// The device timer of time_evaluator ("profiling.timer.opencl"): the sum of the device-side
+// execution times (CL_PROFILING_COMMAND_START..END, nanoseconds) of the kernels launched between
+// Start and Stop. The class mirrors tvm::runtime::TimerNode (tvm/runtime/timer.h: same type key,
+// same virtual methods in the same order); that header cannot be included, as it pulls in
+// tvm/support headers the wheel does not ship.
+class TimerNodeABI : public tvm::ffi::Object {
+ public:
+  virtual void Start() = 0;
+  virtual void Stop() = 0;
+  virtual int64_t SyncAndGetElapsedNanos() = 0;
+  virtual ~TimerNodeABI() {}
+  static constexpr const bool _type_mutable = true;
+  TVM_FFI_DECLARE_OBJECT_INFO("runtime.TimerNode", TimerNodeABI, tvm::ffi::Object);
+};
+
+class KernelTimerNode : public TimerNodeABI {
+ public:
+  void Start() final {
+    for (cl_event e : recording.events) clReleaseEvent(e);
+    recording.events.clear();
+    recording.on = true;
+  }
+  void Stop() final {
+    recording.on = false;
+    events_.swap(recording.events);
+  }
+  int64_t SyncAndGetElapsedNanos() final {
+    int64_t total = 0;
+    if (!events_.empty()) {
+      TT_CL_CHECK(clWaitForEvents(events_.size(), events_.data()), "waiting for kernels");
+    }
+    for (cl_event e : events_) {
+      cl_ulong t0 = 0, t1 = 0;
+      clGetEventProfilingInfo(e, CL_PROFILING_COMMAND_START, sizeof(t0), &t0, nullptr);
+      clGetEventProfilingInfo(e, CL_PROFILING_COMMAND_END, sizeof(t1), &t1, nullptr);
+      total += static_cast<int64_t>(t1 - t0);
+      clReleaseEvent(e);
+    }
+    events_.clear();
+    return total;
+  }
+  ~KernelTimerNode() {
+    for (cl_event e : events_) clReleaseEvent(e);
+  }
+  TVM_FFI_DECLARE_OBJECT_INFO_FINAL("thomas_tune.OpenCLKernelTimer", KernelTimerNode,
+                                    TimerNodeABI);
+
+ private:
+  std::vector<cl_event> events_;
+};
+
 }  // namespace opencl
 }  // namespace thomas_tune
 
@@ -561,6 +621,11 @@ TVM_FFI_STATIC_INIT_BLOCK() {
                     *rv = static_cast<void*>(Workspace::Global());
                   })
       .def("ffi.Module.load_from_bytes.opencl", thomas_tune::opencl::LoadFromBytes)
+      .def("profiling.timer.opencl",
+           [](DLDevice) {
+             return tvm::ffi::ObjectRef(
+                 tvm::ffi::make_object<thomas_tune::opencl::KernelTimerNode>());
+           })
       .def("thomas_tune.opencl.devices",
            []() { return tvm::ffi::String(Workspace::Global()->Listing()); })
       .def("thomas_tune.opencl.num_devices",
