@@ -115,14 +115,18 @@ def test_exported_mobilenet_matches_llvm(tmp_path, target, rng):
     np.testing.assert_allclose(cl.predict(x[:1]), cpu.predict(x[:1]), rtol=1e-4, atol=1e-5)
     assert abs(cl.train_step(x, y) - cpu.train_step(x, y)) < 1e-4
     a, b = cl.tensors(), cpu.tensors()
-    # The parameter updates of one step agree, relative to the largest update. Both sides are
-    # float32 and training-mode BatchNorm over 2x2x8 = 32 values per channel amplifies rounding:
-    # `thomas-tune replay` measures ~1e-2 between llvm float32 and float64 on this model, so two
-    # float32 builds may differ by a few percent; a wrong kernel differs by O(1).
+    # The parameter updates of one step agree as vectors: relative L2 distance over all trainable
+    # parameters. Both sides are float32, and training-mode BatchNorm over 2x2x8 = 32 values per
+    # channel amplifies rounding (`thomas-tune replay` measures ~1e-2 between llvm float32 and
+    # float64 on this model), so single elements may differ by several percent; a wrong kernel
+    # moves the whole update by O(1).
     names = cl.manifest["trainable"]
-    biggest = max(np.abs(b[n] - params[n]).max() for n in names)
-    worst = max(np.abs((a[n] - params[n]) - (b[n] - params[n])).max() for n in names)
-    assert biggest > 0 and worst / biggest < 5e-2, (worst, biggest)
+    da = np.concatenate([(a[n] - params[n]).ravel() for n in names]).astype("float64")
+    db = np.concatenate([(b[n] - params[n]).ravel() for n in names]).astype("float64")
+    assert np.linalg.norm(db) > 0
+    rel = np.linalg.norm(da - db) / np.linalg.norm(db)
+    print("relative L2 distance of the updates", rel)
+    assert rel < 5e-2, rel
 
 
 def test_tuning_session_with_an_opencl_server(tmp_path, target):
