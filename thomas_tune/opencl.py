@@ -47,6 +47,12 @@ def library_path() -> str:
 
 
 def _find_opencl_lib() -> str | None:
+    # THOMAS_TUNE_OPENCL_LIB names the ICD loader (or a vendor libOpenCL) explicitly.
+    explicit = os.environ.get("THOMAS_TUNE_OPENCL_LIB")
+    if explicit:
+        if not os.path.exists(explicit):
+            raise OpenCLUnavailable(f"THOMAS_TUNE_OPENCL_LIB={explicit!r} does not exist")
+        return explicit
     for d in ("/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/lib64", "/usr/lib",
               "/usr/local/lib", sysconfig.get_config_var("LIBDIR") or ""):
         for name in ("libOpenCL.so", "libOpenCL.so.1"):
