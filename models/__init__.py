@@ -143,3 +143,25 @@ def load_checkpoint(path: str):
         if p.name not in tensors or tensors[p.name].shape != p.shape:
             raise ValueError(f"{path}: tensor {p.name!r} missing or mis-shaped for {model.arch}")
     return model, tensors, header.get("classes")
+
+
+def head_name(model) -> str:
+    """Name prefix of the classifier's last linear layer (``classifier.1`` for MobileNetV2)."""
+    return spec(model).params[-1].name.rsplit(".", 1)[0]
+
+
+def replace_head(model, tensors: dict[str, np.ndarray], num_classes: int, seed: int = 0):
+    """The same network with a new classifier head of ``num_classes`` outputs.
+
+    Every tensor is kept except the last linear layer's weight (num_classes, features) and bias
+    (num_classes,), which are freshly initialised (seeded by ``seed``). Returns (new model,
+    new tensors). Raises ValueError for num_classes < 2.
+    """
+    if num_classes < 2:
+        raise ValueError(f"a classifier needs at least 2 classes, got {num_classes}")
+    new = build(model.arch, **{**model.config(), "num_classes": num_classes})
+    fresh = init_params(new, seed=seed)
+    head = head_name(new) + "."
+    out = {k: (fresh[k] if k.startswith(head) else np.asarray(tensors[k], dtype="float32"))
+           for k in fresh}
+    return new, out

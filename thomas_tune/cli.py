@@ -20,9 +20,10 @@ def _model_args(p: argparse.ArgumentParser) -> None:
                    help="mobilenet_v2, mobilenet_v1 or alexnet (default: mobilenet_v2)")
     g.add_argument("--width", type=float, default=0.35, help="width multiplier (default 0.35)")
     g.add_argument("--resolution", type=int, default=64, help="input size in pixels (default 64)")
-    g.add_argument("--classes", type=int, default=10, help="number of classes (default 10)")
+    g.add_argument("--classes", type=int, help="number of classes (default 10; with "
+                   "--checkpoint, a different number replaces the classifier head)")
     g.add_argument("--checkpoint", help="a .npz checkpoint: its architecture, shape and weights "
-                   "replace --model/--width/--resolution/--classes")
+                   "replace --model/--width/--resolution")
     g.add_argument("--batch", type=int, default=8, help="images per training step (default 8)")
     g.add_argument("--infer-batch", type=int, default=1, help="batch of the inference module")
     g.add_argument("--trainable", default="all",
@@ -42,12 +43,16 @@ def _target_arg(p, default="llvm"):
 
 
 def _model(args):
-    from .models import build, init_params, load_checkpoint
+    from .models import build, init_params, load_checkpoint, replace_head
     classes = None
     if args.checkpoint:
         model, tensors, classes = load_checkpoint(args.checkpoint)
+        if args.classes and args.classes != model.num_classes:
+            model, tensors = replace_head(model, tensors, args.classes,
+                                          seed=getattr(args, "seed", 0))
+            classes = None
     else:
-        model = build(args.model, num_classes=args.classes, resolution=args.resolution,
+        model = build(args.model, num_classes=args.classes or 10, resolution=args.resolution,
                       width=args.width)
         tensors = init_params(model)
     if args.from_scratch:
@@ -271,6 +276,45 @@ def cmd_bench(args) -> int:
     return 0
 
 
+def cmd_import_onnx(args) -> int:
+    from .models import save_checkpoint
+    from .models.onnx_import import import_onnx
+    model, tensors, report = import_onnx(args.onnx, args.model, width=args.width,
+                                         resolution=args.resolution, num_classes=args.classes,
+                                         seed=args.seed)
+    save_checkpoint(args.out, model, tensors)
+    print(f"imported {report.layers} layers of {args.onnx} into {model.arch} "
+          f"(width {model.width:g}, {model.resolution}x{model.resolution}, "
+          f"{model.num_classes} classes) -> {args.out}")
+    if report.fused_batchnorms:
+        print(f"  {len(report.fused_batchnorms)} BatchNorm layers were fused into their "
+              "convolutions in the file: imported as identity BatchNorms (same inference "
+              "output; training re-estimates their statistics)")
+    if report.replaced_head:
+        print(f"  classifier head {report.replaced_head} replaced: {report.onnx_classes} -> "
+              f"{model.num_classes} classes, freshly initialised")
+    return 0
+
+
+def cmd_memory(args) -> int:
+    from .memory import training_memory
+    model, _, _ = _model(args)
+    modes = args.modes.split(",") if args.modes else [args.trainable]
+    rows = []
+    for mode in modes:
+        m = training_memory(model, args.batch, mode, _optimizer(args)).as_dict()
+        rows.append({"trainable": mode, **m})
+    if args.json:
+        print(json.dumps(rows, indent=1))
+        return 0
+    keys = ["parameters", "gradients", "optimizer_state", "activations_kept", "peak"]
+    print(f"{model.arch} w{model.width:g} r{model.resolution} batch {args.batch}, MiB:")
+    print(f"{'trainable':>10}" + "".join(f"{k:>18}" for k in keys))
+    for r in rows:
+        print(f"{r['trainable']:>10}" + "".join(f"{r[k] / 2**20:>18.2f}" for k in keys))
+    return 0
+
+
 def cmd_demo(args) -> int:
     """The README's main job on loopback: tracker + server, tune, export, fine-tune, stop."""
     from . import rpc
@@ -379,6 +423,23 @@ def parser() -> argparse.ArgumentParser:
         else:
             s.add_argument("images", nargs="*", help="image files")
         s.set_defaults(fn=fn)
+
+    s = sub.add_parser("import-onnx", help="pretrained weights from an ONNX file -> checkpoint")
+    s.add_argument("onnx", help="ONNX file with the torchvision layer layout")
+    s.add_argument("--model", required=True, help="mobilenet_v2, mobilenet_v1 or alexnet")
+    s.add_argument("--width", type=float, default=1.0, help="width multiplier (default 1.0)")
+    s.add_argument("--resolution", type=int, help="input size (default: the ONNX input's)")
+    s.add_argument("--classes", type=int,
+                   help="classes (default: the file's; another number replaces the head)")
+    s.add_argument("--seed", type=int, default=0, help="seed of a replaced head")
+    s.add_argument("--out", required=True, help="checkpoint .npz to write")
+    s.set_defaults(fn=cmd_import_onnx)
+
+    s = sub.add_parser("memory", help="bytes a training step needs, by trainable set")
+    _model_args(s)
+    s.add_argument("--modes", help="comma-separated trainable sets, e.g. all,last:4,last:1")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(fn=cmd_memory)
 
     s = sub.add_parser("bench", help="time training steps and inference of an export")
     s.add_argument("--export", required=True)

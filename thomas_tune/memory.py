@@ -1,0 +1,121 @@
+"""Memory of a training step, from the training graph (before any kernel is compiled).
+
+For a model, batch and trainable set this counts, in bytes:
+
+* ``parameters``: every parameter (frozen and trainable) and BatchNorm state, resident;
+* ``gradients``: one gradient per trainable parameter;
+* ``optimizer_state``: the optimizer's buffers (momentum: one per trainable parameter and a step
+  counter; Adam: two per parameter);
+* ``activations_kept``: tensors the forward pass computes that the backward pass reads (what
+  training must keep that inference can drop), found in ``train_adjoint``: forward bindings
+  used by a binding of the gradient pass (``*_adjoint`` variables);
+* ``peak``: the largest sum of live tensors over the whole step, by liveness over the bindings of
+  ``train_adjoint`` in order (a tensor lives from its binding to its last use; inputs live all
+  along; tuple items alias their tuple) and then over the optimizer update, where the old and
+  new parameters and states coexist. Kernel fusion and memory planning can only lower it, so this
+  is an upper bound of what the compiled step allocates, and the right measure of what freezing
+  saves.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import numpy as np
+from tvm import relax
+
+from . import graph as G
+
+
+@dataclass
+class TrainingMemory:
+    """Bytes of one training step (module docstring)."""
+
+    parameters: int
+    gradients: int
+    optimizer_state: int
+    activations_kept: int
+    input_batch: int
+    peak: int
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def _bytes(ty) -> int:
+    """Bytes of a Relax tensor type, or of all tensors of a tuple type (0 for others)."""
+    if isinstance(ty, relax.TensorType):
+        if ty.shape is None:
+            return 0
+        n = int(np.prod([int(v) for v in ty.shape.values])) if ty.ndim else 1
+        return n * np.dtype(str(ty.dtype)).itemsize
+    if hasattr(ty, "fields"):
+        return sum(_bytes(f) for f in ty.fields)
+    return 0
+
+
+def _vars_in(expr) -> list[relax.Var]:
+    return [v for v in relax.analysis.free_vars(expr)]
+
+
+def _liveness_peak(func: relax.Function) -> tuple[int, int]:
+    """(peak bytes of live tensors, bytes of forward tensors read by the backward)."""
+    bindings = [b for block in func.body.blocks for b in block.bindings]
+    sizes, alias = {}, {}
+    for b in bindings:
+        v = b.value
+        if isinstance(v, relax.TupleGetItem) or isinstance(v, relax.Tuple) or isinstance(
+                v, relax.Var):
+            sizes[b.var] = 0  # a view of tensors counted where they were computed
+            alias[b.var] = _vars_in(v)
+        else:
+            sizes[b.var] = _bytes(b.var.ty)
+    uses = [_vars_in(b.value) for b in bindings]
+    last_use, read_by_backward = {}, set()
+    for i, b in enumerate(bindings):
+        for u in uses[i]:
+            last_use[u] = i
+            if b.var.name.endswith("_adjoint"):
+                read_by_backward.add(u)
+    for u in _vars_in(func.body.body):
+        last_use[u] = len(bindings)
+    # an alias keeps what it aliases alive
+    for i in reversed(range(len(bindings))):
+        var = bindings[i].var
+        for src in alias.get(var, []):
+            last_use[src] = max(last_use.get(src, i), last_use.get(var, i))
+    resident = sum(_bytes(p.ty) for p in func.params)
+    live, peak = 0, resident
+    ends: dict[int, list] = {}
+    for var, i in last_use.items():
+        ends.setdefault(i, []).append(var)
+    for i, b in enumerate(bindings):
+        live += sizes[b.var]
+        peak = max(peak, resident + live)
+        for var in ends.get(i, []):
+            live -= sizes.get(var, 0)
+    kept = sum(sizes[b.var] for b in bindings
+               if not b.var.name.endswith("_adjoint") and b.var in read_by_backward)
+    return peak, kept
+
+
+def training_memory(model, batch: int, trainable: str = "all",
+                    optimizer: G.OptimizerConfig | None = None) -> TrainingMemory:
+    """Bytes a training step of ``model`` needs (float32); see the module docstring.
+
+    Raises ValueError for a bad ``trainable`` value (as :func:`graph.training_module`).
+    """
+    tg = G.training_module(model, batch, trainable, optimizer)
+    func = tg.mod[G.ADJOINT]
+    peak_adjoint, kept = _liveness_peak(func)
+    params = {p.name: _bytes(p.ty) for p in func.params}
+    weights = sum(params[n] for n in tg.frozen + tg.trainable + tg.states)
+    grads = sum(params[n] for n in tg.trainable)
+    optim = int(sum(np.asarray(a).nbytes for a in tg.optim_state))
+    x = params[func.params[0].name]
+    # the update: old and new trainable parameters, gradients, old and new optimizer state,
+    # with the frozen parameters and states resident
+    peak_update = weights + grads + 2 * optim + sum(params[n] for n in tg.trainable)
+    return TrainingMemory(parameters=weights, gradients=grads, optimizer_state=optim,
+                          activations_kept=kept, input_batch=x,
+                          peak=max(peak_adjoint + optim, peak_update))
