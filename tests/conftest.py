@@ -93,3 +93,35 @@ SMALL = {
     "mobilenet_v1": dict(num_classes=5, resolution=64, width=0.25),
     "alexnet": dict(num_classes=5, resolution=67, width=0.1),
 }
+
+
+def torch_module(model, tensors):
+    """A ``torch.nn.Module`` with the model's parameters and BatchNorm statistics under their
+    torchvision names (nested sub-modules), whose eval-mode forward is the model's; used to
+    write ONNX files as users export them from PyTorch."""
+    import torch
+    from thomas_tune.models import spec
+
+    s = spec(model)
+    pnames, snames = [p.name for p in s.params], [q.name for q in s.states]
+
+    class Net(torch.nn.Module):
+        def forward(self, x):
+            p = {n: self.get_parameter(n) for n in pnames}
+            st = {n: self.get_buffer(n) for n in snames}
+            return model.forward(TorchGraph(p, st, {}, False), x)
+
+    net = Net()
+    for n in pnames + snames:
+        *path, leaf = n.split(".")
+        mod = net
+        for part in path:
+            if not isinstance(getattr(mod, part, None), torch.nn.Module):
+                mod.add_module(part, torch.nn.Module())
+            mod = getattr(mod, part)
+        t = torch.tensor(np.asarray(tensors[n], dtype="float32"))
+        if n in pnames:
+            mod.register_parameter(leaf, torch.nn.Parameter(t))
+        else:
+            mod.register_buffer(leaf, t)
+    return net.eval()

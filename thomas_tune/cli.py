@@ -317,7 +317,17 @@ def cmd_memory(args) -> int:
 
 def cmd_demo(args) -> int:
     """The README's main job on loopback: tracker + server, tune, export, fine-tune, stop."""
-    from . import rpc
+    from . import opencl, rpc
+    if args.target.startswith("opencl") and not opencl.available():
+        try:
+            opencl.load()
+            why = "no OpenCL device is visible"
+        except opencl.OpenCLUnavailable as err:
+            why = str(err)
+        print(f"error: the demo runs on OpenCL but {why}. Install PoCL (apt-get install "
+              "pocl-opencl-icd ocl-icd-opencl-dev opencl-headers g++) or run "
+              "'thomas-tune demo --target llvm --key local-cpu'", file=sys.stderr)
+        return 2
     work = args.work or tempfile.mkdtemp(prefix="thomas-tune-demo-")
     log_dir = args.log or os.path.join(work, "tuning_log")
     export_dir = os.path.join(work, "export")
@@ -453,11 +463,12 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--resolution", type=int, default=64)
     s.add_argument("--batch", type=int, default=8)
     s.add_argument("--trainable", default="all")
-    s.add_argument("--target", default="llvm")
-    s.add_argument("--key", default="local-cpu")
+    s.add_argument("--target", default="opencl",
+                   help="opencl (this machine's OpenCL device, PoCL on a CPU) or llvm")
+    s.add_argument("--key", default="local-opencl")
     s.add_argument("--trials", type=int, default=24)
     s.add_argument("--top", type=int, default=8)
-    s.add_argument("--steps", type=int, default=400)
+    s.add_argument("--steps", type=int, default=150)
     s.add_argument("--data", default="mnist5k")
     s.add_argument("--limit", type=int, default=2000)
     s.add_argument("--log", help="tuning-log folder (default: inside --work)")

@@ -15,7 +15,9 @@ GPU_KINDS = ("opencl", "cuda", "vulkan", "metal", "rocm")
 
 
 def parse_target(text: str | dict | tvm.target.Target) -> tvm.target.Target:
-    """Build a target from ``llvm``, ``opencl``, a tag (``qcom/adreno-opencl``) or JSON.
+    """Build a target from ``llvm``, ``opencl``, ``opencl:N`` (built from what this machine's
+    OpenCL device N reports: work-group size, local memory), a tag (``qcom/adreno-opencl``) or
+    JSON.
 
     A GPU target gets an ``llvm`` host. Raises ValueError naming the accepted forms.
     """
@@ -23,6 +25,9 @@ def parse_target(text: str | dict | tvm.target.Target) -> tvm.target.Target:
         return text
     if isinstance(text, str):
         text = text.strip()
+        if text.startswith("opencl:") and text[7:].isdigit():
+            from .opencl import target_for  # limits as this machine's OpenCL device reports
+            return target_for(int(text[7:]))
         if text.startswith("{"):
             try:
                 text = json.loads(text)

@@ -1,0 +1,120 @@
+"""Pretrained weights: ONNX files written by PyTorch 2.13's exporter (random weights, torchvision
+layout) imported and checked against onnxruntime; bad files; head replacement; dropout and
+BatchNorm modes."""
+
+import numpy as np
+import pytest
+import tvm
+
+from conftest import random_tensors, torch_module
+from thomas_tune import graph as G
+from thomas_tune.build import compile_graph
+from thomas_tune.models import build, load_checkpoint, replace_head, spec
+from thomas_tune.models.onnx_import import import_onnx
+from thomas_tune.target import parse_target
+
+torch = pytest.importorskip("torch")
+ort = pytest.importorskip("onnxruntime")
+
+CASES = [("mobilenet_v2", dict(num_classes=6, resolution=64, width=0.35), True),
+         ("mobilenet_v2", dict(num_classes=6, resolution=64, width=0.35), False),
+         ("mobilenet_v1", dict(num_classes=6, resolution=64, width=0.25), True),
+         ("alexnet", dict(num_classes=6, resolution=67, width=0.1), True)]
+
+
+def _export_onnx(model, tensors, path, optimize=True):
+    net = torch_module(model, tensors)
+    x = torch.randn(1, *model.input_shape(1)[1:])
+    torch.onnx.export(net, (x,), str(path), dynamo=True, optimize=optimize, verbose=False)
+
+
+def _predict(model, tensors, x):
+    s = spec(model)
+    vm = tvm.relax.VirtualMachine(
+        compile_graph(G.inference_module(model, x.shape[0]), parse_target("llvm")), tvm.cpu())
+    args = [tvm.runtime.tensor(tensors[q.name]) for q in s.params + s.states]
+    return vm[G.PREDICT](tvm.runtime.tensor(x), *args).numpy()
+
+
+@pytest.mark.parametrize("arch,config,optimize", CASES)
+def test_onnx_import_matches_onnxruntime(arch, config, optimize, tmp_path, rng):
+    model = build(arch, **config)
+    path = tmp_path / "net.onnx"
+    _export_onnx(model, random_tensors(model, rng), path, optimize)
+    imported, tensors, report = import_onnx(str(path), arch, width=config["width"])
+    assert imported.config() == model.config()
+    # optimize=True folds BatchNorm into the convolutions (as torchvision exports usually are)
+    assert bool(report.fused_batchnorms) == (optimize and arch != "alexnet")
+    x = rng.standard_normal(model.input_shape(1)).astype("float32")
+    ref = ort.InferenceSession(str(path)).run(None, {"x": x})[0]
+    got = _predict(imported, tensors, x)
+    err = np.abs(got - ref).max() / np.abs(ref).max()
+    assert err < 1e-4, err
+
+
+def test_onnx_that_does_not_map_names_the_first_node(tmp_path, rng):
+    model = build("mobilenet_v2", num_classes=6, resolution=64, width=0.75)
+    path = tmp_path / "wide.onnx"
+    _export_onnx(model, random_tensors(model, rng), path)
+    with pytest.raises(ValueError, match=r"ONNX node '.*' \(Conv: weight \(24, 3, 3, 3\).*"
+                                         r"does not map to model layer 'features.0.0'"):
+        import_onnx(str(path), "mobilenet_v2", width=0.35)
+    with pytest.raises(ValueError, match="is 64x64, not the 96x96"):
+        import_onnx(str(path), "mobilenet_v2", width=0.75, resolution=96)
+
+
+def test_unreadable_onnx_file(tmp_path):
+    bad = tmp_path / "bad.onnx"
+    bad.write_bytes(b"\x08\x07not a protobuf at all" * 10)
+    with pytest.raises(ValueError, match="not a readable ONNX model"):
+        import_onnx(str(bad), "mobilenet_v2")
+    with pytest.raises(ValueError, match="does not exist"):
+        import_onnx(str(tmp_path / "missing.onnx"), "mobilenet_v2")
+
+
+def test_head_replacement_on_import_and_checkpoint(tmp_path, rng):
+    model = build("mobilenet_v2", num_classes=6, resolution=64, width=0.35)
+    tensors = random_tensors(model, rng)
+    path = tmp_path / "net.onnx"
+    _export_onnx(model, tensors, path)
+    new, got, report = import_onnx(str(path), "mobilenet_v2", width=0.35, num_classes=3)
+    assert report.replaced_head == "classifier.1" and new.num_classes == 3
+    assert got["classifier.1.weight"].shape == (3, tensors["classifier.1.weight"].shape[1])
+    # everything below the head is kept exactly
+    new2, kept = replace_head(model, tensors, 3, seed=1)
+    for k, v in tensors.items():
+        if not k.startswith("classifier.1."):
+            np.testing.assert_array_equal(kept[k], v)
+    assert kept["classifier.1.bias"].shape == (3,)
+    # through the CLI: a checkpoint with --classes gives an export with the new head
+    from thomas_tune.cli import main
+    from thomas_tune.models import save_checkpoint
+    ckpt = tmp_path / "c.npz"
+    save_checkpoint(str(ckpt), model, tensors)
+    assert main(["import-onnx", str(path), "--model", "mobilenet_v2", "--width", "0.35",
+                 "--classes", "4", "--out", str(tmp_path / "i.npz")]) == 0
+    m4, t4, _ = load_checkpoint(str(tmp_path / "i.npz"))
+    assert m4.num_classes == 4 and t4["classifier.1.weight"].shape[0] == 4
+    assert not (tmp_path / "i.npz.tmp").exists()
+
+
+def test_dropout_masks_follow_pytorch_semantics(tmp_path, rng):
+    # inverted dropout as torch.nn.functional.dropout: kept values scaled by 1/(1-p), the
+    # rest 0; the mask Session draws has that law, and inference ignores dropout.
+    from thomas_tune.export import export
+    from thomas_tune.runtime import Session
+    model = build("alexnet", num_classes=4, resolution=67, width=0.1)
+    export(str(tmp_path / "e"), model, random_tensors(model, rng), parse_target("llvm"),
+           batch=4, trainable="last:1", progress=lambda *_: None)
+    s = Session(str(tmp_path / "e"), seed=int(rng.integers(1000)))
+    (name, spec_), *_ = s.manifest["masks"].items()
+    p = spec_["p"]
+    t = torch.ones(200_000, dtype=torch.float64)
+    ref = torch.nn.functional.dropout(t, p, training=True).numpy()
+    keep = s._rng.random(200_000) >= p  # the draw Session.train_step makes for each mask
+    ours = keep / (1.0 - p)
+    assert set(np.unique(ours)) == set(np.unique(ref))
+    sigma = np.sqrt(p * (1 - p) / 200_000)
+    assert abs((ours == 0).mean() - p) < 5 * sigma and abs((ref == 0).mean() - p) < 5 * sigma
+    x = rng.standard_normal((1, 3, 67, 67)).astype("float32")
+    np.testing.assert_array_equal(s.predict(x), s.predict(x))
