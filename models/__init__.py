@@ -89,6 +89,14 @@ def init_params(model, seed: int = 0) -> dict[str, np.ndarray]:
     return out
 
 
+def share_mode(path: str) -> None:
+    """Give a file made by ``tempfile.mkstemp`` (mode 0600) the mode a plain ``open`` would:
+    0666 less the umask, so that checkpoints and exports stay readable by their users."""
+    mask = os.umask(0)
+    os.umask(mask)
+    os.chmod(path, 0o666 & ~mask)
+
+
 def save_checkpoint(path: str, model, tensors: dict[str, np.ndarray],
                     classes: list[str] | None = None) -> None:
     """Write ``tensors`` (parameters and states) of ``model`` to ``path`` atomically.
@@ -117,6 +125,7 @@ def save_checkpoint(path: str, model, tensors: dict[str, np.ndarray],
                      **{k: np.asarray(tensors[k], dtype="float32") for k in shapes})
             f.flush()
             os.fsync(f.fileno())
+        share_mode(tmp)
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):

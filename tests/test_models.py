@@ -89,3 +89,30 @@ def test_bad_trainable_is_a_clear_error(bad):
     model = build("mobilenet_v2", **SMALL["mobilenet_v2"])
     with pytest.raises(ValueError, match="--trainable"):
         G.select_trainable(model, bad)
+
+
+@pytest.mark.parametrize("name", ["momentum_sgd", "adam"])
+def test_optimizer_update_matches_pytorch(name, rng):
+    # two updates of the optimizer function against torch.optim on the same gradients, float64
+    shapes = [(3, 4), (5,)]
+    params = [relax.Var(f"p{i}", relax.TensorType(s, "float64")) for i, s in enumerate(shapes)]
+    cfg = G.OptimizerConfig(name=name, lr=0.05, weight_decay=0.01)
+    opt = cfg.build().init(params)
+    mod = tvm.IRModule({"optimizer": opt.get_function()})
+    vm = relax.VirtualMachine(compile_graph(mod, parse_target("llvm")), tvm.cpu())
+    p0 = [rng.standard_normal(s) for s in shapes]
+    tp = [torch.tensor(v, requires_grad=True) for v in p0]
+    if name == "adam":
+        topt = torch.optim.Adam(tp, lr=0.05, betas=cfg.betas, eps=cfg.eps, weight_decay=0.01)
+    else:
+        topt = torch.optim.SGD(tp, lr=0.05, momentum=cfg.momentum, weight_decay=0.01)
+    cur, state = [tvm.runtime.tensor(v) for v in p0], opt.state
+    for _ in range(2):
+        grads = [rng.standard_normal(s) for s in shapes]
+        for t, g in zip(tp, grads):
+            t.grad = torch.tensor(g)
+        topt.step()
+        cur, state = vm["optimizer"](cur, [tvm.runtime.tensor(g) for g in grads], state)
+        cur = list(cur)
+    for got, ref in zip(cur, tp):
+        np.testing.assert_allclose(got.numpy(), ref.detach().numpy(), rtol=1e-10, atol=1e-12)

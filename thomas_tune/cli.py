@@ -206,9 +206,27 @@ def _data(args, model):
     return load(args.data, model.resolution, limit=args.limit, seed=args.seed)
 
 
+def _export_for_train(args) -> str:
+    """``train`` without ``--export``: compile the model for its trainable set first."""
+    from .export import export
+    from .target import parse_target
+    from .tuning_log import TuningLog
+    model, tensors, classes = _model(args)
+    out = args.out or tempfile.mkdtemp(prefix="thomas-tune-train-")
+    log = TuningLog(args.log) if args.log else None
+    export(out, model, tensors, parse_target(args.target), batch=args.batch,
+           infer_batch=args.infer_batch, trainable=args.trainable, optimizer=_optimizer(args),
+           log=log, classes=classes)
+    mode = "from scratch" if args.from_scratch else f"trainable {args.trainable}"
+    print(f"compiled {model.arch} ({mode}) into {out}", flush=True)
+    return out
+
+
 def cmd_train(args) -> int:
     from .runtime import Session
     from .train import fine_tune
+    if not args.export:
+        args.export = _export_for_train(args)
     session = Session(args.export, seed=args.seed)
     data = _data(args, session.model)
     if len(data.classes) > session.model.num_classes:
@@ -416,10 +434,19 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--no-check", action="store_true", help="skip the numeric check")
     s.set_defaults(fn=cmd_replay)
 
-    for name, fn, hlp in (("train", cmd_train, "fine-tune an exported module on data"),
+    for name, fn, hlp in (("train", cmd_train, "fine-tune on data: an export, or a model "
+                                                "compiled for --trainable / --from-scratch"),
                           ("infer", cmd_infer, "classify images with an exported module")):
         s = sub.add_parser(name, help=hlp)
-        s.add_argument("--export", required=True, help="export folder")
+        if name == "train":
+            s.add_argument("--export", help="export folder (default: compile the model given "
+                           "by the model options into --out first)")
+            _model_args(s)
+            _target_arg(s)
+            s.add_argument("--log", help="tuning log for that compile (default: none)")
+            s.add_argument("--out", help="folder for that compile (default: a temp folder)")
+        else:
+            s.add_argument("--export", required=True, help="export folder")
         s.add_argument("--data", default=None if name == "infer" else "mnist5k",
                        help="image folder (one sub-folder per class) or a shipped data set: "
                             "mnist5k, digits")

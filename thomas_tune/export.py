@@ -25,7 +25,7 @@ import tvm
 
 from . import graph as G
 from .build import compile_graph
-from .models import save_checkpoint, spec
+from .models import save_checkpoint, share_mode, spec
 from .target import describe
 from .tuning_log import TuningLog
 
@@ -51,6 +51,8 @@ def _atomic_write(path: str, write) -> None:
     os.close(fd)
     try:
         write(tmp)
+        if not os.access(tmp, os.X_OK):  # libraries keep the mode their linker gave them
+            share_mode(tmp)
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):

@@ -31,6 +31,28 @@ ADJOINT = "train_adjoint"
 OPTIMIZER = "optimizer"
 
 
+class _Adam(ropt.Adam):
+    """``relax.training.optimizer.Adam`` with a working ``init``: the pinned TVM builds its
+    scalar states with ``np.ones((), self.dtype)``, and ``self.dtype`` is a TVM type numpy
+    cannot read. Same state layout: (steps int64, beta1^t, beta2^t, first moments...,
+    second moments...)."""
+
+    def init(self, params):
+        params = params if isinstance(params, list) else [params]
+        self._set_params_and_dtype(params)
+        dtype = str(self.dtype.dtype)
+
+        def zeros(p):
+            return tvm.runtime.tensor(np.zeros([int(d) for d in p.ty.shape.values], dtype))
+
+        self.state = (tvm.runtime.tensor(np.zeros((), "int64")),
+                      tvm.runtime.tensor(np.ones((), dtype)),
+                      tvm.runtime.tensor(np.ones((), dtype)),
+                      *(zeros(p) for p in self.param_list),
+                      *(zeros(p) for p in self.param_list))
+        return self
+
+
 @dataclass(frozen=True)
 class OptimizerConfig:
     """Optimizer of the training step: ``momentum_sgd`` or ``adam``.
@@ -52,7 +74,7 @@ class OptimizerConfig:
         if self.name == "sgd":
             return ropt.SGD(self.lr, weight_decay=self.weight_decay)
         if self.name == "adam":
-            return ropt.Adam(self.lr, self.betas, self.eps, weight_decay=self.weight_decay)
+            return _Adam(self.lr, self.betas, self.eps, weight_decay=self.weight_decay)
         raise ValueError(f"unknown optimizer {self.name!r}; use momentum_sgd, sgd or adam")
 
 

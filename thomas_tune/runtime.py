@@ -74,6 +74,21 @@ class Session:
         self.device.sync()
 
     # ---- API -------------------------------------------------------------------------------
+    def load_tensors(self, tensors: dict[str, np.ndarray]) -> None:
+        """Replace every parameter and state (float32, shapes of the exported model) and reset
+        the optimizer state, as if the export had been made with ``tensors``: one compiled
+        module serves several starting points (pretrained, fresh). Raises ValueError for a
+        missing or mis-shaped tensor."""
+        for name, old in self._t.items():
+            if name not in tensors or tuple(np.shape(tensors[name])) != tuple(old.shape):
+                raise ValueError(f"load_tensors: {name!r} missing or not of shape "
+                                 f"{tuple(old.shape)}")
+        self._t = {k: tvm.runtime.tensor(np.asarray(tensors[k], dtype="float32"), self.device)
+                   for k in self._t}
+        opt = np.load(os.path.join(self.dir, "optim_state.npz"))
+        self._opt = [tvm.runtime.tensor(opt[f"s{i}"], self.device) for i in range(len(opt.files))]
+        self.steps = 0
+
     def tensors(self) -> dict[str, np.ndarray]:
         """Current parameters and states as float32 numpy arrays."""
         return {k: v.numpy() for k, v in self._t.items()}

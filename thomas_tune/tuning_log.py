@@ -24,6 +24,8 @@ import tvm_ffi
 from tvm.s_tir import meta_schedule as ms
 from tvm.s_tir.schedule import Schedule
 
+from .models import share_mode
+
 WORKLOADS = "database_workload.json"
 RECORDS = "database_tuning_record.json"
 
@@ -43,6 +45,7 @@ def _rewrite(path: str, lines: list[str]) -> None:
         f.writelines(lines)
         f.flush()
         os.fsync(f.fileno())
+    share_mode(tmp)
     os.replace(tmp, path)
 
 

@@ -1,0 +1,40 @@
+"""Training-step memory from the training graph: exact counts for parameters, gradients and
+optimizer state; freezing layers saves gradients, optimizer state and kept activations."""
+
+import numpy as np
+
+from conftest import SMALL
+from thomas_tune.graph import OptimizerConfig, select_trainable
+from thomas_tune.memory import training_memory
+from thomas_tune.models import build, spec
+
+
+def test_counts_and_what_freezing_saves():
+    model = build("mobilenet_v2", **SMALL["mobilenet_v2"])
+    s = spec(model)
+    size = {p.name: 4 * int(np.prod(p.shape)) for p in s.params + s.states}
+    full = training_memory(model, 4, "all")
+    last = training_memory(model, 4, "last:2")
+    assert full.parameters == last.parameters == sum(size.values())
+    for mem, mode in ((full, "all"), (last, "last:2")):
+        trainable = sum(size[n] for n in select_trainable(model, mode))
+        assert mem.gradients == trainable
+        # momentum SGD: one velocity per trainable parameter plus a step counter (TVM's
+        # relax.training.optimizer.MomentumSGD state)
+        assert trainable <= mem.optimizer_state <= trainable + 16
+        assert mem.input_batch == 4 * 4 * 3 * 64 * 64
+        assert mem.peak >= mem.parameters + mem.gradients + mem.activations_kept
+    assert last.gradients < full.gradients / 2
+    assert last.activations_kept < full.activations_kept / 10
+    assert last.peak < full.peak / 2
+    # activations grow with the batch, parameters do not
+    big = training_memory(model, 8, "all")
+    assert big.parameters == full.parameters
+    assert 1.9 < big.activations_kept / full.activations_kept < 2.1
+
+
+def test_adam_keeps_two_moments():
+    model = build("mobilenet_v1", **SMALL["mobilenet_v1"])
+    sgd = training_memory(model, 2, "last:1", OptimizerConfig("momentum_sgd"))
+    adam = training_memory(model, 2, "last:1", OptimizerConfig("adam"))
+    assert 2 * sgd.gradients <= adam.optimizer_state <= 2 * sgd.gradients + 64

@@ -1,0 +1,114 @@
+"""PyTorch references of the models: the :class:`models.layers.Graph` API implemented with
+torch operators, and a ``torch.nn.Module`` with torchvision's parameter names.
+
+Used by the tests (float64 references, ONNX files written by PyTorch's exporter) and by the
+experiments (the desktop-trained network). Needs ``torch`` (the ``test`` or ``bench`` extra).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import numpy as np
+
+from .models import spec
+
+
+class TorchGraph:
+    """The :class:`models.layers.Graph` API implemented with PyTorch, as reference.
+
+    ``params``/``states``: name -> torch tensor (float64 for numeric references, float32 for
+    desktop training); new running statistics land in ``new_states``. Dropout multiplies by
+    ``masks[name + ".mask"]`` when given, else draws with ``torch.nn.functional.dropout``.
+    """
+
+    def __init__(self, params, states, masks, training):
+        import torch
+        self.torch = torch
+        self.F = torch.nn.functional
+        self.p, self.s, self.masks, self.training = params, states, masks, training
+        self.new_states = {}
+
+    @contextlib.contextmanager
+    def block(self, name):
+        yield
+
+    def conv2d(self, name, x, out_channels, kernel, stride=1, padding=0, groups=1, bias=False):
+        b = self.p[f"{name}.bias"] if bias else None
+        return self.F.conv2d(x, self.p[f"{name}.weight"], b, stride, padding, 1, groups)
+
+    def batch_norm(self, name, x, eps=1e-5, momentum=0.1):
+        rm = self.s[f"{name}.running_mean"].clone()
+        rv = self.s[f"{name}.running_var"].clone()
+        y = self.F.batch_norm(x, rm, rv, self.p[f"{name}.weight"], self.p[f"{name}.bias"],
+                              self.training, momentum, eps)
+        if self.training:
+            self.new_states[f"{name}.running_mean"] = rm
+            self.new_states[f"{name}.running_var"] = rv
+        return y
+
+    def relu(self, x):
+        return self.F.relu(x)
+
+    def relu6(self, x):
+        return self.F.relu6(x)
+
+    def max_pool2d(self, x, kernel, stride, padding=0):
+        return self.F.max_pool2d(x, kernel, stride, padding)
+
+    def adaptive_avg_pool2d(self, x, output_size):
+        return self.F.adaptive_avg_pool2d(x, output_size)
+
+    def flatten(self, x):
+        return self.torch.flatten(x, 1)
+
+    def add(self, a, b):
+        return a + b
+
+    def linear(self, name, x, out_features):
+        return self.F.linear(x, self.p[f"{name}.weight"], self.p[f"{name}.bias"])
+
+    def dropout(self, name, x, p):
+        if not self.training or p == 0.0:
+            return x
+        if f"{name}.mask" in self.masks:
+            return x * self.masks[f"{name}.mask"]
+        return self.F.dropout(x, p, training=True)
+
+
+def torch_module(model, tensors):
+    """A ``torch.nn.Module`` with the model's parameters (float32) and BatchNorm statistics
+    under their torchvision names (nested sub-modules), whose forward is the model's in the
+    module's mode (``train()``: batch statistics, running statistics updated as PyTorch does;
+    ``eval()``). Used to write ONNX files as users export them and to train on the desktop."""
+    import torch
+
+    s = spec(model)
+    pnames, snames = [p.name for p in s.params], [q.name for q in s.states]
+
+    class Net(torch.nn.Module):
+        def forward(self, x):
+            p = {n: self.get_parameter(n) for n in pnames}
+            st = {n: self.get_buffer(n) for n in snames}
+            g = TorchGraph(p, st, {}, self.training)
+            out = model.forward(g, x)
+            if self.training:
+                with torch.no_grad():
+                    for n, v in g.new_states.items():
+                        st[n].copy_(v)
+            return out
+
+    net = Net()
+    for n in pnames + snames:
+        *path, leaf = n.split(".")
+        mod = net
+        for part in path:
+            if not isinstance(getattr(mod, part, None), torch.nn.Module):
+                mod.add_module(part, torch.nn.Module())
+            mod = getattr(mod, part)
+        t = torch.tensor(np.asarray(tensors[n], dtype="float32"))
+        if n in pnames:
+            mod.register_parameter(leaf, torch.nn.Parameter(t))
+        else:
+            mod.register_buffer(leaf, t)
+    return net.eval()
