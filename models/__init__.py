@@ -68,25 +68,26 @@ def spec(model, batch: int = 1, mode: str = "train") -> ModelSpec:
                      list(g.blocks), {k: (v[0], v[1]) for k, v in g.masks.items()})
 
 
+def _init_tensor(p: ParamSpec, rng: np.random.Generator) -> np.ndarray:
+    if p.init == "kaiming_out":
+        fan_out = p.shape[0] * int(np.prod(p.shape[2:]))
+        out = rng.normal(0.0, np.sqrt(2.0 / fan_out), p.shape)
+    elif p.init == "linear":
+        out = rng.normal(0.0, 0.01, p.shape)
+    elif p.init == "ones":
+        out = np.ones(p.shape)
+    elif p.init == "zeros":
+        out = np.zeros(p.shape)
+    else:
+        raise ValueError(f"unknown initialiser {p.init!r} for {p.name}")
+    return out.astype("float32")
+
+
 def init_params(model, seed: int = 0) -> dict[str, np.ndarray]:
     """Fresh float32 parameters and states for ``model`` (initialisers in :class:`ParamSpec`)."""
     rng = np.random.default_rng(seed)
     s = spec(model)
-    out = {}
-    for p in s.params + s.states:
-        if p.init == "kaiming_out":
-            fan_out = p.shape[0] * int(np.prod(p.shape[2:]))
-            out[p.name] = rng.normal(0.0, np.sqrt(2.0 / fan_out), p.shape)
-        elif p.init == "linear":
-            out[p.name] = rng.normal(0.0, 0.01, p.shape)
-        elif p.init == "ones":
-            out[p.name] = np.ones(p.shape)
-        elif p.init == "zeros":
-            out[p.name] = np.zeros(p.shape)
-        else:
-            raise ValueError(f"unknown initialiser {p.init!r} for {p.name}")
-        out[p.name] = out[p.name].astype("float32")
-    return out
+    return {p.name: _init_tensor(p, rng) for p in s.params + s.states}
 
 
 def share_mode(path: str) -> None:
@@ -169,8 +170,11 @@ def replace_head(model, tensors: dict[str, np.ndarray], num_classes: int, seed: 
     if num_classes < 2:
         raise ValueError(f"a classifier needs at least 2 classes, got {num_classes}")
     new = build(model.arch, **{**model.config(), "num_classes": num_classes})
-    fresh = init_params(new, seed=seed)
     head = head_name(new) + "."
-    out = {k: (fresh[k] if k.startswith(head) else np.asarray(tensors[k], dtype="float32"))
-           for k in fresh}
-    return new, out
+    # the head's own random stream: not the one init_params(seed) would give it, which may be
+    # the very initialisation the pretrained head started from
+    rng = np.random.default_rng([seed, 0x4EAD])
+    s = spec(new)
+    return new, {p.name: (_init_tensor(p, rng) if p.name.startswith(head)
+                          else np.asarray(tensors[p.name], dtype="float32"))
+                 for p in s.params + s.states}
