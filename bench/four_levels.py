@@ -38,6 +38,7 @@ CONFIG = dict(arch="mobilenet_v2", width=0.35, resolution=64)
 LOG = os.path.join(ROOT, "tuning_logs", "local-cpu", "mobilenet_v2-w0.35-r64-c10-b8")
 BATCH = 8
 OPT = dict(lr=0.01, momentum=0.9)
+LIMIT = 2500  # images of the 5 classes used (2,000 to train, 500 held out)
 
 
 def _data(classes, limit, seed):
@@ -116,8 +117,6 @@ def serial_main(argv):
     r = _train(export_dir, init, ft_train, ft_test, int(steps), int(eval_every), int(seed))
     json.dump(r, open(out, "w"))
 
-
-LIMIT = 2500  # images of the 5 classes used (2,000 to train, 500 held out)
 
 
 def main():

@@ -90,12 +90,13 @@ def init_params(model, seed: int = 0) -> dict[str, np.ndarray]:
     return {p.name: _init_tensor(p, rng) for p in s.params + s.states}
 
 
-def share_mode(path: str) -> None:
-    """Give a file made by ``tempfile.mkstemp`` (mode 0600) the mode a plain ``open`` would:
-    0666 less the umask, so that checkpoints and exports stay readable by their users."""
+def share_mode(path: str, executable: bool = False) -> None:
+    """Give a file made by ``tempfile.mkstemp`` (mode 0600) the mode a plain ``open`` (or a
+    linker, for ``executable``) would: 0666 (0777) less the umask, so that checkpoints and
+    exports stay readable by their users."""
     mask = os.umask(0)
     os.umask(mask)
-    os.chmod(path, 0o666 & ~mask)
+    os.chmod(path, (0o777 if executable else 0o666) & ~mask)
 
 
 def save_checkpoint(path: str, model, tensors: dict[str, np.ndarray],

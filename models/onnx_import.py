@@ -170,7 +170,6 @@ def _model_layers(model) -> list[tuple[str, str, dict[str, tuple[int, ...]]]]:
 
 
 def _input_resolution(proto, path: str) -> int | None:
-    from onnx import TensorProto  # noqa: F401 - imported for the dims below
     consts = {t.name for t in proto.graph.initializer}
     inputs = [i for i in proto.graph.input if i.name not in consts]
     if len(inputs) != 1:
@@ -230,8 +229,6 @@ def import_onnx(path: str, arch: str, width: float = 1.0, resolution: int | None
             raise ValueError(f"{path}: the ONNX graph ends before {where}; the file is not "
                              f"a {arch} of this width")
         layer = layers[i]
-        if kind == "bn" and layer.kind == "conv":
-            raise ValueError(f"{path}: {layer.describe()} does not map to {where}")
         if kind == "bn" and layer.kind != "bn":
             raise ValueError(f"{path}: {layer.describe()} does not map to {where}")
         if kind == "bn" and layer.kind == "bn":

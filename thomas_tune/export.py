@@ -51,8 +51,7 @@ def _atomic_write(path: str, write) -> None:
     os.close(fd)
     try:
         write(tmp)
-        if not os.access(tmp, os.X_OK):  # libraries keep the mode their linker gave them
-            share_mode(tmp)
+        share_mode(tmp, executable=path.endswith(".so"))
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):

@@ -55,7 +55,7 @@ def _bytes(ty) -> int:
 
 
 def _vars_in(expr) -> list[relax.Var]:
-    return [v for v in relax.analysis.free_vars(expr)]
+    return list(relax.analysis.free_vars(expr))
 
 
 def _liveness_peak(func: relax.Function) -> tuple[int, int]:
