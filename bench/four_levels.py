@@ -118,7 +118,6 @@ def serial_main(argv):
     json.dump(r, open(out, "w"))
 
 
-
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=300, help="training steps per level")

@@ -229,9 +229,9 @@ def import_onnx(path: str, arch: str, width: float = 1.0, resolution: int | None
             raise ValueError(f"{path}: the ONNX graph ends before {where}; the file is not "
                              f"a {arch} of this width")
         layer = layers[i]
-        if kind == "bn" and layer.kind != "bn":
+        if layer.kind != kind:
             raise ValueError(f"{path}: {layer.describe()} does not map to {where}")
-        if kind == "bn" and layer.kind == "bn":
+        if kind == "bn":
             _check(path, layer, where, shapes)
             for k in ("weight", "bias", "running_mean"):
                 tensors[f"{name}.{k}"] = layer.arrays[k]
@@ -240,8 +240,6 @@ def import_onnx(path: str, arch: str, width: float = 1.0, resolution: int | None
             i += 1
             report.layers += 1
             continue
-        if layer.kind != kind:
-            raise ValueError(f"{path}: {layer.describe()} does not map to {where}")
         is_head = kind == "linear" and j == len(ours) - 1
         if is_head and layer.arrays["weight"].shape[0] != shapes["weight"][0]:
             report.replaced_head = name  # new class count: keep the fresh head

@@ -111,8 +111,7 @@ def test_dropout_masks_follow_pytorch_semantics(tmp_path, rng):
     p = spec_["p"]
     t = torch.ones(200_000, dtype=torch.float64)
     ref = torch.nn.functional.dropout(t, p, training=True).numpy()
-    keep = s._rng.random(200_000) >= p  # the draw Session.train_step makes for each mask
-    ours = keep / (1.0 - p)
+    ours = s.dropout_mask((200_000,), p)  # the draw Session.train_step makes for each mask
     assert set(np.unique(ours)) == set(np.unique(ref))
     sigma = np.sqrt(p * (1 - p) / 200_000)
     assert abs((ours == 0).mean() - p) < 5 * sigma and abs((ref == 0).mean() - p) < 5 * sigma

@@ -151,19 +151,24 @@ def cmd_tune(args) -> int:
     return 0
 
 
-def cmd_export(args) -> int:
+def _export_model(args, out: str) -> dict:
+    """Compile the model of the model options (with ``--log``'s schedules) into ``out``; the
+    export's manifest. Raises ValueError for a tuning log with no records."""
     from .export import export
     from .target import parse_target
     from .tuning_log import TuningLog
     model, tensors, classes = _model(args)
     log = TuningLog(args.log) if args.log else None
     if log is not None and not log.exists():
-        print(f"error: tuning log {args.log!r} has no records; tune first, or drop --log to "
-              "export with default schedules", file=sys.stderr)
-        return 2
-    manifest = export(args.out, model, tensors, parse_target(args.target), batch=args.batch,
-                      infer_batch=args.infer_batch, trainable=args.trainable,
-                      optimizer=_optimizer(args), log=log, classes=classes)
+        raise ValueError(f"tuning log {args.log!r} has no records; tune first, or drop --log "
+                         "to export with default schedules")
+    return export(out, model, tensors, parse_target(args.target), batch=args.batch,
+                  infer_batch=args.infer_batch, trainable=args.trainable,
+                  optimizer=_optimizer(args), log=log, classes=classes)
+
+
+def cmd_export(args) -> int:
+    manifest = _export_model(args, args.out)
     print(f"exported {manifest['arch']} to {args.out}: {len(manifest['trainable'])} trainable, "
           f"{len(manifest['frozen'])} frozen parameters; tuning log "
           f"{manifest['tuning_log'] or 'none'} (sha256 {str(manifest['tuning_log_sha256'])[:12]})")
@@ -208,17 +213,10 @@ def _data(args, model):
 
 def _export_for_train(args) -> str:
     """``train`` without ``--export``: compile the model for its trainable set first."""
-    from .export import export
-    from .target import parse_target
-    from .tuning_log import TuningLog
-    model, tensors, classes = _model(args)
     out = args.out or tempfile.mkdtemp(prefix="thomas-tune-train-")
-    log = TuningLog(args.log) if args.log else None
-    export(out, model, tensors, parse_target(args.target), batch=args.batch,
-           infer_batch=args.infer_batch, trainable=args.trainable, optimizer=_optimizer(args),
-           log=log, classes=classes)
+    manifest = _export_model(args, out)
     mode = "from scratch" if args.from_scratch else f"trainable {args.trainable}"
-    print(f"compiled {model.arch} ({mode}) into {out}", flush=True)
+    print(f"compiled {manifest['arch']} ({mode}) into {out}", flush=True)
     return out
 
 

@@ -64,8 +64,7 @@ def _liveness_peak(func: relax.Function) -> tuple[int, int]:
     sizes, alias = {}, {}
     for b in bindings:
         v = b.value
-        if isinstance(v, relax.TupleGetItem) or isinstance(v, relax.Tuple) or isinstance(
-                v, relax.Var):
+        if isinstance(v, (relax.TupleGetItem, relax.Tuple, relax.Var)):
             sizes[b.var] = 0  # a view of tensors counted where they were computed
             alias[b.var] = _vars_in(v)
         else:

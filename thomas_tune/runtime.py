@@ -53,8 +53,7 @@ class Session:
                                                   self.device)
         self.batch, self.infer_batch = m["batch"], m["infer_batch"]
         self._t = {k: tvm.runtime.tensor(v, self.device) for k, v in tensors.items()}
-        opt = np.load(os.path.join(export_dir, "optim_state.npz"))
-        self._opt = [tvm.runtime.tensor(opt[f"s{i}"], self.device) for i in range(len(opt.files))]
+        self._opt = self._initial_optimizer_state()
         self._rng = np.random.default_rng(seed)
         self.steps = 0
 
@@ -68,6 +67,18 @@ class Session:
 
     def _ordered(self, names):
         return [self._t[n] for n in names]
+
+    def _initial_optimizer_state(self) -> list:
+        """The optimizer state the export starts from (``optim_state.npz``), on the device."""
+        opt = np.load(os.path.join(self.dir, "optim_state.npz"))
+        return [tvm.runtime.tensor(opt[f"s{i}"], self.device) for i in range(len(opt.files))]
+
+    def dropout_mask(self, shape, p: float) -> np.ndarray:
+        """A fresh inverted-dropout mask, float32 of ``shape``: 0 with probability ``p``, else
+        1 / (1 - p), as ``torch.nn.functional.dropout`` scales (Srivastava et al., JMLR 2014,
+        with the scaling moved to training). Drawn from the session's seeded generator."""
+        keep = self._rng.random(shape) >= p
+        return (keep / (1.0 - p)).astype("float32")
 
     def sync(self) -> None:
         """Wait for the device to finish queued work (for timing)."""
@@ -85,8 +96,7 @@ class Session:
                                  f"{tuple(old.shape)}")
         self._t = {k: tvm.runtime.tensor(np.asarray(tensors[k], dtype="float32"), self.device)
                    for k in self._t}
-        opt = np.load(os.path.join(self.dir, "optim_state.npz"))
-        self._opt = [tvm.runtime.tensor(opt[f"s{i}"], self.device) for i in range(len(opt.files))]
+        self._opt = self._initial_optimizer_state()
         self.steps = 0
 
     def tensors(self) -> dict[str, np.ndarray]:
@@ -126,11 +136,8 @@ class Session:
             raise ValueError(f"labels: expected integer ({self.batch},), got {y.dtype} {y.shape}")
         if y.min() < 0 or y.max() >= self.model.num_classes:
             raise ValueError(f"labels must be in 0..{self.model.num_classes - 1}")
-        masks = []
-        for spec in m["masks"].values():
-            p = spec["p"]
-            keep = self._rng.random(spec["shape"]) >= p
-            masks.append(tvm.runtime.tensor((keep / (1.0 - p)).astype("float32"), self.device))
+        masks = [tvm.runtime.tensor(self.dropout_mask(spec["shape"], spec["p"]), self.device)
+                 for spec in m["masks"].values()]
         args = ([tvm.runtime.tensor(x, self.device), *masks, *self._ordered(m["frozen"]),
                  *self._ordered(m["trainable"]), *self._ordered(m["states"]),
                  tvm.runtime.tensor(y.astype("int64"), self.device)])
