@@ -33,8 +33,11 @@ def start_tracker(host: str = "127.0.0.1", port: int = 9190, port_end: int | Non
 
 
 def _init_device_server():
-    # Runs inside the server process: importing thomas_tune registers its runtime extensions.
+    # Runs inside the server process: importing thomas_tune registers its runtime extensions;
+    # the device lock lets servers sharing a device take turns for timed runs.
     import thomas_tune  # noqa: F401
+    from thomas_tune.runner import register_device_lock
+    register_device_lock()
 
 
 def start_server(tracker: tuple[str, int], key: str, host: str = "127.0.0.1",

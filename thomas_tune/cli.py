@@ -137,11 +137,24 @@ def cmd_tune(args) -> int:
     print(summary(tasks, sum(t.total_flops for t in everything)), flush=True)
     print(f"tuning {len(tasks)} tasks, {args.trials} trials, on {free} server(s) of key "
           f"{args.key!r}; tuning log {log.path}", flush=True)
-    report = tune(tasks, target, log, rpc_runner(tracker, args.key, servers=free), args.trials,
+    runner = rpc_runner(tracker, args.key, servers=args.servers or free,
+                        trial_timeout_s=args.trial_timeout, repeat=args.repeat,
+                        min_repeat_ms=args.min_repeat_ms)
+    report = tune(tasks, target, log, runner, args.trials,
                   trials_per_iter=args.trials_per_iter, seed=args.seed,
-                  population=args.population)
+                  population=args.population, builder_workers=args.build_workers)
     print(f"measured {report.trials} new trials ({report.skipped} candidates already in the "
           f"log were not re-measured; {report.resumed_records} records resumed)")
+    print(f"throughput: {report.throughput_line()}")
+    if args.stats:
+        with open(args.stats, "w") as f:
+            json.dump({"trials": report.trials, "elapsed_s": report.elapsed_s,
+                       "trials_per_s": report.trials_per_s, "split_s": report.time_split(),
+                       "phases": report.phases, "resumed_records": report.resumed_records,
+                       "skipped": report.skipped,
+                       "tasks": [{"name": t.name, "trials": t.trials, "errors": t.errors,
+                                  "best_ms": t.best_s * 1e3 if t.trials else None,
+                                  "gflops": t.gflops} for t in report.tasks]}, f, indent=1)
     for t in report.tasks:
         if t.trials:
             print(f"  {t.name[:56]:<56} {t.trials:>4} trials  best {t.best_s * 1e3:9.4f} ms  "
@@ -410,6 +423,16 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--wait", type=float, default=30, help="seconds to wait for a free server")
     s.add_argument("--population", type=int, default=128,
                    help="evolutionary-search population per round (default 128)")
+    s.add_argument("--servers", type=int, help="device servers measuring at once (default: "
+                   "all free servers of the key)")
+    s.add_argument("--trial-timeout", type=float, default=20.0,
+                   help="seconds before a trial is cut and recorded as an error (default 20)")
+    s.add_argument("--repeat", type=int, default=3, help="timed repeats per trial (default 3)")
+    s.add_argument("--min-repeat-ms", type=float, default=2.0,
+                   help="length of one repeat; runs per repeat are sized from a warm-up run "
+                        "(default 2 ms)")
+    s.add_argument("--build-workers", type=int, help="build processes (default: CPU count)")
+    s.add_argument("--stats", help="write trials/s and the time split as JSON here")
     s.add_argument("--seed", type=int, default=0)
     s.set_defaults(fn=cmd_tune)
 

@@ -1,7 +1,7 @@
 """Tuning: MetaSchedule over an RPC tracker, with the XGBoost cost model and evolutionary search.
 
-Each task's candidates are built locally and measured on a device server that the tracker hands
-out for the device key. Records go to the tuning log as they arrive (one line per trial, see
+Each task's candidates are built locally (:class:`thomas_tune.runner.Builder`) and measured on the
+device servers that the tracker hands out for the device key (:class:`thomas_tune.runner.FarmRunner`). Records go to the tuning log as they arrive (one line per trial, see
 :mod:`thomas_tune.tuning_log`). A run on an existing log resumes: MetaSchedule's evolutionary
 search only de-duplicates within one run, so :class:`ResumingSearch` drops every candidate whose
 schedule is already in the log before it is built, and the new run measures only new ones.
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import os
+import time
 from dataclasses import dataclass, field
 
 import tvm_ffi
@@ -18,24 +19,10 @@ from tqdm import tqdm
 from tvm.s_tir import meta_schedule as ms
 from tvm.ir.utils import derived_object
 
+from .runner import Builder, FarmRunner, Phases
 from .schedules import space_generator
 from .tasks import Task
 from .tuning_log import TuningLog
-
-
-def build_candidate(mod, target, _params=None):
-    """Builder function for MetaSchedule's LocalBuilder workers.
-
-    MetaSchedule's default imports ``tvm.s_tir.tensor_intrin`` in every worker, about 30 s on a
-    2-core machine (CUDA/ROCm intrinsic tables); the LocalBuilder starts new workers for every
-    batch, so that import, not compilation, would dominate tuning. Kernels tuned here use no
-    tensor intrinsics, so the import is skipped; the rest is the default: drop the weight-layout
-    rewrite blocks and build.
-    """
-    from tvm.driver import build as tvm_build
-    from tvm.s_tir.transform import RemoveWeightLayoutRewriteBlock
-
-    return tvm_build(RemoveWeightLayoutRewriteBlock(skip_tensor_rewrite=True)(mod), target=target)
 
 
 @derived_object
@@ -131,24 +118,48 @@ class TuneReport:
     tasks: list[TaskProgress] = field(default_factory=list)
     skipped: int = 0
     resumed_records: int = 0
+    elapsed_s: float = 0.0
+    phases: dict = field(default_factory=dict)
 
     @property
     def trials(self) -> int:
         return sum(t.trials for t in self.tasks)
 
+    @property
+    def trials_per_s(self) -> float:
+        return self.trials / self.elapsed_s if self.elapsed_s > 0 else 0.0
 
-def rpc_runner(tracker: tuple[str, int], key: str, servers: int = 1, number: int = 3,
-               repeat: int = 1, timeout_s: float = 60.0) -> ms.runner.RPCRunner:
-    """MetaSchedule's RPC runner: each trial runs ``number`` times x ``repeat`` on a server of
-    ``key``; a server that dies fails only the trials it holds (MetaSchedule reports them as
-    errors and the tracker stops handing it out)."""
-    return ms.runner.RPCRunner(
-        rpc_config=ms.runner.RPCConfig(tracker_host=tracker[0], tracker_port=tracker[1],
-                                       tracker_key=key, session_timeout_sec=int(timeout_s)),
-        evaluator_config=ms.runner.EvaluatorConfig(number=number, repeat=repeat,
-                                                   min_repeat_ms=0,
-                                                   enable_cpu_cache_flush=False),
-        max_workers=servers)
+    def time_split(self) -> dict[str, float]:
+        """Wall seconds of the run by phase: ``build`` (candidate builds), ``run`` (measurement
+        batches), ``search`` (the rest: evolutionary search, cost model, records)."""
+        wall = self.phases.get("wall_s", {})
+        build, run = wall.get("build", 0.0), wall.get("run", 0.0)
+        return {"total": self.elapsed_s, "search": max(0.0, self.elapsed_s - build - run),
+                "build": build, "run": run}
+
+    def throughput_line(self) -> str:
+        """One line: trials/s and where the time went (s and share)."""
+        split = self.time_split()
+        total = split["total"] or 1.0
+        busy = self.phases.get("busy_s", {})
+        parts = ", ".join(f"{k} {v:.0f} s ({100 * v / total:.0f}%)" for k, v in split.items()
+                          if k != "total")
+        inner = ", ".join(f"{k.split('.', 1)[1]} {v:.1f}" for k, v in sorted(busy.items())
+                          if k.startswith("run.") and k != "run.trial")
+        return (f"{self.trials} trials in {split['total']:.0f} s = {self.trials_per_s:.2f} "
+                f"trials/s; {parts}; per-trial device-side seconds summed: {inner}")
+
+
+def rpc_runner(tracker: tuple[str, int], key: str, servers: int | None = None,
+               trial_timeout_s: float = 20.0, repeat: int = 3, min_repeat_ms: float = 2.0,
+               wait_s: float = 60.0, **kwargs) -> FarmRunner:
+    """The runner over device servers of ``key`` on ``tracker`` (see
+    :class:`thomas_tune.runner.FarmRunner`): ``servers`` measure in parallel (default: those
+    free at the start), each trial is ``repeat`` repeats of about ``min_repeat_ms`` ms, a trial
+    over ``trial_timeout_s`` s is recorded as an error, and trials wait at most ``wait_s`` s
+    when no server of the key can be had."""
+    return FarmRunner(tracker, key, lanes=servers, trial_timeout_s=trial_timeout_s,
+                      repeat=repeat, min_repeat_ms=min_repeat_ms, wait_s=wait_s, **kwargs)
 
 
 def tune(tasks: list[Task], target, log: TuningLog, runner: ms.Runner, trials: int,
@@ -185,13 +196,23 @@ def tune(tasks: list[Task], target, log: TuningLog, runner: ms.Runner, trials: i
     report.tasks = progress
     callbacks = [*ms.measure_callback.MeasureCallback.create("default"),
                  Progress(progress, trials, disable=not show_progress)]
-    builder = ms.builder.LocalBuilder(max_workers=builder_workers or max(1, (os.cpu_count() or 2)),
-                                      f_build=build_candidate, timeout_sec=60)
-    ms.tune_tasks(
-        tasks=contexts, task_weights=weights, work_dir=log.path, max_trials_global=trials,
-        num_trials_per_iter=trials_per_iter, builder=builder, runner=runner, database=database,
-        cost_model="xgb", measure_callbacks=callbacks, task_scheduler="gradient")
-    callbacks[-1].bar.close()
+    phases = getattr(runner, "phases", None) or Phases()
+    builder = Builder(max_workers=builder_workers or max(1, (os.cpu_count() or 2)),
+                      timeout_s=60, phases=phases)
+    t0 = time.perf_counter()
+    try:
+        ms.tune_tasks(
+            tasks=contexts, task_weights=weights, work_dir=log.path, max_trials_global=trials,
+            num_trials_per_iter=trials_per_iter, builder=builder, runner=runner,
+            database=database, cost_model="xgb", measure_callbacks=callbacks,
+            task_scheduler="gradient")
+    finally:
+        callbacks[-1].bar.close()
+        builder.shutdown()
+        if hasattr(runner, "shutdown"):
+            runner.shutdown()
+    report.elapsed_s = time.perf_counter() - t0
+    report.phases = phases.as_dict()
     report.skipped = sum(c.search_strategy.skipped for c in contexts
                          if isinstance(c.search_strategy, ResumingSearch))
     return report

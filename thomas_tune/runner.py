@@ -1,0 +1,523 @@
+"""Builder and Runner of the tuner: how a batch of candidates becomes measured run times.
+
+MetaSchedule's own LocalBuilder starts a fresh pool of worker processes for every batch (each
+worker imports TVM first) and exports candidates as tar files that the device server links with
+its own compiler; its RPCRunner opens one RPC session per candidate (a fork on the server and a
+new OpenCL context). On a GPU that measures a kernel in microseconds, those costs are the tuning
+time. Here:
+
+* :class:`Builder` keeps one pool of build processes for the whole run (recycled every
+  ``recycle_after`` builds per worker) and exports each candidate as a finished shared library,
+  so the device server only loads it.
+* :class:`FarmRunner` keeps one *lane* per device server of the key: a worker process holding one
+  RPC session, reused for every trial until the session nears its timeout or the lane goes idle.
+  Lanes take trials from one queue, so several servers measure in parallel. A trial that hangs is
+  cut after ``trial_timeout_s`` and recorded as an error with that reason; a server that dies
+  costs the trial in flight on it; its lane asks the tracker for a server again and the batch
+  goes on with the others, and fails what is left only when no server of the key could be had
+  for ``wait_s`` seconds.
+* Repeats are sized to the kernel: one warm-up run measures it, then ``number`` runs per repeat
+  are chosen so that each repeat lasts about ``min_repeat_ms``.
+* Device servers started by thomas_tune (``thomas-tune rpc server``) register
+  ``thomas_tune.device_lock``: timed runs of several servers on one device take turns, so
+  parallel servers keep timings clean while uploads and loads overlap. Servers without it (TVM's
+  Android app) are timed as they are.
+
+Both keep wall-time counters (:class:`Phases`) so that a tuning run can say where its time went.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+import os
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+
+from tvm.ir.utils import derived_object
+from tvm.s_tir import meta_schedule as ms
+from tvm.support.popen_pool import PopenPoolExecutor, PopenWorker, StatusKind
+
+
+# ---- phases ---------------------------------------------------------------------------------
+@dataclass
+class Phases:
+    """Seconds spent per phase, summed over workers (``busy``) or as wall time (``wall``)."""
+
+    wall: dict[str, float] = field(default_factory=lambda: collections.defaultdict(float))
+    busy: dict[str, float] = field(default_factory=lambda: collections.defaultdict(float))
+    counts: dict[str, int] = field(default_factory=lambda: collections.defaultdict(int))
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def add(self, name: str, seconds: float, wall: bool = False, n: int = 1) -> None:
+        with self.lock:
+            (self.wall if wall else self.busy)[name] += seconds
+            self.counts[name] += n
+
+    def as_dict(self) -> dict:
+        with self.lock:
+            return {"wall_s": {k: round(v, 3) for k, v in self.wall.items()},
+                    "busy_s": {k: round(v, 3) for k, v in self.busy.items()},
+                    "counts": dict(self.counts)}
+
+
+# ---- builder --------------------------------------------------------------------------------
+def build_candidate(mod, target, _params=None):
+    """Build one candidate (a scheduled TIR IRModule) for ``target``; returns the runtime module.
+
+    MetaSchedule's default also imports ``tvm.s_tir.tensor_intrin`` in every worker (CUDA/ROCm
+    intrinsic tables, tens of seconds); kernels tuned here use no tensor intrinsics, so it is
+    skipped. The weight-layout rewrite blocks are dropped as MetaSchedule does.
+    """
+    from tvm.driver import build as tvm_build
+    from tvm.s_tir.transform import RemoveWeightLayoutRewriteBlock
+
+    return tvm_build(RemoveWeightLayoutRewriteBlock(skip_tensor_rewrite=True)(mod), target=target)
+
+
+def export_candidate(rt_mod, target) -> str:
+    """Write a built candidate as a shared library for the target's host; returns its path.
+
+    The library is linked here (the device server only loads it), with the host's C++ compiler
+    (``tvm.support.cc``'s default for a native host)."""
+    folder = tempfile.mkdtemp(prefix="thomas-tune-cand-")
+    path = os.path.join(folder, "candidate.so")
+    rt_mod.export_library(path)
+    return path
+
+
+def _build_one(mod, target):
+    t0 = time.perf_counter()
+    rt_mod = build_candidate(mod, target)
+    t1 = time.perf_counter()
+    path = export_candidate(rt_mod, target)
+    return path, t1 - t0, time.perf_counter() - t1
+
+
+@derived_object
+class Builder(ms.builder.PyBuilder):
+    """Builds candidates in a pool of ``max_workers`` processes kept for the whole run.
+
+    Each candidate: ``build_candidate`` then ``export_candidate``. A build over ``timeout_s``
+    kills its worker and is reported as a failed build with that reason. Workers are replaced
+    after ``recycle_after`` batches (TVM's build workers grow in memory over many builds).
+    """
+
+    def __init__(self, max_workers: int | None = None, timeout_s: float = 60.0,
+                 recycle_after: int = 50, phases: Phases | None = None):
+        super().__init__()
+        self.max_workers = max_workers or max(1, os.cpu_count() or 1)
+        self.timeout_s = timeout_s
+        self.recycle_after = recycle_after
+        self.phases = phases or Phases()
+        self._pool = None
+        self._batches = 0
+
+    def _get_pool(self) -> PopenPoolExecutor:
+        if self._pool is None or self._batches >= self.recycle_after:
+            if self._pool is not None:
+                self._pool.shutdown()
+            self._pool = PopenPoolExecutor(max_workers=self.max_workers, timeout=self.timeout_s)
+            self._batches = 0
+        self._batches += 1
+        return self._pool
+
+    def build(self, build_inputs):
+        t0 = time.perf_counter()
+        pool = self._get_pool()
+        results = []
+        for r in pool.map_with_error_catching(lambda x: _build_one(*x),
+                                              [(b.mod, b.target) for b in build_inputs]):
+            if r.status == StatusKind.COMPLETE:
+                path, t_build, t_export = r.value
+                self.phases.add("build.compile", t_build)
+                self.phases.add("build.export", t_export)
+                results.append(ms.builder.BuilderResult(path, None))
+            elif r.status == StatusKind.TIMEOUT:
+                results.append(ms.builder.BuilderResult(
+                    None, f"build timed out after {self.timeout_s:g} s (worker killed)"))
+            else:
+                results.append(ms.builder.BuilderResult(None, f"build failed: {r.value}"))
+        self.phases.add("build", time.perf_counter() - t0, wall=True, n=len(build_inputs))
+        return results
+
+    def shutdown(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown()
+            self._pool = None
+
+
+# ---- runner: code that runs inside a lane's worker process ----------------------------------
+_LANE: dict = {}
+
+
+def _lane_open(tracker_host: str, tracker_port: int, key: str, session_timeout_s: float,
+               priority: int) -> str:
+    """(worker) Ask the tracker for a server of ``key``; keep the session. Returns its name."""
+    from tvm import rpc
+    _lane_close()
+    client = rpc.connect_tracker(tracker_host, tracker_port)
+    sess = client.request(key, priority=priority, session_timeout=session_timeout_s, max_retry=1)
+    _LANE.update(session=sess, args={}, locked=None, n=0)
+    try:
+        _LANE["lock"] = sess.get_function("thomas_tune.device_lock")
+    except Exception:  # a server without thomas_tune (e.g. TVM's Android app)
+        _LANE["lock"] = None
+    return str(getattr(sess, "_tbl_index", ""))
+
+
+def _lane_close() -> None:
+    """(worker) Drop the session, if any (the server's session process then ends)."""
+    _LANE.clear()
+
+
+def _lane_ping() -> bool:
+    """(worker) True when the lane's session still answers."""
+    sess = _LANE.get("session")
+    if sess is None:
+        return False
+    return bool(sess.cpu(0).exist)
+
+
+def _alloc(sess, dev, args_info):
+    from tvm.s_tir.meta_schedule.runner.utils import alloc_argument_common
+    fill = sess.get_function("tvm.contrib.random.random_fill_for_measure")
+    return alloc_argument_common(fill, dev, args_info, 1)[0]
+
+
+def _lane_measure(artifact: str, device_type: str, args_info, repeat: int,
+                  min_repeat_ms: float, max_number: int) -> dict:
+    """(worker) Upload, load and time one candidate on the lane's session.
+
+    Returns ``{"costs": [s, ...], "phases": {name: s}}``; raises on any failure.
+    """
+    sess = _LANE["session"]
+    t = {}
+    t0 = time.perf_counter()
+    name = f"c{_LANE['n']}.so"
+    _LANE["n"] += 1
+    sess.upload(artifact, name)
+    t1 = time.perf_counter()
+    t["run.upload"] = t1 - t0
+    mod = sess.load_module(name)
+    dev = sess.device(device_type, 0)
+    key = repr(args_info)
+    args = _LANE["args"].get(key)
+    if args is None:
+        args = _LANE["args"][key] = _alloc(sess, dev, args_info)
+    t2 = time.perf_counter()
+    t["run.load"] = t2 - t1
+    lock = _LANE.get("lock")
+    if lock is not None:
+        lock(1)
+    try:
+        t3 = time.perf_counter()
+        t["run.lock_wait"] = t3 - t2
+        warm = mod.time_evaluator(mod.entry_name, dev, number=1, repeat=1)(*args).mean
+        number = max(1, min(max_number, math.ceil(min_repeat_ms * 1e-3 / max(warm, 1e-9))))
+        res = mod.time_evaluator(mod.entry_name, dev, number=number, repeat=repeat)(*args)
+        t4 = time.perf_counter()
+        t["run.time"] = t4 - t3
+    finally:
+        if lock is not None:
+            lock(0)
+    try:
+        sess.get_function("tvm.rpc.server.remove")(name)
+    except Exception:  # leftovers are removed with the session's folder anyway
+        pass
+    t["run.remove"] = time.perf_counter() - t4
+    return {"costs": [float(c) for c in res.results], "phases": t, "number": number}
+
+
+# ---- runner ---------------------------------------------------------------------------------
+@derived_object
+class _Future(ms.runner.PyRunnerFuture):
+    def __init__(self, batch: "_Batch"):
+        super().__init__()
+        self._event = threading.Event()
+        self._result = None
+        self._batch = batch
+
+    def set(self, costs, error):
+        self._result = (costs, error)
+        self._event.set()
+        self._batch.one_done()
+
+    def done(self) -> bool:
+        return self._event.is_set()
+
+    def result(self):
+        self._event.wait()
+        costs, error = self._result
+        return ms.runner.RunnerResult(costs, error)
+
+
+class _Batch:
+    """Wall time of one run() call: from submission to its last result."""
+
+    def __init__(self, phases: Phases, n: int):
+        self.phases, self.left, self.t0 = phases, n, time.perf_counter()
+        self.lock = threading.Lock()
+
+    def one_done(self) -> None:
+        with self.lock:
+            self.left -= 1
+            if self.left == 0:
+                self.phases.add("run", time.perf_counter() - self.t0, wall=True)
+
+
+class _Lane(threading.Thread):
+    """One device server's worth of measurement: a worker process with one RPC session."""
+
+    def __init__(self, farm: "FarmRunner", index: int):
+        super().__init__(daemon=True, name=f"thomas-tune-lane-{index}")
+        self.farm = farm
+        self.index = index
+        self.worker: PopenWorker | None = None
+        self.has_session = False
+        self.opened_at = 0.0
+        self.waiting_since: float | None = None
+        self.lost: str | None = None
+
+    def _call(self, fn, args, timeout):
+        if self.worker is None:
+            self.worker = PopenWorker()
+        worker = self.worker
+        worker.send(fn, args, timeout=timeout)
+        # The worker enforces ``timeout`` itself; should it not answer (a call that never lets
+        # its timer run), killing it from here makes recv() fail instead of waiting forever.
+        watchdog = threading.Timer(timeout + 10.0, worker.kill)
+        watchdog.daemon = True
+        watchdog.start()
+        try:
+            return worker.recv()
+        finally:
+            watchdog.cancel()
+
+    def _alive(self) -> bool:
+        try:
+            return bool(self._call(_lane_ping, (), timeout=10.0))
+        except Exception:
+            return False
+
+    def _drop(self) -> None:
+        """Kill the worker: its session (and any call stuck in it) goes with it."""
+        if self.worker is not None:
+            self.worker.kill()
+            self.worker = None
+        self.has_session = False
+
+    def _open(self) -> bool:
+        f = self.farm
+        t0 = time.perf_counter()
+        try:
+            self._call(_lane_open, (f.tracker[0], f.tracker[1], f.key, f.session_timeout_s,
+                                    f.priority), timeout=f.open_slice_s)
+        except Exception as err:  # tracker busy or down, no free server yet: try again later
+            self._drop()
+            if self.waiting_since is None:
+                self.waiting_since = time.monotonic()
+                f.say(f"lane {self.index}: no device server of key {f.key!r} yet "
+                      f"({_short(err)}); waiting up to {f.wait_s:g} s while "
+                      f"{f.live_lanes()} other lane(s) measure")
+            return False
+        f.phases.add("run.session_open", time.perf_counter() - t0)
+        if self.lost is not None:
+            f.say(f"lane {self.index}: back in service after losing its server ({self.lost})")
+            self.lost = None
+        self.has_session, self.opened_at, self.waiting_since = True, time.monotonic(), None
+        return True
+
+    def run(self) -> None:
+        f = self.farm
+        while not f.stopped:
+            item = None
+            with f.cond:
+                while not f.queue and not f.stopped:
+                    if not f.cond.wait(timeout=f.idle_close_s) and self.has_session:
+                        self._drop()  # idle: free the server for others
+                if f.stopped:
+                    break
+            # keep a session young enough that a trial cannot run into its timeout
+            if self.has_session and (time.monotonic() - self.opened_at
+                                     > f.session_timeout_s - 2 * f.trial_timeout_s):
+                self._drop()
+            if not self.has_session and not self._open():
+                f.check_starved()
+                time.sleep(0.2)
+                continue
+            with f.cond:
+                if f.queue:
+                    item = f.queue.popleft()
+            if item is None:
+                continue
+            inp, fut = item
+            t0 = time.perf_counter()
+            try:
+                out = self._call(_lane_measure, (str(inp.artifact_path), str(inp.device_type),
+                                                 tuple(a.as_json() for a in inp.args_info),
+                                                 f.repeat, f.min_repeat_ms, f.max_number),
+                                 timeout=f.trial_timeout_s)
+                for k, v in out["phases"].items():
+                    f.phases.add(k, v)
+                f.phases.add("run.trial", time.perf_counter() - t0)
+                fut.set(out["costs"], None)
+            except TimeoutError:
+                self._drop()
+                self.lost = f"trial timed out after {f.trial_timeout_s:g} s"
+                fut.set(None, f"run timed out after {f.trial_timeout_s:g} s on a server of key "
+                              f"{f.key!r}; the session was closed and a server requested again")
+            except Exception as err:
+                msg = _short(err)
+                if isinstance(err, ChildProcessError) or not self._alive():
+                    self._drop()
+                    self.lost = msg
+                    f.say(f"lane {self.index}: device server lost during a trial ({msg}); "
+                          f"the trial is recorded as an error, {f.live_lanes()} other lane(s) "
+                          "go on")
+                    fut.set(None, f"device server lost during the trial: {msg}")
+                else:
+                    fut.set(None, f"run failed: {msg}")
+        self._drop()
+
+
+def _short(err: BaseException | str, limit: int = 400) -> str:
+    text = str(err).strip()
+    lines = [ln for ln in text.splitlines() if ln.strip()]
+    # TVM errors end with the message; tracebacks start with "Traceback"
+    msg = lines[-1] if lines else type(err).__name__ if isinstance(err, BaseException) else ""
+    return msg[:limit]
+
+
+@derived_object
+class FarmRunner(ms.runner.PyRunner):
+    """Measures candidates on the device servers of ``key`` registered with ``tracker``.
+
+    ``lanes``: servers used at once (default: the free servers of the key at the first batch).
+    ``trial_timeout_s``: a trial running longer is cut and recorded as an error.
+    ``repeat``: timed repeats per trial; ``min_repeat_ms``: length of each repeat (the number of
+    runs per repeat is sized from a warm-up run, at most ``max_number``).
+    ``wait_s``: how long queued trials wait when no server of the key can be had at all.
+    ``session_timeout_s``: the session lifetime asked of the server (it kills the session after
+    that, which also frees a server stuck in a hung kernel).
+    """
+
+    def __init__(self, tracker: tuple[str, int], key: str, lanes: int | None = None,
+                 trial_timeout_s: float = 20.0, repeat: int = 3, min_repeat_ms: float = 2.0,
+                 max_number: int = 1000, wait_s: float = 60.0, session_timeout_s: float = 180.0,
+                 idle_close_s: float = 20.0, priority: int = 1, phases: Phases | None = None,
+                 log=sys.stderr):
+        super().__init__()
+        self.tracker, self.key = tuple(tracker), key
+        self.lanes_wanted = lanes
+        self.trial_timeout_s, self.repeat, self.min_repeat_ms = trial_timeout_s, repeat, \
+            min_repeat_ms
+        self.max_number, self.wait_s, self.priority = max_number, wait_s, priority
+        self.session_timeout_s = max(session_timeout_s, 4 * trial_timeout_s)
+        self.idle_close_s = idle_close_s
+        self.open_slice_s = min(10.0, wait_s)
+        self.phases = phases or Phases()
+        self.log = log
+        self.queue: collections.deque = collections.deque()
+        self.cond = threading.Condition()
+        self.stopped = False
+        self.lanes: list[_Lane] = []
+
+    def say(self, text: str) -> None:
+        if self.log is not None:
+            print(f"[runner] {text}", file=self.log, flush=True)
+
+    def live_lanes(self) -> int:
+        return sum(1 for lane in self.lanes if lane.has_session)
+
+    def check_starved(self) -> None:
+        """Fail the queued trials when every lane has waited ``wait_s`` for a server."""
+        now = time.monotonic()
+        if not self.lanes or any(lane.waiting_since is None or now - lane.waiting_since
+                                 < self.wait_s for lane in self.lanes):
+            return
+        with self.cond:
+            dropped = list(self.queue)
+            self.queue.clear()
+        for inp, fut in dropped:
+            fut.set(None, f"no device server of key {self.key!r} on tracker "
+                          f"{self.tracker[0]}:{self.tracker[1]} for {self.wait_s:g} s")
+        if dropped:
+            self.say(f"no device server of key {self.key!r} for {self.wait_s:g} s: "
+                     f"{len(dropped)} queued trial(s) recorded as errors; still waiting")
+            for lane in self.lanes:
+                lane.waiting_since = time.monotonic()
+
+    def _start_lanes(self) -> None:
+        n = self.lanes_wanted
+        if n is None:
+            from tvm import rpc
+            try:
+                info = rpc.connect_tracker(*self.tracker).summary()["queue_info"]
+                n = max(1, int(info.get(self.key, {}).get("free", 1)))
+            except Exception:
+                n = 1
+        self.lanes = [_Lane(self, i) for i in range(n)]
+        for lane in self.lanes:
+            lane.start()
+        self.say(f"measuring on {n} device server(s) of key {self.key!r}")
+
+    def run(self, runner_inputs):
+        if not self.lanes:
+            self._start_lanes()
+        futures = []
+        batch = _Batch(self.phases, len(runner_inputs))
+        with self.cond:
+            for inp in runner_inputs:
+                fut = _Future(batch)
+                self.queue.append((inp, fut))
+                futures.append(fut)
+            self.cond.notify_all()
+        return futures
+
+    def shutdown(self) -> None:
+        """Stop the lanes and close their sessions (queued trials fail as cancelled)."""
+        self.stopped = True
+        with self.cond:
+            left = list(self.queue)
+            self.queue.clear()
+            self.cond.notify_all()
+        for _, fut in left:
+            fut.set(None, "cancelled: the runner was shut down")
+        for lane in self.lanes:
+            lane.join(timeout=5)
+            lane._drop()
+
+
+# ---- device side ----------------------------------------------------------------------------
+def register_device_lock(path: str | None = None) -> str:
+    """Register ``thomas_tune.device_lock(on)`` in this (device server) process.
+
+    ``on=1`` waits for an exclusive lock on ``path`` (default: one file per user in the temp
+    folder), ``on=0`` releases it: device servers of one machine that share a device take turns
+    for their timed runs. The lock is an advisory ``flock`` (released if the process dies).
+    Returns the lock file's path.
+    """
+    import fcntl
+
+    import tvm
+
+    path = path or os.path.join(tempfile.gettempdir(), f"thomas-tune-device-{os.getuid()}.lock")
+    held: dict[str, int] = {}
+
+    def device_lock(on: int) -> int:
+        if on and "fd" not in held:
+            fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o666)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            held["fd"] = fd
+        elif not on and "fd" in held:
+            fd = held.pop("fd")
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            os.close(fd)
+        return 0
+
+    tvm.register_global_func("thomas_tune.device_lock", device_lock, override=True)
+    return path
