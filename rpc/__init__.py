@@ -9,7 +9,9 @@ key in the app. Everything binds to 127.0.0.1 unless told otherwise.
 from __future__ import annotations
 
 import contextlib
+import os
 import socket
+import sys
 import threading
 import time
 
@@ -32,12 +34,41 @@ def start_tracker(host: str = "127.0.0.1", port: int = 9190, port_end: int | Non
     return rpc_tracker.Tracker(host, port=port, port_end=port_end or port + 100, silent=True)
 
 
+def keep_serving_after_crashes() -> None:
+    """Make this process's TVM RPC server survive a session process that crashes.
+
+    TVM's server runs each session in a child process and raises when that child exits
+    abnormally (a kernel that segfaults or aborts), which ends its listening loop: the server is
+    gone for good. Wrapped here, such a session costs only itself (its client sees the
+    connection drop) and the server goes back to listening."""
+    from tvm.rpc import server as tvm_server
+
+    if getattr(tvm_server._serving, "_thomas_tune", False):
+        return
+    original = tvm_server._serving
+
+    def serving(sock, addr, opts, load_library):
+        cwd = os.getcwd()
+        try:
+            original(sock, addr, opts, load_library)
+        except RuntimeError as err:
+            print(f"device server: a session ended abnormally ({err}); still serving",
+                  file=sys.stderr, flush=True)
+            os.chdir(cwd)
+            with contextlib.suppress(OSError):
+                sock.close()
+
+    serving._thomas_tune = True
+    tvm_server._serving = serving
+
+
 def _init_device_server():
     # Runs inside the server process: importing thomas_tune registers its runtime extensions;
     # the device lock lets servers sharing a device take turns for timed runs.
     import thomas_tune  # noqa: F401
     from thomas_tune.runner import register_device_lock
     register_device_lock()
+    keep_serving_after_crashes()
 
 
 def start_server(tracker: tuple[str, int], key: str, host: str = "127.0.0.1",

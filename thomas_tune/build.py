@@ -9,43 +9,11 @@ from __future__ import annotations
 import tvm
 import tvm_ffi
 from tvm import relax
-from tvm.s_tir import dlight as dl
 from tvm.s_tir import meta_schedule as ms
 
+from .schedules import default_gpu_schedules
 from .target import is_gpu
 from .tasks import fuse
-
-
-GPU_RULES = (dl.gpu.Matmul, dl.gpu.GEMV, dl.gpu.Reduction, dl.gpu.GeneralReduction)
-
-
-def default_gpu_schedules(mod: tvm.IRModule, target: tvm.target.Target) -> tvm.IRModule:
-    """Give every kernel without a schedule (no tuning record) dlight's default GPU schedule.
-
-    Rules are tried in order per kernel (matmul, GEMV, reduction, general reduction); a rule
-    that does not match, or fails on an unusual backward kernel (some dlight rules assert on
-    them in this TVM), is skipped, and ``Fallback`` (thread-bound loops) always applies.
-    """
-    out = tvm.IRModule(mod.functions, attrs=mod.attrs)
-    for gv, func in mod.functions.items():
-        if not isinstance(func, tvm.tirx.PrimFunc) or func.attrs is not None and \
-                func.attrs.get("tir.is_scheduled", False):
-            continue
-        sch = None
-        for rule in (*[r() for r in GPU_RULES], dl.gpu.Fallback()):
-            try:
-                with target:
-                    sch = rule.apply(func, target, False)
-            except Exception:  # a rule that cannot handle this kernel: try the next
-                sch = None
-            if isinstance(sch, list):
-                sch = sch[0] if sch else None
-            if sch is not None:
-                break
-        if sch is None:
-            raise ValueError(f"no GPU schedule for kernel {gv.name_hint}")
-        out[gv] = sch.mod["main"].with_attr("tir.is_scheduled", True)
-    return out
 
 
 def _pipeline(target: tvm.target.Target, database: ms.Database | None):

@@ -125,21 +125,39 @@ def cmd_tune(args) -> int:
     from . import rpc
     from .target import parse_target
     from .tasks import extract, select, summary
-    from .tune import rpc_runner, tune
+    import math
+
+    from .tune import rpc_runner, tune, workload_key
     from .tuning_log import TuningLog
     model, _, _ = _model(args)
     target = parse_target(args.target)
     tracker = rpc.parse_address(args.tracker)
     free = rpc.wait_for_key(tracker, args.key, timeout=args.wait)
     everything = extract(_graphs(args, model), target)
-    tasks = select(everything, top=args.top, flops_share=args.flops_share)
     log = TuningLog(args.log or _default_log(args, model, args.key))
-    print(summary(tasks, sum(t.total_flops for t in everything)), flush=True)
-    print(f"tuning {len(tasks)} tasks, {args.trials} trials, on {free} server(s) of key "
-          f"{args.key!r}; tuning log {log.path}", flush=True)
     runner = rpc_runner(tracker, args.key, servers=args.servers or free,
                         trial_timeout_s=args.trial_timeout, repeat=args.repeat,
                         min_repeat_ms=args.min_repeat_ms)
+    if args.time_share:
+        from .tune import measure_defaults, select_by_time
+        t0 = time.perf_counter()
+        latency = measure_defaults(everything, target, runner, log,
+                                   builder_workers=args.build_workers)
+        step_ms = sum(latency.get(workload_key(t), 0.0) * t.weight for t in everything
+                      if math.isfinite(latency.get(workload_key(t), 0.0))) * 1e3
+        failed = sum(1 for v in latency.values() if not math.isfinite(v))
+        print(f"default schedules: {len(everything)} kernels sum to {step_ms:.1f} ms per "
+              f"pass of all graphs ({failed} failed to run); measured in "
+              f"{time.perf_counter() - t0:.0f} s, cached in {log.path}", flush=True)
+        tasks = select_by_time(select(everything, top=None, flops_share=None, skip_empty=False),
+                               latency, args.time_share)
+        if args.top:
+            tasks = tasks[:args.top]
+    else:
+        tasks = select(everything, top=args.top, flops_share=args.flops_share)
+    print(summary(tasks, sum(t.total_flops for t in everything)), flush=True)
+    print(f"tuning {len(tasks)} tasks, {args.trials} trials, on {free} server(s) of key "
+          f"{args.key!r}; tuning log {log.path}", flush=True)
     report = tune(tasks, target, log, runner, args.trials,
                   trials_per_iter=args.trials_per_iter, seed=args.seed,
                   population=args.population, builder_workers=args.build_workers)
@@ -419,6 +437,9 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--top", type=int, help="tune only the N tasks with the most FLOPs")
     s.add_argument("--flops-share", type=float,
                    help="tune the fewest largest tasks covering this share of FLOPs")
+    s.add_argument("--time-share", type=float,
+                   help="first time every kernel with its default schedule on the device, then "
+                        "tune the fewest slowest tasks covering this share of that time")
     s.add_argument("--log", help="tuning-log folder (default tuning_logs/<key>/<model tag>)")
     s.add_argument("--wait", type=float, default=30, help="seconds to wait for a free server")
     s.add_argument("--population", type=int, default=128,

@@ -16,8 +16,8 @@ GPU_KINDS = ("opencl", "cuda", "vulkan", "metal", "rocm")
 
 def parse_target(text: str | dict | tvm.target.Target) -> tvm.target.Target:
     """Build a target from ``llvm``, ``opencl``, ``opencl:N`` (built from what this machine's
-    OpenCL device N reports: work-group size, local memory), a tag (``qcom/adreno-opencl``) or
-    JSON.
+    OpenCL device N reports: work-group size, local memory), a tag (``qcom/adreno-opencl``),
+    JSON, or a ``.json`` file holding JSON.
 
     A GPU target gets an ``llvm`` host. Raises ValueError naming the accepted forms.
     """
@@ -25,6 +25,12 @@ def parse_target(text: str | dict | tvm.target.Target) -> tvm.target.Target:
         return text
     if isinstance(text, str):
         text = text.strip()
+        if text.endswith(".json") and not text.startswith("{"):
+            try:
+                with open(text) as f:
+                    text = f.read().strip()
+            except OSError as err:
+                raise ValueError(f"target file {text!r}: {err.strerror}") from err
         if text.startswith("opencl:") and text[7:].isdigit():
             from .opencl import target_for  # limits as this machine's OpenCL device reports
             return target_for(int(text[7:]))

@@ -9,8 +9,10 @@ schedule is already in the log before it is built, and the new run measures only
 
 from __future__ import annotations
 
+import collections
 import math
 import os
+import sys
 import time
 from dataclasses import dataclass, field
 
@@ -216,3 +218,97 @@ def tune(tasks: list[Task], target, log: TuningLog, runner: ms.Runner, trials: i
     report.skipped = sum(c.search_strategy.skipped for c in contexts
                          if isinstance(c.search_strategy, ResumingSearch))
     return report
+
+
+DEFAULT_LATENCY = "default_latency.json"
+
+
+def measure_defaults(tasks: list[Task], target, runner, log: TuningLog | None = None,
+                     builder_workers: int | None = None) -> dict[str, float]:
+    """Time every task's kernel with its default schedule (no tuning) on the runner's device.
+
+    Returns ``{workload key: seconds per call}`` (key: :func:`workload_key`); a kernel whose
+    build or run fails gets ``inf``. With ``log``, results are cached in the tuning-log folder
+    (``default_latency.json``, written atomically) and only missing tasks are measured. These
+    times x call counts say where an untuned training step spends its time, which is what
+    ``select_by_time`` ranks tasks by. On CPU targets the default is MetaSchedule's unscheduled
+    kernel, compiled as is.
+    """
+    import json
+    import tempfile
+
+    import tvm
+    from tvm.s_tir.meta_schedule.arg_info import ArgInfo
+
+    from .schedules import default_gpu_schedules
+    from .target import device_kind, is_gpu
+
+    cache_path = os.path.join(log.path, DEFAULT_LATENCY) if log is not None else None
+    known: dict[str, float] = {}
+    if cache_path and os.path.exists(cache_path):
+        with open(cache_path) as f:
+            known = {k: float(v) for k, v in json.load(f).items()}
+    todo = [t for t in tasks if workload_key(t) not in known]
+    if todo:
+        mods = []
+        for t in todo:
+            mod = tvm.IRModule({"main": t.mod["main"]})
+            mods.append(default_gpu_schedules(mod, target) if is_gpu(target) else mod)
+        builder = Builder(max_workers=builder_workers, timeout_s=120)
+        try:
+            built = builder.build([ms.builder.BuilderInput(m, target) for m in mods])
+        finally:
+            builder.shutdown()
+        inputs, owners, errors = [], [], collections.Counter()
+        for t, m, b in zip(todo, mods, built):
+            if b.error_msg is not None:
+                known[workload_key(t)] = math.inf
+                errors[b.error_msg.strip().splitlines()[-1][:160]] += 1
+                continue
+            inputs.append(ms.runner.RunnerInput(b.artifact_path, device_kind(target),
+                                                ArgInfo.from_prim_func(m["main"])))
+            owners.append(t)
+        for t, fut in zip(owners, runner.run(inputs)):
+            r = fut.result()
+            ok = r.error_msg is None and r.run_secs
+            known[workload_key(t)] = (sum(float(s) for s in r.run_secs) / len(r.run_secs)
+                                      if ok else math.inf)
+            if not ok:
+                errors[str(r.error_msg).strip().splitlines()[-1][:160]] += 1
+        for why, n in errors.most_common(5):
+            print(f"default schedules: {n} kernel(s) failed: {why}", file=sys.stderr)
+        for inp in inputs:
+            import shutil
+            shutil.rmtree(os.path.dirname(str(inp.artifact_path)), ignore_errors=True)
+        if cache_path:
+            os.makedirs(log.path, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=log.path)
+            with os.fdopen(fd, "w") as f:
+                json.dump({k: (v if math.isfinite(v) else None) for k, v in known.items()}, f,
+                          indent=0)
+            os.replace(tmp, cache_path)
+    return {k: (math.inf if v is None else v) for k, v in known.items()}
+
+
+def workload_key(task: Task) -> str:
+    """A stable key of a task's workload (structural hash of its TIR, as a decimal string)."""
+    return str(tvm_ffi.structural_hash(task.mod))
+
+
+def select_by_time(tasks: list[Task], latency: dict[str, float], time_share: float) -> list[Task]:
+    """The fewest tasks whose default-schedule time x calls covers ``time_share`` (0..1] of the
+    untuned step's kernel time, slowest first. Tasks that failed to run by default (``inf``)
+    are taken first: they must be tuned. Raises ValueError for a share outside (0, 1]."""
+    if not 0 < time_share <= 1:
+        raise ValueError(f"--time-share must be in (0, 1], got {time_share}")
+    cost = {id(t): latency.get(workload_key(t), 0.0) * t.weight for t in tasks}
+    ranked = sorted(tasks, key=lambda t: -cost[id(t)])
+    finite = sum(c for c in cost.values() if math.isfinite(c))
+    out, acc = [], 0.0
+    for t in ranked:
+        c = cost[id(t)]
+        if math.isfinite(c) and acc >= time_share * finite:
+            break
+        out.append(t)
+        acc += c if math.isfinite(c) else 0.0
+    return out

@@ -1,0 +1,98 @@
+#!/usr/bin/env bash
+# Tuning on the device tool's GPU machine with the product's own flow: a tracker, device
+# servers on NVIDIA OpenCL, and 'thomas-tune tune' runs started with setsid, so they go on
+# between calls until the machine goes back. State lives in /tmp/tt (kept on a warm machine).
+#   park    copy part 1 of the TVM tree (.devcarry/p1) to /tmp/tt
+#   start   set up (part 2: .devcarry/p2), start tracker, servers and the tuning jobs; resumes
+#           from /tmp/tt/logs when the machine is warm, else from the tree's tuning_logs/
+#   status  progress of each job; the tuning logs and outputs come back as $OUT/gpu_logs.tgz
+#   stop    stop everything
+# Environment: JOBS (default: every job in bench/gpu_jobs.txt), SERVERS (4), TRIALS (20000).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+TT=/tmp/tt
+SITE=$TT/site
+KEY=h100
+PORT=9190
+mkdir -p $TT
+export PYTHONPATH=$SITE PYTHONUNBUFFERED=1 THOMAS_TUNE_OPENCL_PLATFORM=NVIDIA
+export TVM_FFI_DISABLE_TORCH_C_DLPACK=1
+CL_LIB=$(ldconfig -p 2>/dev/null | awk '/libOpenCL.so.1/{print $NF; exit}')
+[ -n "$CL_LIB" ] || CL_LIB=/usr/local/cuda/targets/x86_64-linux/lib/libOpenCL.so.1
+export THOMAS_TUNE_OPENCL_LIB=$CL_LIB
+PY="python3 -m thomas_tune.cli"
+
+setup() {
+  [ -s $TT/tvm.part.aa ] || { echo "run 'park' first (part 1 is not in $TT)"; exit 3; }
+  if ! [ -e $SITE/tvm/lib/libtvm_compiler.so ]; then
+    t0=$(date +%s)
+    mkdir -p $SITE
+    cat $TT/tvm.part.aa .devcarry/p2/tvm.part.ab | xz -d | tar -x -C $SITE || exit 4
+    python3 -m pip install -q --no-index --no-deps --no-compile --target $SITE .devcarry/p2/*.whl || exit 5
+    echo "TVM tree and wheels installed in $(( $(date +%s) - t0 )) s"
+  fi
+  [ -e /usr/include/CL/cl.h ] || tar -C /usr/include -xJf .devcarry/p2/cl-headers.tar.xz
+  mkdir -p /etc/OpenCL/vendors
+  [ -e /etc/OpenCL/vendors/nvidia.icd ] || echo libnvidia-opencl.so.1 > /etc/OpenCL/vendors/nvidia.icd
+  # the project itself, as a copy (the work tree is replaced at every call)
+  rm -rf $TT/build-src && mkdir -p $TT/build-src && cp -r setup.cfg pyproject.toml README.md thomas_tune models schedules rpc $TT/build-src/
+  python3 -m pip install -q --no-index --no-deps --no-build-isolation --upgrade --target $SITE $TT/build-src >/dev/null 2>&1 \
+    || python3 -m pip install --no-index --no-deps --no-build-isolation --upgrade --target $SITE $TT/build-src
+  python3 -c "import thomas_tune.opencl as o; print(o.devices())"
+}
+
+jobs_list() {
+  grep -v '^#' bench/gpu_jobs.txt | grep -v '^\s*$' | { if [ -n "${JOBS:-}" ]; then grep -E "^(${JOBS// /|}) "; else cat; fi; }
+}
+
+start_services() {
+  if ! pgrep -f "thomas_tune.cli rpc tracker" >/dev/null; then
+    setsid nohup $PY rpc tracker --port $PORT > $TT/tracker.out 2>&1 < /dev/null &
+    sleep 3
+  fi
+  local have; have=$(pgrep -fc "thomas_tune.cli rpc server" || true)
+  for i in $(seq $((have + 1)) ${SERVERS:-4}); do
+    setsid nohup $PY rpc server --tracker 127.0.0.1:$PORT --key $KEY --target opencl \
+      --port $((9100 + i * 10)) > $TT/server$i.out 2>&1 < /dev/null &
+  done
+  sleep 8
+}
+
+start_jobs() {
+  mkdir -p $TT/logs $TT/out
+  jobs_list | while read -r name args; do
+    if pgrep -f "tt-job=$name " >/dev/null; then echo "$name: running"; continue; fi
+    log=$TT/logs/$name
+    if ! [ -s $log/database_tuning_record.json ] && [ -d tuning_logs/$KEY/$name ]; then
+      mkdir -p $log && cp tuning_logs/$KEY/$name/* $log/     # resume from the committed log
+    fi
+    echo "$name: starting ($args)"
+    setsid nohup bash -c "exec -a 'tt-job=$name ' $PY tune $args --tracker 127.0.0.1:$PORT \
+      --key $KEY --log $log --stats $TT/out/$name.stats.json --trials ${TRIALS:-20000}" \
+      > $TT/out/$name.out 2>&1 < /dev/null &
+  done
+}
+
+status() {
+  for f in $TT/out/*.out; do
+    [ -e "$f" ] || continue
+    n=$(basename $f .out)
+    recs=$(cat $TT/logs/$n/database_tuning_record.json 2>/dev/null | wc -l)
+    echo "== $n: $recs records; $(pgrep -f "tt-job=$n " >/dev/null && echo running || echo stopped)"
+    grep -E "default schedules|tuning [0-9]+ tasks|throughput|measured|error|Error" $f | tail -4
+    tail -c 400 $f | tr '\r' '\n' | grep -v '^\s*$' | tail -1
+  done
+  grep -h "runner\]" $TT/out/*.out 2>/dev/null | tail -5
+  if [ -n "${OUT:-}" ]; then
+    tar -C $TT -czf $OUT/gpu_logs.tgz logs out 2>/dev/null
+    ls -la $OUT
+  fi
+}
+
+case "${1:-status}" in
+  park) cp .devcarry/p1/tvm.part.aa $TT/ && ls -la $TT ;;
+  start) setup && start_services && start_jobs && sleep ${WAIT:-60} && status ;;
+  status) status ;;
+  stop) pkill -f "tt-job=" ; pkill -f "thomas_tune.cli rpc" ; status ;;
+  *) echo "usage: $0 park|start|status|stop"; exit 2 ;;
+esac
