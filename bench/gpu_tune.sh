@@ -15,12 +15,14 @@ SITE=$TT/site
 KEY=h100
 PORT=9190
 mkdir -p $TT
-export PYTHONPATH=$SITE PYTHONUNBUFFERED=1 THOMAS_TUNE_OPENCL_PLATFORM=NVIDIA
+# PYTHONSAFEPATH: this process and its children (build workers, RPC servers) import the
+# installed copy, never ./thomas_tune of the work tree (which lacks the package_dir mapping)
+export PYTHONPATH=$SITE PYTHONSAFEPATH=1 PYTHONUNBUFFERED=1 THOMAS_TUNE_OPENCL_PLATFORM=NVIDIA
 export TVM_FFI_DISABLE_TORCH_C_DLPACK=1
 CL_LIB=$(ldconfig -p 2>/dev/null | awk '/libOpenCL.so.1/{print $NF; exit}')
 [ -n "$CL_LIB" ] || CL_LIB=/usr/local/cuda/targets/x86_64-linux/lib/libOpenCL.so.1
 export THOMAS_TUNE_OPENCL_LIB=$CL_LIB
-PY="python3 -m thomas_tune.cli"
+PY="python3 -P -m thomas_tune.cli"   # -P: the installed copy, not ./thomas_tune
 
 setup() {
   [ -s $TT/tvm.part.aa ] || { echo "run 'park' first (part 1 is not in $TT)"; exit 3; }
@@ -61,14 +63,14 @@ start_services() {
 start_jobs() {
   mkdir -p $TT/logs $TT/out
   jobs_list | while read -r name args; do
-    if pgrep -f "tt-job=$name " >/dev/null; then echo "$name: running"; continue; fi
+    if pgrep -f -- "--log $TT/logs/$name " >/dev/null; then echo "$name: running"; continue; fi
     log=$TT/logs/$name
     if ! [ -s $log/database_tuning_record.json ] && [ -d tuning_logs/$KEY/$name ]; then
       mkdir -p $log && cp tuning_logs/$KEY/$name/* $log/     # resume from the committed log
     fi
     echo "$name: starting ($args)"
-    setsid nohup bash -c "exec -a 'tt-job=$name ' $PY tune $args --tracker 127.0.0.1:$PORT \
-      --key $KEY --log $log --stats $TT/out/$name.stats.json --trials ${TRIALS:-20000}" \
+    setsid nohup $PY tune $args --tracker 127.0.0.1:$PORT --key $KEY --log $log \
+      --stats $TT/out/$name.stats.json --trials ${TRIALS:-20000} \
       > $TT/out/$name.out 2>&1 < /dev/null &
   done
 }
@@ -78,7 +80,7 @@ status() {
     [ -e "$f" ] || continue
     n=$(basename $f .out)
     recs=$(cat $TT/logs/$n/database_tuning_record.json 2>/dev/null | wc -l)
-    echo "== $n: $recs records; $(pgrep -f "tt-job=$n " >/dev/null && echo running || echo stopped)"
+    echo "== $n: $recs records; $(pgrep -f -- "--log $TT/logs/$n " >/dev/null && echo running || echo stopped)"
     grep -E "default schedules|tuning [0-9]+ tasks|throughput|measured|error|Error" $f | tail -4
     tail -c 400 $f | tr '\r' '\n' | grep -v '^\s*$' | tail -1
   done
@@ -93,6 +95,6 @@ case "${1:-status}" in
   park) cp .devcarry/p1/tvm.part.aa $TT/ && ls -la $TT ;;
   start) setup && start_services && start_jobs && sleep ${WAIT:-60} && status ;;
   status) status ;;
-  stop) pkill -f "tt-job=" ; pkill -f "thomas_tune.cli rpc" ; status ;;
+  stop) pkill -f "thomas_tune.cli tune" ; pkill -f "thomas_tune.cli rpc" ; status ;;
   *) echo "usage: $0 park|start|status|stop"; exit 2 ;;
 esac

@@ -11,6 +11,7 @@ so cross-thread reductions use plain workgroup barriers).
 from __future__ import annotations
 
 import tvm
+from tvm.s_tir import dlight as dl
 from tvm.s_tir import meta_schedule as ms
 
 
@@ -81,3 +82,35 @@ def space_generator(target: tvm.target.Target) -> ms.SpaceGenerator:
     return ms.space_generator.PostOrderApply(sch_rules=gpu_rules(target),
                                              postprocs=gpu_postprocs(),
                                              mutator_probs=gpu_mutators())
+
+
+GPU_RULES = (dl.gpu.Matmul, dl.gpu.GEMV, dl.gpu.Reduction, dl.gpu.GeneralReduction)
+
+
+def default_gpu_schedules(mod: tvm.IRModule, target: tvm.target.Target) -> tvm.IRModule:
+    """Give every kernel without a schedule (no tuning record) dlight's default GPU schedule.
+
+    Rules are tried in order per kernel (matmul, GEMV, reduction, general reduction); a rule
+    that does not match, or fails on an unusual backward kernel (some dlight rules assert on
+    them in this TVM), is skipped, and ``Fallback`` (thread-bound loops) always applies.
+    """
+    out = tvm.IRModule(mod.functions, attrs=mod.attrs)
+    for gv, func in mod.functions.items():
+        if not isinstance(func, tvm.tirx.PrimFunc) or func.attrs is not None and \
+                func.attrs.get("tir.is_scheduled", False):
+            continue
+        sch = None
+        for rule in (*[r() for r in GPU_RULES], dl.gpu.Fallback()):
+            try:
+                with target:
+                    sch = rule.apply(func, target, False)
+            except Exception:  # a rule that cannot handle this kernel: try the next
+                sch = None
+            if isinstance(sch, list):
+                sch = sch[0] if sch else None
+            if sch is not None:
+                break
+        if sch is None:
+            raise ValueError(f"no GPU schedule for kernel {gv.name_hint}")
+        out[gv] = sch.mod["main"].with_attr("tir.is_scheduled", True)
+    return out
