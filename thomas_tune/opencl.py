@@ -181,6 +181,25 @@ def available() -> bool:
     return num_devices() > 0
 
 
+def stats() -> dict:
+    """Counters of this process's sidecar: ``source_builds`` (programs compiled from OpenCL C),
+    ``binary_loads`` (programs created from the on-disk binary cache), ``binary_rejected``
+    (cache files not used: damaged or refused by the driver; the program was then built from
+    source), ``binary_writes`` / ``write_failures`` (cache files written / not written),
+    ``launches`` (kernels enqueued), ``source_build_s`` / ``binary_load_s`` (seconds spent)."""
+    import json
+    load()
+    return json.loads(str(tvm_ffi.get_global_func("thomas_tune.opencl.stats")()))
+
+
+def binary_cache_dir() -> str:
+    """The folder of the OpenCL program-binary cache ("" when ``THOMAS_TUNE_OPENCL_CACHE=off``):
+    ``THOMAS_TUNE_OPENCL_CACHE``, else ``$THOMAS_TUNE_CACHE/opencl``, else
+    ``~/.cache/thomas_tune/opencl``. Read at each program build, so it may change at run time."""
+    load()
+    return str(tvm_ffi.get_global_func("thomas_tune.opencl.cache_dir")())
+
+
 def num_devices() -> int:
     return int(tvm_ffi.get_global_func("thomas_tune.opencl.num_devices")())
 

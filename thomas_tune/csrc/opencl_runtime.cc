@@ -12,6 +12,17 @@
 //
 // Memory: a device pointer is the cl_mem handle itself; views with a byte offset are not used
 // by thomas_tune's graphs and are refused with a clear error.
+//
+// Program binaries: a module's OpenCL program is built from source once per device and its
+// binary (clGetProgramInfo(CL_PROGRAM_BINARIES)) written to a cache folder, keyed by platform,
+// device, device and driver versions and the kernel source; the next process that loads the same
+// module creates the program from that binary (clCreateProgramWithBinary), so it compiles no
+// OpenCL C. Folder: THOMAS_TUNE_OPENCL_CACHE ("off" disables the cache), else
+// $THOMAS_TUNE_CACHE/opencl, else ~/.cache/thomas_tune/opencl. A cache file is written to a
+// temporary name and renamed (readers never see a partial file); one whose header, size or
+// checksum is wrong, or that the driver rejects, is reported on stderr and the program is built
+// from source and cached again. thomas_tune.opencl.stats counts builds, cache loads, rejections
+// and kernel launches.
 #define CL_TARGET_OPENCL_VERSION 120
 #include <CL/cl.h>
 
@@ -21,8 +32,16 @@
 #include <tvm/ffi/reflection/registry.h>
 #include <tvm/runtime/device_api.h>
 
+#include <unistd.h>
+
 #include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <cstdint>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <iostream>
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
@@ -104,6 +123,114 @@ struct Recording {
   std::vector<cl_event> events;
 };
 thread_local Recording recording;
+
+// Counters for tests and benchmarks (thomas_tune.opencl.stats).
+struct Stats {
+  std::atomic<int64_t> source_builds{0}, binary_loads{0}, binary_rejected{0}, binary_writes{0},
+      write_failures{0}, launches{0};
+  std::atomic<int64_t> source_build_ns{0}, binary_load_ns{0};
+};
+Stats stats;
+
+// FNV-1a, 64 bit (Fowler, Noll, Vo; http://www.isthe.com/chongo/tech/comp/fnv/), with a seed
+// folded into the offset basis so that two seeds give two independent 64-bit halves of a key.
+uint64_t Fnv1a(const void* data, size_t n, uint64_t seed) {
+  uint64_t h = 14695981039346656037ull ^ (seed * 0x9E3779B97F4A7C15ull);
+  const unsigned char* p = static_cast<const unsigned char*>(data);
+  for (size_t i = 0; i < n; ++i) {
+    h ^= p[i];
+    h *= 1099511628211ull;
+  }
+  return h;
+}
+
+std::string Hex(uint64_t v) {
+  char buf[17];
+  std::snprintf(buf, sizeof(buf), "%016llx", static_cast<unsigned long long>(v));
+  return buf;
+}
+
+// The cache folder, or "" when caching is off (or no home folder is known).
+std::string BinaryCacheDir() {
+  const char* explicit_dir = std::getenv("THOMAS_TUNE_OPENCL_CACHE");
+  if (explicit_dir != nullptr && *explicit_dir != '\0') {
+    std::string s(explicit_dir);
+    if (s == "off" || s == "0" || s == "none") return "";
+    return s;
+  }
+  const char* base = std::getenv("THOMAS_TUNE_CACHE");
+  if (base != nullptr && *base != '\0') return std::string(base) + "/opencl";
+  const char* xdg = std::getenv("XDG_CACHE_HOME");
+  if (xdg != nullptr && *xdg != '\0') return std::string(xdg) + "/thomas_tune/opencl";
+  const char* home = std::getenv("HOME");
+  if (home == nullptr || *home == '\0') return "";
+  return std::string(home) + "/.cache/thomas_tune/opencl";
+}
+
+constexpr char kBinaryMagic[8] = {'T', 'T', 'C', 'L', 'B', 'I', 'N', '1'};
+constexpr size_t kBinaryHeader = 8 + 8 + 8;  // magic, binary size, checksum of the binary
+
+// Reads a cache file: the binary, or "" with ``why`` set when the file is absent (why empty)
+// or damaged (why says how).
+std::string ReadBinaryFile(const std::string& path, std::string* why) {
+  why->clear();
+  std::ifstream f(path, std::ios::binary);
+  if (!f) return "";
+  std::string data((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+  if (data.size() < kBinaryHeader || std::memcmp(data.data(), kBinaryMagic, 8) != 0) {
+    *why = "not a thomas_tune program binary (bad header)";
+    return "";
+  }
+  uint64_t size, sum;
+  std::memcpy(&size, data.data() + 8, 8);
+  std::memcpy(&sum, data.data() + 16, 8);
+  if (size != data.size() - kBinaryHeader) {
+    *why = "truncated or padded (size " + std::to_string(data.size() - kBinaryHeader) +
+           " bytes, header says " + std::to_string(size) + ")";
+    return "";
+  }
+  std::string bin = data.substr(kBinaryHeader);
+  if (Fnv1a(bin.data(), bin.size(), 0) != sum) {
+    *why = "checksum mismatch";
+    return "";
+  }
+  return bin;
+}
+
+// Writes a cache file atomically (temporary name in the same folder, then rename); false on
+// any failure (the cache is an optimisation: failures are counted, never raised).
+bool WriteBinaryFile(const std::string& dir, const std::string& path, const std::string& bin) {
+  std::error_code ec;
+  std::filesystem::create_directories(dir, ec);
+  if (ec) return false;
+  std::string tmp = path + ".tmp." + std::to_string(::getpid()) + "." +
+                    Hex(std::hash<std::thread::id>()(std::this_thread::get_id()));
+  {
+    std::ofstream f(tmp, std::ios::binary | std::ios::trunc);
+    if (!f) return false;
+    uint64_t size = bin.size(), sum = Fnv1a(bin.data(), bin.size(), 0);
+    f.write(kBinaryMagic, 8);
+    f.write(reinterpret_cast<const char*>(&size), 8);
+    f.write(reinterpret_cast<const char*>(&sum), 8);
+    f.write(bin.data(), static_cast<std::streamsize>(bin.size()));
+    f.flush();
+    if (!f) {
+      f.close();
+      std::remove(tmp.c_str());
+      return false;
+    }
+  }
+  if (std::rename(tmp.c_str(), path.c_str()) != 0) {
+    std::remove(tmp.c_str());
+    return false;
+  }
+  return true;
+}
+
+int64_t NanosSince(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() -
+                                                              t0).count();
+}
 
 class Workspace final : public DeviceAPI {
  public:
@@ -443,12 +570,33 @@ class OpenCLModuleObj : public tvm::ffi::ModuleObj {
     auto it = programs_.find(device_id);
     if (it != programs_.end()) return it->second;
     Dev& d = Workspace::Global()->Get(device_id);
+    std::string dir = BinaryCacheDir(), path;
+    if (!dir.empty()) {
+      // key: everything that makes a binary valid for this program on this device
+      std::string key = "thomas_tune.clbin/1";
+      for (const std::string& part :
+           {PlatformString(d.platform, CL_PLATFORM_NAME),
+            PlatformString(d.platform, CL_PLATFORM_VERSION), d.name,
+            DeviceString(d.id, CL_DEVICE_VERSION), DeviceString(d.id, CL_DRIVER_VERSION),
+            std::string(kBuildOptions), source_}) {
+        key += '\0';
+        key += part;
+      }
+      path = dir + "/" + Hex(Fnv1a(key.data(), key.size(), 1)) +
+             Hex(Fnv1a(key.data(), key.size(), 2)) + ".clbin";
+      cl_program prog = FromBinary(d, path);
+      if (prog != nullptr) {
+        programs_[device_id] = prog;
+        return prog;
+      }
+    }
+    auto t0 = std::chrono::steady_clock::now();
     const char* src = source_.c_str();
     size_t len = source_.size();
     cl_int err;
     cl_program prog = clCreateProgramWithSource(d.context, 1, &src, &len, &err);
     TT_CL_CHECK(err, "clCreateProgramWithSource");
-    err = clBuildProgram(prog, 1, &d.id, nullptr, nullptr, nullptr);
+    err = clBuildProgram(prog, 1, &d.id, kBuildOptions, nullptr, nullptr);
     if (err != CL_SUCCESS) {
       size_t n = 0;
       clGetProgramBuildInfo(prog, d.id, CL_PROGRAM_BUILD_LOG, 0, nullptr, &n);
@@ -461,9 +609,73 @@ class OpenCLModuleObj : public tvm::ffi::ModuleObj {
                                   << d.platform_name << "]: " << ErrorName(err)
                                   << "\nbuild log:\n" << log;
     }
+    stats.source_builds++;
+    stats.source_build_ns += NanosSince(t0);
+    if (!path.empty()) ToBinary(d, prog, dir, path);
     programs_[device_id] = prog;
     return prog;
   }
+
+  // The program from the cache file at ``path``, or nullptr (absent, damaged, or rejected by
+  // the driver: then the caller builds from source and rewrites the file).
+  cl_program FromBinary(Dev& d, const std::string& path) {
+    auto t0 = std::chrono::steady_clock::now();
+    std::string why;
+    std::string bin = ReadBinaryFile(path, &why);
+    if (bin.empty()) {
+      if (!why.empty()) Reject(path, why);
+      return nullptr;
+    }
+    const unsigned char* ptr = reinterpret_cast<const unsigned char*>(bin.data());
+    size_t len = bin.size();
+    cl_int status = CL_SUCCESS, err = CL_SUCCESS;
+    cl_program prog = clCreateProgramWithBinary(d.context, 1, &d.id, &len, &ptr, &status, &err);
+    if (err != CL_SUCCESS || status != CL_SUCCESS || prog == nullptr) {
+      if (prog != nullptr) clReleaseProgram(prog);
+      Reject(path, std::string("the driver refused the binary: ") +
+                       ErrorName(err != CL_SUCCESS ? err : status));
+      return nullptr;
+    }
+    err = clBuildProgram(prog, 1, &d.id, kBuildOptions, nullptr, nullptr);
+    if (err != CL_SUCCESS) {
+      clReleaseProgram(prog);
+      Reject(path, std::string("building from the binary failed: ") + ErrorName(err));
+      return nullptr;
+    }
+    stats.binary_loads++;
+    stats.binary_load_ns += NanosSince(t0);
+    return prog;
+  }
+
+  void Reject(const std::string& path, const std::string& why) {
+    stats.binary_rejected++;
+    std::cerr << "thomas_tune: OpenCL program cache file " << path << " not used (" << why
+              << "); building from source" << std::endl;
+  }
+
+  // Writes the built program's binary to the cache (best effort).
+  void ToBinary(Dev& d, cl_program prog, const std::string& dir, const std::string& path) {
+    size_t size = 0;
+    if (clGetProgramInfo(prog, CL_PROGRAM_BINARY_SIZES, sizeof(size), &size, nullptr) !=
+            CL_SUCCESS ||
+        size == 0) {
+      stats.write_failures++;
+      return;
+    }
+    std::string bin(size, '\0');
+    unsigned char* ptr = reinterpret_cast<unsigned char*>(bin.data());
+    if (clGetProgramInfo(prog, CL_PROGRAM_BINARIES, sizeof(ptr), &ptr, nullptr) != CL_SUCCESS) {
+      stats.write_failures++;
+      return;
+    }
+    if (WriteBinaryFile(dir, path, bin)) {
+      stats.binary_writes++;
+    } else {
+      stats.write_failures++;
+    }
+  }
+
+  static constexpr const char* kBuildOptions = "";
 
   std::string source_;
   std::unordered_map<std::string, FunctionInfo> fmap_;
@@ -546,6 +758,7 @@ void KernelLauncher::operator()(PackedArgs args, Any* rv) const {
                 << "; local memory " << local_mem << " bytes, private memory " << private_mem
                 << " bytes per work-item)");
   }
+  stats.launches++;
   if (ev != nullptr) recording.events.push_back(ev);
 }
 
@@ -652,6 +865,22 @@ TVM_FFI_STATIC_INIT_BLOCK() {
            })
       .def("thomas_tune.opencl.devices",
            []() { return tvm::ffi::String(Workspace::Global()->Listing()); })
+      .def("thomas_tune.opencl.stats",
+           []() {
+             using thomas_tune::opencl::stats;
+             std::ostringstream os;
+             os << "{\"source_builds\": " << stats.source_builds
+                << ", \"binary_loads\": " << stats.binary_loads
+                << ", \"binary_rejected\": " << stats.binary_rejected
+                << ", \"binary_writes\": " << stats.binary_writes
+                << ", \"write_failures\": " << stats.write_failures
+                << ", \"launches\": " << stats.launches
+                << ", \"source_build_s\": " << stats.source_build_ns * 1e-9
+                << ", \"binary_load_s\": " << stats.binary_load_ns * 1e-9 << "}";
+             return tvm::ffi::String(os.str());
+           })
+      .def("thomas_tune.opencl.cache_dir",
+           []() { return tvm::ffi::String(thomas_tune::opencl::BinaryCacheDir()); })
       .def("thomas_tune.opencl.num_devices",
            []() { return static_cast<int64_t>(Workspace::Global()->Devices().size()); });
 }
