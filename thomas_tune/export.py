@@ -4,8 +4,15 @@ An export folder holds::
 
     inference.so   predict(x, params..., states...) at the inference batch size
     train.so       train_adjoint, optimizer, and predict at the training batch size
-    params.npz     the model's parameters and states (a models/ checkpoint)
-    manifest.json  model, shapes, target, trainable/frozen sets, optimizer, tuning-log hash
+    params.npz     the model's parameters and states (a models/ checkpoint, with class names)
+    manifest.json  model, shapes, target, host triple, trainable/frozen sets, optimizer,
+                   tuning-log hash, class names
+
+The libraries are linked for the target's host: this machine, or another architecture through
+the cross compiler of ``TVM_NDK_CC`` (``target.export_shared``); ``host_triple`` in the manifest
+says which. ``train.so`` also holds ``pack_trainable`` and ``pack_optimizer_state`` (tensors ->
+one tuple): over RPC, where tuples of tensors cannot be sent, they make the optimizer's first
+inputs on the device.
 
 Every file is written to a temporary name and renamed, manifest last, so a folder with a
 manifest is complete.
@@ -24,13 +31,38 @@ import numpy as np
 import tvm
 
 from . import graph as G
+from tvm import relax
+
 from .build import compile_graph
 from .models import save_checkpoint, share_mode, spec
-from .target import describe
+from .target import cross_compiler, describe, export_shared, host_triple
 from .tuning_log import TuningLog
 
 MANIFEST = "manifest.json"
 FORMAT = "thomas_tune.export/1"
+PACK_TRAINABLE = "pack_trainable"
+PACK_OPTIMIZER_STATE = "pack_optimizer_state"
+
+
+def _with_pack_functions(mod: tvm.IRModule, trainable_shapes, optim_state) -> tvm.IRModule:
+    """``mod`` plus the two packing functions: each takes tensors (the trainable parameters;
+    the optimizer state) and returns copies of them as one tuple, the optimizer's input form.
+    Copies (``x + 0``), because a tensor argument that arrived over RPC is only borrowed for
+    the call."""
+    mod = mod.clone() if hasattr(mod, "clone") else mod
+    specs = {PACK_TRAINABLE: [(tuple(s), "float32") for s in trainable_shapes],
+             PACK_OPTIMIZER_STATE: [(tuple(a.shape), str(a.dtype)) for a in optim_state]}
+    bb = relax.BlockBuilder(mod)
+    for name, shapes in specs.items():
+        args = [relax.Var(f"t{i}", relax.TensorType(shape, dtype))
+                for i, (shape, dtype) in enumerate(shapes)]
+        with bb.function(name, args):
+            with bb.dataflow():
+                copies = [bb.emit(relax.op.add(a, relax.const(0, dtype)))
+                          for a, (_, dtype) in zip(args, shapes)]
+                out = bb.emit_output(relax.Tuple(copies))
+            bb.emit_func_output(out)
+    return bb.get()
 
 
 def log_hash(log: TuningLog | None) -> str | None:
@@ -66,19 +98,26 @@ def export(out_dir: str, model, tensors: dict[str, np.ndarray], target: tvm.targ
     """Compile and write the export folder (see the module docstring); returns the manifest.
 
     ``tensors``: parameters and states (float32, shapes of ``models.spec``). ``batch``: images
-    per training step. Raises ValueError for a bad trainable set or optimizer.
+    per training step. ``classes``: class names (kept in ``params.npz`` and the manifest).
+    The libraries are linked for the target's host (``target.export_shared``). Raises
+    ValueError for a bad trainable set or optimizer, and for a foreign host without a working
+    cross compiler (before compiling anything).
     """
+    cross_compiler(target)  # a missing or wrong cross compiler fails here, before any work
     os.makedirs(out_dir, exist_ok=True)
     tg = G.training_module(model, batch, trainable, optimizer)
+    shapes = {p.name: p.shape for p in spec(model).params}
+    train_mod = _with_pack_functions(tg.mod, [shapes[n] for n in tg.trainable], tg.optim_state)
     database = log.database() if log is not None else None
     t0 = time.perf_counter()
     infer_exe = compile_graph(G.inference_module(model, infer_batch), target, database)
     progress(f"compiled inference module in {time.perf_counter() - t0:.1f} s")
     t0 = time.perf_counter()
-    train_exe = compile_graph(tg.mod, target, database)
+    train_exe = compile_graph(train_mod, target, database)
     progress(f"compiled training module in {time.perf_counter() - t0:.1f} s")
-    _atomic_write(os.path.join(out_dir, "inference.so"), infer_exe.export_library)
-    _atomic_write(os.path.join(out_dir, "train.so"), train_exe.export_library)
+    _atomic_write(os.path.join(out_dir, "inference.so"),
+                  lambda p: export_shared(infer_exe, p, target))
+    _atomic_write(os.path.join(out_dir, "train.so"), lambda p: export_shared(train_exe, p, target))
     save_checkpoint(os.path.join(out_dir, "params.npz"), model, tensors, classes)
     np.savez(os.path.join(out_dir, "optim_state.npz"),
              **{f"s{i}": a for i, a in enumerate(tg.optim_state)})
@@ -92,6 +131,7 @@ def export(out_dir: str, model, tensors: dict[str, np.ndarray], target: tvm.targ
         "infer_batch": infer_batch,
         "target": json.loads(str(target)),
         "target_name": describe(target),
+        "host_triple": host_triple(target),
         "params": [p.name for p in s.params],
         "states": [p.name for p in s.states],
         "trainable": tg.trainable,
@@ -100,7 +140,7 @@ def export(out_dir: str, model, tensors: dict[str, np.ndarray], target: tvm.targ
         "optimizer": dataclasses.asdict(tg.optimizer),
         "tuning_log": log.path if log is not None else None,
         "tuning_log_sha256": log_hash(log),
-        "classes": classes,
+        "classes": list(classes) if classes else None,
     }
     _atomic_write(os.path.join(out_dir, MANIFEST),
                   lambda p: open(p, "w").write(json.dumps(manifest, indent=1)))

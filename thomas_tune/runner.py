@@ -81,11 +81,13 @@ def build_candidate(mod, target, _params=None):
 def export_candidate(rt_mod, target) -> str:
     """Write a built candidate as a shared library for the target's host; returns its path.
 
-    The library is linked here (the device server only loads it), with the host's C++ compiler
-    (``tvm.support.cc``'s default for a native host)."""
+    The library is linked here (the device server only loads it): with this machine's C++
+    compiler for a native host, with the cross compiler of ``TVM_NDK_CC`` for another one
+    (``target.export_shared``; ValueError when it is missing or compiles for another machine)."""
+    from .target import export_shared
     folder = tempfile.mkdtemp(prefix="thomas-tune-cand-")
     path = os.path.join(folder, "candidate.so")
-    rt_mod.export_library(path)
+    export_shared(rt_mod, path, target)
     return path
 
 

@@ -1,7 +1,11 @@
 """Run an exported module: predict and training steps on a local device or over RPC.
 
 Parameters, states and optimizer state live on the device between steps; only the images, the
-labels, the dropout masks and the loss cross the host-device boundary in a training step.
+labels, the dropout masks and the loss cross the host-device boundary in a training step. Over
+RPC (a device server of a tracker: a phone, a board, the emulated aarch64 device of the tests)
+the libraries are uploaded and loaded there; tuples of tensors cannot cross RPC, so the
+optimizer's tuples are made and kept on the device (``pack_trainable``, then the optimizer's
+own outputs) and single tensors are read from them there.
 """
 
 from __future__ import annotations
@@ -13,9 +17,16 @@ import numpy as np
 import tvm
 from tvm import relax
 
-from .export import read_manifest
+from .export import PACK_OPTIMIZER_STATE, PACK_TRAINABLE, read_manifest
 from .graph import ADJOINT, OPTIMIZER, PREDICT
 from .models import load_checkpoint, save_checkpoint
+from .target import host_arch, machine_arch
+
+
+def _first_line(err: BaseException) -> str:
+    lines = [ln.strip() for ln in str(err).splitlines() if ln.strip()]
+    useful = [ln for ln in lines if not ln.startswith(("File ", "Traceback"))]
+    return (useful or lines or [type(err).__name__])[-1][:300]
 
 
 def device_for(target_kind: str, session=None, index: int = 0):
@@ -32,20 +43,44 @@ class Session:
     ``train_step(x, y)``: x float32 (batch, C, H, W), y int64 (batch,) -> loss (float), updating
     the trainable parameters, BatchNorm running statistics and optimizer state in place.
     Raises ValueError for inputs of the wrong shape or dtype.
+
+    ``rpc_session``: a ``tvm.rpc`` session of a device server (``connect(tracker, key)``): the
+    libraries are uploaded and run there. Without it the export runs on this machine; an
+    export linked for another architecture (``host_triple`` in the manifest) raises ValueError
+    saying so, as does a device server that cannot load the libraries. ``classes``: class
+    names (the checkpoint's), or None.
     """
 
     def __init__(self, export_dir: str, device=None, rpc_session=None, seed: int = 0):
         self.dir = export_dir
         self.manifest = m = read_manifest(export_dir)
         self.model, tensors, self.classes = load_checkpoint(os.path.join(export_dir, "params.npz"))
+        self.classes = self.classes or m.get("classes")
         kind = m["target"]["kind"]
+        triple = m.get("host_triple")
+        self.remote = rpc_session is not None
+        if not self.remote and triple and host_arch(triple) != machine_arch():
+            raise ValueError(f"{export_dir} was linked for {triple} (the export's host), and "
+                             f"this machine is {machine_arch()}: run it on that device with "
+                             "--tracker HOST:PORT --key KEY, or export it again for this "
+                             "machine (without --host)")
         self.device = device or device_for(kind, rpc_session)
         load = rpc_session.load_module if rpc_session is not None else tvm.runtime.load_module
+        self._tuples = {}
         if rpc_session is not None:
+            vms = {}
             for name in ("inference.so", "train.so"):
                 rpc_session.upload(os.path.join(export_dir, name))
-            self._train_vm = relax.VirtualMachine(load("train.so"), self.device)
-            self._infer_vm = relax.VirtualMachine(load("inference.so"), self.device)
+                try:  # a library of another architecture loads as a module with no functions
+                    vms[name] = relax.VirtualMachine(load(name), self.device)
+                except Exception as err:  # TVM raises its own error types
+                    raise ValueError(f"the device server could not load {name} of {export_dir}"
+                                     f" (linked for {triple or 'an unknown host'}): "
+                                     f"{_first_line(err)}; export it for the device's "
+                                     "architecture (--host android-aarch64 for a phone, "
+                                     "linux-aarch64 for an aarch64 board)") from err
+            self._train_vm, self._infer_vm = vms["train.so"], vms["inference.so"]
+            self._get_item = rpc_session.get_function("ffi.ArrayGetItem")
         else:
             self._train_vm = relax.VirtualMachine(load(os.path.join(export_dir, "train.so")),
                                                   self.device)
@@ -97,7 +132,20 @@ class Session:
         self._t = {k: tvm.runtime.tensor(np.asarray(tensors[k], dtype="float32"), self.device)
                    for k in self._t}
         self._opt = self._initial_optimizer_state()
+        self._tuples = {}
         self.steps = 0
+
+    def load_checkpoint(self, path: str) -> None:
+        """Start from the weights of a checkpoint (e.g. ``train --save``): same architecture and
+        shapes as the export, no recompile. Its class names replace the export's. Raises
+        ValueError for a checkpoint of another model, naming both."""
+        model, tensors, classes = load_checkpoint(path)
+        if (model.arch, model.config()) != (self.model.arch, self.model.config()):
+            raise ValueError(f"checkpoint {path} holds {model.arch} {model.config()}, the export "
+                             f"{self.dir} {self.model.arch} {self.model.config()}; export "
+                             f"again with --checkpoint {path}")
+        self.load_tensors(tensors)
+        self.classes = classes or self.classes
 
     def tensors(self) -> dict[str, np.ndarray]:
         """Current parameters and states as float32 numpy arrays."""
@@ -141,6 +189,8 @@ class Session:
         args = ([tvm.runtime.tensor(x, self.device), *masks, *self._ordered(m["frozen"]),
                  *self._ordered(m["trainable"]), *self._ordered(m["states"]),
                  tvm.runtime.tensor(y.astype("int64"), self.device)])
+        if self.remote:
+            return self._remote_step(args)
         ret, grads = self._train_vm[ADJOINT](*args)
         loss = ret[0] if m["states"] else ret
         if m["states"]:
@@ -150,6 +200,28 @@ class Session:
                                                           self._opt)
         for name, value in zip(m["trainable"], new_params):
             self._t[name] = value
+        self.steps += 1
+        return float(loss.numpy())
+
+    def _remote_step(self, args) -> float:
+        # the results stay on the device: a handle to each tuple, single tensors read there
+        m, get = self.manifest, self._get_item
+        out = self._train_vm[ADJOINT](*args)
+        if m["states"]:
+            head = get(out, 0)
+            loss = get(head, 0)
+            for i, name in enumerate(m["states"]):
+                self._t[name] = get(head, i + 1)
+        else:
+            loss = get(out, 0)
+        if "params" not in self._tuples:
+            self._tuples["params"] = self._train_vm[PACK_TRAINABLE](
+                *self._ordered(m["trainable"]))
+            self._tuples["opt"] = self._train_vm[PACK_OPTIMIZER_STATE](*self._opt)
+        res = self._train_vm[OPTIMIZER](self._tuples["params"], get(out, 1), self._tuples["opt"])
+        self._tuples = {"params": get(res, 0), "opt": get(res, 1)}
+        for i, name in enumerate(m["trainable"]):
+            self._t[name] = get(self._tuples["params"], i)
         self.steps += 1
         return float(loss.numpy())
 
@@ -167,3 +239,57 @@ def time_steps(session: Session, x: np.ndarray, y: np.ndarray, steps: int) -> fl
         session.sync()
         times.append((time.perf_counter() - t0) * 1e3)
     return float(np.median(times))
+
+
+def connect(tracker: tuple[str, int], key: str, timeout: float = 60.0):
+    """A session on a free device server of ``key`` (``tvm.rpc``), waiting up to ``timeout``
+    seconds for one. Raises TimeoutError naming the key and the keys the tracker knows."""
+    from tvm import rpc as tvm_rpc
+
+    from .rpc import wait_for_key
+    wait_for_key(tracker, key, timeout=timeout)
+    return tvm_rpc.connect_tracker(*tracker).request(key, session_timeout=0)
+
+
+def check_device(tracker: tuple[str, int], key: str, target: tvm.target.Target,
+                 timeout: float = 60.0) -> str:
+    """Link a one-line kernel for the target's host as tuning and export do, load it on a
+    device server of ``key`` and run it there: a device of another architecture than the
+    target's host fails here, before any tuning. Returns the host triple checked.
+
+    Raises ValueError naming the triple, the key and the fix; TimeoutError when no server of
+    the key is free within ``timeout`` seconds."""
+    import tempfile
+
+    from tvm import te
+
+    from .target import export_shared, host_triple
+    triple = host_triple(target)
+    host = target if target.kind.name == "llvm" else target.host
+    a = te.placeholder((4,), "float32", name="a")
+    b = te.compute((4,), lambda i: a[i] + 1.0, name="b")
+    lib = tvm.compile(te.create_prim_func([a, b]).with_attr("global_symbol", "probe"),
+                      target=host)
+    with tempfile.TemporaryDirectory(prefix="thomas-tune-probe-") as folder:
+        path = os.path.join(folder, "probe.so")
+        export_shared(lib, path, target)
+        sess = connect(tracker, key, timeout)
+        try:
+            sess.upload(path)
+            dev = sess.cpu(0)
+            x = tvm.runtime.tensor(np.arange(4, dtype="float32"), dev)
+            y = tvm.runtime.tensor(np.zeros(4, "float32"), dev)
+            sess.load_module("probe.so")["probe"](x, y)
+            ok = np.array_equal(y.numpy(), np.arange(4, dtype="float32") + 1)
+        except Exception as err:  # TVM raises its own error types
+            raise ValueError(f"the device server of key {key!r} cannot run code linked for "
+                             f"{triple} ({_first_line(err)}): give the target the device's "
+                             "host, e.g. --host android-aarch64 for a phone or linux-aarch64 "
+                             "for an aarch64 board, with TVM_NDK_CC naming its cross "
+                             "compiler") from err
+        finally:
+            del sess
+    if not ok:
+        raise ValueError(f"the device server of key {key!r} ran a kernel linked for {triple} "
+                         "and returned wrong numbers")
+    return triple
