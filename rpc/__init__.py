@@ -4,11 +4,17 @@ A device server registers with the tracker under a *device key* (e.g. ``pocl-cpu
 ``galaxy-s8``); the tuner asks the tracker for a server of that key for each measurement. A
 phone running TVM's Android RPC app registers with the same tracker by entering its address and
 key in the app. Everything binds to 127.0.0.1 unless told otherwise.
+
+TVM RPC has no authentication and no encryption: whoever reaches a device server's port can
+upload and run code on that device, and whoever reaches the tracker can take its servers.
+Binding to another address prints a warning (:func:`exposure_warning`); do it only on a network
+you trust (a USB tether, a lab Wi-Fi behind a firewall), or tunnel the ports over SSH.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import os
 import socket
 import sys
@@ -28,9 +34,37 @@ def parse_address(text: str, default_port: int = 9190) -> tuple[str, int]:
         raise ValueError(f"tracker address {text!r}: expected HOST:PORT, e.g. 127.0.0.1:9190") from err
 
 
+def is_loopback(host: str) -> bool:
+    """True when ``host`` (an address or a name) only ever means this machine."""
+    if host in ("localhost", "localhost.localdomain", "ip6-localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def exposure_warning(host: str, what: str) -> str | None:
+    """The warning for binding ``what`` (e.g. "device server") to ``host``; None on loopback."""
+    if is_loopback(host):
+        return None
+    where = "every network interface" if host in ("", "0.0.0.0", "::") else host
+    return (f"warning: the {what} listens on {where}. TVM RPC has no authentication: anyone who "
+            "can reach this port can run code on the device. Use it only on a network you "
+            "trust, or keep --host 127.0.0.1 and tunnel the port (ssh -L)")
+
+
+def _warn_exposed(host: str, what: str) -> None:
+    msg = exposure_warning(host, what)
+    if msg:
+        print(msg, file=sys.stderr, flush=True)
+
+
 def start_tracker(host: str = "127.0.0.1", port: int = 9190, port_end: int | None = None):
     """Start TVM's tracker in a child process on the first free port in [port, port_end)
-    (default: the next 100); returns it (``.host``, ``.port``, ``.terminate()``)."""
+    (default: the next 100); returns it (``.host``, ``.port``, ``.terminate()``). Warns on
+    stderr when ``host`` is not a loopback address."""
+    _warn_exposed(host, "RPC tracker")
     return rpc_tracker.Tracker(host, port=port, port_end=port_end or port + 100, silent=True)
 
 
@@ -73,10 +107,47 @@ def _init_device_server():
 
 def start_server(tracker: tuple[str, int], key: str, host: str = "127.0.0.1",
                  port: int = 9090, port_end: int | None = None):
-    """Start one TVM RPC device server registered with ``tracker`` under ``key``."""
+    """Start one TVM RPC device server registered with ``tracker`` under ``key`` (in a child
+    process: ``.port``, ``.terminate()``). Warns on stderr when ``host`` is not loopback."""
+    _warn_exposed(host, "device server")
     return rpc.Server(host, port=port, port_end=port_end or port + 100, tracker_addr=tracker,
                       key=key,
                       silent=True, server_init_callback=_init_device_server)
+
+
+def server_alive(server) -> bool:
+    """True while the process of a server made by :func:`start_server` is running."""
+    proc = getattr(server, "proc", None)
+    return proc is not None and proc.is_alive()
+
+
+def serve(tracker: tuple[str, int], key: str, host: str = "127.0.0.1", port: int = 9090,
+          duration: float = 0.0, restart_delay_s: float = 1.0, log=sys.stderr) -> int:
+    """Run a device server of ``key`` until ``duration`` seconds pass (0: until interrupted),
+    starting a new one whenever its process dies (a device process killed by a bad kernel or
+    by the system). Returns the number of restarts. Prints one line per start to ``log``."""
+    server = start_server(tracker, key, host=host, port=port)
+    print(f"device server {key!r} on {host}:{server.port}, registered with "
+          f"{tracker[0]}:{tracker[1]}", file=log, flush=True)
+    deadline = time.monotonic() + duration if duration else None
+    restarts = 0
+    try:
+        while deadline is None or time.monotonic() < deadline:
+            time.sleep(0.5)
+            if server_alive(server):
+                continue
+            code = server.proc._proc.returncode if server.proc and server.proc._proc else None
+            server.terminate()  # its session processes go with it
+            time.sleep(restart_delay_s)
+            server = start_server(tracker, key, host=host, port=port)
+            restarts += 1
+            print(f"device server {key!r}: its process ended (exit status {code}); started a "
+                  f"new one on {host}:{server.port} (restart {restarts})", file=log, flush=True)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.terminate()
+    return restarts
 
 
 def tracker_summary(tracker: tuple[str, int]) -> dict:

@@ -10,17 +10,33 @@ Before MetaSchedule reads the files, :meth:`TuningLog.check` parses every line. 
 not parse (a torn last line, a hand edit, a record whose workload is unreadable) is reported,
 moved to ``<file>.rejected`` with the reason, and left out of the file MetaSchedule reads;
 nothing is dropped silently.
+
+One tuner at a time: :meth:`TuningLog.lock` takes an advisory lock (``.lock`` in the folder,
+holding the pid, host and start time of its holder); a second tuner on the same log is refused
+with :class:`LogInUse` naming the holder. The lock goes with the process, however it ends (a
+SIGKILL too), so it never goes stale. Trials that fail (a build error, a run that timed out, a
+device server lost during the trial) are appended with their reason to ``trial_errors.jsonl``
+(:class:`TrialErrors`), next to MetaSchedule's files.
+
+:func:`read_log`, :func:`summarize` and :func:`merge` read logs without changing them (show) and
+merge the logs of several devices or runs, keeping every distinct record once.
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
+import math
 import os
+import re
+import socket
 import sys
 import tempfile
+import time
 from dataclasses import dataclass, field
 
 import tvm_ffi
+from tvm.ir.utils import derived_object
 from tvm.s_tir import meta_schedule as ms
 from tvm.s_tir.schedule import Schedule
 
@@ -28,6 +44,48 @@ from .models import share_mode
 
 WORKLOADS = "database_workload.json"
 RECORDS = "database_tuning_record.json"
+LOCK = ".lock"
+ERRORS = "trial_errors.jsonl"
+# MetaSchedule records a trial without a run time (failed build or run) with this many seconds
+FAILED_RUN_S = 1e9
+
+
+class LogInUse(ValueError):
+    """Another process holds the tuning log's lock (the message names its pid and the fix)."""
+
+
+class LogLock:
+    """A held lock of a tuning-log folder; ``release()`` (or leaving the ``with`` block) frees
+    it. The kernel frees it when the process ends in any way."""
+
+    def __init__(self, log_path: str, fd: int):
+        self.log_path, self.fd = log_path, fd
+
+    def release(self) -> None:
+        if self.fd is not None:
+            _HELD.pop(self.log_path, None)
+            fcntl.flock(self.fd, fcntl.LOCK_UN)
+            os.close(self.fd)
+            self.fd = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.release()
+
+
+_HELD: dict[str, LogLock] = {}  # folders whose lock this process holds
+
+
+def _holder(lock_path: str) -> str:
+    try:
+        with open(lock_path) as f:
+            h = json.load(f)
+        since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(h["since"])))
+        return f"pid {h['pid']} on {h['host']}, {h['purpose']} since {since}"
+    except (OSError, ValueError, KeyError, TypeError):
+        return "a process that has not written its pid yet"
 
 
 @dataclass
@@ -60,11 +118,37 @@ class TuningLog:
     def exists(self) -> bool:
         return os.path.exists(self.record_path)
 
-    def check(self, report_to=sys.stderr) -> CheckReport:
+    def lock(self, purpose: str = "tuning") -> LogLock:
+        """Take this folder's lock for ``purpose`` (a word shown to a refused second process).
+
+        Returns a :class:`LogLock` (a context manager). Raises :class:`LogInUse` naming the
+        holder (pid, host, since when) when another process, or another lock of this one,
+        holds it. Creates the folder.
+        """
+        os.makedirs(self.path, exist_ok=True)
+        lock_path = os.path.join(self.path, LOCK)
+        fd = os.open(lock_path, os.O_CREAT | os.O_RDWR, 0o666)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            raise LogInUse(
+                f"tuning log {self.path!r} is in use by another tuner ({_holder(lock_path)}); "
+                "wait for it to finish or stop it, or give this run another --log and merge "
+                "the two afterwards with 'thomas-tune log merge'") from None
+        os.ftruncate(fd, 0)
+        os.write(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
+                                 "since": time.time(), "purpose": purpose}).encode())
+        held = _HELD[os.path.abspath(self.path)] = LogLock(os.path.abspath(self.path), fd)
+        return held
+
+    def check(self, report_to=sys.stderr, set_aside: bool = True) -> CheckReport:
         """Parse every line; move bad ones to ``<file>.rejected`` (see the module docstring).
 
         Records keep pointing at the right workload when a workload line is rejected (indices
-        are renumbered). Returns a :class:`CheckReport`.
+        are renumbered). With ``set_aside=False`` bad lines are only reported and no file
+        changes. Returns a :class:`CheckReport`; raises :class:`LogInUse` when bad lines must
+        be set aside while another process holds the log's lock (a tuner still appending).
         """
         os.makedirs(self.path, exist_ok=True)
         report = CheckReport()
@@ -98,6 +182,28 @@ class TuningLog:
                         good_records.append(json.dumps([new_index[idx], body]) + "\n")
                     except Exception as err:
                         bad_records.append((i, line, f"bad record: {err}"))
+        report.workloads, report.records = len(good_workloads), len(good_records)
+        if not set_aside:
+            for path, bad in ((self.workload_path, bad_workloads),
+                              (self.record_path, bad_records)):
+                for i, _, why in bad:
+                    report.rejected.append((os.path.basename(path), i + 1, why))
+                    if report_to is not None:
+                        print(f"tuning log {path}:{i + 1}: {why}", file=report_to)
+            return report
+        temporary = None
+        if (bad_workloads or bad_records) and os.path.abspath(self.path) not in _HELD:
+            temporary = self.lock("setting aside bad lines")
+        try:
+            self._set_aside(bad_workloads, bad_records, good_workloads, good_records, report,
+                            report_to)
+        finally:
+            if temporary is not None:
+                temporary.release()
+        return report
+
+    def _set_aside(self, bad_workloads, bad_records, good_workloads, good_records, report,
+                   report_to) -> None:
         for path, bad in ((self.workload_path, bad_workloads), (self.record_path, bad_records)):
             if not bad:
                 continue
@@ -113,8 +219,6 @@ class TuningLog:
             _rewrite(self.workload_path, good_workloads)
         if bad_workloads or bad_records:
             _rewrite(self.record_path, good_records)
-        report.workloads, report.records = len(good_workloads), len(good_records)
-        return report
 
     def database(self, check: bool = True) -> ms.database.JSONDatabase:
         """MetaSchedule's JSONDatabase over this folder (after :meth:`check` unless told not to)."""
@@ -146,3 +250,197 @@ class TuningLog:
         if not database.has_workload(mod):
             return 0
         return len(database.get_top_k(database.commit_workload(mod), 1 << 30))
+
+
+# ---- failed trials, with their reasons --------------------------------------------------------
+@derived_object
+class TrialErrors(ms.measure_callback.PyMeasureCallback):
+    """Measure callback appending each failed trial of a run to ``<log>/trial_errors.jsonl``:
+    one JSON object per line, ``{"time", "task", "stage": "build"|"run", "reason"}`` (time in
+    seconds since the epoch). ``count`` is the number written by this run."""
+
+    def __init__(self, log: "TuningLog", task_names: list[str]):
+        self.path = os.path.join(log.path, ERRORS)
+        self.task_names = list(task_names)
+        self.count = 0
+
+    def apply(self, task_scheduler, task_id, measure_candidates, builder_results,
+              runner_results) -> None:
+        lines = []
+        for b, r in zip(builder_results, runner_results):
+            if b.error_msg is not None:
+                stage, reason = "build", str(b.error_msg)
+            elif r.error_msg is not None or not r.run_secs:
+                stage, reason = "run", str(r.error_msg or "no run time")
+            else:
+                continue
+            reason = [ln for ln in reason.strip().splitlines() if ln.strip()] or [""]
+            lines.append(json.dumps({"time": round(time.time(), 3),
+                                     "task": self.task_names[task_id], "stage": stage,
+                                     "reason": reason[-1][:500]}) + "\n")
+        if lines:
+            with open(self.path, "a") as f:
+                f.writelines(lines)
+            self.count += len(lines)
+
+
+def read_errors(log: "TuningLog") -> list[dict]:
+    """The failed trials recorded in ``log`` (see :class:`TrialErrors`), oldest first."""
+    path = os.path.join(log.path, ERRORS)
+    if not os.path.exists(path):
+        return []
+    out = []
+    with open(path) as f:
+        for line in f:
+            try:
+                out.append(json.loads(line))
+            except ValueError:  # a torn last line: the trial is still counted in the records
+                continue
+    return out
+
+
+# ---- reading, summarising and merging logs without changing them ------------------------------
+@dataclass
+class LogContents:
+    """What :func:`read_log` found: ``workloads`` (one per good workload line: its JSON object
+    and structural hash), ``records`` (workload position in ``workloads``, record body), and
+    ``rejected`` ((file path, line number, reason) of lines that do not parse)."""
+
+    path: str
+    workloads: list[tuple[object, int]] = field(default_factory=list)
+    records: list[tuple[int, list]] = field(default_factory=list)
+    rejected: list[tuple[str, int, str]] = field(default_factory=list)
+
+
+def read_log(path: str) -> LogContents:
+    """Parse the tuning-log folder ``path`` without changing it (bad lines are listed in
+    ``rejected`` with file and line). Raises ValueError when the folder holds no tuning log."""
+    log = TuningLog(path)
+    if not os.path.isdir(path) or not (os.path.exists(log.workload_path)
+                                       or os.path.exists(log.record_path)):
+        raise ValueError(f"{path!r} is not a tuning-log folder (no {WORKLOADS} or {RECORDS} "
+                         "in it); give the folder that 'thomas-tune tune --log' wrote")
+    out = LogContents(path)
+    index: dict[int, int] = {}
+    if os.path.exists(log.workload_path):
+        with open(log.workload_path) as f:
+            for i, line in enumerate(f):
+                if not line.strip():
+                    continue
+                try:
+                    obj = json.loads(line)
+                    wl = ms.database.Workload.from_json(obj)
+                    index[i] = len(out.workloads)
+                    out.workloads.append((obj, int(tvm_ffi.structural_hash(wl.mod))))
+                except Exception as err:
+                    out.rejected.append((log.workload_path, i + 1, f"bad workload: {err}"))
+    if os.path.exists(log.record_path):
+        with open(log.record_path) as f:
+            for i, line in enumerate(f):
+                if not line.strip():
+                    continue
+                try:
+                    idx, body = json.loads(line)
+                    if int(idx) not in index:
+                        raise ValueError(f"workload #{idx} is missing or unreadable")
+                    if not isinstance(body, list) or len(body) < 2:
+                        raise ValueError("record body is not [trace, run_secs, ...]")
+                    [float(s) for s in body[1]]
+                    out.records.append((index[int(idx)], body))
+                except Exception as err:
+                    out.rejected.append((log.record_path, i + 1, f"bad record: {err}"))
+    return out
+
+
+def mean_seconds(body: list) -> float:
+    """Mean run time (s) of a record body; ``inf`` for a failed trial."""
+    secs = [float(s) for s in body[1]]
+    if not secs or max(secs) >= FAILED_RUN_S:
+        return math.inf
+    return sum(secs) / len(secs)
+
+
+def _workload_label(bodies: list[list]) -> str:
+    # the blocks the first trace instruction names and the shapes of the arguments: enough to
+    # tell workloads apart in a listing without building anything
+    blocks, shapes = [], ""
+    for body in bodies:
+        text = json.dumps(body[0])
+        blocks = re.findall(r'"GetSBlock", \[\], \["([^"]+)"', text)
+        if len(body) > 3:
+            shapes = " ".join("x".join(str(d) for d in a[2]) for a in body[3]
+                              if isinstance(a, list) and len(a) > 2)
+        if blocks:
+            break
+    names = [b for b in dict.fromkeys(blocks) if b != "root"]
+    return f"{'+'.join(names[:3]) or '?'} [{shapes}]"
+
+
+def summarize(contents: LogContents) -> list[dict]:
+    """Per workload of a read log: ``{"workload": position, "label", "hash", "records",
+    "failed", "best_ms", "target"}`` (best_ms None when no trial succeeded), in the order of
+    the workload file."""
+    rows = []
+    for w, (_, h) in enumerate(contents.workloads):
+        bodies = [b for i, b in contents.records if i == w]
+        times = [mean_seconds(b) for b in bodies]
+        ok = [t for t in times if t < math.inf]
+        kinds = sorted({str(b[2].get("kind")) for b in bodies
+                        if len(b) > 2 and isinstance(b[2], dict)})
+        rows.append({"workload": w, "label": _workload_label(bodies), "hash": h,
+                     "records": len(bodies), "failed": len(bodies) - len(ok),
+                     "best_ms": min(ok) * 1e3 if ok else None, "target": ",".join(kinds)})
+    return rows
+
+
+@dataclass
+class MergeReport:
+    """Outcome of :func:`merge`: workloads and records written, duplicates dropped, and the
+    lines of the sources that did not parse (file, line, reason; left where they were)."""
+
+    workloads: int = 0
+    records: int = 0
+    duplicates: int = 0
+    rejected: list[tuple[str, int, str]] = field(default_factory=list)
+
+
+def merge(sources: list[str], dest: str) -> MergeReport:
+    """Merge the tuning logs ``sources`` (folders) into the folder ``dest``.
+
+    Workloads are unified by structural hash; every distinct record (same workload, trace,
+    run times, target and arguments) is kept once, so merging is idempotent and the logs of
+    several devices or runs keep all their measurements. ``dest`` may be one of the sources
+    or an existing log (its records come first). Sources are not changed; their bad lines are
+    reported in ``rejected``. ``dest`` is written atomically under its lock. Raises ValueError
+    for a source that is not a tuning log and :class:`LogInUse` when ``dest`` is in use.
+    """
+    target = TuningLog(dest)
+    paths = list(sources)
+    if target.exists() and os.path.abspath(dest) not in {os.path.abspath(p) for p in paths}:
+        paths.insert(0, dest)
+    contents = [read_log(p) for p in paths]  # all sources readable before anything is written
+    report = MergeReport()
+    with target.lock("merging"):
+        wl_lines: list[str] = []
+        wl_pos: dict[int, int] = {}
+        seen: set[tuple[int, str]] = set()
+        rec_lines: list[str] = []
+        for c in contents:
+            report.rejected.extend(c.rejected)
+            local = []
+            for obj, h in c.workloads:
+                if h not in wl_pos:
+                    wl_pos[h] = len(wl_lines)
+                    wl_lines.append(json.dumps(obj) + "\n")
+                local.append(wl_pos[h])
+            for w, body in c.records:
+                key = (local[w], json.dumps(body, sort_keys=True))
+                if key in seen:
+                    report.duplicates += 1
+                    continue
+                seen.add(key)
+                rec_lines.append(json.dumps([local[w], body]) + "\n")
+        _rewrite(target.workload_path, wl_lines)
+        _rewrite(target.record_path, rec_lines)
+    report.workloads, report.records = len(wl_lines), len(rec_lines)
+    return report

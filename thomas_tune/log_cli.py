@@ -1,0 +1,133 @@
+"""``thomas-tune log show|check|merge``: look into tuning logs, check one against a model, merge
+the logs of several devices or runs.
+
+* ``show LOG``: records per workload (failed trials counted apart), the best time of each, the
+  targets measured, the failed trials' reasons by count (``trial_errors.jsonl``), and any line
+  that does not parse (file and line). Changes nothing.
+* ``check LOG --model ...``: the same lines checked and bad ones set aside (``*.rejected``), then
+  the model's tasks matched against the log: tuned tasks, share of FLOPs covered, records for
+  other targets, workloads that belong to no task of the model. Exit status 1 when a line was
+  bad or no task of the model is tuned.
+* ``merge SRC... --out DEST``: every distinct record of the sources, once, in ``DEST``.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import sys
+
+from .tuning_log import TuningLog, merge, read_errors, read_log, summarize
+
+
+def _print_rejected(rejected, out=sys.stdout) -> None:
+    for path, line, why in rejected:
+        print(f"  {path}:{line}: {why}", file=out)
+
+
+def cmd_show(args) -> int:
+    """Print the contents of a tuning log (see the module docstring); returns 0."""
+    contents = read_log(args.log)
+    rows = summarize(contents)
+    if args.json:
+        print(json.dumps({"log": args.log, "workloads": rows,
+                          "rejected": [list(r) for r in contents.rejected]}, indent=1))
+        return 0
+    n = len(contents.records)
+    failed = sum(r["failed"] for r in rows)
+    print(f"tuning log {args.log}: {len(rows)} workloads, {n} records ({failed} failed trials)")
+    print(f"{'#':>3}  {'records':>7} {'failed':>6} {'best ms':>10}  {'target':<8} workload")
+    for r in rows:
+        best = f"{r['best_ms']:.4f}" if r["best_ms"] is not None else "-"
+        print(f"{r['workload']:>3}  {r['records']:>7} {r['failed']:>6} {best:>10}  "
+              f"{r['target']:<8} {r['label'][:100]}")
+    errors = read_errors(TuningLog(args.log))
+    if errors:
+        why = collections.Counter(e.get("reason", "?")[:160] for e in errors)
+        print(f"failed trials with their reasons ({len(errors)} in "
+              f"{os.path.join(args.log, 'trial_errors.jsonl')}):")
+        for reason, k in why.most_common(8):
+            print(f"  {k:>4} x {reason}")
+    if contents.rejected:
+        print(f"{len(contents.rejected)} line(s) do not parse ('thomas-tune log check' sets "
+              "them aside):")
+        _print_rejected(contents.rejected)
+    return 0
+
+
+def cmd_check(args) -> int:
+    """Check a log's lines (setting bad ones aside) and its coverage of the model's tasks."""
+    from .cli import _graphs, _model
+    from .replay import coverage
+    from .target import parse_target
+    from .tasks import extract
+
+    read_log(args.log)  # a clear error for a folder that holds no tuning log
+    log = TuningLog(args.log)
+    report = log.check(report_to=sys.stdout)
+    model, _, _ = _model(args)
+    target = parse_target(args.target)
+    tasks = extract(_graphs(args, model), target)
+    database = log.database(check=False)
+    n, flops = coverage(tasks, database)
+    total = sum(t.total_flops for t in tasks) or 1.0
+    contents = read_log(args.log)
+    task_hashes = set(_task_hashes(tasks))
+    foreign = sum(1 for _, h in contents.workloads if h not in task_hashes)
+    kinds = collections.Counter(b[2].get("kind") for _, b in contents.records
+                                if len(b) > 2 and isinstance(b[2], dict))
+    print(f"tuning log {args.log}: {report.workloads} workloads, {report.records} records "
+          f"({len(report.rejected)} bad line(s) set aside)")
+    print(f"{model.arch} (width {model.width:g}, {model.resolution}x{model.resolution}, "
+          f"batch {args.batch}, trainable {args.trainable}) on {target.kind.name}: {n}/"
+          f"{len(tasks)} tasks tuned, {100 * flops / total:.1f}% of FLOPs")
+    if foreign:
+        print(f"{foreign} workload(s) of the log belong to no task of this model (another "
+              "model, size, batch or trainable set)")
+    other = {k: v for k, v in kinds.items() if k != target.kind.name}
+    if other:
+        print(f"records measured for other targets: "
+              + ", ".join(f"{v} {k}" for k, v in sorted(other.items())))
+    ok = not report.rejected and n > 0
+    if n == 0:
+        print(f"FAIL: no task of this model has a record; tune it first ('thomas-tune tune' with "
+              f"the same model options and --log {args.log})")
+    return 0 if ok else 1
+
+
+def _task_hashes(tasks):
+    import tvm_ffi
+    return [int(tvm_ffi.structural_hash(t.mod)) for t in tasks]
+
+
+def cmd_merge(args) -> int:
+    """Merge tuning logs into ``--out``; returns 1 when a source had lines that do not parse."""
+    report = merge(args.logs, args.out)
+    print(f"merged {len(args.logs)} log(s) into {args.out}: {report.workloads} workloads, "
+          f"{report.records} distinct records ({report.duplicates} duplicate(s) kept once)")
+    if report.rejected:
+        print(f"{len(report.rejected)} line(s) of the sources do not parse and were left out "
+              "(the sources are unchanged):")
+        _print_rejected(report.rejected)
+        return 1
+    return 0
+
+
+def add_parser(sub, model_args, target_arg) -> None:
+    """Add the ``log`` verb and its ``show``/``check``/``merge`` sub-verbs to ``sub``."""
+    s = sub.add_parser("log", help="show a tuning log, check it against a model, merge logs")
+    lsub = s.add_subparsers(dest="log_verb", required=True)
+    t = lsub.add_parser("show", help="records, failures and best time per workload")
+    t.add_argument("log", help="tuning-log folder")
+    t.add_argument("--json", action="store_true")
+    t.set_defaults(fn=cmd_show)
+    t = lsub.add_parser("check", help="set bad lines aside; coverage of a model's tasks")
+    t.add_argument("log", help="tuning-log folder")
+    model_args(t)
+    target_arg(t)
+    t.set_defaults(fn=cmd_check)
+    t = lsub.add_parser("merge", help="merge logs of several devices or runs")
+    t.add_argument("logs", nargs="+", help="tuning-log folders to merge")
+    t.add_argument("--out", required=True, help="folder of the merged log (may exist)")
+    t.set_defaults(fn=cmd_merge)
