@@ -6,8 +6,12 @@
 #   start   set up (part 2: .devcarry/p2), start tracker, servers and the tuning jobs; resumes
 #           from /tmp/tt/logs when the machine is warm, else from the tree's tuning_logs/
 #   status  progress of each job; the tuning logs and outputs come back as $OUT/gpu_logs.tgz
+#   watch   status every minute for WATCH seconds (default 540), then once more
 #   stop    stop everything
-# Environment: JOBS (default: every job in bench/gpu_jobs.txt), SERVERS (4), TRIALS (20000).
+# Environment: JOBS (default: every job in bench/gpu_jobs.txt), SERVERS (8), TRIALS (20000).
+# The machine goes back 30 s after a call ends: keep calling (e.g. 'watch', under the 10-minute
+# limit of one call) for as long as the jobs should run; a later lease resumes from the logs
+# that came back (commit them under tuning_logs/h100/).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 TT=/tmp/tt
@@ -53,7 +57,7 @@ start_services() {
     sleep 3
   fi
   local have; have=$(pgrep -fc "thomas_tune.cli rpc server" || true)
-  for i in $(seq $((have + 1)) ${SERVERS:-4}); do
+  for i in $(seq $((have + 1)) ${SERVERS:-8}); do
     setsid nohup $PY rpc server --tracker 127.0.0.1:$PORT --key $KEY --target opencl \
       --port $((9100 + i * 10)) > $TT/server$i.out 2>&1 < /dev/null &
   done
@@ -83,6 +87,9 @@ status() {
     echo "== $n: $recs records; $(pgrep -f -- "--log $TT/logs/$n " >/dev/null && echo running || echo stopped)"
     grep -E "default schedules|tuning [0-9]+ tasks|throughput|measured|error|Error" $f | tail -4
     tail -c 400 $f | tr '\r' '\n' | grep -v '^\s*$' | tail -1
+    [ -s $TT/out/$n.stats.json ] && python3 -c "import json,sys; d=json.load(open(sys.argv[1])); \
+print('   stats: %d trials in %.0f s = %.2f trials/s; split %s' % (d['trials'], d['elapsed_s'], \
+d['trials_per_s'], {k: round(v) for k, v in d['split_s'].items()}))" $TT/out/$n.stats.json
   done
   grep -h "runner\]" $TT/out/*.out 2>/dev/null | tail -5
   if [ -n "${OUT:-}" ]; then
@@ -91,10 +98,19 @@ status() {
   fi
 }
 
+watch() {
+  local end=$(( $(date +%s) + ${WATCH:-540} ))
+  while [ $(date +%s) -lt $end ]; do
+    sleep 60; echo "---- $(date +%T)"; OUT= status
+  done
+  status
+}
+
 case "${1:-status}" in
   park) cp .devcarry/p1/tvm.part.aa $TT/ && ls -la $TT ;;
-  start) setup && start_services && start_jobs && sleep ${WAIT:-60} && status ;;
+  start) setup && start_services && start_jobs && watch ;;
   status) status ;;
+  watch) watch ;;
   stop) pkill -f "thomas_tune.cli tune" ; pkill -f "thomas_tune.cli rpc" ; status ;;
-  *) echo "usage: $0 park|start|status|stop"; exit 2 ;;
+  *) echo "usage: $0 park|start|status|watch|stop"; exit 2 ;;
 esac

@@ -40,6 +40,36 @@ def _target_arg(p, default="llvm"):
     p.add_argument("--target", default=default,
                    help="llvm, opencl, a tag such as qcom/adreno-opencl, or a JSON dict "
                         f"(default {default})")
+    if "--host" in p._option_string_actions:  # rpc server: --host is its bind address
+        return
+    p.add_argument("--host", help="where the compiled code runs: android-aarch64 (a phone), "
+                   "linux-aarch64, native, or an llvm triple; a foreign host is linked with "
+                   "the cross compiler TVM_NDK_CC names (default: this machine)")
+
+
+def _remote_args(p) -> None:
+    g = p.add_argument_group("device server (run the export there, e.g. on a phone)")
+    g.add_argument("--tracker", help="tracker HOST:PORT of the device server")
+    g.add_argument("--key", help="device key of the server (e.g. galaxy-s8)")
+    g.add_argument("--wait", type=float, default=60,
+                   help="seconds to wait for a free server (default 60)")
+
+
+def _session(args, checkpoint: str | None = None, seed: int = 0):
+    """The export of ``--export`` loaded here, or on a device server of ``--tracker``/``--key``;
+    started from ``checkpoint``'s weights (and class names) when given."""
+    from .runtime import Session, connect
+    rpc_session = None
+    if args.tracker or args.key:
+        if not (args.tracker and args.key):
+            raise ValueError("--tracker and --key go together: the tracker's HOST:PORT and "
+                             "the device key of the server to run on")
+        from .rpc import parse_address
+        rpc_session = connect(parse_address(args.tracker), args.key, timeout=args.wait)
+    session = Session(args.export, rpc_session=rpc_session, seed=seed)
+    if checkpoint:
+        session.load_checkpoint(checkpoint)
+    return session
 
 
 def _model(args):
@@ -83,7 +113,7 @@ def cmd_tasks(args) -> int:
     from .target import parse_target
     from .tasks import extract, summary
     model, _, _ = _model(args)
-    tasks = extract(_graphs(args, model), parse_target(args.target))
+    tasks = extract(_graphs(args, model), parse_target(args.target, args.host))
     total = sum(t.total_flops for t in tasks)
     print(summary(tasks[: args.limit] if args.limit else tasks, total))
     if args.limit and len(tasks) > args.limit:
@@ -101,10 +131,10 @@ def cmd_rpc(args) -> int:
         addr = rpc.parse_address(args.tracker)
         if args.target != "llvm":
             import thomas_tune  # noqa: F401  (loads runtime extensions before serving)
-        server = rpc.start_server(addr, args.key, host=args.host, port=args.port)
-        print(f"device server {args.key!r} on {args.host}:{server.port}, registered with "
-              f"{addr[0]}:{addr[1]}", flush=True)
-        procs = [server]
+        # restarted whenever its process dies (a kernel that kills the device process)
+        rpc.serve(addr, args.key, host=args.host, port=args.port, duration=args.duration,
+                  log=sys.stdout)
+        return 0
     deadline = time.monotonic() + args.duration if args.duration else None
     try:
         while deadline is None or time.monotonic() < deadline:
@@ -127,11 +157,17 @@ def cmd_tune(args) -> int:
     from .tasks import extract, select, summary
     import math
 
+    from .runner import error_line
     from .tune import rpc_runner, tune, workload_key
     from .tuning_log import TuningLog
+    from .runtime import check_device
+    from .target import cross_compiler
     model, _, _ = _model(args)
-    target = parse_target(args.target)
+    target = parse_target(args.target, args.host)
+    cross_compiler(target)  # a missing or wrong cross compiler fails before any work
     tracker = rpc.parse_address(args.tracker)
+    rpc.wait_for_key(tracker, args.key, timeout=args.wait)
+    check_device(tracker, args.key, target, timeout=args.wait)  # loads code linked here
     free = rpc.wait_for_key(tracker, args.key, timeout=args.wait)
     everything = extract(_graphs(args, model), target)
     log = TuningLog(args.log or _default_log(args, model, args.key))
@@ -158,9 +194,18 @@ def cmd_tune(args) -> int:
     print(summary(tasks, sum(t.total_flops for t in everything)), flush=True)
     print(f"tuning {len(tasks)} tasks, {args.trials} trials, on {free} server(s) of key "
           f"{args.key!r}; tuning log {log.path}", flush=True)
-    report = tune(tasks, target, log, runner, args.trials,
-                  trials_per_iter=args.trials_per_iter, seed=args.seed,
-                  population=args.population, builder_workers=args.build_workers)
+    try:
+        report = tune(tasks, target, log, runner, args.trials,
+                      trials_per_iter=args.trials_per_iter, seed=args.seed,
+                      population=args.population, builder_workers=args.build_workers)
+    except BaseException:
+        if "signal" not in _STOP:  # stopped by SIGINT/SIGTERM: one line, not a traceback
+            raise
+        sig = _STOP["signal"]
+        print(f"tuning stopped by {signal.Signals(sig).name}: {_safe_records(log)} records "
+              f"are safe in {log.record_path} (trials in flight are lost); run the same "
+              "command again to resume", file=sys.stderr, flush=True)
+        return 128 + sig
     print(f"measured {report.trials} new trials ({report.skipped} candidates already in the "
           f"log were not re-measured; {report.resumed_records} records resumed)")
     print(f"throughput: {report.throughput_line()}")
@@ -178,7 +223,7 @@ def cmd_tune(args) -> int:
             print(f"  {t.name[:56]:<56} {t.trials:>4} trials  best {t.best_s * 1e3:9.4f} ms  "
                   f"{t.gflops:8.2f} GFLOP/s  ({t.errors} failed)")
             if t.errors:
-                print(f"    last failure: {t.last_error.strip().splitlines()[-1][:200]}")
+                print(f"    last failure: {error_line(t.last_error, 200)}")
     return 0
 
 
@@ -193,7 +238,7 @@ def _export_model(args, out: str) -> dict:
     if log is not None and not log.exists():
         raise ValueError(f"tuning log {args.log!r} has no records; tune first, or drop --log "
                          "to export with default schedules")
-    return export(out, model, tensors, parse_target(args.target), batch=args.batch,
+    return export(out, model, tensors, parse_target(args.target, args.host), batch=args.batch,
                   infer_batch=args.infer_batch, trainable=args.trainable,
                   optimizer=_optimizer(args), log=log, classes=classes)
 
@@ -211,7 +256,8 @@ def cmd_replay(args) -> int:
     from .target import parse_target
     from .tuning_log import TuningLog
     model, _, _ = _model(args)
-    report = replay(model, parse_target(args.target), TuningLog(args.log), batch=args.batch,
+    report = replay(model, parse_target(args.target, args.host), TuningLog(args.log),
+                    batch=args.batch,
                     infer_batch=args.infer_batch, trainable=args.trainable,
                     check=not args.no_check)
     print(f"{report.tuned}/{report.tasks} tasks have a tuning record "
@@ -252,17 +298,21 @@ def _export_for_train(args) -> str:
 
 
 def cmd_train(args) -> int:
-    from .runtime import Session
     from .train import fine_tune
+    checkpoint = args.checkpoint if args.export else None  # else compiled in below
     if not args.export:
         args.export = _export_for_train(args)
-    session = Session(args.export, seed=args.seed)
+    session = _session(args, checkpoint, seed=args.seed)
     data = _data(args, session.model)
-    if len(data.classes) > session.model.num_classes:
+    n = session.model.num_classes
+    if len(data.classes) > n:
         print(f"error: data set has {len(data.classes)} classes, the model "
-              f"{session.model.num_classes}; export a model with --classes "
+              f"{n}; export a model with --classes "
               f"{len(data.classes)}", file=sys.stderr)
         return 2
+    # the labels are the data's class indices: its names go with the weights it trains
+    session.classes = [str(c) for c in data.classes] + [str(i) for i in
+                                                        range(len(data.classes), n)]
     train, test = data.split(args.test_fraction, seed=args.seed)
     print(f"data {data.source}: {len(train.y)} training / {len(test.y)} held-out images, "
           f"{len(data.classes)} classes; {len(session.manifest['trainable'])} trainable "
@@ -281,8 +331,7 @@ def cmd_train(args) -> int:
 def cmd_infer(args) -> int:
     import numpy as np
     from .data import IMAGE_EXTENSIONS, to_model_input
-    from .runtime import Session
-    session = Session(args.export)
+    session = _session(args, args.checkpoint)
     if args.data:
         data = _data(args, session.model)
         acc = session.evaluate(data.x, data.y)
@@ -304,22 +353,50 @@ def cmd_infer(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    import numpy as np
-    from .runtime import Session, time_steps
-    session = Session(args.export)
-    rng = np.random.default_rng(args.seed)
-    x = rng.standard_normal(session.model.input_shape(session.batch)).astype("float32")
-    y = rng.integers(0, session.model.num_classes, session.batch)
-    session.train_step(x, y)  # warm-up
-    ms = time_steps(session, x, y, args.steps)
-    t0 = time.perf_counter()
-    for _ in range(args.steps):
-        session.predict(x[: session.infer_batch])
-    infer_ms = (time.perf_counter() - t0) * 1e3 / args.steps
-    print(json.dumps({"export": args.export, "batch": session.batch,
-                      "ms_per_training_step": round(ms, 3),
-                      "ms_per_inference": round(infer_ms, 3),
-                      "images_per_s_training": round(1e3 * session.batch / ms, 1)}))
+    """Side by side on this machine's device: the model compiled with --log (tuned) and with
+    default schedules, and PyTorch eager; see :mod:`thomas_tune.bench`."""
+    from . import bench
+    from .target import parse_target
+    work = args.work or tempfile.mkdtemp(prefix="thomas-tune-bench-")
+    if args.export:  # one existing export: its model, shapes, target and trainable set
+        from .export import read_manifest
+        from .graph import OptimizerConfig
+        from .models import load_checkpoint
+        m = read_manifest(args.export)
+        model, tensors, _ = load_checkpoint(os.path.join(args.export, "params.npz"))
+        target = parse_target(m["target"])
+        trainable = m["trainable"]
+        opt = m["optimizer"]
+        optimizer = OptimizerConfig(**{**opt, "betas": tuple(opt["betas"])})
+        log = args.log or (m["tuning_log"] if m["tuning_log"] and
+                           os.path.isdir(m["tuning_log"]) else None)
+        exports = {"tuned" if m["tuning_log"] else "default": args.export}
+    else:
+        model, tensors, _ = _model(args)
+        target = parse_target(args.target)
+        trainable, optimizer, log = args.trainable, _optimizer(args), args.log
+        exports = bench.prepare_exports(model, tensors, target, log, work, args.batch,
+                                        args.infer_batch, trainable, optimizer)
+    cfg = bench.BenchConfig(steps=args.steps, warmup=args.warmup, kernels=args.kernels,
+                            kernel_min_ms=args.kernel_min_ms, startup=not args.no_startup,
+                            torch=not args.no_torch, refresh_peaks=args.refresh_peaks,
+                            seed=args.seed, progress=not args.quiet)
+    res = bench.run_bench(model, tensors, target, exports, cfg, log, trainable, optimizer)
+    res["exports"] = exports
+    out_json = args.json or os.path.join(work, "bench.json")
+    curve = res.get("tuning_curve")
+    if curve:
+        png = args.plot or os.path.splitext(out_json)[0] + "-tuning-curve.png"
+        m = res["model"]
+        res["tuning_curve_png"] = bench.plot_curve(
+            curve, png, f"{m['arch']} w{m['width']:g} r{m['resolution']} c{m['num_classes']} "
+                        f"b{res['batch']} {res['trainable']} on {res['device']}")
+    os.makedirs(os.path.dirname(os.path.abspath(out_json)), exist_ok=True)
+    with open(out_json, "w") as f:
+        json.dump(res, f, indent=1, default=float)
+    print(bench.format_report(res, top=args.kernels or 12))
+    print(f"\nwritten: {out_json}" + (f", {res['tuning_curve_png']}"
+                                      if res.get("tuning_curve_png") else ""))
     return 0
 
 
@@ -489,6 +566,9 @@ def parser() -> argparse.ArgumentParser:
             s.add_argument("--out", help="folder for that compile (default: a temp folder)")
         else:
             s.add_argument("--export", required=True, help="export folder")
+            s.add_argument("--checkpoint", help="weights (and class names) to classify with, "
+                           "e.g. train --save's: same model as the export, no recompile")
+        _remote_args(s)
         s.add_argument("--data", default=None if name == "infer" else "mnist5k",
                        help="image folder (one sub-folder per class) or a shipped data set: "
                             "mnist5k, digits")
@@ -520,9 +600,31 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--json", action="store_true")
     s.set_defaults(fn=cmd_memory)
 
-    s = sub.add_parser("bench", help="time training steps and inference of an export")
-    s.add_argument("--export", required=True)
-    s.add_argument("--steps", type=int, default=20)
+    s = sub.add_parser("bench", help="side by side on one device: tuned vs default schedules "
+                       "vs PyTorch eager; kernels, peaks, start-up, tuning curve")
+    _model_args(s)
+    _target_arg(s)
+    s.add_argument("--log", help="tuning log of the tuned variant (none: default schedules and "
+                   "PyTorch only)")
+    s.add_argument("--export", help="bench this export instead of compiling the model options")
+    s.add_argument("--work", help="folder for the exports and the JSON (default: a temp folder; "
+                   "exports already there with the same settings are reused)")
+    s.add_argument("--steps", type=int, default=20, help="timed training steps and inference "
+                   "passes per variant (median; default 20)")
+    s.add_argument("--warmup", type=int, default=2, help="untimed runs first (default 2)")
+    s.add_argument("--kernels", type=int, default=12, help="rows of the kernel table; 0 skips "
+                   "timing each kernel (default 12)")
+    s.add_argument("--kernel-min-ms", type=float, default=1.0,
+                   help="length of one timed repeat of a kernel (default 1 ms)")
+    s.add_argument("--no-startup", action="store_true",
+                   help="skip the first/second start measurement (OpenCL)")
+    s.add_argument("--no-torch", action="store_true", help="skip PyTorch eager")
+    s.add_argument("--refresh-peaks", action="store_true",
+                   help="measure the device's peak FLOP/s and bandwidth again")
+    s.add_argument("--json", help="result file (default WORK/bench.json)")
+    s.add_argument("--plot", help="tuning-curve PNG (default next to the JSON; needs "
+                   "matplotlib)")
+    s.add_argument("--quiet", action="store_true", help="no progress bars")
     s.add_argument("--seed", type=int, default=0)
     s.set_defaults(fn=cmd_bench)
 
@@ -543,22 +645,49 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--log", help="tuning-log folder (default: inside --work)")
     s.add_argument("--work", help="folder for the log and the export (default: a temp folder)")
     s.set_defaults(fn=cmd_demo)
+
+    from .log_cli import add_parser as add_log_parser
+    add_log_parser(sub, _model_args, _target_arg)
     return p
 
 
+_STOP: dict[str, int] = {}  # the signal that stopped this process, if any
+
+
 def _terminate(signum, frame):
+    _STOP.setdefault("signal", signum)
+    if signum == signal.SIGINT:
+        raise KeyboardInterrupt
     raise SystemExit(128 + signum)
+
+
+def _safe_records(log) -> int:
+    """Complete records (lines that parse) in a tuning log's record file."""
+    n = 0
+    if os.path.exists(log.record_path):
+        with open(log.record_path) as f:
+            for line in f:
+                try:
+                    json.loads(line)
+                    n += line.endswith("\n")
+                except ValueError:
+                    pass
+    return n
 
 
 def main(argv=None) -> int:
     """Entry point; returns the exit status (2 for bad input, with the reason on stderr)."""
     signal.signal(signal.SIGTERM, _terminate)  # so that loopback servers are stopped
+    signal.signal(signal.SIGINT, _terminate)
     args = parser().parse_args(argv)
     try:
         return args.fn(args)
     except (ValueError, TimeoutError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("stopped by SIGINT", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

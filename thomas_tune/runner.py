@@ -323,7 +323,7 @@ class _Lane(threading.Thread):
             if self.waiting_since is None:
                 self.waiting_since = time.monotonic()
                 f.say(f"lane {self.index}: no device server of key {f.key!r} yet "
-                      f"({_short(err)}); waiting up to {f.wait_s:g} s while "
+                      f"({error_line(err)}); waiting up to {f.wait_s:g} s while "
                       f"{f.live_lanes()} other lane(s) measure")
             return False
         f.phases.add("run.session_open", time.perf_counter() - t0)
@@ -373,7 +373,7 @@ class _Lane(threading.Thread):
                 fut.set(None, f"run timed out after {f.trial_timeout_s:g} s on a server of key "
                               f"{f.key!r}; the session was closed and a server requested again")
             except Exception as err:
-                msg = _short(err)
+                msg = error_line(err)
                 if isinstance(err, ChildProcessError) or not self._alive():
                     self._drop()
                     self.lost = msg
@@ -382,13 +382,20 @@ class _Lane(threading.Thread):
                           "go on")
                     fut.set(None, f"device server lost during the trial: {msg}")
                 else:
+                    # A kernel that failed may leave its OpenCL context unusable (an
+                    # out-of-bounds write turns every later call into CL_OUT_OF_RESOURCES):
+                    # the next trial gets a fresh session, so one bad candidate costs itself.
+                    self._drop()
                     fut.set(None, f"run failed: {msg}")
         self._drop()
 
 
-def _short(err: BaseException | str, limit: int = 400) -> str:
+def error_line(err: BaseException | str, limit: int = 400) -> str:
+    """The line of an error (exception or message text) that says what went wrong: the last
+    non-empty line that is not a caret underline, cut to ``limit`` characters."""
     text = str(err).strip()
-    lines = [ln for ln in text.splitlines() if ln.strip()]
+    # TVM's errors may end in a source excerpt underlined with carets: skip those lines
+    lines = [ln for ln in text.splitlines() if ln.strip().strip("^~ ")]
     # TVM errors end with the message; tracebacks start with "Traceback"
     msg = lines[-1] if lines else type(err).__name__ if isinstance(err, BaseException) else ""
     return msg[:limit]

@@ -21,10 +21,10 @@ from tqdm import tqdm
 from tvm.s_tir import meta_schedule as ms
 from tvm.ir.utils import derived_object
 
-from .runner import Builder, FarmRunner, Phases
+from .runner import Builder, FarmRunner, Phases, error_line
 from .schedules import space_generator
 from .tasks import Task
-from .tuning_log import TuningLog
+from .tuning_log import TrialErrors, TuningLog
 
 
 @derived_object
@@ -93,8 +93,10 @@ class Progress(ms.measure_callback.PyMeasureCallback):
     """A tqdm bar over all trials: per measured batch, the task's best time (ms) and GFLOP/s;
     tqdm's own estimate gives the time left."""
 
-    def __init__(self, tasks: list[TaskProgress], total: int, disable: bool = False):
+    def __init__(self, tasks: list[TaskProgress], total: int, disable: bool = False,
+                 tick=None):
         self.tasks = tasks
+        self.tick = tick
         self.bar = tqdm(total=total, unit="trial", disable=disable, dynamic_ncols=True)
 
     def apply(self, task_scheduler, task_id, measure_candidates, builder_results,
@@ -111,6 +113,8 @@ class Progress(ms.measure_callback.PyMeasureCallback):
         self.bar.update(len(runner_results))
         self.bar.set_postfix_str(f"{t.name[:28]} best {t.best_s * 1e3:.3f} ms "
                                  f"{t.gflops:.2f} GFLOP/s")
+        if self.tick is not None:
+            self.tick()
 
 
 @dataclass
@@ -139,6 +143,25 @@ class TuneReport:
         return {"total": self.elapsed_s, "search": max(0.0, self.elapsed_s - build - run),
                 "build": build, "run": run}
 
+    def as_dict(self) -> dict:
+        """The report as JSON-ready data: trials, trials/s, time split (s), phase counters
+        and per task trials, failures, best time (ms) and GFLOP/s."""
+        return {"trials": self.trials, "elapsed_s": self.elapsed_s,
+                "trials_per_s": self.trials_per_s, "split_s": self.time_split(),
+                "phases": self.phases, "resumed_records": self.resumed_records,
+                "skipped": self.skipped,
+                "tasks": [{"name": t.name, "trials": t.trials, "errors": t.errors,
+                           "best_ms": t.best_s * 1e3 if t.best_s < math.inf else None,
+                           "gflops": t.gflops} for t in self.tasks]}
+
+    def write(self, path: str) -> None:
+        """Write :meth:`as_dict` as JSON to ``path`` (atomically: a reader never sees half)."""
+        import json
+        tmp = f"{path}.tmp-{os.getpid()}"
+        with open(tmp, "w") as f:
+            json.dump(self.as_dict(), f, indent=1)
+        os.replace(tmp, path)
+
     def throughput_line(self) -> str:
         """One line: trials/s and where the time went (s and share)."""
         split = self.time_split()
@@ -166,20 +189,33 @@ def rpc_runner(tracker: tuple[str, int], key: str, servers: int | None = None,
 
 def tune(tasks: list[Task], target, log: TuningLog, runner: ms.Runner, trials: int,
          trials_per_iter: int = 8, builder_workers: int | None = None, seed: int = 0,
-         population: int = 128, show_progress: bool = True) -> TuneReport:
+         population: int = 128, show_progress: bool = True, stats_path: str | None = None,
+         stats_every_s: float = 30.0) -> TuneReport:
     """Tune ``tasks`` for ``target`` with ``trials`` measurements in all, appending to ``log``.
 
     The gradient task scheduler (Zheng et al. 2020, "Ansor", section 6) spends the budget where
     it shortens the graph's total time most (weights are the call counts). ``population``: the
     evolutionary search's population per round (MetaSchedule's default is 512, sized for large
-    hosts; each member is scored by the cost model on this machine). Raises ValueError for
-    an empty task list or a budget smaller than one round over the tasks.
+    hosts; each member is scored by the cost model on this machine). With ``stats_path``, the
+    report (:meth:`TuneReport.as_dict`: trials/s, time split) is written there every
+    ``stats_every_s`` seconds while tuning and once at the end. Raises ValueError for
+    an empty task list or a budget smaller than one round over the tasks, and
+    :class:`thomas_tune.tuning_log.LogInUse` when another tuner holds ``log``. Failed trials
+    are appended with their reason to ``trial_errors.jsonl`` in the log folder.
     """
     if not tasks:
         raise ValueError("no task to tune")
     if trials < len(tasks):
         raise ValueError(f"--trials {trials} is below one trial per task ({len(tasks)} tasks); "
                          "raise --trials or tune fewer tasks (--top)")
+    with log.lock("tuning"):  # one tuner per log: a second one is refused (LogInUse)
+        return _tune_locked(tasks, target, log, runner, trials, trials_per_iter,
+                            builder_workers, seed, population, show_progress, stats_path,
+                            stats_every_s)
+
+
+def _tune_locked(tasks, target, log, runner, trials, trials_per_iter, builder_workers, seed,
+                 population, show_progress, stats_path, stats_every_s) -> TuneReport:
     database = log.database()
     report = TuneReport()
     contexts, weights, progress = [], [], []
@@ -196,12 +232,22 @@ def tune(tasks: list[Task], target, log: TuningLog, runner: ms.Runner, trials: i
         weights.append(float(task.weight))
         progress.append(TaskProgress(task.name, task.flops))
     report.tasks = progress
-    callbacks = [*ms.measure_callback.MeasureCallback.create("default"),
-                 Progress(progress, trials, disable=not show_progress)]
     phases = getattr(runner, "phases", None) or Phases()
+    t0 = time.perf_counter()
+    last_write = [t0]
+
+    def tick() -> None:
+        now = time.perf_counter()
+        report.elapsed_s, report.phases = now - t0, phases.as_dict()
+        if stats_path and now - last_write[0] >= stats_every_s:
+            report.write(stats_path)
+            last_write[0] = now
+
+    callbacks = [*ms.measure_callback.MeasureCallback.create("default"),
+                 TrialErrors(log, [t.name for t in tasks]),
+                 Progress(progress, trials, disable=not show_progress, tick=tick)]
     builder = Builder(max_workers=builder_workers or max(1, (os.cpu_count() or 2)),
                       timeout_s=60, phases=phases)
-    t0 = time.perf_counter()
     try:
         ms.tune_tasks(
             tasks=contexts, task_weights=weights, work_dir=log.path, max_trials_global=trials,
@@ -217,6 +263,8 @@ def tune(tasks: list[Task], target, log: TuningLog, runner: ms.Runner, trials: i
     report.phases = phases.as_dict()
     report.skipped = sum(c.search_strategy.skipped for c in contexts
                          if isinstance(c.search_strategy, ResumingSearch))
+    if stats_path:
+        report.write(stats_path)
     return report
 
 
@@ -263,7 +311,7 @@ def measure_defaults(tasks: list[Task], target, runner, log: TuningLog | None = 
         for t, m, b in zip(todo, mods, built):
             if b.error_msg is not None:
                 known[workload_key(t)] = math.inf
-                errors[b.error_msg.strip().splitlines()[-1][:160]] += 1
+                errors[error_line(b.error_msg, 160)] += 1
                 continue
             inputs.append(ms.runner.RunnerInput(b.artifact_path, device_kind(target),
                                                 ArgInfo.from_prim_func(m["main"])))
@@ -274,7 +322,7 @@ def measure_defaults(tasks: list[Task], target, runner, log: TuningLog | None = 
             known[workload_key(t)] = (sum(float(s) for s in r.run_secs) / len(r.run_secs)
                                       if ok else math.inf)
             if not ok:
-                errors[str(r.error_msg).strip().splitlines()[-1][:160]] += 1
+                errors[error_line(str(r.error_msg), 160)] += 1
         for why, n in errors.most_common(5):
             print(f"default schedules: {n} kernel(s) failed: {why}", file=sys.stderr)
         for inp in inputs:
