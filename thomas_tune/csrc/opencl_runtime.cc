@@ -702,6 +702,7 @@ void KernelLauncher::operator()(PackedArgs args, Any* rv) const {
     if (t.code == kDLOpaqueHandle) {
       void* p = raw[i].v_ptr;
       if (raw[i].type_index == kTVMFFIDLTensorPtr) p = static_cast<DLTensor*>(p)->data;
+      if (raw[i].type_index == kTVMFFITensor) p = TVMFFITensorGetDLTensorPtr(raw[i].v_obj)->data;
       cl_mem m = static_cast<cl_mem>(p);
       err = clSetKernelArg(k, i, sizeof(cl_mem), &m);
     } else if (t.code == kDLFloat && t.bits == 32) {
