@@ -352,9 +352,36 @@ def cmd_infer(args) -> int:
     return 0
 
 
+def _bench_remote(args) -> int:
+    """``bench --export E --tracker HOST:PORT --key KEY``: time E's training steps and
+    inference on that device server (wall time here, RPC round trips included)."""
+    import numpy as np
+    from .runtime import time_steps
+    if not args.export:
+        raise ValueError("bench on a device server needs --export (an export for that "
+                         "device, e.g. made with --host android-aarch64)")
+    session = _session(args, args.checkpoint, seed=args.seed)
+    rng = np.random.default_rng(args.seed)
+    x = rng.standard_normal(session.model.input_shape(session.batch)).astype("float32")
+    y = rng.integers(0, session.model.num_classes, session.batch)
+    session.train_step(x, y)  # warm-up
+    ms = time_steps(session, x, y, args.steps)
+    t0 = time.perf_counter()
+    for _ in range(args.steps):
+        session.predict(x[: session.infer_batch])
+    infer_ms = (time.perf_counter() - t0) * 1e3 / args.steps
+    print(json.dumps({"export": args.export, "device_key": args.key, "batch": session.batch,
+                      "ms_per_training_step": round(ms, 3),
+                      "ms_per_inference": round(infer_ms, 3)}))
+    return 0
+
+
 def cmd_bench(args) -> int:
     """Side by side on this machine's device: the model compiled with --log (tuned) and with
-    default schedules, and PyTorch eager; see :mod:`thomas_tune.bench`."""
+    default schedules, and PyTorch eager; see :mod:`thomas_tune.bench`. With --tracker/--key:
+    one export timed on that device server (``_bench_remote``)."""
+    if args.tracker or args.key:
+        return _bench_remote(args)
     from . import bench
     from .target import parse_target
     work = args.work or tempfile.mkdtemp(prefix="thomas-tune-bench-")
@@ -604,6 +631,7 @@ def parser() -> argparse.ArgumentParser:
                        "vs PyTorch eager; kernels, peaks, start-up, tuning curve")
     _model_args(s)
     _target_arg(s)
+    _remote_args(s)
     s.add_argument("--log", help="tuning log of the tuned variant (none: default schedules and "
                    "PyTorch only)")
     s.add_argument("--export", help="bench this export instead of compiling the model options")
