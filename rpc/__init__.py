@@ -150,27 +150,49 @@ def serve(tracker: tuple[str, int], key: str, host: str = "127.0.0.1", port: int
     return restarts
 
 
+def probe_tracker(tracker: tuple[str, int], timeout: float = 3.0) -> None:
+    """Raise ConnectionError naming ``tracker`` and the fix when nothing accepts connections
+    there (TVM's own client would retry for a minute)."""
+    try:
+        with socket.create_connection(tracker, timeout=timeout):
+            pass
+    except OSError as err:
+        raise ConnectionError(
+            f"cannot reach the tracker at {tracker[0]}:{tracker[1]} ({err.strerror or err}); "
+            f"start one with 'thomas-tune rpc tracker --port {tracker[1]}' or fix --tracker"
+        ) from None
+
+
 def tracker_summary(tracker: tuple[str, int]) -> dict:
-    """The tracker's view: ``{"queue_info": {key: {"free": n, "pending": m}}, ...}``."""
+    """The tracker's view: ``{"queue_info": {key: {"free": n, "pending": m}}, ...}``.
+    Raises ConnectionError when the tracker cannot be reached (:func:`probe_tracker`)."""
+    probe_tracker(tracker)
     return rpc.connect_tracker(*tracker).summary()
 
 
 def wait_for_key(tracker: tuple[str, int], key: str, timeout: float = 30.0) -> int:
     """Block until at least one server of ``key`` is free on ``tracker``; returns how many are.
 
-    Raises TimeoutError naming the key and the keys that are registered.
+    Raises TimeoutError naming the key and the keys that are registered, or naming the tracker
+    when it could not be reached at all.
     """
     deadline = time.monotonic() + timeout
     seen = {}
+    unreachable = None
     while time.monotonic() < deadline:
         try:
             seen = tracker_summary(tracker).get("queue_info", {})
+            unreachable = None
+        except ConnectionError as err:
+            seen, unreachable = {}, err
         except (OSError, RuntimeError, socket.error):
             seen = {}
         free = seen.get(key, {}).get("free", 0)
         if free > 0:
             return free
         time.sleep(0.2)
+    if unreachable is not None:
+        raise TimeoutError(f"{unreachable} (tried for {timeout:.0f} s)")
     raise TimeoutError(f"no free device server with key {key!r} on tracker "
                        f"{tracker[0]}:{tracker[1]} after {timeout:.0f} s (registered: "
                        f"{sorted(seen) or 'none'}); start one with "

@@ -157,5 +157,7 @@ def read_manifest(export_dir: str) -> dict:
         raise ValueError(f"{export_dir}: not a thomas_tune export ({err}); run "
                          "'thomas-tune export' first") from err
     if manifest.get("format") != FORMAT:
-        raise ValueError(f"{path}: unknown export format {manifest.get('format')!r}")
+        raise ValueError(f"{path}: export format {manifest.get('format')!r}, but this "
+                         f"thomas_tune reads {FORMAT!r}; export the model again with "
+                         "'thomas-tune export'")
     return manifest

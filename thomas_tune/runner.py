@@ -181,7 +181,10 @@ def _lane_ping() -> bool:
     sess = _LANE.get("session")
     if sess is None:
         return False
-    return bool(sess.cpu(0).exist)
+    # a round trip to the server: on a session whose server process died, device queries
+    # such as ``sess.cpu(0).exist`` still answer True, a remote call raises
+    sess.get_function("tvm.rpc.server.workpath")("ping")
+    return True
 
 
 def _alloc(sess, dev, args_info):
