@@ -342,7 +342,14 @@ def cmd_infer(args) -> int:
     if not paths:
         print("error: give image files or --data", file=sys.stderr)
         return 2
-    images = [np.asarray(Image.open(p).convert("RGB"), dtype="float32") for p in paths]
+    images = []
+    for p in paths:
+        try:
+            with Image.open(p) as im:
+                images.append(np.asarray(im.convert("RGB"), dtype="float32"))
+        except OSError as err:  # missing, unreadable, or not an image (UnidentifiedImageError)
+            raise ValueError(f"image {p!r} cannot be read ({err}); give image files "
+                             "(PNG, JPEG, ...) or --data") from err
     logits = session.predict(to_model_input(images, session.model.resolution))
     names = session.classes or [str(i) for i in range(session.model.num_classes)]
     for p, row in zip(paths, logits):
