@@ -1,0 +1,175 @@
+"""The demo's story: fine-tune a pretrained network on classes it has never seen, with tuned
+kernels, and show what tuning bought.
+
+The shipped checkpoint (``models/pretrained/mobilenet_v2-w0.35-r64-mnist0to4.npz``) was trained
+by thomas_tune on MNIST digits 0-4 (``bench/four_levels.py``). The demo gives it a fresh
+5-class head and fine-tunes it on digits 5-9 (mnist5k, split 80/20 by class, relabelled 0-4),
+after tuning the kernels of its training step on the device (``thomas-tune tune`` over a
+loopback tracker). From the same run it reports ms per training step of the tuned build
+against the untuned build (default schedules), both timed on the same batches, and the mean
+training loss over the first and the last steps.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+import time
+
+import numpy as np
+
+FINE_TUNE_DIGITS = [5, 6, 7, 8, 9]
+
+
+def pretrained_path() -> str:
+    """The shipped checkpoint of MobileNetV2 (w0.35, 64x64) pretrained on digits 0-4."""
+    from . import models
+    return os.path.join(os.path.dirname(models.__file__), "pretrained",
+                        "mobilenet_v2-w0.35-r64-mnist0to4.npz")
+
+
+def digits(source: str, keep: list[int], resolution: int, limit: int, seed: int = 0):
+    """``source`` (a data set with classes named "0".."9") restricted to the digits ``keep``,
+    relabelled 0..len(keep)-1, at most ``limit`` images (stratified), split 80/20 by
+    :meth:`Dataset.split`. Returns (train, test). Raises ValueError when a digit is missing."""
+    from .data import Dataset, load
+    full = load(source, resolution)
+    names = [str(d) for d in keep]
+    missing = [n for n in names if n not in full.classes]
+    if missing:
+        raise ValueError(f"data set {source!r} has no class {missing}; the demo needs digits")
+    ids = np.array([full.classes.index(n) for n in names])
+    mask = np.isin(full.y, ids)
+    y = np.searchsorted(ids, full.y[mask]) if np.all(np.diff(ids) > 0) else \
+        np.array([list(ids).index(v) for v in full.y[mask]])
+    rng = np.random.default_rng(seed)
+    per = max(1, limit // len(keep))
+    idx = np.concatenate([rng.permutation(np.flatnonzero(y == c))[:per]
+                          for c in range(len(keep))])
+    data = Dataset(full.x[mask][idx], y[idx], names, f"{source} digits {names[0]}-{names[-1]}")
+    return data.split(0.2, seed=seed)
+
+
+@contextlib.contextmanager
+def busy(desc: str, enabled: bool = True):
+    """A progress line (tqdm, elapsed seconds) while the body runs a long call that reports no
+    progress of its own (an OpenCL program build, a compile). The call must release the GIL
+    now and then (TVM's calls do)."""
+    if not enabled:
+        yield
+        return
+    from tqdm import tqdm
+    done = threading.Event()
+    bar = tqdm(desc=desc, bar_format="{desc}: {elapsed}", leave=True)
+
+    def tick():
+        while not done.wait(0.5):
+            bar.refresh()
+
+    th = threading.Thread(target=tick, daemon=True)
+    th.start()
+    try:
+        yield
+    finally:
+        done.set()
+        th.join()
+        bar.refresh()
+        bar.close()
+
+
+def run(args, tune_fn) -> int:
+    """The demo (see the module docstring). ``args``: the demo's options; ``tune_fn(argv)``
+    runs ``thomas-tune`` with ``argv`` and returns its exit status (the CLI's ``main``)."""
+    from . import rpc
+    from .export import export
+    from .graph import OptimizerConfig
+    from .models import load_checkpoint, replace_head
+    from .runtime import Session
+    from .target import parse_target
+    from .train import fine_tune
+    from .tuning_log import TuningLog
+
+    t_start = time.perf_counter()
+    work = args.work
+    log_dir = args.log or os.path.join(work, "tuning_log")
+    ckpt = args.checkpoint or pretrained_path()
+    if not os.path.exists(ckpt):
+        raise FileNotFoundError(f"pretrained checkpoint {ckpt} is missing (install the project "
+                                "from its source tree: pip install -e .)")
+    model, tensors, classes = load_checkpoint(ckpt)
+    print(f"[demo] pretrained {model.arch} (width {model.width:g}, {model.resolution}x"
+          f"{model.resolution}) on digits {', '.join(classes or [])}; fine-tuning on the unseen "
+          f"digits {FINE_TUNE_DIGITS[0]}-{FINE_TUNE_DIGITS[-1]} with a new "
+          f"{len(FINE_TUNE_DIGITS)}-class head", flush=True)
+    model, tensors = replace_head(model, tensors, len(FINE_TUNE_DIGITS), seed=args.seed)
+    train, test = digits(args.data, FINE_TUNE_DIGITS, model.resolution, args.limit, args.seed)
+    print(f"[demo] data: {len(train.y)} training / {len(test.y)} held-out images of "
+          f"{train.source}", flush=True)
+
+    # 1. tune the training step's largest kernels on this machine's device
+    common = ["--checkpoint", ckpt, "--batch", str(args.batch), "--trainable", args.trainable,
+              "--target", args.target]
+    t0 = time.perf_counter()
+    with rpc.loopback(key=args.key, servers=1, lifetime=3600) as (host, port):
+        print(f"[demo] tracker on {host}:{port}, one device server with key {args.key!r}",
+              flush=True)
+        rc = tune_fn(["tune", *common, "--tracker", f"{host}:{port}", "--key", args.key,
+                      "--trials", str(args.trials), "--top", str(args.top), "--log", log_dir,
+                      "--trials-per-iter", "2", "--population", "32"])
+        if rc:
+            return rc
+    tune_s = time.perf_counter() - t0
+    print(f"[demo] tuning done in {tune_s:.0f} s; servers stopped", flush=True)
+
+    # 2. export the training step twice: tuned, and untuned (default schedules)
+    target = parse_target(args.target)
+    opt = OptimizerConfig(lr=args.lr)
+    dirs = {}
+    for name, log in (("tuned", TuningLog(log_dir)), ("untuned", None)):
+        dirs[name] = os.path.join(work, f"export-{name}")
+        with busy(f"[demo] compiling the {name} build"):
+            export(dirs[name], model, tensors, target, batch=args.batch,
+                   trainable=args.trainable, optimizer=opt, log=log, classes=train.classes,
+                   progress=lambda m: None)
+
+    # 3. the same first batches through both builds: ms per training step, side by side
+    batches = train.batches(args.batch, np.random.default_rng(args.seed + 1))
+    timing = [next(batches) for _ in range(max(1, args.compare_steps))]
+    sessions, ms = {}, {}
+    for name in ("untuned", "tuned"):
+        s = sessions[name] = Session(dirs[name], seed=args.seed)
+        with busy(f"[demo] building the {name} device programs (first step)"):
+            s.train_step(*timing[0])
+            s.sync()
+        times = []
+        for x, y in timing:
+            t0 = time.perf_counter()
+            s.train_step(x, y)
+            s.sync()
+            times.append((time.perf_counter() - t0) * 1e3)
+        ms[name] = float(np.median(times))
+        if name == "untuned":
+            del sessions[name], s  # frees its device memory
+    print(f"[demo] ms per training step over the same {len(timing)} batches (median): tuned "
+          f"{ms['tuned']:.1f}, untuned {ms['untuned']:.1f} ({ms['untuned'] / ms['tuned']:.2f}x)",
+          flush=True)
+
+    # 4. fine-tune from the pretrained weights with the tuned build
+    s = sessions["tuned"]
+    s.load_tensors(tensors)  # back to the pretrained weights and a fresh optimizer state
+    print(f"[demo] fine-tuning {args.steps} steps of batch {args.batch} (trainable "
+          f"{args.trainable}) with the tuned build", flush=True)
+    r = fine_tune(s, train, test, args.steps, seed=args.seed, show_progress=True)
+    k = max(1, min(args.loss_window, len(r.losses) // 2))
+    first, last = float(np.mean(r.losses[:k])), float(np.mean(r.losses[-k:]))
+    print(f"[demo] held-out accuracy on digits {FINE_TUNE_DIGITS[0]}-{FINE_TUNE_DIGITS[-1]}: "
+          f"{100 * r.acc_before:.1f}% before -> {100 * r.acc_after:.1f}% after")
+    print(f"[demo] mean training loss: first {k} steps {first:.3f} -> last {k} steps {last:.3f}")
+    print(f"[demo] tuned {r.ms_per_step:.1f} ms per step while fine-tuning (median of "
+          f"{r.steps}); untuned {ms['untuned']:.1f} ms on the same device in this run")
+    if args.save:
+        s.save(args.save)
+        print(f"[demo] saved the fine-tuned checkpoint to {args.save}")
+    print(f"[demo] finished in {time.perf_counter() - t_start:.0f} s; files in {work}")
+    return 0
