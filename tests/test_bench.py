@@ -105,3 +105,105 @@ def test_damaged_cache_file_falls_back_to_source(kernel_library, tmp_path, rng, 
 def test_cache_off(kernel_library, tmp_path, rng):
     out, _ = _start(kernel_library, "off", rng)
     assert (out["source_builds"], out["binary_writes"], out["binary_loads"]) == (1, 0, 0)
+
+
+# ---- bench pieces (llvm: this machine's CPU) ----------------------------------------------------
+@pytest.fixture(scope="module")
+def small_export(tmp_path_factory):
+    """A small AlexNet (width 0.1, 67x67, 5 classes, batch 2) exported with default schedules."""
+    from thomas_tune.export import export
+    from thomas_tune.models import build, init_params
+    from thomas_tune.target import parse_target
+    model = build("alexnet", num_classes=5, resolution=67, width=0.1)
+    out = str(tmp_path_factory.mktemp("bench") / "export")
+    export(out, model, init_params(model, seed=3), parse_target("llvm"), batch=2,
+           trainable="all", progress=lambda m: None)
+    return out
+
+
+def test_kernels_of_the_step_are_those_of_the_export(small_export):
+    """Every kernel the bench derives from the graph is in the exported library, runs on random
+    inputs, and the kernels' time per step is of the order of the measured step."""
+    import tvm
+    from thomas_tune.bench import exported_training_module, step_kernels, time_export, \
+        time_kernels
+    from thomas_tune.graph import training_module
+    from thomas_tune.models import load_checkpoint
+    model, _, _ = load_checkpoint(small_export + "/params.npz")
+    tg = training_module(model, 2, "all")
+    kernels = step_kernels(exported_training_module(model, tg))
+    assert kernels and all(k.calls >= 1 and k.args for k in kernels)
+    assert sum(k.flops * k.calls for k in kernels) > 0
+    time_kernels(small_export + "/train.so", kernels, tvm.cpu(), "default", min_ms=1,
+                 progress=False)
+    ms = [k.ms["default"] for k in kernels]
+    assert all(np.isfinite(m) and m > 0 for m in ms), [k.name for k in kernels
+                                                        if not np.isfinite(k.ms["default"])]
+    kernel_ms = sum(k.ms["default"] * k.calls for k in kernels)
+    step = time_export(small_export, steps=5)
+    # each kernel alone vs the whole step (host overhead, caches): same order of magnitude
+    assert 0.1 < kernel_ms / step["train_ms"] < 3, (kernel_ms, step)
+
+
+LOCAL_LOG = os.path.join(os.path.dirname(os.path.dirname(__file__)), "tuning_logs", "local-cpu",
+                         "mobilenet_v2-w0.35-r64-c10-b8")
+
+
+def test_tuning_curve_replays_the_log():
+    """The curve starts at the default-schedule estimate, never rises, counts the step's records
+    and ends at min(default, best record) per workload (best records read through
+    MetaSchedule's database, not the curve's own parser)."""
+    from thomas_tune.bench import exported_training_module, mark_tuned, step_kernels, \
+        tuning_curve
+    from thomas_tune.graph import training_module
+    from thomas_tune.models import build
+    from thomas_tune.tuning_log import TuningLog
+    model = build("mobilenet_v2", num_classes=10, resolution=64, width=0.35)
+    kernels = step_kernels(exported_training_module(model, training_module(model, 8, "all")))
+    rng = np.random.default_rng()
+    for k in kernels:  # default-schedule times: random, some slower than any record
+        k.ms["default"] = float(rng.choice([1e-4, 10.0]))
+    assert mark_tuned(kernels, LOCAL_LOG) > 0
+    curve = tuning_curve(LOCAL_LOG, kernels)
+    ms = np.array(curve["ms"])
+    assert curve["trials"] == list(range(len(ms)))
+    assert np.all(np.diff(ms) <= 1e-9)
+    assert ms[0] == pytest.approx(sum(k.ms["default"] * k.calls for k in kernels))
+    db = TuningLog(LOCAL_LOG).database()
+    want = 0.0
+    for k in kernels:
+        best = k.ms["default"]
+        if k.tuned:
+            recs = db.get_top_k(db.commit_workload(k.mod), 1)
+            best = min(best, 1e3 * float(np.mean([float(s) for s in recs[0].run_secs])))
+        want += best * k.calls
+    assert ms[-1] == pytest.approx(want, rel=1e-6)
+    assert curve["trials_to_95pct"] is None or 0 < curve["trials_to_95pct"] <= curve["trials"][-1]
+
+
+def test_bench_verb_on_an_export(small_export, tmp_path, capsys):
+    from thomas_tune.cli import main
+    out = tmp_path / "bench.json"
+    assert main(["bench", "--export", small_export, "--steps", "3", "--kernels", "4",
+                 "--no-torch", "--no-startup", "--quiet", "--json", str(out)]) == 0
+    res = json.loads(out.read_text())
+    v = res["variants"]["default"]
+    assert v["train_ms"] > 0 and v["infer_ms"] > 0 and v["kernels_failed"] == 0
+    assert 0 < v["share_of_peak_flops"] < 1.5 and res["peaks"]["gflops"] > 0
+    assert len(res["kernels"]) == res["step"]["kernels"]
+    text = capsys.readouterr().out
+    assert "slowest kernels of the default training step" in text
+    assert res["kernels"][0]["name"] in text
+
+
+@needs_opencl
+def test_opencl_peaks_cached_per_device(tmp_path, monkeypatch):
+    import tvm
+    from thomas_tune.bench import measure_peaks
+    monkeypatch.setenv("THOMAS_TUNE_CACHE", str(tmp_path))
+    target = opencl.target_for(0)
+    first = measure_peaks(target, tvm.opencl(0), min_ms=2)
+    assert not first["cached"] and first["gflops"] > 0.1 and first["gbytes_per_s"] > 0.1
+    again = measure_peaks(target, tvm.opencl(0))
+    assert again["cached"] and again["gflops"] == first["gflops"]
+    assert (tmp_path / "peaks.json").exists()

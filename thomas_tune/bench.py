@@ -250,6 +250,7 @@ class Kernel:
     args: list = field(default_factory=list)  # (shape, dtype) per parameter
     tuned: bool = False
     ms: dict = field(default_factory=dict)  # variant -> ms per call
+    mod: object = field(default=None, repr=False)  # the workload (IRModule with "main")
 
 
 def _callees(func) -> dict:
@@ -317,7 +318,7 @@ def step_kernels(train_mod) -> list[Kernel]:
             args.append((shape, dtype))
             nbytes += int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
         out.append(Kernel(gv.name_hint, calls[gv.name_hint], flops, nbytes,
-                          str(tvm_ffi.structural_hash(wmod)), args))
+                          str(tvm_ffi.structural_hash(wmod)), args, mod=wmod))
     return sorted(out, key=lambda k: -k.flops * k.calls)
 
 
