@@ -15,7 +15,6 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 import time
 
 import numpy as np
@@ -145,7 +144,8 @@ def test_tune_measures_trials_on_the_emulated_device(device, cross_env, tmp_path
     addr, _ = device
     log = tmp_path / "log"
     args = ["tune", "--model", "alexnet", "--width", "0.1", "--resolution", "67", "--classes",
-            "5", "--batch", str(BATCH), "--target", "llvm", "--host", "linux-aarch64",
+            "5", "--batch", str(BATCH), "--trainable", "last:1", "--target", "llvm",
+            "--host", "linux-aarch64",
             "--tracker", f"{addr[0]}:{addr[1]}", "--key", KEY, "--top", "1", "--trials", "4",
             "--trials-per-iter", "2", "--population", "8", "--build-workers", "2",
             "--trial-timeout", "120", "--log", str(log)]

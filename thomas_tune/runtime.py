@@ -81,6 +81,11 @@ class Session:
                                      "linux-aarch64 for an aarch64 board)") from err
             self._train_vm, self._infer_vm = vms["train.so"], vms["inference.so"]
             self._get_item = rpc_session.get_function("ffi.ArrayGetItem")
+            try:
+                self._train_vm[PACK_TRAINABLE]
+            except AttributeError as err:
+                raise ValueError(f"{export_dir} has no {PACK_TRAINABLE} function, which "
+                                 "training over RPC needs: export it again") from err
         else:
             self._train_vm = relax.VirtualMachine(load(os.path.join(export_dir, "train.so")),
                                                   self.device)
