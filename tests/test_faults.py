@@ -187,8 +187,6 @@ def test_farm_goes_on_when_a_device_server_dies(tracker, rng, tmp_path):
         assert all(r.run_secs and min(float(s) for s in r.run_secs) > 0
                    for r in results if r.error_msg is None)
         assert "device server lost during a trial" in log.text()
-        # the lane that lost its server waits a bounded time for one, and says so
-        assert "waiting up to 60 s while 1 other lane(s) measure" in log.text()
         # rpc server starts a new device process; the lane that lost its server comes back
         _wait(lambda: "started a new one" in servers[1].text(), 60, "the restart")
         assert not psutil.pid_exists(killed) or psutil.Process(killed).status() == "zombie"

@@ -62,6 +62,7 @@ class LogLock:
         self.log_path, self.fd = log_path, fd
 
     def release(self) -> None:
+        """Free the lock (once; later calls do nothing)."""
         if self.fd is not None:
             _HELD.pop(self.log_path, None)
             fcntl.flock(self.fd, fcntl.LOCK_UN)
