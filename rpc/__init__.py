@@ -200,29 +200,49 @@ def wait_for_key(tracker: tuple[str, int], key: str, timeout: float = 30.0) -> i
 
 
 @contextlib.contextmanager
-def loopback(key: str = "local", servers: int = 1, lifetime: float = 3600.0):
+def loopback(key: str = "local", servers: int = 1, lifetime: float = 3600.0, log=sys.stderr):
     """A tracker and ``servers`` device servers on 127.0.0.1, stopped on exit or after
-    ``lifetime`` seconds, whichever comes first. Yields the tracker's (host, port)."""
+    ``lifetime`` seconds, whichever comes first. Yields the tracker's (host, port).
+
+    A server whose process dies (a kernel that kills the device process) is replaced within
+    about a second, with one line to ``log``, as ``thomas-tune rpc server`` does."""
     tracker = start_tracker()
-    procs = []
-    timer = None
+    procs: list = []
+    stop = threading.Event()
+    threads = []
     try:
         addr = ("127.0.0.1", tracker.port)
         procs = [start_server(addr, key) for _ in range(servers)]
         wait_for_key(addr, key)
 
-        def _stop():
+        def _supervise():
+            while not stop.wait(1.0):
+                for i, p in enumerate(procs):
+                    if stop.is_set() or server_alive(p):
+                        continue
+                    p.terminate()
+                    procs[i] = start_server(addr, key)
+                    if log is not None:
+                        print(f"[loopback] device server {i} of key {key!r} ended; started a "
+                              "new one", file=log, flush=True)
+
+        def _expire():
+            stop.set()
             for p in procs:
                 p.terminate()
             tracker.terminate()
 
-        timer = threading.Timer(lifetime, _stop)
-        timer.daemon = True
-        timer.start()
+        threads = [threading.Thread(target=_supervise, daemon=True),
+                   threading.Timer(lifetime, _expire)]
+        threads[1].daemon = True
+        for t in threads:
+            t.start()
         yield addr
     finally:
-        if timer is not None:
-            timer.cancel()
+        stop.set()
+        if threads:
+            threads[1].cancel()
+            threads[0].join(timeout=30)
         for p in procs:
             p.terminate()
         tracker.terminate()

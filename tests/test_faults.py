@@ -235,6 +235,22 @@ class _Lines:
         return "".join(self.parts)
 
 
+def test_loopback_replaces_a_dead_device_server(rng):
+    # the demo's tracker and server: a device process that dies is replaced
+    key = _key(rng, "loop")
+    log = _Lines()
+    with rpc.loopback(key=key, servers=1, lifetime=120, log=log) as addr:
+        workers = [c for c in psutil.Process().children()
+                   if "popen_worker" in " ".join(c.cmdline())]
+        server = [w for w in workers if any(c.laddr.ip == "127.0.0.1" and c.status == "LISTEN"
+                                            and 9090 <= c.laddr.port < 9190
+                                            for c in w.net_connections("tcp"))]
+        assert len(server) == 1
+        server[0].kill()
+        _wait(lambda: "started a new one" in log.text(), 30, "the replacement")
+        assert rpc.wait_for_key(addr, key, timeout=60) == 1
+
+
 # ---- kernels that hang or crash the device process --------------------------------------------
 def test_hanging_and_crashing_kernels_cost_only_themselves(tracker, rng, tmp_path):
     key = _key(rng, "bad-kernels")
