@@ -94,6 +94,36 @@ def keep_serving_after_crashes() -> None:
 
     serving._thomas_tune = True
     tvm_server._serving = serving
+    tvm_server._serve_loop = _ending_with_client(tvm_server._serve_loop)
+
+
+def _ending_with_client(serve_loop):
+    """Wrap TVM's session loop (it runs in the session's own process) so that the process
+    ends as soon as its client is gone.
+
+    A tuner cuts a trial that does not return by closing its connection; without this the
+    session process would run the hung kernel (and hold the device lock that servers of one
+    device share) until the session timeout, minutes later, keeping the server from taking
+    the next trial."""
+
+    def loop(sock, load_library, work_path):
+        import select
+
+        if not hasattr(select, "POLLRDHUP"):  # not Linux: the session timeout ends it
+            return serve_loop(sock, load_library, work_path)
+
+        def watch():
+            poller = select.poll()
+            poller.register(sock.fileno(), select.POLLRDHUP | select.POLLHUP | select.POLLERR)
+            while True:
+                for _, event in poller.poll(500):
+                    if event & (select.POLLRDHUP | select.POLLHUP | select.POLLERR):
+                        os._exit(0)  # the client closed the session: nothing left to serve
+
+        threading.Thread(target=watch, daemon=True).start()
+        serve_loop(sock, load_library, work_path)
+
+    return loop
 
 
 def _init_device_server():
