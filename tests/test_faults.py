@@ -66,10 +66,21 @@ def crashing_kernel(A: T.Buffer((64,), "float32"), B: T.Buffer((64,), "float32")
         C[(T.int64(1) << T.int64(42)) + T.int64(i)] = A[i]
 
 
+_BUILT: list[str] = []  # candidate folders made by this module, removed at its end
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _remove_candidates():
+    yield
+    for path in _BUILT:
+        shutil.rmtree(os.path.dirname(path), ignore_errors=True)
+
+
 def _candidate(func) -> ms.runner.RunnerInput:
     """Build ``func`` as the tuner's Builder does (a shared library) -> a runner input."""
     target = parse_target("llvm")
     path = export_candidate(build_candidate(tvm.IRModule({"main": func}), target), target)
+    _BUILT.append(path)
     return ms.runner.RunnerInput(path, "cpu", ArgInfo.from_prim_func(func))
 
 

@@ -87,7 +87,7 @@ def cmd_check(args) -> int:
               "model, size, batch or trainable set)")
     other = {k: v for k, v in kinds.items() if k != target.kind.name}
     if other:
-        print(f"records measured for other targets: "
+        print("records measured for other targets: "
               + ", ".join(f"{v} {k}" for k, v in sorted(other.items())))
     ok = not report.rejected and n > 0
     if n == 0:
