@@ -85,7 +85,7 @@ status() {
     n=$(basename $f .out)
     recs=$(cat $TT/logs/$n/database_tuning_record.json 2>/dev/null | wc -l)
     echo "== $n: $recs records; $(pgrep -f -- "--log $TT/logs/$n " >/dev/null && echo running || echo stopped)"
-    grep -E "default schedules|tuning [0-9]+ tasks|throughput|measured|error|Error" $f | tail -4
+    grep -a -E "default schedules|tuning [0-9]+ tasks|throughput|measured|error|Error" $f | tail -4
     tail -c 400 $f | tr '\r' '\n' | grep -v '^\s*$' | tail -1
     [ -s $TT/out/$n.stats.json ] && python3 -c "import json,sys; d=json.load(open(sys.argv[1])); \
 print('   stats: %d trials in %.0f s = %.2f trials/s; split %s' % (d['trials'], d['elapsed_s'], \

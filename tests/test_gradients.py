@@ -107,3 +107,36 @@ def test_batch_norm(rng, training):
 def test_dropout_gradient_follows_its_lowering(rng):
     # This TVM lowers dropout to the identity with an all-ones mask: the gradient is dy.
     _check(lambda a: relax.TupleGetItem(R.nn.dropout(a, 0.3), 0), [(2, 5)], rng)
+
+
+@pytest.mark.parametrize("stride,padding,dilation,hw", [
+    (1, (1, 1, 1, 1), 1, (6, 5)),   # MobileNet's stride-1 layers
+    (2, (1, 1, 1, 1), 1, (7, 6)),   # stride 2, odd size: the last row/column is never read
+    (2, (0, 1, 2, 0), 2, (9, 8)),   # uneven padding, dilation 2
+])
+def test_depthwise_conv2d(rng, stride, padding, dilation, hw):
+    """Depthwise conv2d's own backward kernels (data and weight) against finite differences."""
+    c = 3
+    shapes = [(2, c, *hw), (c, 1, 3, 3)]
+    _check(lambda x, w: R.nn.conv2d(x, w, strides=stride, padding=padding, dilation=dilation,
+                                    groups=c), shapes, rng)
+
+
+def test_depthwise_gradient_is_used_only_for_depthwise():
+    """Grouped (not depthwise) and dense convolutions keep TVM's gradient."""
+    x = relax.Var("x", relax.TensorType((1, 4, 5, 5), "float32"))
+    for w_shape, groups, depthwise in (((4, 1, 3, 3), 4, True), ((4, 2, 3, 3), 2, False),
+                                       ((8, 4, 3, 3), 1, False)):
+        w = relax.Var("w", relax.TensorType(w_shape, "float32"))
+        call = R.nn.conv2d(x, w, groups=groups)
+        bb = relax.BlockBuilder()
+        with bb.function("f", [x, w]):
+            y = bb.emit(call)
+            bb.emit_func_output(y)
+        assert gradients.is_depthwise(bb.get()["f"].body.blocks[0].bindings[0].value) is depthwise
+        with bb.function("g", [x, w]):
+            with bb.dataflow():
+                loss = bb.emit_output(R.sum(R.nn.conv2d(x, w, groups=groups)))
+            bb.emit_func_output(loss)
+        names = {gv.name_hint for gv in relax.transform.Gradient("g")(bb.get()).functions}
+        assert ("depthwise_weight_grad" in names) is depthwise

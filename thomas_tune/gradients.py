@@ -3,7 +3,10 @@
 Importing this module registers them for: ``relax.clip`` (ReLU6), ``relax.nn.batch_norm``,
 ``relax.nn.dropout``, ``relax.nn.adaptive_avg_pool2d`` and ``relax.flatten``. Each is checked
 against float64 finite differences in ``tests/test_gradients.py``. Registration is idempotent and
-never replaces a gradient that TVM itself registers (see :func:`missing_gradients`).
+never replaces a gradient that TVM itself registers (see :func:`missing_gradients`), with one
+exception: depthwise convolutions get their own backward kernels (:func:`_conv2d_grad`), since
+TVM's form of them (a transposed and a grouped convolution over batch x channels) held most of
+a MobileNet training step on a GPU and its schedule space had no valid GPU schedule.
 """
 
 from __future__ import annotations
@@ -117,6 +120,100 @@ def _batch_norm_grad(orig_var, orig_call, output_grad, ctx):
     return [dx, dgamma, dbeta, no_grad(mean), no_grad(var)]
 
 
+def depthwise_weight_grad_te(x, dy, kernel, strides, padding, dilation):
+    """TE compute of the weight gradient of a depthwise conv2d (NCHW, OIHW, multiplier 1).
+
+    x: (N, C, H, W), dy: (N, C, OH, OW) -> dw: (C, 1, KH, KW) with
+    dw[c, 0, kh, kw] = sum over n, oh, ow of dy[n, c, oh, ow] * xpad[n, c, oh*sh + kh*dh,
+    ow*sw + kw*dw] (the definition of the convolution, differentiated by the weight). One
+    reduction kernel with C*KH*KW outputs and N*OH*OW terms each, which GPU schedules split
+    across threads; TVM's own gradient computes it as a grouped convolution over a
+    (N*C)-channel tensor whose only parallel axes are C, KH and KW.
+    """
+    from tvm import te, topi
+    _, _, oh_n, ow_n = dy.shape
+    n_n = x.shape[0]
+    kh_n, kw_n = kernel
+    (sh, sw), (dh, dw) = strides, dilation
+    pt, pl, pb, pr = padding
+    xp = topi.nn.pad(x, [0, 0, pt, pl], [0, 0, pb, pr], name="depthwise_grad_pad")
+    rn = te.reduce_axis((0, n_n), name="rn")
+    rh = te.reduce_axis((0, oh_n), name="rh")
+    rw = te.reduce_axis((0, ow_n), name="rw")
+    return te.compute(
+        (x.shape[1], 1, kh_n, kw_n),
+        lambda c, _, kh, kw: te.sum(
+            dy[rn, c, rh, rw] * xp[rn, c, rh * sh + kh * dh, rw * sw + kw * dw],
+            axis=[rn, rh, rw]),
+        name="depthwise_weight_grad")
+
+
+def depthwise_data_grad_te(dy, w, in_hw, strides, padding, dilation):
+    """TE compute of the data gradient of a depthwise conv2d (NCHW, OIHW, multiplier 1).
+
+    dy: (N, C, OH, OW), w: (C, 1, KH, KW) -> dx: (N, C, H, W) with
+    dx[n, c, h, w] = sum over kh, kw of w[c, 0, kh, kw] * dy[n, c, oh, ow] where
+    oh = (h + pt - kh*dh) / sh and ow likewise are whole numbers inside the output (the
+    transposed convolution written as a gather: each output element reads KH*KW terms, no
+    dilated or padded copy of dy).
+    """
+    import tvm
+    from tvm import te
+    n_n, c_n, oh_n, ow_n = dy.shape
+    _, _, kh_n, kw_n = w.shape
+    h_n, w_n = in_hw
+    (sh, sw), (dh, dw) = strides, dilation
+    pt, pl = padding[0], padding[1]
+    rkh = te.reduce_axis((0, kh_n), name="rkh")
+    rkw = te.reduce_axis((0, kw_n), name="rkw")
+    fdiv, fmod = tvm.tirx.floordiv, tvm.tirx.floormod
+
+    def term(n, c, h, x_):
+        th, tw = h + pt - rkh * dh, x_ + pl - rkw * dw
+        oh, ow = fdiv(th, sh), fdiv(tw, sw)
+        ok = tvm.tirx.all(th >= 0, tw >= 0, fmod(th, sh) == 0, fmod(tw, sw) == 0,
+                          oh < oh_n, ow < ow_n)
+        safe_oh = tvm.tirx.max(tvm.tirx.min(oh, oh_n - 1), 0)
+        safe_ow = tvm.tirx.max(tvm.tirx.min(ow, ow_n - 1), 0)
+        return tvm.tirx.if_then_else(ok, dy[n, c, safe_oh, safe_ow] * w[c, 0, rkh, rkw],
+                                     tvm.tirx.const(0.0, dy.dtype))
+
+    return te.compute((n_n, c_n, h_n, w_n),
+                      lambda n, c, h, x_: te.sum(term(n, c, h, x_), axis=[rkh, rkw]),
+                      name="depthwise_data_grad")
+
+
+def is_depthwise(call) -> bool:
+    """True for a conv2d call that is depthwise with multiplier 1 in NCHW/OIHW layouts."""
+    a = call.attrs
+    x, w = call.args
+    c_in, c_out = _shape(x)[1], _shape(w)[0]
+    return (a.data_layout == "NCHW" and a.kernel_layout == "OIHW"
+            and (a.out_layout or "NCHW") == "NCHW" and int(a.groups) == c_in == c_out
+            and _shape(w)[1] == 1 and c_in > 1)
+
+
+def _conv2d_grad(orig_var, orig_call, output_grad, ctx):
+    """Gradient of conv2d: depthwise layers (multiplier 1) get the two kernels above, every
+    other convolution TVM's own gradient (transposed convolution and grouped convolution)."""
+    if not is_depthwise(orig_call):
+        return _tvm_conv2d_grad(orig_var, orig_call, output_grad, ctx)
+    a = orig_call.attrs
+    x, w = orig_call.args
+    strides = [int(v) for v in a.strides]
+    dilation = [int(v) for v in a.dilation]
+    padding = [int(v) for v in a.padding]
+    kernel = _shape(w)[2:]
+    dw = ctx.call_te(depthwise_weight_grad_te, x, output_grad, kernel, strides, padding,
+                     dilation, primfunc_name_hint="depthwise_weight_grad")
+    dx = ctx.call_te(depthwise_data_grad_te, output_grad, w, _shape(x)[2:], strides, padding,
+                     dilation, primfunc_name_hint="depthwise_data_grad")
+    return [dx, dw]
+
+
+_tvm_conv2d_grad = None
+
+
 _GRADIENTS = {
     "relax.clip": _clip_grad,
     "relax.nn.batch_norm": _batch_norm_grad,
@@ -132,9 +229,17 @@ def missing_gradients(op_names=OPS) -> list[str]:
 
 
 def register() -> None:
-    """Register every gradient of :data:`OPS` that is still missing; safe to call twice."""
+    """Register every gradient of :data:`OPS` that is still missing, and the depthwise form of
+    conv2d's gradient (:func:`_conv2d_grad`, which keeps TVM's for other convolutions); safe
+    to call twice."""
+    global _tvm_conv2d_grad
     for name in missing_gradients():
         register_gradient(name, _GRADIENTS[name])
+    op = tvm.ir.Op.get("relax.nn.conv2d")
+    current = op.get_attr("FPrimalGradient")
+    if _tvm_conv2d_grad is None:
+        _tvm_conv2d_grad = current
+        register_gradient("relax.nn.conv2d", _conv2d_grad, level=11)
 
 
 register()

@@ -179,6 +179,9 @@ def training_module(model, batch: int, trainable: str | list[str] = "all",
         OPTIMIZER: mod["optimizer"],
         PREDICT: _predict_function(model, batch, dtype),
     })
+    for gv, func in mod.functions.items():  # kernels the gradients add (depthwise backward)
+        if isinstance(func, tvm.tirx.PrimFunc):
+            out[gv] = func
     out = relax.transform.DeadCodeElimination([ADJOINT, OPTIMIZER, PREDICT])(out)
     return TrainingGraph(
         mod=out, model=model, batch=batch,

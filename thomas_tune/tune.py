@@ -295,7 +295,8 @@ def measure_defaults(tasks: list[Task], target, runner, log: TuningLog | None = 
     known: dict[str, float] = {}
     if cache_path and os.path.exists(cache_path):
         with open(cache_path) as f:
-            known = {k: float(v) for k, v in json.load(f).items()}
+            known = {k: (math.inf if v is None else float(v))  # null: failed to run
+                     for k, v in json.load(f).items()}
     todo = [t for t in tasks if workload_key(t) not in known]
     if todo:
         mods = []
