@@ -8,6 +8,7 @@
 #   status  progress of each job; the tuning logs and outputs come back as $OUT/gpu_logs.tgz
 #   watch   status every minute for WATCH seconds (default 540), then once more
 #   stop    stop everything
+#   bench   'thomas-tune bench' with the arguments that follow (result JSON and PNG -> $OUT)
 # Environment: JOBS (default: every job in bench/gpu_jobs.txt), SERVERS (8), TRIALS (20000).
 # The machine goes back 30 s after a call ends: keep calling (e.g. 'watch', under the 10-minute
 # limit of one call) for as long as the jobs should run; a later lease resumes from the logs
@@ -111,6 +112,7 @@ case "${1:-status}" in
   start) setup && start_services && start_jobs && watch ;;
   status) status ;;
   watch) watch ;;
+  bench) shift; mkdir -p $TT/bench; $PY bench --work $TT/bench "$@" --json ${OUT:-$TT}/bench.json ;;
   stop) pkill -f "thomas_tune.cli tune" ; pkill -f "thomas_tune.cli rpc" ; status ;;
-  *) echo "usage: $0 park|start|status|watch|stop"; exit 2 ;;
+  *) echo "usage: $0 park|start|status|watch|stop|bench ARGS"; exit 2 ;;
 esac

@@ -225,12 +225,21 @@ def _tune_locked(tasks, target, log, runner, trials, trials_per_iter, builder_wo
         strategy = ResumingSearch(measured, population_size=population,
                                   init_min_unmeasured=max(8, population // 4),
                                   genetic_num_iters=2)
-        contexts.append(ms.TuneContext(
+        ctx = ms.TuneContext(
             mod=task.mod, target=target, space_generator=space_generator(target),
             search_strategy=strategy, task_name=task.name, rand_state=seed + i,
-            num_threads=max(1, os.cpu_count() or 1)).clone())
+            num_threads=max(1, os.cpu_count() or 1)).clone()
+        try:  # a rule that fails on this kernel would otherwise stop the whole run
+            ctx.generate_design_space()
+        except Exception as err:  # TVM's ScheduleError and friends
+            print(f"task {task.name}: no search space ({error_line(err, 200)}); it keeps its "
+                  "default schedule", file=sys.stderr, flush=True)
+            continue
+        contexts.append(ctx)
         weights.append(float(task.weight))
         progress.append(TaskProgress(task.name, task.flops))
+    if not contexts:
+        raise ValueError("no task has a search space for this target (see the lines above)")
     report.tasks = progress
     phases = getattr(runner, "phases", None) or Phases()
     t0 = time.perf_counter()
