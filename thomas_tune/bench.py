@@ -37,6 +37,7 @@ from types import SimpleNamespace
 import numpy as np
 
 PEAKS_FILE = "peaks.json"
+GRAPH_MARKER = "bench_graph_key"  # in a bench export folder: structural hash of its graph
 
 
 # ---- devices and peaks ---------------------------------------------------------------------------
@@ -347,17 +348,25 @@ def mark_tuned(kernels: list[Kernel], log_path: str) -> int:
     return sum(k.tuned for k in kernels)
 
 
-def _random_args(args, dev, rng):
+def _random_args(args, dev, rng, pool=None):
+    """Device tensors of the given (shape, dtype) list: floats standard normal (views of
+    ``pool``, a float32 normal sample drawn once per bench, when it is large enough), booleans
+    fair coins, integers 0 or 1 (in range for every gather of the graphs: labels)."""
     import tvm
     out = []
     for shape, dtype in args:
+        n = int(np.prod(shape, dtype=np.int64))
         if dtype.startswith("float"):
-            a = rng.standard_normal(shape).astype(dtype)
+            if pool is not None and n <= pool.size:
+                start = int(rng.integers(0, pool.size - n + 1))
+                a = pool[start:start + n].reshape(shape).astype(dtype, copy=False)
+            else:
+                a = rng.standard_normal(shape).astype(dtype)
         elif dtype == "bool":
             a = rng.random(shape) < 0.5
-        else:  # indices (labels): 0 or 1 is in range for every gather of the graphs
+        else:
             a = rng.integers(0, 2, shape).astype(dtype)
-        out.append(tvm.runtime.tensor(a, dev))
+        out.append(tvm.runtime.tensor(np.array(a, dtype=dtype, order="C"), dev))
     return out
 
 
@@ -373,10 +382,13 @@ def time_kernels(library_path: str, kernels: list[Kernel], dev, variant: str,
     lib = tvm.runtime.load_module(library_path)
     host = lib.imports[0] if lib.imports else lib
     rng = np.random.default_rng(seed)
+    largest = max((int(np.prod(shape, dtype=np.int64)) for k in kernels for shape, dt in k.args
+                   if dt.startswith("float")), default=0)
+    pool = rng.standard_normal(2 * largest, dtype="float32") if largest else None
     for k in tqdm(kernels, desc=f"timing {variant} kernels", unit="kernel", disable=not progress,
                   leave=False):
         try:
-            args = _random_args(k.args, dev, rng)
+            args = _random_args(k.args, dev, rng, pool)
             k.ms[variant] = _time(host, k.name, dev, args, min_ms) * 1e3
         except Exception as err:  # noqa: BLE001 (one kernel failing must not stop the bench)
             k.ms[variant] = math.nan
@@ -423,8 +435,8 @@ def tuning_curve(log_path: str, kernels: list[Kernel], default_variant: str = "d
             except (ValueError, IndexError, TypeError):
                 skipped += 1
                 continue
-            if key not in cur:
-                skipped += 1
+            if key not in cur or not math.isfinite(cur[key]):
+                skipped += 1  # another graph's workload, or a kernel that was not timed
                 continue
             t = sum(secs) / len(secs) * 1e3 if secs else math.inf
             if t < 1e12 and (not math.isfinite(cur[key]) or t < cur[key]):
@@ -681,7 +693,11 @@ def prepare_exports(model, tensors, target, log_path: str | None, work: str, bat
     log = TuningLog(log_path) if log_path else None
     if log is not None and not log.exists():
         raise ValueError(f"tuning log {log_path!r} has no records")
+    import tvm_ffi
     tg = training_module(model, batch, trainable, optimizer)
+    # the graph the export was compiled from: an export of an older graph (other gradients,
+    # other fusion) has other kernels, so it is compiled again
+    graph_key = str(tvm_ffi.structural_hash(exported_training_module(model, tg)))
     out = {}
     for variant, lg in (("tuned", log), ("default", None)):
         if variant == "tuned" and lg is None:
@@ -692,7 +708,9 @@ def prepare_exports(model, tensors, target, log_path: str | None, work: str, bat
                 "trainable": tg.trainable, "optimizer": dataclasses.asdict(tg.optimizer),
                 "tuning_log_sha256": log_hash(lg)}
         want["optimizer"] = json.loads(json.dumps(want["optimizer"]))
-        if _same_export(folder, want):
+        marker = os.path.join(folder, GRAPH_MARKER)
+        same_graph = os.path.exists(marker) and open(marker).read().strip() == graph_key
+        if same_graph and _same_export(folder, want):
             say(f"[bench] reusing the {variant} export in {folder}")
         else:
             t0 = time.perf_counter()
@@ -700,6 +718,8 @@ def prepare_exports(model, tensors, target, log_path: str | None, work: str, bat
             export(folder, model, tensors, target, batch=batch, infer_batch=infer_batch,
                    trainable=trainable, optimizer=optimizer, log=lg,
                    progress=lambda m: say(f"[bench]   {m}"))
+            with open(marker, "w") as f:
+                f.write(graph_key + "\n")
             say(f"[bench] {variant} export done in {time.perf_counter() - t0:.0f} s")
         out[variant] = folder
     return out

@@ -654,8 +654,9 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--target", default="opencl",
                    help="opencl (this machine's OpenCL device, PoCL on a CPU) or llvm")
     s.add_argument("--key", default="local-opencl")
-    s.add_argument("--trials", type=int, default=24)
-    s.add_argument("--top", type=int, default=8)
+    s.add_argument("--trials", type=int, default=16,
+                   help="tuning trials (default 16: two per task of --top)")
+    s.add_argument("--top", type=int, default=8, help="tune the N largest tasks (default 8)")
     s.add_argument("--steps", type=int, default=150, help="fine-tuning steps (default 150)")
     s.add_argument("--compare-steps", type=int, default=10,
                    help="batches timed through both the tuned and the untuned build (default 10)")

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import subprocess
+import sys
 import threading
 import time
 
@@ -84,7 +86,7 @@ def run(args, tune_fn) -> int:
     from . import rpc
     from .export import export
     from .graph import OptimizerConfig
-    from .models import load_checkpoint, replace_head
+    from .models import load_checkpoint, replace_head, save_checkpoint
     from .runtime import Session
     from .target import parse_target
     from .train import fine_tune
@@ -122,16 +124,25 @@ def run(args, tune_fn) -> int:
     tune_s = time.perf_counter() - t0
     print(f"[demo] tuning done in {tune_s:.0f} s; servers stopped", flush=True)
 
-    # 2. export the training step twice: tuned, and untuned (default schedules)
+    # 2. export the training step twice, at the same time: tuned here, untuned (default
+    #    schedules) in a child process (a compile keeps one core busy)
     target = parse_target(args.target)
     opt = OptimizerConfig(lr=args.lr)
-    dirs = {}
-    for name, log in (("tuned", TuningLog(log_dir)), ("untuned", None)):
-        dirs[name] = os.path.join(work, f"export-{name}")
-        with busy(f"[demo] compiling the {name} build"):
-            export(dirs[name], model, tensors, target, batch=args.batch,
-                   trainable=args.trainable, optimizer=opt, log=log, classes=train.classes,
-                   progress=lambda m: None)
+    dirs = {name: os.path.join(work, f"export-{name}") for name in ("tuned", "untuned")}
+    init = os.path.join(work, "init.npz")
+    save_checkpoint(init, model, tensors, train.classes)
+    child = subprocess.Popen(
+        [sys.executable] + (["-P"] if sys.flags.safe_path else []) +
+        ["-m", "thomas_tune.cli", "export", "--checkpoint", init, "--batch", str(args.batch),
+         "--trainable", args.trainable, "--lr", str(args.lr), "--target", args.target,
+         "--out", dirs["untuned"]], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    with busy("[demo] compiling the tuned and the untuned build"):
+        export(dirs["tuned"], model, tensors, target, batch=args.batch,
+               trainable=args.trainable, optimizer=opt, log=TuningLog(log_dir),
+               classes=train.classes, progress=lambda m: None)
+        out, _ = child.communicate()
+    if child.returncode != 0:
+        raise RuntimeError(f"compiling the untuned build failed:\n{out[-3000:]}")
 
     # 3. the same first batches through both builds: ms per training step, side by side
     batches = train.batches(args.batch, np.random.default_rng(args.seed + 1))
@@ -160,6 +171,13 @@ def run(args, tune_fn) -> int:
     s.load_tensors(tensors)  # back to the pretrained weights and a fresh optimizer state
     print(f"[demo] fine-tuning {args.steps} steps of batch {args.batch} (trainable "
           f"{args.trainable}) with the tuned build", flush=True)
+    evaluate = s.evaluate
+
+    def evaluate_with_progress(x, y):
+        with busy(f"[demo] held-out accuracy on {len(y)} images"):
+            return evaluate(x, y)
+
+    s.evaluate = evaluate_with_progress
     r = fine_tune(s, train, test, args.steps, seed=args.seed, show_progress=True)
     k = max(1, min(args.loss_window, len(r.losses) // 2))
     first, last = float(np.mean(r.losses[:k])), float(np.mean(r.losses[-k:]))
