@@ -424,7 +424,7 @@ def cmd_bench(args) -> int:
         m = res["model"]
         res["tuning_curve_png"] = bench.plot_curve(
             curve, png, f"{m['arch']} w{m['width']:g} r{m['resolution']} c{m['num_classes']} "
-                        f"b{res['batch']} {res['trainable']} on {res['device']}")
+                        f"b{res['batch']} {res['trainable']}\n{res['device']}")
     os.makedirs(os.path.dirname(os.path.abspath(out_json)), exist_ok=True)
     with open(out_json, "w") as f:
         json.dump(res, f, indent=1, default=float)
