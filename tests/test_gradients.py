@@ -111,6 +111,7 @@ def test_dropout_gradient_follows_its_lowering(rng):
 
 @pytest.mark.parametrize("stride,padding,dilation,hw", [
     (1, (1, 1, 1, 1), 1, (6, 5)),   # MobileNet's stride-1 layers
+    (1, (2, 0, 1, 2), 2, (7, 6)),   # stride 1, uneven padding, dilation 2
     (2, (1, 1, 1, 1), 1, (7, 6)),   # stride 2, odd size: the last row/column is never read
     (2, (0, 1, 2, 0), 2, (9, 8)),   # uneven padding, dilation 2
 ])

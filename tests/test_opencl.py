@@ -195,3 +195,43 @@ def test_kernel_build_failure_shows_the_build_log():
 def test_out_of_memory_names_the_device():
     with pytest.raises(Exception, match="allocating .* bytes on "):
         tvm.runtime.empty((1 << 40,), "float32", tvm.opencl(0))  # 4 TiB
+
+
+def test_long_reduction_schedule(target, rng):
+    """Weight-gradient kernels (few outputs, long sums) get LongReduction's default schedule
+    (threads split each sum) and match numpy in float64: a depthwise layer's weight gradient
+    (stride 2, padding 1) and a 1x1 convolution's with an injective epilogue."""
+    from thomas_tune.gradients import depthwise_weight_grad_te
+    from thomas_tune.schedules import LongReduction
+
+    n, c, h = 8, 8, 46
+    x = te.placeholder((n, c, h, h), name="x")
+    dy = te.placeholder((n, c, 23, 23), name="dy")
+    dw = depthwise_weight_grad_te(x, dy, (3, 3), (2, 2), (1, 1, 1, 1), (1, 1))
+    f = te.create_prim_func([x, dy, dw])
+    assert LongReduction().apply(f, target, False) is not None
+    xn, dyn = rng.standard_normal((n, c, h, h)), rng.standard_normal((n, c, 23, 23))
+    got = _run(default_gpu_schedules(tvm.IRModule({"main": f}), target), target, [xn, dyn],
+               (c, 1, 3, 3))
+    xp = np.pad(xn.astype("float32").astype("float64"), ((0, 0), (0, 0), (1, 1), (1, 1)))
+    dy64 = dyn.astype("float32").astype("float64")
+    ref = np.zeros((c, 1, 3, 3))
+    for kh in range(3):
+        for kw in range(3):
+            ref[:, 0, kh, kw] = (dy64 * xp[:, :, kh:kh + 45:2, kw:kw + 45:2]).sum(axis=(0, 2, 3))
+    np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max())
+
+    a = te.placeholder((n, 16, 20, 20), name="a")
+    b = te.placeholder((n, 8, 20, 20), name="b")
+    rn, rh, rw = te.reduce_axis((0, n)), te.reduce_axis((0, 20)), te.reduce_axis((0, 20))
+    s = te.compute((16, 8), lambda i, j: te.sum(a[rn, i, rh, rw] * b[rn, j, rh, rw],
+                                                 axis=[rn, rh, rw]), name="s")
+    out = te.compute((16, 8, 1, 1), lambda i, j, p, q: s[i, j] * 0.5, name="out")
+    f2 = te.create_prim_func([a, b, out])
+    assert LongReduction().apply(f2, target, False) is not None
+    an, bn = rng.standard_normal((n, 16, 20, 20)), rng.standard_normal((n, 8, 20, 20))
+    got2 = _run(default_gpu_schedules(tvm.IRModule({"main": f2}), target), target, [an, bn],
+                (16, 8, 1, 1))
+    ref2 = 0.5 * np.einsum("nihw,njhw->ij", an.astype("float32").astype("float64"),
+                           bn.astype("float32").astype("float64"))[:, :, None, None]
+    np.testing.assert_allclose(got2, ref2, rtol=1e-4, atol=1e-4 * np.abs(ref2).max())

@@ -155,10 +155,11 @@ def depthwise_data_grad_te(dy, w, in_hw, strides, padding, dilation):
     dx[n, c, h, w] = sum over kh, kw of w[c, 0, kh, kw] * dy[n, c, oh, ow] where
     oh = (h + pt - kh*dh) / sh and ow likewise are whole numbers inside the output (the
     transposed convolution written as a gather: each output element reads KH*KW terms, no
-    dilated or padded copy of dy).
+    dilated copy of dy). With stride 1 (most depthwise layers) it is the plain convolution of
+    the padded dy with the flipped filter, free of the divisibility tests.
     """
     import tvm
-    from tvm import te
+    from tvm import te, topi
     n_n, c_n, oh_n, ow_n = dy.shape
     _, _, kh_n, kw_n = w.shape
     h_n, w_n = in_hw
@@ -166,6 +167,21 @@ def depthwise_data_grad_te(dy, w, in_hw, strides, padding, dilation):
     pt, pl = padding[0], padding[1]
     rkh = te.reduce_axis((0, kh_n), name="rkh")
     rkw = te.reduce_axis((0, kw_n), name="rkw")
+    if sh == sw == 1:
+        # stride 1: a depthwise convolution of dy, padded by d*(K-1)-p before, with the
+        # flipped filter (dx[h] = sum_k dyp[h + d*(K-1-k)] w[k]); no division, no branch
+        # but the padding's
+        bt, bl = dh * (int(kh_n) - 1) - pt, dw * (int(kw_n) - 1) - pl
+        bb = int(h_n) + dh * (int(kh_n) - 1) - int(oh_n) - bt
+        br = int(w_n) + dw * (int(kw_n) - 1) - int(ow_n) - bl
+        if min(bt, bl, bb, br) >= 0:
+            dyp = topi.nn.pad(dy, [0, 0, bt, bl], [0, 0, bb, br], name="depthwise_grad_dy_pad")
+            return te.compute(
+                (n_n, c_n, h_n, w_n),
+                lambda n, c, h, x_: te.sum(
+                    dyp[n, c, h + dh * (kh_n - 1 - rkh), x_ + dw * (kw_n - 1 - rkw)]
+                    * w[c, 0, rkh, rkw], axis=[rkh, rkw]),
+                name="depthwise_data_grad")
     fdiv, fmod = tvm.tirx.floordiv, tvm.tirx.floormod
 
     def term(n, c, h, x_):
