@@ -158,6 +158,71 @@ class LongReduction(GPUScheduleRule):
         return sch
 
 
+class LeadingLoops(GPUScheduleRule):
+    """Last-resort GPU schedule: per block, the leading loops of constant extent that run over
+    its spatial axes are fused and spread over work-groups of ``max_threads_per_block``; the
+    rest runs inside each thread. It takes kernels the other rules refuse, such as adaptive
+    pooling whose window bounds depend on the output index."""
+
+    def apply(self, func, target, _):
+        if not isinstance(func, tvm.tirx.PrimFunc) or not self.is_target_available(target):
+            return None
+        threads = int(target.attrs.get("max_threads_per_block", 256))
+        sch = tvm.s_tir.Schedule(func)
+        root = sch.get_sblock("root")
+        for block in sch.get_child_blocks(root):
+            loops = sch.get_loops(block)
+            n_spatial = sum(1 for iv in sch.get(block).iter_vars
+                            if iv.iter_type == tvm.tirx.IterVar.DataPar)
+            lead = []
+            for loop in loops[:n_spatial]:
+                if not isinstance(sch.get(loop).extent, tvm.tirx.IntImm):
+                    break
+                lead.append(loop)
+            if not lead:
+                lead = [sch.add_unit_loop(block)]
+            bx, tx = sch.split(sch.fuse(*lead), factors=[None, threads])
+            sch.bind(bx, "blockIdx.x")
+            sch.bind(tx, "threadIdx.x")
+        return sch
+
+
+def tuple_reduction(func: tvm.tirx.PrimFunc) -> bool:
+    """True when a reduction block of ``func`` writes several buffers at once (the argmax of
+    max-pooling's backward): TVM cannot split such a reduction across threads ("no matched
+    reducer"), so only the thread-per-output schedules apply."""
+    import tvm_ffi
+
+    found = False
+
+    def visit(block) -> None:
+        nonlocal found
+        if block.init is not None and len(block.writes) > 1:
+            found = True
+
+    tvm_ffi.structural_walk(func.body, [(tvm.s_tir.SBlock, visit)], order="post")
+    return found
+
+
+def shared_bytes(func: tvm.tirx.PrimFunc) -> int:
+    """Bytes of the shared-memory buffers a scheduled kernel allocates (static shapes)."""
+    import tvm_ffi
+
+    total = 0
+
+    def visit(block) -> None:
+        nonlocal total
+        for buf in block.alloc_buffers:
+            if buf.scope() == "shared":
+                n = 1
+                for d in buf.shape:
+                    n *= int(d) if isinstance(d, tvm.tirx.IntImm) else 1 << 30
+                total += n * tvm.DataType(buf.dtype).bits // 8
+
+    tvm_ffi.structural_walk(func.body, [(tvm.s_tir.SBlock, visit)], order="post")
+    return total
+
+
 GPU_RULES = (LongReduction, dl.gpu.Matmul, dl.gpu.GEMV, dl.gpu.Reduction,
              dl.gpu.GeneralReduction)
 
@@ -168,15 +233,19 @@ def default_gpu_schedules(mod: tvm.IRModule, target: tvm.target.Target) -> tvm.I
     Rules are tried in order per kernel (long reductions split across threads, matmul, GEMV,
     reduction, general reduction); a rule
     that does not match, or fails on an unusual backward kernel (some dlight rules assert on
-    them in this TVM), is skipped, and ``Fallback`` (thread-bound loops) always applies.
+    them in this TVM), is skipped, as is a schedule that stages more in shared memory than the
+    target allows; then ``Fallback`` (thread-bound loops), and :class:`LeadingLoops` last.
+    Kernels with a tuple reduction (:func:`tuple_reduction`) go straight to those two.
     """
     out = tvm.IRModule(mod.functions, attrs=mod.attrs)
+    smem = int(target.attrs.get("max_shared_memory_per_block", 16384))
     for gv, func in mod.functions.items():
         if not isinstance(func, tvm.tirx.PrimFunc) or func.attrs is not None and \
                 func.attrs.get("tir.is_scheduled", False):
             continue
         sch = None
-        for rule in (*[r() for r in GPU_RULES], dl.gpu.Fallback()):
+        rules = [r() for r in GPU_RULES] if not tuple_reduction(func) else []
+        for rule in (*rules, dl.gpu.Fallback(), LeadingLoops()):
             try:
                 with target:
                     sch = rule.apply(func, target, False)
@@ -184,6 +253,8 @@ def default_gpu_schedules(mod: tvm.IRModule, target: tvm.target.Target) -> tvm.I
                 sch = None
             if isinstance(sch, list):
                 sch = sch[0] if sch else None
+            if sch is not None and shared_bytes(sch.mod["main"]) > smem:
+                sch = None  # (dlight stages whole tensors of some backward kernels in shared)
             if sch is not None:
                 break
         if sch is None:

@@ -146,6 +146,26 @@ def test_exported_mobilenet_matches_llvm(tmp_path, target, rng):
     assert rel < 5e-2, rel
 
 
+def test_alexnet_training_step_on_opencl_matches_llvm(tmp_path, target, rng):
+    """AlexNet's kernels that the generic GPU rules refuse or break (max-pooling's backward with
+    its argmax reduction, adaptive pooling with index-dependent windows) get a valid default
+    schedule: a full training step on PoCL gives the llvm build's loss."""
+    from thomas_tune.export import export
+    from thomas_tune.models import build, init_params
+    from thomas_tune.runtime import Session
+    from thomas_tune.target import parse_target
+    model = build("alexnet", num_classes=5, resolution=67, width=0.1)
+    params = init_params(model, seed=int(rng.integers(1000)))
+    quiet = dict(batch=4, trainable="all", progress=lambda *_: None)
+    export(str(tmp_path / "cl"), model, params, target, **quiet)
+    export(str(tmp_path / "cpu"), model, params, parse_target("llvm"), **quiet)
+    cl, cpu = Session(str(tmp_path / "cl")), Session(str(tmp_path / "cpu"))
+    x = rng.standard_normal((4, 3, 67, 67)).astype("float32")
+    y = rng.integers(0, 5, 4)
+    np.testing.assert_allclose(cl.predict(x[:1]), cpu.predict(x[:1]), rtol=1e-4, atol=1e-5)
+    assert abs(cl.train_step(x, y) - cpu.train_step(x, y)) < 1e-4
+
+
 def test_tuning_session_with_an_opencl_server(tmp_path, target):
     from thomas_tune import graph as G
     from thomas_tune.models import build
