@@ -23,7 +23,10 @@ def test_counts_and_what_freezing_saves():
         # relax.training.optimizer.MomentumSGD state)
         assert trainable <= mem.optimizer_state <= trainable + 16
         assert mem.input_batch == 4 * 4 * 3 * 64 * 64
-        assert mem.peak >= mem.parameters + mem.gradients + mem.activations_kept
+        # where the forward pass ends, every kept activation is live beside the parameters;
+        # gradients appear as the backward frees activations, so they need not add up with them
+        assert mem.peak >= mem.parameters + mem.activations_kept
+        assert mem.peak >= mem.parameters + mem.gradients
     assert last.gradients < full.gradients / 2
     assert last.activations_kept < full.activations_kept / 10
     assert last.peak < full.peak / 2

@@ -197,7 +197,8 @@ def cmd_tune(args) -> int:
     try:
         report = tune(tasks, target, log, runner, args.trials,
                       trials_per_iter=args.trials_per_iter, seed=args.seed,
-                      population=args.population, builder_workers=args.build_workers)
+                      population=args.population, builder_workers=args.build_workers,
+                      stats_path=args.stats)
     except BaseException:
         if "signal" not in _STOP:  # stopped by SIGINT/SIGTERM: one line, not a traceback
             raise
@@ -209,15 +210,6 @@ def cmd_tune(args) -> int:
     print(f"measured {report.trials} new trials ({report.skipped} candidates already in the "
           f"log were not re-measured; {report.resumed_records} records resumed)")
     print(f"throughput: {report.throughput_line()}")
-    if args.stats:
-        with open(args.stats, "w") as f:
-            json.dump({"trials": report.trials, "elapsed_s": report.elapsed_s,
-                       "trials_per_s": report.trials_per_s, "split_s": report.time_split(),
-                       "phases": report.phases, "resumed_records": report.resumed_records,
-                       "skipped": report.skipped,
-                       "tasks": [{"name": t.name, "trials": t.trials, "errors": t.errors,
-                                  "best_ms": t.best_s * 1e3 if t.trials else None,
-                                  "gflops": t.gflops} for t in report.tasks]}, f, indent=1)
     for t in report.tasks:
         if t.trials:
             print(f"  {t.name[:56]:<56} {t.trials:>4} trials  best {t.best_s * 1e3:9.4f} ms  "
@@ -545,7 +537,8 @@ def parser() -> argparse.ArgumentParser:
                    help="length of one repeat; runs per repeat are sized from a warm-up run "
                         "(default 2 ms)")
     s.add_argument("--build-workers", type=int, help="build processes (default: CPU count)")
-    s.add_argument("--stats", help="write trials/s and the time split as JSON here")
+    s.add_argument("--stats", help="write trials/s and the time split as JSON here (every "
+                   "30 s while tuning, and at the end)")
     s.add_argument("--seed", type=int, default=0)
     s.set_defaults(fn=cmd_tune)
 
@@ -680,10 +673,10 @@ _STOP: dict[str, int] = {}  # the signal that stopped this process, if any
 
 
 def _terminate(signum, frame):
+    # SIGTERM ends the run as SIGINT does: TVM's C++ loops, which run Python's signal handlers
+    # from inside long calls, unwind on KeyboardInterrupt; main() then exits with 128 + signal.
     _STOP.setdefault("signal", signum)
-    if signum == signal.SIGINT:
-        raise KeyboardInterrupt
-    raise SystemExit(128 + signum)
+    raise KeyboardInterrupt
 
 
 def _safe_records(log) -> int:
@@ -711,8 +704,9 @@ def main(argv=None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print("stopped by SIGINT", file=sys.stderr)
-        return 130
+        sig = _STOP.get("signal", signal.SIGINT)
+        print(f"stopped by {signal.Signals(sig).name}", file=sys.stderr)
+        return 128 + sig
 
 
 if __name__ == "__main__":

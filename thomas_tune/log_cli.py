@@ -21,9 +21,9 @@ import sys
 from .tuning_log import TuningLog, merge, read_errors, read_log, summarize
 
 
-def _print_rejected(rejected, out=sys.stdout) -> None:
-    for path, line, why in rejected:
-        print(f"  {path}:{line}: {why}", file=out)
+def _print_rejected(rejected, out=None) -> None:
+    for path, line, why in rejected:  # sys.stdout looked up now: it may have been replaced
+        print(f"  {path}:{line}: {why}", file=out or sys.stdout)
 
 
 def cmd_show(args) -> int:
