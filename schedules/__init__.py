@@ -146,16 +146,20 @@ class LongReduction(GPUScheduleRule):
             if not s_loops:
                 s_loops = [sch.add_unit_loop(block)]
             sch.reorder(*s_loops, *r_loops)
-            if r_loops:
-                bx = sch.fuse(*s_loops)
+            if r_loops:  # a work-group per output, its threads split the sum
+                sch.bind(sch.fuse(*s_loops), "blockIdx.x")
                 _, tx = sch.split(sch.fuse(*r_loops), factors=[None, threads])
-                sch.bind(bx, "blockIdx.x")
                 sch.bind(tx, "threadIdx.x")
             else:
-                bx, tx = sch.split(sch.fuse(*s_loops), factors=[None, threads])
-                sch.bind(bx, "blockIdx.x")
-                sch.bind(tx, "threadIdx.x")
+                _spread(sch, s_loops, threads)
         return sch
+
+
+def _spread(sch, loops, threads: int) -> None:
+    """Fuse ``loops`` and spread them over work-groups of ``threads`` work-items."""
+    bx, tx = sch.split(sch.fuse(*loops), factors=[None, threads])
+    sch.bind(bx, "blockIdx.x")
+    sch.bind(tx, "threadIdx.x")
 
 
 class LeadingLoops(GPUScheduleRule):
@@ -179,11 +183,7 @@ class LeadingLoops(GPUScheduleRule):
                 if not isinstance(sch.get(loop).extent, tvm.tirx.IntImm):
                     break
                 lead.append(loop)
-            if not lead:
-                lead = [sch.add_unit_loop(block)]
-            bx, tx = sch.split(sch.fuse(*lead), factors=[None, threads])
-            sch.bind(bx, "blockIdx.x")
-            sch.bind(tx, "threadIdx.x")
+            _spread(sch, lead or [sch.add_unit_loop(block)], threads)
         return sch
 
 
