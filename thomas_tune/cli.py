@@ -8,6 +8,7 @@ import os
 import signal
 import sys
 import tempfile
+import threading
 import time
 
 DEFAULT_LOG_ROOT = "tuning_logs"
@@ -171,6 +172,7 @@ def cmd_tune(args) -> int:
     free = rpc.wait_for_key(tracker, args.key, timeout=args.wait)
     everything = extract(_graphs(args, model), target)
     log = TuningLog(args.log or _default_log(args, model, args.key))
+    _STOP["log"] = log  # what a stop by signal reports
     runner = rpc_runner(tracker, args.key, servers=args.servers or free,
                         trial_timeout_s=args.trial_timeout, repeat=args.repeat,
                         min_repeat_ms=args.min_repeat_ms)
@@ -669,14 +671,36 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-_STOP: dict[str, int] = {}  # the signal that stopped this process, if any
+_STOP: dict = {}  # the signal that stopped this process, if any; the tuning log it reports
+
+
+STOP_GRACE_S = 20.0  # after SIGINT/SIGTERM, the clean stop's time before the process exits anyway
 
 
 def _terminate(signum, frame):
     # SIGTERM ends the run as SIGINT does: TVM's C++ loops, which run Python's signal handlers
     # from inside long calls, unwind on KeyboardInterrupt; main() then exits with 128 + signal.
-    _STOP.setdefault("signal", signum)
+    # Should the clean stop not finish (a build or session stuck in native code), the process
+    # exits after STOP_GRACE_S all the same: tuning records are on disk as they arrive.
+    if "signal" not in _STOP:
+        _STOP["signal"] = signum
+        timer = threading.Timer(STOP_GRACE_S, _force_exit, args=(signum,))
+        timer.daemon = True
+        timer.start()
     raise KeyboardInterrupt
+
+
+def _force_exit(signum: int) -> None:
+    name = signal.Signals(signum).name
+    log = _STOP.get("log")
+    if log is not None:
+        print(f"tuning stopped by {name}: {_safe_records(log)} records are safe in "
+              f"{log.record_path} (trials in flight are lost); run the same command again to "
+              "resume", file=sys.stderr, flush=True)
+    else:
+        print(f"stopped by {name} (the clean stop took over {STOP_GRACE_S:g} s)",
+              file=sys.stderr, flush=True)
+    os._exit(128 + signum)
 
 
 def _safe_records(log) -> int:
