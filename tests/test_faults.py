@@ -299,7 +299,7 @@ def test_hanging_and_crashing_kernels_cost_only_themselves(tracker, rng, tmp_pat
 
 # ---- the tuner stopped and started again ------------------------------------------------------
 def _tuner(argv, out_path):
-    # a forked child: the CLI's own main(), its own signal handlers, output to a file
+    # a child of the fork server: the CLI's own main(), its own signal handlers, output to a file
     fd = os.open(out_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     os.dup2(fd, 1)
     os.dup2(fd, 2)
@@ -322,7 +322,6 @@ def _complete_lines(path) -> list[str]:
 
 
 def test_tuner_killed_and_restarted(tracker, rng, tmp_path):
-    import tvm.s_tir.tensor_intrin  # noqa: F401  (imported once here, not in every child)
 
     key = _key(rng, "resume")
     server = rpc.start_server(tracker, key, port=9400)
@@ -330,7 +329,12 @@ def test_tuner_killed_and_restarted(tracker, rng, tmp_path):
     argv = ["tune", *TINY, "--tracker", f"{tracker[0]}:{tracker[1]}", "--key", key,
             "--trials", "400", "--top", "2", "--trials-per-iter", "4", "--population", "16",
             "--log", log.path, "--build-workers", "1", "--seed", str(int(rng.integers(1000)))]
-    ctx = multiprocessing.get_context("fork")
+    # Tuners start from a fork server: a single-threaded process that imported the CLI and
+    # MetaSchedule's tensor intrinsics once (tens of seconds), so each run skips that import.
+    # A plain fork of this test process would copy the locks its other threads hold (tracker,
+    # servers, TVM's pools) and a child could hang on one, signals and all.
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["tvm.s_tir.tensor_intrin", "thomas_tune.cli"])
     kept: list[str] = []  # the log's records after each run: never lost afterwards
     try:
         rpc.wait_for_key(tracker, key, timeout=60)
