@@ -67,3 +67,30 @@ def test_wait_for_key_names_the_missing_key():
 def test_bad_tracker_address():
     with pytest.raises(ValueError, match="HOST:PORT"):
         rpc.parse_address("localhost:abc")
+
+
+def test_default_times_are_cached_per_schedule_rules(tmp_path, small_tasks, capsys):
+    """``tune --time-share`` ranks tasks by their default-schedule times, cached in the log
+    folder: a second call measures nothing, a cache of other rules is measured again."""
+    from thomas_tune.tune import DEFAULT_LATENCY, defaults_stamp, measure_defaults, workload_key
+    target = parse_target("llvm")
+    log = TuningLog(str(tmp_path / "log"))
+    with rpc.loopback(key="test-cpu", servers=1, lifetime=300) as addr:
+        first = measure_defaults(small_tasks, target, rpc_runner(addr, "test-cpu"), log)
+        assert set(first) == {workload_key(t) for t in small_tasks}
+        assert all(0 < v < 1 for v in first.values()), first
+        path = os.path.join(log.path, DEFAULT_LATENCY)
+        with open(path) as f:
+            cached = json.load(f)
+        assert cached["stamp"] == defaults_stamp(target)
+        # all cached: no runner is needed
+        assert measure_defaults(small_tasks, target, None, log) == first
+        cached["stamp"] = "rules of another version"
+        cached["seconds"] = {k: 123.0 for k in cached["seconds"]}
+        with open(path, "w") as f:
+            json.dump(cached, f)
+        again = measure_defaults(small_tasks, target, rpc_runner(addr, "test-cpu"), log)
+    assert "measured with other schedule rules or another target" in capsys.readouterr().err
+    assert all(0 < v < 1 for v in again.values()), again
+    with open(path) as f:
+        assert json.load(f)["stamp"] == defaults_stamp(target)

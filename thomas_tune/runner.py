@@ -20,7 +20,8 @@ time. Here:
   are chosen so that each repeat lasts about ``min_repeat_ms``.
 * Device servers started by thomas_tune (``thomas-tune rpc server``) register
   ``thomas_tune.device_lock``: timed runs of several servers on one device take turns, so
-  parallel servers keep timings clean while uploads and loads overlap. Servers without it (TVM's
+  parallel servers keep timings clean while uploads, loads and the OpenCL compiles of the
+  candidates (``thomas_tune.opencl.build_programs``, before the lock) overlap. Servers without it (TVM's
   Android app) are timed as they are.
 
 Both keep wall-time counters (:class:`Phases`) so that a tuning run can say where its time went.
@@ -169,6 +170,10 @@ def _lane_open(tracker_host: str, tracker_port: int, key: str, session_timeout_s
         _LANE["lock"] = sess.get_function("thomas_tune.device_lock")
     except Exception:  # a server without thomas_tune (e.g. TVM's Android app)
         _LANE["lock"] = None
+    try:  # compiles a candidate's OpenCL kernels before the device lock is taken
+        _LANE["build"] = sess.get_function("thomas_tune.opencl.build_programs")
+    except Exception:  # a server without thomas_tune's OpenCL runtime
+        _LANE["build"] = None
     return str(getattr(sess, "_tbl_index", ""))
 
 
@@ -216,6 +221,11 @@ def _lane_measure(artifact: str, device_type: str, args_info, repeat: int,
         args = _LANE["args"][key] = _alloc(sess, dev, args_info)
     t2 = time.perf_counter()
     t["run.load"] = t2 - t1
+    build = _LANE.get("build")
+    if build is not None:  # the driver compiles the kernels now, outside the device lock
+        build(mod, dev.index)
+        t["run.compile"] = time.perf_counter() - t2
+        t2 = time.perf_counter()
     lock = _LANE.get("lock")
     if lock is not None:
         lock(1)

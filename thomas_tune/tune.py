@@ -286,7 +286,9 @@ def measure_defaults(tasks: list[Task], target, runner, log: TuningLog | None = 
 
     Returns ``{workload key: seconds per call}`` (key: :func:`workload_key`); a kernel whose
     build or run fails gets ``inf``. With ``log``, results are cached in the tuning-log folder
-    (``default_latency.json``, written atomically) and only missing tasks are measured. These
+    (``default_latency.json``, written atomically) and only missing tasks are measured; the
+    cache is stamped with :func:`defaults_stamp` (the default-schedule rules and the target), and
+    a cache of other rules or another target is measured again, not reused. These
     times x call counts say where an untuned training step spends its time, which is what
     ``select_by_time`` ranks tasks by. On CPU targets the default is MetaSchedule's unscheduled
     kernel, compiled as is.
@@ -301,11 +303,17 @@ def measure_defaults(tasks: list[Task], target, runner, log: TuningLog | None = 
     from .target import device_kind, is_gpu
 
     cache_path = os.path.join(log.path, DEFAULT_LATENCY) if log is not None else None
+    stamp = defaults_stamp(target)
     known: dict[str, float] = {}
     if cache_path and os.path.exists(cache_path):
         with open(cache_path) as f:
+            cached = json.load(f)
+        if isinstance(cached, dict) and cached.get("stamp") == stamp:
             known = {k: (math.inf if v is None else float(v))  # null: failed to run
-                     for k, v in json.load(f).items()}
+                     for k, v in cached["seconds"].items()}
+        else:
+            print(f"default schedules: the times in {cache_path} were measured with other "
+                  "schedule rules or another target; measuring again", file=sys.stderr)
     todo = [t for t in tasks if workload_key(t) not in known]
     if todo:
         mods = []
@@ -342,10 +350,37 @@ def measure_defaults(tasks: list[Task], target, runner, log: TuningLog | None = 
             os.makedirs(log.path, exist_ok=True)
             fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=log.path)
             with os.fdopen(fd, "w") as f:
-                json.dump({k: (v if math.isfinite(v) else None) for k, v in known.items()}, f,
-                          indent=0)
+                json.dump({"stamp": stamp, "seconds": {k: (v if math.isfinite(v) else None)
+                                                       for k, v in known.items()}}, f, indent=0)
             os.replace(tmp, cache_path)
     return {k: (math.inf if v is None else v) for k, v in known.items()}
+
+
+def defaults_stamp(target) -> str:
+    """What a default-schedule time depends on besides the workload: sha256 (hex) of the
+    schedule rules' source (``thomas_tune.schedules``), the TVM version (its dlight rules) and
+    the target's JSON. Times measured under another stamp are not reused."""
+    import hashlib
+    import json
+
+    import tvm
+
+    from . import schedules
+    h = hashlib.sha256()
+    with open(schedules.__file__, "rb") as f:
+        h.update(f.read())
+    h.update(tvm.__version__.encode())
+    h.update(json.dumps(_plain(target.export()), sort_keys=True, default=str).encode())
+    return h.hexdigest()
+
+
+def _plain(value):
+    """``Target.export()`` as JSON-ready data (TVM containers become dicts and lists)."""
+    if hasattr(value, "items"):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)) or type(value).__name__ == "Array":
+        return [_plain(v) for v in value]
+    return value if isinstance(value, (int, float, str, bool, type(None))) else str(value)
 
 
 def workload_key(task: Task) -> str:

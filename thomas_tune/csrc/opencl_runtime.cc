@@ -550,6 +550,13 @@ class OpenCLModuleObj : public tvm::ffi::ModuleObj {
         [launcher, self](PackedArgs args, Any* rv) { (*launcher)(args, rv); });
   }
 
+  // Builds (or loads from the cache) this module's program for ``device_id`` now, not at the
+  // first launch: a tuner's device server compiles a candidate before it takes the device lock.
+  void BuildProgram(int device_id) {
+    std::lock_guard<std::mutex> lock(mu_);
+    Program(device_id);
+  }
+
   cl_kernel Kernel(int device_id, const std::string& name) {
     std::lock_guard<std::mutex> lock(mu_);
     std::ostringstream k;
@@ -763,6 +770,21 @@ void KernelLauncher::operator()(PackedArgs args, Any* rv) const {
   if (ev != nullptr) recording.events.push_back(ev);
 }
 
+// Builds the OpenCL programs of ``mod`` and of every module it imports for ``device_id``;
+// returns how many OpenCL modules it found.
+int64_t BuildPrograms(const tvm::ffi::Module& mod, int device_id) {
+  int64_t n = 0;
+  auto* obj = const_cast<tvm::ffi::ModuleObj*>(mod.operator->());
+  if (auto* cl = dynamic_cast<OpenCLModuleObj*>(obj)) {
+    cl->BuildProgram(device_id);
+    ++n;
+  }
+  for (const tvm::ffi::Any& m : mod->imports()) {
+    n += BuildPrograms(m.cast<tvm::ffi::Module>(), device_id);
+  }
+  return n;
+}
+
 tvm::ffi::Module LoadFromBytes(const tvm::ffi::Bytes& bytes) {
   std::string blob(bytes.data(), bytes.size());
   Reader r(blob);
@@ -880,6 +902,7 @@ TVM_FFI_STATIC_INIT_BLOCK() {
                 << ", \"binary_load_s\": " << stats.binary_load_ns * 1e-9 << "}";
              return tvm::ffi::String(os.str());
            })
+      .def("thomas_tune.opencl.build_programs", thomas_tune::opencl::BuildPrograms)
       .def("thomas_tune.opencl.cache_dir",
            []() { return tvm::ffi::String(thomas_tune::opencl::BinaryCacheDir()); })
       .def("thomas_tune.opencl.num_devices",
