@@ -207,3 +207,14 @@ def test_opencl_peaks_cached_per_device(tmp_path, monkeypatch):
     again = measure_peaks(target, tvm.opencl(0))
     assert again["cached"] and again["gflops"] == first["gflops"]
     assert (tmp_path / "peaks.json").exists()
+
+
+def test_runtime_import_leaves_torch_out():
+    """A second start's time is mostly imports: loading and running an export must not import
+    PyTorch (tvm_ffi and tvm.relax would, when it is installed), and torch still works after."""
+    pytest.importorskip("torch")
+    code = ("import sys, thomas_tune.runtime; assert 'torch' not in sys.modules, 'torch imported'; "
+            "import torch; print(torch.ones(2).sum().item())")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "2.0"

@@ -2,9 +2,39 @@
 
 Importing the package loads the OpenCL runtime sidecar when it can be built here (see
 :mod:`thomas_tune.opencl`), so that ``tvm.opencl(0)`` and exported OpenCL modules work.
+
+TVM's FFI layer (``tvm_ffi``) and ``tvm.relax`` import PyTorch at their own import whenever PyTorch is installed,
+though loading and running exported kernels never needs it: that import is most of a second
+start's time (2.6 s -> 0.8 s to import :mod:`thomas_tune.runtime` on a 2-core x86-64 host with
+the CPU build of torch 2.13). So TVM is imported here with PyTorch hidden, unless PyTorch is
+already imported or ``THOMAS_TUNE_TVM_WITH_TORCH=1``; ``import torch`` later works as usual
+(the bench and the tests compare with it), only tvm_ffi's automatic conversion of torch tensors
+is off, which thomas_tune does not use.
 """
 
-from . import opencl as _opencl
+import os as _os
+import sys as _sys
+
+
+class _HideTorch:
+    """A meta-path finder under which ``import torch`` raises ImportError."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch" or name.startswith("torch."):
+            raise ImportError("torch is hidden while thomas_tune imports TVM")
+        return None
+
+
+if "torch" not in _sys.modules and _os.environ.get("THOMAS_TUNE_TVM_WITH_TORCH") != "1":
+    _hide = _HideTorch()
+    _sys.meta_path.insert(0, _hide)
+    try:
+        import tvm_ffi  # noqa: F401
+        import tvm.relax  # noqa: F401  (tvm.relax.base_py_module imports torch too)
+    finally:
+        _sys.meta_path.remove(_hide)
+
+from . import opencl as _opencl  # noqa: E402
 
 try:
     _opencl.load()
