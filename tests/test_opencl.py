@@ -29,7 +29,7 @@ def target():
 
 
 def _run(mod, target, arrays, out_shape):
-    lib = tvm.compile(mod, target)
+    lib = tvm.compile(mod, target) if isinstance(mod, tvm.IRModule) else mod
     dev = tvm.opencl(0)
     args = [tvm.runtime.tensor(a.astype("float32"), dev) for a in arrays]
     out = tvm.runtime.tensor(np.zeros(out_shape, "float32"), dev)
@@ -78,7 +78,7 @@ def test_reduction(target, rng):
 
 def _sampled(mod, target, rng, attempts: int = 8):
     """A schedule sampled from thomas_tune's OpenCL search space (multi-level tiling with thread
-    bindings and shared-memory reuse) that builds. Some samples hit a check in the pinned TVM's
+    bindings and shared-memory reuse) that builds; returns the built module. Some samples hit a check in the pinned TVM's
     vectorizer ("Check failed: (eval_vec_)"), which tuning records as a failed build; such a
     sample is replaced by the next seed's, at most ``attempts`` in all."""
     failures = []
@@ -92,13 +92,11 @@ def _sampled(mod, target, rng, attempts: int = 8):
         text = sch.mod.script()
         assert "threadIdx" in text and '"shared"' in text
         try:
-            tvm.compile(sch.mod, target)
+            return tvm.compile(sch.mod, target)
         except tvm.error.InternalError as err:
             if "eval_vec_" not in str(err):
                 raise
             failures.append(str(err).splitlines()[0])
-            continue
-        return sch.mod
     raise AssertionError(f"no sampled schedule built in {attempts} tries: {failures}")
 
 

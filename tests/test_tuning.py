@@ -94,3 +94,33 @@ def test_default_times_are_cached_per_schedule_rules(tmp_path, small_tasks, caps
     assert all(0 < v < 1 for v in again.values()), again
     with open(path) as f:
         assert json.load(f)["stamp"] == defaults_stamp(target)
+
+
+def test_records_slower_than_the_default_schedule_are_not_compiled(tmp_path, small_tasks):
+    """``export`` and ``replay`` compile with :func:`tuned_database`: a workload whose best
+    record lost to its default schedule on the device keeps the default."""
+    from thomas_tune.build import tuned_database
+    from thomas_tune.tune import DEFAULT_LATENCY, defaults_stamp, workload_key
+    target = parse_target("llvm")
+    log = TuningLog(str(tmp_path / "log"))
+    with rpc.loopback(key="test-cpu", servers=1, lifetime=300) as addr:
+        tune(small_tasks, target, log, rpc_runner(addr, "test-cpu"), trials=4,
+             trials_per_iter=2, show_progress=False)
+    fast, slow = small_tasks
+    # without default times every record is used
+    db, slower = tuned_database(log, target)
+    assert slower == 0 and db.has_workload(fast.mod) and db.has_workload(slow.mod)
+    # default times as `tune --time-share` caches them: the first task's default beats any
+    # record (0 s), the second's never does (it failed to run)
+    with open(os.path.join(log.path, DEFAULT_LATENCY), "w") as f:
+        json.dump({"stamp": defaults_stamp(target),
+                   "seconds": {workload_key(fast): 0.0, workload_key(slow): None}}, f)
+    db, slower = tuned_database(log, target)
+    assert slower == 1
+    assert not db.has_workload(fast.mod)
+    assert db.has_workload(slow.mod)
+    top = db.get_top_k(db.commit_workload(slow.mod), 1)
+    assert len(top) == 1 and all(s < 1 for s in top[0].run_secs)
+    # times of other rules or another target are not trusted: every record is used again
+    db, slower = tuned_database(log, parse_target("opencl"))
+    assert slower == 0 and db.has_workload(fast.mod)

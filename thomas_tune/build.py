@@ -43,6 +43,45 @@ def _pipeline(target: tvm.target.Target, database: ms.Database | None):
     return pipeline
 
 
+def tuned_database(log, target: tvm.target.Target) -> tuple[ms.Database, int]:
+    """The schedules to compile with from the tuning log ``log`` (a TuningLog), and how many
+    workloads were left at their default schedule.
+
+    MetaSchedule applies each workload's fastest record. Where the log folder holds default-
+    schedule times measured on the device under this target and these rules (``tune
+    --time-share`` writes them; :func:`thomas_tune.tune.read_default_times`), a workload whose
+    fastest record is slower than its default schedule keeps the default: a tuned build never
+    runs a kernel slower than the untuned one. (On the H100 a search stopped early left records
+    of 31 ms for kernels whose default schedule takes 1.3 ms.) Without such times every record
+    is used. Raises what :meth:`TuningLog.database` raises."""
+    import math
+
+    from .tune import read_default_times
+    database = log.database()
+    defaults = read_default_times(log.path, target)
+    if not defaults:
+        return database, 0
+    best: dict[str, tuple[float, object]] = {}
+    for rec in database.get_all_tuning_records():
+        secs = [float(x) for x in (rec.run_secs or [])]
+        if not secs or not all(math.isfinite(x) and x < 1e9 for x in secs):
+            continue  # a failed trial (MetaSchedule stores 1e10 s)
+        key = str(tvm_ffi.structural_hash(rec.workload.mod))
+        mean = sum(secs) / len(secs)
+        if key not in best or mean < best[key][0]:
+            best[key] = (mean, rec)
+    kept = ms.database.MemoryDatabase()
+    slower = 0
+    for key, (mean, rec) in best.items():
+        if mean >= defaults.get(key, math.inf):
+            slower += 1
+            continue
+        workload = kept.commit_workload(rec.workload.mod)
+        kept.commit_tuning_record(ms.database.TuningRecord(
+            rec.trace, workload, rec.run_secs, rec.target, rec.args_info))
+    return kept, slower
+
+
 def compile_graph(mod: tvm.IRModule, target: tvm.target.Target,
                   database: ms.Database | None = None) -> relax.VMExecutable:
     """Compile ``mod`` (unfused Relax) for ``target``; returns a Relax VM executable.

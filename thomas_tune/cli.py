@@ -257,6 +257,9 @@ def cmd_replay(args) -> int:
     print(f"{report.tuned}/{report.tasks} tasks have a tuning record "
           f"({100 * report.task_coverage:.1f}% of tasks, {100 * report.flops_coverage:.1f}% "
           f"of FLOPs)")
+    if report.slower:
+        print(f"{report.slower} workload(s) keep their default schedule: their best record is "
+              "slower than the default measured on the device (default_latency.json)")
     ok = report.flops_coverage >= args.min_flops_coverage
     if not ok:
         print(f"FAIL: FLOP coverage {report.flops_coverage:.3f} is below "

@@ -33,7 +33,7 @@ import tvm
 from . import graph as G
 from tvm import relax
 
-from .build import compile_graph
+from .build import compile_graph, tuned_database
 from .models import save_checkpoint, share_mode, spec
 from .target import cross_compiler, describe, export_shared, host_triple
 from .tuning_log import TuningLog
@@ -108,7 +108,12 @@ def export(out_dir: str, model, tensors: dict[str, np.ndarray], target: tvm.targ
     tg = G.training_module(model, batch, trainable, optimizer)
     shapes = {p.name: p.shape for p in spec(model).params}
     train_mod = _with_pack_functions(tg.mod, [shapes[n] for n in tg.trainable], tg.optim_state)
-    database = log.database() if log is not None else None
+    database = None
+    if log is not None:
+        database, slower = tuned_database(log, target)
+        if slower:
+            progress(f"{slower} workload(s) keep their default schedule: their best tuning "
+                     "record is slower on the device")
     t0 = time.perf_counter()
     infer_exe = compile_graph(G.inference_module(model, infer_batch), target, database)
     progress(f"compiled inference module in {time.perf_counter() - t0:.1f} s")

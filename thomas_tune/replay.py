@@ -15,7 +15,7 @@ import tvm
 from tvm import relax
 
 from . import graph as G
-from .build import compile_graph
+from .build import compile_graph, tuned_database
 from .models import init_params, spec
 from .tasks import extract
 from .tuning_log import TuningLog
@@ -29,6 +29,7 @@ class ReplayReport:
     tuned_flops: float = 0.0
     errors: dict[str, float] = field(default_factory=dict)
     checked: bool = False
+    slower: int = 0  # workloads whose best record lost to the default schedule (not applied)
 
     @property
     def task_coverage(self) -> float:
@@ -112,11 +113,12 @@ def replay(model, target, log: TuningLog, batch: int = 8, infer_batch: int = 1,
     """
     if not log.exists():
         raise ValueError(f"tuning log {log.path!r} has no records; tune first or fix the path")
-    database = log.database()
+    database, slower = tuned_database(log, target)  # what `export` compiles with
     graphs = {"infer": G.inference_module(model, infer_batch),
               "train": G.training_module(model, batch, trainable).mod}
     tasks = extract(graphs, target)
-    report = ReplayReport(tasks=len(tasks), flops=sum(t.total_flops for t in tasks))
+    report = ReplayReport(tasks=len(tasks), flops=sum(t.total_flops for t in tasks),
+                          slower=slower)
     report.tuned, report.tuned_flops = coverage(tasks, database)
     for mod in graphs.values():
         compile_graph(mod, target, database)

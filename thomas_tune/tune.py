@@ -306,12 +306,8 @@ def measure_defaults(tasks: list[Task], target, runner, log: TuningLog | None = 
     stamp = defaults_stamp(target)
     known: dict[str, float] = {}
     if cache_path and os.path.exists(cache_path):
-        with open(cache_path) as f:
-            cached = json.load(f)
-        if isinstance(cached, dict) and cached.get("stamp") == stamp:
-            known = {k: (math.inf if v is None else float(v))  # null: failed to run
-                     for k, v in cached["seconds"].items()}
-        else:
+        known = read_default_times(log.path, target) or {}
+        if not known:
             print(f"default schedules: the times in {cache_path} were measured with other "
                   "schedule rules or another target; measuring again", file=sys.stderr)
     todo = [t for t in tasks if workload_key(t) not in known]
@@ -354,6 +350,22 @@ def measure_defaults(tasks: list[Task], target, runner, log: TuningLog | None = 
                                                        for k, v in known.items()}}, f, indent=0)
             os.replace(tmp, cache_path)
     return {k: (math.inf if v is None else v) for k, v in known.items()}
+
+
+def read_default_times(log_path: str, target) -> dict[str, float] | None:
+    """The default-schedule times cached in the tuning-log folder ``log_path`` by
+    :func:`measure_defaults`: ``{workload key: seconds per call}`` (``inf``: failed to run), or
+    None when there is no cache or it was measured under another :func:`defaults_stamp`."""
+    import json
+    path = os.path.join(log_path, DEFAULT_LATENCY)
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        cached = json.load(f)
+    if not isinstance(cached, dict) or cached.get("stamp") != defaults_stamp(target):
+        return None
+    return {k: (math.inf if v is None else float(v))  # null: failed to run
+            for k, v in cached["seconds"].items()}
 
 
 def defaults_stamp(target) -> str:
