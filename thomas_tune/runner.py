@@ -194,9 +194,21 @@ def _lane_ping() -> bool:
 
 
 def _alloc(sess, dev, args_info):
+    """(worker) The arguments of a candidate on the device: floats filled at random by the
+    server; integer tensors (labels, gather indices) with random 0s and 1s, in range for every
+    gather of the graphs (a random fill over the whole int64 range makes a loss kernel read out
+    of bounds: on the H100 that failed every nll_loss trial with CL error -36, and the session
+    had to be opened again)."""
+    import numpy as np
     from tvm.s_tir.meta_schedule.runner.utils import alloc_argument_common
     fill = sess.get_function("tvm.contrib.random.random_fill_for_measure")
-    return alloc_argument_common(fill, dev, args_info, 1)[0]
+    args = alloc_argument_common(fill, dev, args_info, 1)[0]
+    rng = np.random.default_rng()
+    for arr in args:
+        dtype = str(arr.dtype)
+        if dtype.startswith(("int", "uint")) or dtype == "bool":
+            arr.copyfrom(rng.integers(0, 2, tuple(int(n) for n in arr.shape)).astype(dtype))
+    return args
 
 
 def _lane_measure(artifact: str, device_type: str, args_info, repeat: int,
