@@ -121,6 +121,26 @@ def test_records_slower_than_the_default_schedule_are_not_compiled(tmp_path, sma
     assert db.has_workload(slow.mod)
     top = db.get_top_k(db.commit_workload(slow.mod), 1)
     assert len(top) == 1 and all(s < 1 for s in top[0].run_secs)
+    # the kept record compiles into the graph and computes what the default schedule does
+    import numpy as np
+    import tvm
+    from tvm import relax
+
+    from thomas_tune.build import compile_graph
+    from thomas_tune.models import init_params, spec
+    model = build("mobilenet_v2", num_classes=5, resolution=32, width=0.35)
+    mod = G.inference_module(model, 1)
+    params = init_params(model, seed=3)
+    s = spec(model)
+    names = [p.name for p in s.params] + [p.name for p in s.states]
+    x = np.random.default_rng().standard_normal(model.input_shape(1)).astype("float32")
+    outs = []
+    for database in (db, None):
+        vm = relax.VirtualMachine(compile_graph(mod, target, database), tvm.cpu())
+        args = [tvm.runtime.tensor(x)] + [tvm.runtime.tensor(params[n]) for n in names]
+        outs.append(vm[G.PREDICT](*args).numpy())
+    assert np.abs(outs[1]).max() > 0
+    np.testing.assert_allclose(outs[0], outs[1], rtol=1e-4, atol=1e-5)
     # times of other rules or another target are not trusted: every record is used again
     db, slower = tuned_database(log, parse_target("opencl"))
     assert slower == 0 and db.has_workload(fast.mod)
