@@ -253,7 +253,7 @@ def cmd_replay(args) -> int:
     report = replay(model, parse_target(args.target, args.host), TuningLog(args.log),
                     batch=args.batch,
                     infer_batch=args.infer_batch, trainable=args.trainable,
-                    check=not args.no_check)
+                    check=not args.no_check, min_flops_coverage=args.min_flops_coverage)
     print(f"{report.tuned}/{report.tasks} tasks have a tuning record "
           f"({100 * report.task_coverage:.1f}% of tasks, {100 * report.flops_coverage:.1f}% "
           f"of FLOPs)")

@@ -30,6 +30,7 @@ class ReplayReport:
     errors: dict[str, float] = field(default_factory=dict)
     checked: bool = False
     slower: int = 0  # workloads whose best record lost to the default schedule (not applied)
+    compiled: bool = False
 
     @property
     def task_coverage(self) -> float:
@@ -106,8 +107,12 @@ def check_numbers(model, target, database, batch: int, trainable: str, seed: int
 
 
 def replay(model, target, log: TuningLog, batch: int = 8, infer_batch: int = 1,
-           trainable: str = "all", check: bool = True, seed: int = 0) -> ReplayReport:
+           trainable: str = "all", check: bool = True, seed: int = 0,
+           min_flops_coverage: float = 0.0) -> ReplayReport:
     """Compile ``model``'s inference and training graphs with ``log``; see the module docstring.
+
+    When the log's FLOP coverage is below ``min_flops_coverage`` (0..1) the replay has failed
+    already: nothing is compiled or checked (``report.compiled`` stays False).
 
     Raises ValueError when the log folder has no records at all.
     """
@@ -120,6 +125,9 @@ def replay(model, target, log: TuningLog, batch: int = 8, infer_batch: int = 1,
     report = ReplayReport(tasks=len(tasks), flops=sum(t.total_flops for t in tasks),
                           slower=slower)
     report.tuned, report.tuned_flops = coverage(tasks, database)
+    if report.flops_coverage < min_flops_coverage:
+        return report
+    report.compiled = True
     for mod in graphs.values():
         compile_graph(mod, target, database)
     from .target import is_cross
