@@ -323,26 +323,16 @@ def step_kernels(train_mod) -> list[Kernel]:
     return sorted(out, key=lambda k: -k.flops * k.calls)
 
 
-def mark_tuned(kernels: list[Kernel], log_path: str) -> int:
-    """Set ``tuned`` on the kernels whose workload has a record in the tuning log at
-    ``log_path`` (matched by workload key, as the build's MetaScheduleApplyDatabase matches
-    structurally); returns how many are tuned."""
-    from .tuning_log import RECORDS, WORKLOADS
-    keys, used = [], set()
-    with open(os.path.join(log_path, WORKLOADS)) as f:
-        for line in f:
-            try:
-                keys.append(str(int(json.loads(line)[0])))
-            except (ValueError, IndexError, TypeError):
-                keys.append(None)
-    with open(os.path.join(log_path, RECORDS)) as f:
-        for line in f:
-            try:
-                idx, rec = json.loads(line)
-                if min(float(s) for s in rec[1]) < 1e9:
-                    used.add(keys[idx])
-            except (ValueError, IndexError, TypeError):
-                continue
+def mark_tuned(kernels: list[Kernel], log_path: str, target=None) -> int:
+    """Set ``tuned`` on the kernels that the tuned build compiles with a record of the tuning
+    log at ``log_path``: a workload with a valid record (matched by workload key, as the
+    build's MetaScheduleApplyDatabase matches structurally), unless, given ``target``, its best
+    record lost to the default schedule on the device (:func:`thomas_tune.build.best_records`;
+    such a kernel keeps its default). Returns how many are tuned."""
+    from .build import best_records
+    from .tuning_log import TuningLog
+    best, slower = best_records(TuningLog(log_path), target)
+    used = set(best) - slower
     for k in kernels:
         k.tuned = k.key in used
     return sum(k.tuned for k in kernels)
@@ -757,7 +747,7 @@ def run_bench(model, tensors, target, exports: dict, cfg: BenchConfig, log_path:
     res["step"] = {"kernels": len(kernels), "calls": sum(k.calls for k in kernels),
                    "gflop": step_flops / 1e9, "argument_gbytes": step_bytes / 1e9}
     if log_path:
-        res["step"]["tuned_kernels"] = mark_tuned(kernels, log_path)
+        res["step"]["tuned_kernels"] = mark_tuned(kernels, log_path, target)
     for variant, folder in exports.items():
         say(f"[bench] timing {variant}: {cfg.steps} training steps and inference passes ...")
         r = time_export(folder, cfg.steps, cfg.warmup, cfg.seed)

@@ -43,43 +43,52 @@ def _pipeline(target: tvm.target.Target, database: ms.Database | None):
     return pipeline
 
 
+def best_records(log, target: tvm.target.Target) -> tuple[dict, set[str]]:
+    """Per workload of the tuning log ``log`` (a TuningLog): its fastest valid record, keyed by
+    workload key (structural hash, decimal); and the keys whose fastest record is slower than
+    the default schedule as measured on the device under this target and these rules
+    (``default_latency.json``, :func:`thomas_tune.tune.read_default_times`; empty without
+    one or without ``target``). Failed trials (MetaSchedule stores 1e10 s) are no records. Raises what
+    :meth:`TuningLog.database` raises."""
+    import math
+
+    from .tune import read_default_times
+    best: dict[str, tuple[float, object]] = {}
+    for rec in log.database().get_all_tuning_records():
+        secs = [float(x) for x in (rec.run_secs or [])]
+        if not secs or not all(math.isfinite(x) and x < 1e9 for x in secs):
+            continue
+        key = str(tvm_ffi.structural_hash(rec.workload.mod))
+        mean = sum(secs) / len(secs)
+        if key not in best or mean < best[key][0]:
+            best[key] = (mean, rec)
+    defaults = (read_default_times(log.path, target) if target is not None else None) or {}
+    slower = {k for k, (mean, _) in best.items() if mean >= defaults.get(k, math.inf)}
+    return {k: rec for k, (_, rec) in best.items()}, slower
+
+
 def tuned_database(log, target: tvm.target.Target) -> tuple[ms.Database, int]:
     """The schedules to compile with from the tuning log ``log`` (a TuningLog), and how many
     workloads were left at their default schedule.
 
     MetaSchedule applies each workload's fastest record. Where the log folder holds default-
     schedule times measured on the device under this target and these rules (``tune
-    --time-share`` writes them; :func:`thomas_tune.tune.read_default_times`), a workload whose
-    fastest record is slower than its default schedule keeps the default: a tuned build never
-    runs a kernel slower than the untuned one. (On the H100 a search stopped early left records
-    of 31 ms for kernels whose default schedule takes 1.3 ms.) Without such times every record
-    is used. Raises what :meth:`TuningLog.database` raises."""
-    import math
-
-    from .tune import read_default_times
-    database = log.database()
-    defaults = read_default_times(log.path, target)
-    if not defaults:
-        return database, 0
-    best: dict[str, tuple[float, object]] = {}
-    for rec in database.get_all_tuning_records():
-        secs = [float(x) for x in (rec.run_secs or [])]
-        if not secs or not all(math.isfinite(x) and x < 1e9 for x in secs):
-            continue  # a failed trial (MetaSchedule stores 1e10 s)
-        key = str(tvm_ffi.structural_hash(rec.workload.mod))
-        mean = sum(secs) / len(secs)
-        if key not in best or mean < best[key][0]:
-            best[key] = (mean, rec)
+    --time-share`` writes them), a workload whose fastest record is slower than its default
+    schedule keeps the default (:func:`best_records`): a tuned build never runs a kernel slower
+    than the untuned one. (On the H100 a search stopped early left records of 31 ms for kernels
+    whose default schedule takes 1.3 ms.) Without such times every record is used. Raises what
+    :meth:`TuningLog.database` raises."""
+    best, slower = best_records(log, target)
+    if not slower:
+        return log.database(), 0
     kept = ms.database.MemoryDatabase()
-    slower = 0
-    for key, (mean, rec) in best.items():
-        if mean >= defaults.get(key, math.inf):
-            slower += 1
+    for key, rec in best.items():
+        if key in slower:
             continue
         workload = kept.commit_workload(rec.workload.mod)
         kept.commit_tuning_record(ms.database.TuningRecord(
             rec.trace, workload, rec.run_secs, rec.target, rec.args_info))
-    return kept, slower
+    return kept, len(slower)
 
 
 def compile_graph(mod: tvm.IRModule, target: tvm.target.Target,
