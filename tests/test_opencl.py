@@ -78,9 +78,9 @@ def test_reduction(target, rng):
 
 def _sampled(mod, target, rng, attempts: int = 8):
     """A schedule sampled from thomas_tune's OpenCL search space (multi-level tiling with thread
-    bindings and shared-memory reuse) that builds; returns the built module. Some samples hit a check in the pinned TVM's
-    vectorizer ("Check failed: (eval_vec_)"), which tuning records as a failed build; such a
-    sample is replaced by the next seed's, at most ``attempts`` in all."""
+    bindings and shared-memory reuse) that builds; returns the built module. Some samples hit a
+    check in the pinned TVM's vectorizer ("Check failed: (eval_vec_)"), which tuning records as
+    a failed build; such a sample is replaced by the next seed's, at most ``attempts`` in all."""
     failures = []
     for _ in range(attempts):
         ctx = ms.TuneContext(mod=mod, target=target, space_generator=space_generator(target),

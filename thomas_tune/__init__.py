@@ -3,13 +3,13 @@
 Importing the package loads the OpenCL runtime sidecar when it can be built here (see
 :mod:`thomas_tune.opencl`), so that ``tvm.opencl(0)`` and exported OpenCL modules work.
 
-TVM's FFI layer (``tvm_ffi``) and ``tvm.relax`` import PyTorch at their own import whenever PyTorch is installed,
-though loading and running exported kernels never needs it: that import is most of a second
-start's time (2.6 s -> 0.8 s to import :mod:`thomas_tune.runtime` on a 2-core x86-64 host with
-the CPU build of torch 2.13). So TVM is imported here with PyTorch hidden, unless PyTorch is
-already imported or ``THOMAS_TUNE_TVM_WITH_TORCH=1``; ``import torch`` later works as usual
-(the bench and the tests compare with it), only tvm_ffi's automatic conversion of torch tensors
-is off, which thomas_tune does not use.
+TVM's FFI layer (``tvm_ffi``) and ``tvm.relax`` import PyTorch at their own import whenever it
+is installed, though loading and running exported kernels never needs it: that import is most
+of a second start's time (2.6 s -> 0.8 s to import :mod:`thomas_tune.runtime` on a 2-core
+x86-64 host with the CPU build of torch 2.13). So TVM is imported here with PyTorch hidden,
+unless PyTorch is already imported or ``THOMAS_TUNE_TVM_WITH_TORCH=1``; ``import torch`` later
+works as usual (the bench and the tests compare with it), only tvm_ffi's automatic conversion
+of torch tensors is off, which thomas_tune does not use.
 """
 
 import os as _os

@@ -48,8 +48,8 @@ def best_records(log, target: tvm.target.Target) -> tuple[dict, set[str]]:
     workload key (structural hash, decimal); and the keys whose fastest record is slower than
     the default schedule as measured on the device under this target and these rules
     (``default_latency.json``, :func:`thomas_tune.tune.read_default_times`; empty without
-    one or without ``target``). Failed trials (MetaSchedule stores 1e10 s) are no records. Raises what
-    :meth:`TuningLog.database` raises."""
+    one or without ``target``). Failed trials (MetaSchedule stores 1e10 s) are no records.
+    Raises what :meth:`TuningLog.database` raises."""
     import math
 
     from .tune import read_default_times

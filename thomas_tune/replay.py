@@ -30,7 +30,6 @@ class ReplayReport:
     errors: dict[str, float] = field(default_factory=dict)
     checked: bool = False
     slower: int = 0  # workloads whose best record lost to the default schedule (not applied)
-    compiled: bool = False
 
     @property
     def task_coverage(self) -> float:
@@ -112,7 +111,7 @@ def replay(model, target, log: TuningLog, batch: int = 8, infer_batch: int = 1,
     """Compile ``model``'s inference and training graphs with ``log``; see the module docstring.
 
     When the log's FLOP coverage is below ``min_flops_coverage`` (0..1) the replay has failed
-    already: nothing is compiled or checked (``report.compiled`` stays False).
+    already: nothing is compiled or checked.
 
     Raises ValueError when the log folder has no records at all.
     """
@@ -127,7 +126,6 @@ def replay(model, target, log: TuningLog, batch: int = 8, infer_batch: int = 1,
     report.tuned, report.tuned_flops = coverage(tasks, database)
     if report.flops_coverage < min_flops_coverage:
         return report
-    report.compiled = True
     for mod in graphs.values():
         compile_graph(mod, target, database)
     from .target import is_cross

@@ -21,8 +21,8 @@ time. Here:
 * Device servers started by thomas_tune (``thomas-tune rpc server``) register
   ``thomas_tune.device_lock``: timed runs of several servers on one device take turns, so
   parallel servers keep timings clean while uploads, loads and the OpenCL compiles of the
-  candidates (``thomas_tune.opencl.build_programs``, before the lock) overlap. Servers without it (TVM's
-  Android app) are timed as they are.
+  candidates (``thomas_tune.opencl.build_programs``, before the lock) overlap. Servers without
+  it (TVM's Android app) are timed as they are.
 
 Both keep wall-time counters (:class:`Phases`) so that a tuning run can say where its time went.
 """

@@ -304,12 +304,11 @@ def measure_defaults(tasks: list[Task], target, runner, log: TuningLog | None = 
 
     cache_path = os.path.join(log.path, DEFAULT_LATENCY) if log is not None else None
     stamp = defaults_stamp(target)
-    known: dict[str, float] = {}
-    if cache_path and os.path.exists(cache_path):
-        known = read_default_times(log.path, target) or {}
-        if not known:
-            print(f"default schedules: the times in {cache_path} were measured with other "
-                  "schedule rules or another target; measuring again", file=sys.stderr)
+    known = read_default_times(log.path, target) if log is not None else None
+    if known is None and cache_path and os.path.exists(cache_path):
+        print(f"default schedules: the times in {cache_path} were measured with other "
+              "schedule rules or another target; measuring again", file=sys.stderr)
+    known = known or {}
     todo = [t for t in tasks if workload_key(t) not in known]
     if todo:
         mods = []
@@ -373,7 +372,6 @@ def defaults_stamp(target) -> str:
     schedule rules' source (``thomas_tune.schedules``), the TVM version (its dlight rules) and
     the target's JSON. Times measured under another stamp are not reused."""
     import hashlib
-    import json
 
     import tvm
 
@@ -382,17 +380,8 @@ def defaults_stamp(target) -> str:
     with open(schedules.__file__, "rb") as f:
         h.update(f.read())
     h.update(tvm.__version__.encode())
-    h.update(json.dumps(_plain(target.export()), sort_keys=True, default=str).encode())
+    h.update(str(target).encode())  # the target's JSON
     return h.hexdigest()
-
-
-def _plain(value):
-    """``Target.export()`` as JSON-ready data (TVM containers become dicts and lists)."""
-    if hasattr(value, "items"):
-        return {str(k): _plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)) or type(value).__name__ == "Array":
-        return [_plain(v) for v in value]
-    return value if isinstance(value, (int, float, str, bool, type(None))) else str(value)
 
 
 def workload_key(task: Task) -> str:
