@@ -331,7 +331,7 @@ def mark_tuned(kernels: list[Kernel], log_path: str, target=None) -> int:
     such a kernel keeps its default). Returns how many are tuned."""
     from .build import best_records
     from .tuning_log import TuningLog
-    best, slower = best_records(TuningLog(log_path), target)
+    best, slower = best_records(TuningLog(log_path).database(), log_path, target)
     used = set(best) - slower
     for k in kernels:
         k.tuned = k.key in used

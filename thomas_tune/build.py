@@ -43,18 +43,20 @@ def _pipeline(target: tvm.target.Target, database: ms.Database | None):
     return pipeline
 
 
-def best_records(log, target: tvm.target.Target) -> tuple[dict, set[str]]:
-    """Per workload of the tuning log ``log`` (a TuningLog): its fastest valid record, keyed by
-    workload key (structural hash, decimal); and the keys whose fastest record is slower than
-    the default schedule as measured on the device under this target and these rules
-    (``default_latency.json``, :func:`thomas_tune.tune.read_default_times`; empty without
-    one or without ``target``). Failed trials (MetaSchedule stores 1e10 s) are no records.
-    Raises what :meth:`TuningLog.database` raises."""
+def best_records(database: ms.Database, log_path: str,
+                 target: tvm.target.Target) -> tuple[dict, set[str]]:
+    """Per workload of ``database`` (the tuning log at ``log_path``, as
+    :meth:`TuningLog.database` opens it): its fastest valid record, keyed by workload key
+    (structural hash, decimal); and the keys whose fastest record is slower than the default
+    schedule as measured on the device under this target and these rules
+    (``default_latency.json`` in ``log_path``, :func:`thomas_tune.tune.read_default_times`;
+    empty without one or without ``target``). Failed trials (MetaSchedule stores 1e10 s) are
+    no records."""
     import math
 
     from .tune import read_default_times
     best: dict[str, tuple[float, object]] = {}
-    for rec in log.database().get_all_tuning_records():
+    for rec in database.get_all_tuning_records():
         secs = [float(x) for x in (rec.run_secs or [])]
         if not secs or not all(math.isfinite(x) and x < 1e9 for x in secs):
             continue
@@ -62,7 +64,7 @@ def best_records(log, target: tvm.target.Target) -> tuple[dict, set[str]]:
         mean = sum(secs) / len(secs)
         if key not in best or mean < best[key][0]:
             best[key] = (mean, rec)
-    defaults = (read_default_times(log.path, target) if target is not None else None) or {}
+    defaults = (read_default_times(log_path, target) if target is not None else None) or {}
     slower = {k for k, (mean, _) in best.items() if mean >= defaults.get(k, math.inf)}
     return {k: rec for k, (_, rec) in best.items()}, slower
 
@@ -78,9 +80,10 @@ def tuned_database(log, target: tvm.target.Target) -> tuple[ms.Database, int]:
     than the untuned one. (On the H100 a search stopped early left records of 31 ms for kernels
     whose default schedule takes 1.3 ms.) Without such times every record is used. Raises what
     :meth:`TuningLog.database` raises."""
-    best, slower = best_records(log, target)
+    database = log.database()
+    best, slower = best_records(database, log.path, target)
     if not slower:
-        return log.database(), 0
+        return database, 0
     kept = ms.database.MemoryDatabase()
     for key, rec in best.items():
         if key in slower:
