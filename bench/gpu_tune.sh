@@ -68,7 +68,7 @@ start_services() {
 start_jobs() {
   mkdir -p $TT/logs $TT/out
   jobs_list | while read -r name args; do
-    if pgrep -f -- "--log $TT/logs/$name " >/dev/null; then echo "$name: running"; continue; fi
+    if pgrep -f -- "thomas_tune.cli tune .*--log $TT/logs/$name " >/dev/null; then echo "$name: running"; continue; fi
     log=$TT/logs/$name
     if ! [ -s $log/database_tuning_record.json ] && [ -d tuning_logs/$KEY/$name ]; then
       mkdir -p $log && cp tuning_logs/$KEY/$name/* $log/     # resume from the committed log
@@ -85,7 +85,7 @@ status() {
     [ -e "$f" ] || continue
     n=$(basename $f .out)
     recs=$(cat $TT/logs/$n/database_tuning_record.json 2>/dev/null | wc -l)
-    echo "== $n: $recs records; $(pgrep -f -- "--log $TT/logs/$n " >/dev/null && echo running || echo stopped)"
+    echo "== $n: $recs records; $(pgrep -f -- "thomas_tune.cli tune .*--log $TT/logs/$n " >/dev/null && echo running || echo stopped)"
     grep -a -E "default schedules|tuning [0-9]+ tasks|throughput|measured|error|Error" $f | tail -4
     tail -c 400 $f | tr '\r' '\n' | grep -v '^\s*$' | tail -1
     [ -s $TT/out/$n.stats.json ] && python3 -c "import json,sys; d=json.load(open(sys.argv[1])); \

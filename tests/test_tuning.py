@@ -177,3 +177,58 @@ def test_index_arguments_are_measured_in_range():
             runner.shutdown()
     assert res.error_msg is None, res.error_msg
     assert all(0 < float(s) < 1 for s in res.run_secs)
+
+
+def test_pipelined_scheduler_searches_while_the_device_measures(tmp_path, small_tasks):
+    """With ``max_in_flight`` 3, batches are sent to the runner while earlier ones are still
+    being measured (the host searches and builds meanwhile); with 1, never. Both runs spend
+    the budget exactly, and every trial ends up in the log."""
+    from thomas_tune.runner import FarmRunner
+
+    class Watched(FarmRunner._cls):
+        """The product's runner, noting at each batch how many earlier trials are unfinished."""
+
+        def __init__(self, *a, **k):
+            super().__init__(*a, **k)
+            self.futures, self.pending_at_submit = [], []
+
+        def run(self, runner_inputs):
+            self.pending_at_submit.append(sum(1 for f in self.futures if not f.done()))
+            out = super().run(runner_inputs)
+            self.futures += out
+            return out
+
+    from tvm.ir.utils import derived_object
+    Watched = derived_object(Watched)
+    target = parse_target("llvm")
+    seen = {}
+    with rpc.loopback(key="test-cpu", servers=1, lifetime=600) as addr:
+        for in_flight in (1, 3):
+            log = TuningLog(str(tmp_path / f"log{in_flight}"))
+            runner = Watched(addr, "test-cpu", min_repeat_ms=20.0)
+            report = tune(small_tasks, target, log, runner, trials=16, trials_per_iter=4,
+                          show_progress=False, max_in_flight=in_flight, seed=in_flight)
+            assert report.trials == 16 and len(_records(log)) == 16
+            seen[in_flight] = runner.pending_at_submit
+            split = report.time_split()
+            assert split["search"] > 0 and split["build"] > 0 and 0 < split["lanes_busy"] <= 1
+    assert max(seen[1]) == 0, seen
+    assert max(seen[3]) > 0, seen
+
+
+def test_gradient_starts_from_the_default_schedule_time():
+    """The task with the most default-schedule time x calls is tuned first after the first
+    round; a task whose record beats its default less than another's gains ranks lower."""
+    from thomas_tune.scheduler import PipelinedGradient
+    s = PipelinedGradient([2.0, 0.5, None], window=2)
+    s._init(3)
+    assert s.history == [[2.0], [0.5], []]
+    g = [s._gradient(i, w) for i, w in enumerate((1.0, 10.0, 5.0))]
+    assert g[1] > g[0] > g[2] == 0.0  # 0.5 ms x 10 calls > 2 ms x 1 call; unknown: no gradient
+    s.history = [[2.0, 1.0, 0.2], [2.0, 2.0, 2.0]]
+    # the first task improved fast (backward term) yet its time is small; the second is stuck
+    g0, g1 = s._gradient(0, 1.0), s._gradient(1, 1.0)
+    assert g0 == pytest.approx(0.2 * (2.0 - 0.2) / 2 + 0.8 * 0.2 / 3)
+    assert g1 == pytest.approx(0.8 * 2.0 / 3)
+    with pytest.raises(ValueError, match="max_in_flight"):
+        PipelinedGradient(max_in_flight=0)

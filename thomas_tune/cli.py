@@ -176,6 +176,7 @@ def cmd_tune(args) -> int:
     runner = rpc_runner(tracker, args.key, servers=args.servers or free,
                         trial_timeout_s=args.trial_timeout, repeat=args.repeat,
                         min_repeat_ms=args.min_repeat_ms)
+    latency = None
     if args.time_share:
         from .tune import measure_defaults, select_by_time
         t0 = time.perf_counter()
@@ -192,7 +193,9 @@ def cmd_tune(args) -> int:
         if args.top:
             tasks = tasks[:args.top]
     else:
+        from .tune import read_default_times
         tasks = select(everything, top=args.top, flops_share=args.flops_share)
+        latency = read_default_times(log.path, target)  # cached by an earlier --time-share
     print(summary(tasks, sum(t.total_flops for t in everything)), flush=True)
     print(f"tuning {len(tasks)} tasks, {args.trials} trials, on {free} server(s) of key "
           f"{args.key!r}; tuning log {log.path}", flush=True)
@@ -200,7 +203,8 @@ def cmd_tune(args) -> int:
         report = tune(tasks, target, log, runner, args.trials,
                       trials_per_iter=args.trials_per_iter, seed=args.seed,
                       population=args.population, builder_workers=args.build_workers,
-                      stats_path=args.stats)
+                      stats_path=args.stats, default_s=latency,
+                      max_in_flight=args.in_flight)
     except BaseException:
         if "signal" not in _STOP:  # stopped by SIGINT/SIGTERM: one line, not a traceback
             raise
@@ -542,6 +546,9 @@ def parser() -> argparse.ArgumentParser:
                    help="length of one repeat; runs per repeat are sized from a warm-up run "
                         "(default 2 ms)")
     s.add_argument("--build-workers", type=int, help="build processes (default: CPU count)")
+    s.add_argument("--in-flight", type=int, default=3,
+                   help="batches measured while the next is searched and built (default 3; "
+                        "1: search, build and measure take turns)")
     s.add_argument("--stats", help="write trials/s and the time split as JSON here (every "
                    "30 s while tuning, and at the end)")
     s.add_argument("--seed", type=int, default=0)

@@ -51,6 +51,7 @@ class Phases:
     wall: dict[str, float] = field(default_factory=lambda: collections.defaultdict(float))
     busy: dict[str, float] = field(default_factory=lambda: collections.defaultdict(float))
     counts: dict[str, int] = field(default_factory=lambda: collections.defaultdict(int))
+    lanes: int = 1  # device servers measuring at once (the runner sets it)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def add(self, name: str, seconds: float, wall: bool = False, n: int = 1) -> None:
@@ -62,7 +63,7 @@ class Phases:
         with self.lock:
             return {"wall_s": {k: round(v, 3) for k, v in self.wall.items()},
                     "busy_s": {k: round(v, 3) for k, v in self.busy.items()},
-                    "counts": dict(self.counts)}
+                    "counts": dict(self.counts), "lanes": self.lanes}
 
 
 # ---- builder --------------------------------------------------------------------------------
@@ -503,6 +504,7 @@ class FarmRunner(ms.runner.PyRunner):
             except Exception:
                 n = 1
         self.lanes = [_Lane(self, i) for i in range(n)]
+        self.phases.lanes = n
         for lane in self.lanes:
             lane.start()
         self.say(f"measuring on {n} device server(s) of key {self.key!r}")

@@ -32,11 +32,13 @@ class ResumingSearch(ms.search_strategy.PySearchStrategy):
     """Evolutionary search that never proposes a schedule measured before (in this run or in the
     tuning log it resumes). ``skipped`` counts the candidates dropped as already measured."""
 
-    def __init__(self, measured: set[int] | None = None, max_empty_rounds: int = 8, **kwargs):
+    def __init__(self, measured: set[int] | None = None, max_empty_rounds: int = 8,
+                 phases: Phases | None = None, **kwargs):
         self.inner = ms.search_strategy.EvolutionarySearch(**kwargs)
         self.kwargs = kwargs
         self.measured = set(measured or ())
         self.max_empty_rounds = max_empty_rounds
+        self.phases = phases
         self.skipped = 0
 
     def _initialize_with_tune_context(self, context) -> None:
@@ -51,6 +53,14 @@ class ResumingSearch(ms.search_strategy.PySearchStrategy):
         self.inner.post_tuning()
 
     def generate_measure_candidates(self):
+        t0 = time.perf_counter()
+        try:
+            return self._fresh_candidates()
+        finally:
+            if self.phases is not None:
+                self.phases.add("search", time.perf_counter() - t0, wall=True)
+
+    def _fresh_candidates(self):
         for _ in range(self.max_empty_rounds):
             cands = self.inner.generate_measure_candidates()
             if cands is None:
@@ -71,7 +81,8 @@ class ResumingSearch(ms.search_strategy.PySearchStrategy):
         self.inner.notify_runner_results(measure_candidates, results)
 
     def clone(self):
-        return ResumingSearch(set(self.measured), self.max_empty_rounds, **self.kwargs)
+        return ResumingSearch(set(self.measured), self.max_empty_rounds, self.phases,
+                              **self.kwargs)
 
 
 @dataclass
@@ -136,12 +147,21 @@ class TuneReport:
         return self.trials / self.elapsed_s if self.elapsed_s > 0 else 0.0
 
     def time_split(self) -> dict[str, float]:
-        """Wall seconds of the run by phase: ``build`` (candidate builds), ``run`` (measurement
-        batches), ``search`` (the rest: evolutionary search, cost model, records)."""
+        """Wall seconds of the run on the host's tuning thread, by phase: ``search``
+        (evolutionary search), ``build`` (candidate builds), ``wait_device`` (waiting for
+        measurements), ``other`` (cost-model updates, records, callbacks: the rest); and
+        ``lanes_busy``: the share (0..1) of the device servers' time spent on trials, which
+        run while the host searches and builds (:class:`thomas_tune.scheduler.PipelinedGradient`)."""
         wall = self.phases.get("wall_s", {})
-        build, run = wall.get("build", 0.0), wall.get("run", 0.0)
-        return {"total": self.elapsed_s, "search": max(0.0, self.elapsed_s - build - run),
-                "build": build, "run": run}
+        busy = self.phases.get("busy_s", {})
+        search, build = wall.get("search", 0.0), wall.get("build", 0.0)
+        wait = wall.get("wait_device", 0.0)
+        lanes = max(1, int(self.phases.get("lanes", 1)))
+        return {"total": self.elapsed_s, "search": search, "build": build,
+                "wait_device": wait,
+                "other": max(0.0, self.elapsed_s - search - build - wait),
+                "lanes_busy": (busy.get("run.trial", 0.0) / (lanes * self.elapsed_s)
+                               if self.elapsed_s > 0 else 0.0)}
 
     def as_dict(self) -> dict:
         """The report as JSON-ready data: trials, trials/s, time split (s), phase counters
@@ -168,7 +188,8 @@ class TuneReport:
         total = split["total"] or 1.0
         busy = self.phases.get("busy_s", {})
         parts = ", ".join(f"{k} {v:.0f} s ({100 * v / total:.0f}%)" for k, v in split.items()
-                          if k != "total")
+                          if k not in ("total", "lanes_busy"))
+        parts += f"; device servers busy {100 * split['lanes_busy']:.0f}% of the time"
         inner = ", ".join(f"{k.split('.', 1)[1]} {v:.1f}" for k, v in sorted(busy.items())
                           if k.startswith("run.") and k != "run.trial")
         return (f"{self.trials} trials in {split['total']:.0f} s = {self.trials_per_s:.2f} "
@@ -190,7 +211,8 @@ def rpc_runner(tracker: tuple[str, int], key: str, servers: int | None = None,
 def tune(tasks: list[Task], target, log: TuningLog, runner: ms.Runner, trials: int,
          trials_per_iter: int = 8, builder_workers: int | None = None, seed: int = 0,
          population: int = 128, show_progress: bool = True, stats_path: str | None = None,
-         stats_every_s: float = 30.0) -> TuneReport:
+         stats_every_s: float = 30.0, default_s: dict[str, float] | None = None,
+         max_in_flight: int = 3) -> TuneReport:
     """Tune ``tasks`` for ``target`` with ``trials`` measurements in all, appending to ``log``.
 
     The gradient task scheduler (Zheng et al. 2020, "Ansor", section 6) spends the budget where
@@ -198,7 +220,11 @@ def tune(tasks: list[Task], target, log: TuningLog, runner: ms.Runner, trials: i
     evolutionary search's population per round (MetaSchedule's default is 512, sized for large
     hosts; each member is scored by the cost model on this machine). With ``stats_path``, the
     report (:meth:`TuneReport.as_dict`: trials/s, time split) is written there every
-    ``stats_every_s`` seconds while tuning and once at the end. Raises ValueError for
+    ``stats_every_s`` seconds while tuning and once at the end. Task choice and pipelining:
+    :class:`thomas_tune.scheduler.PipelinedGradient`, with up to ``max_in_flight`` batches
+    measured while the next one is searched and built, and each task's gradient starting from
+    its default-schedule time in ``default_s`` (``{workload key: seconds per call}``, from
+    :func:`measure_defaults`) where known. Raises ValueError for
     an empty task list or a budget smaller than one round over the tasks, and
     :class:`thomas_tune.tuning_log.LogInUse` when another tuner holds ``log``. Failed trials
     are appended with their reason to ``trial_errors.jsonl`` in the log folder.
@@ -211,18 +237,22 @@ def tune(tasks: list[Task], target, log: TuningLog, runner: ms.Runner, trials: i
     with log.lock("tuning"):  # one tuner per log: a second one is refused (LogInUse)
         return _tune_locked(tasks, target, log, runner, trials, trials_per_iter,
                             builder_workers, seed, population, show_progress, stats_path,
-                            stats_every_s)
+                            stats_every_s, default_s or {}, max_in_flight)
 
 
 def _tune_locked(tasks, target, log, runner, trials, trials_per_iter, builder_workers, seed,
-                 population, show_progress, stats_path, stats_every_s) -> TuneReport:
+                 population, show_progress, stats_path, stats_every_s, default_s,
+                 max_in_flight) -> TuneReport:
+    from .scheduler import PipelinedGradient
+
     database = log.database()
     report = TuneReport()
-    contexts, weights, progress = [], [], []
+    phases = getattr(runner, "phases", None) or Phases()
+    contexts, weights, progress, default_ms = [], [], [], []
     for i, task in enumerate(tasks):
         measured = log.measured(database, task.mod)
         report.resumed_records += len(measured)
-        strategy = ResumingSearch(measured, population_size=population,
+        strategy = ResumingSearch(measured, phases=phases, population_size=population,
                                   init_min_unmeasured=max(8, population // 4),
                                   genetic_num_iters=2)
         ctx = ms.TuneContext(
@@ -237,11 +267,12 @@ def _tune_locked(tasks, target, log, runner, trials, trials_per_iter, builder_wo
             continue
         contexts.append(ctx)
         weights.append(float(task.weight))
+        d = default_s.get(workload_key(task))
+        default_ms.append(d * 1e3 if d is not None and math.isfinite(d) else None)
         progress.append(TaskProgress(task.name, task.flops))
     if not contexts:
         raise ValueError("no task has a search space for this target (see the lines above)")
     report.tasks = progress
-    phases = getattr(runner, "phases", None) or Phases()
     t0 = time.perf_counter()
     last_write = [t0]
 
@@ -262,7 +293,8 @@ def _tune_locked(tasks, target, log, runner, trials, trials_per_iter, builder_wo
             tasks=contexts, task_weights=weights, work_dir=log.path, max_trials_global=trials,
             num_trials_per_iter=trials_per_iter, builder=builder, runner=runner,
             database=database, cost_model="xgb", measure_callbacks=callbacks,
-            task_scheduler="gradient")
+            task_scheduler=PipelinedGradient(default_ms, max_in_flight=max_in_flight,
+                                             seed=seed, phases=phases))
     finally:
         callbacks[-1].bar.close()
         builder.shutdown()

@@ -496,7 +496,8 @@ class KernelLauncher {
  public:
   // Launch tags name the extents the host code passes after the kernel arguments, in order:
   // "blockIdx.{x,y,z}" (work-groups per dimension) and "threadIdx.{x,y,z}" (work-group size).
-  KernelLauncher(OpenCLModuleObj* m, FunctionInfo info) : m_(m), info_(std::move(info)) {
+  KernelLauncher(OpenCLModuleObj* m, FunctionInfo info)
+      : m_(m), info_(std::move(info)), id_(next_id_.fetch_add(1) + 1) {
     for (const std::string& tag : info_.launch_param_tags) {
       int rank = -1;
       if (tag.rfind("blockIdx.", 0) == 0) rank = 0;
@@ -514,11 +515,20 @@ class KernelLauncher {
   void operator()(PackedArgs args, Any* rv) const;
 
  private:
+  // The kernel object of this launcher for (calling thread, device): a per-thread cache of a
+  // few entries, keyed by the launcher's unique id, in front of the module's map (whose key is
+  // a string built per call, under a mutex). A training step launches ~1,700 kernels.
+  cl_kernel CachedKernel(int dev_id) const;
+
   OpenCLModuleObj* m_;
   FunctionInfo info_;
   std::vector<int> slots_;
   int work_dim_ = 1;
+  uint64_t id_;
+  static std::atomic<uint64_t> next_id_;
 };
+
+std::atomic<uint64_t> KernelLauncher::next_id_{0};
 
 class OpenCLModuleObj : public tvm::ffi::ModuleObj {
  public:
@@ -702,7 +712,7 @@ void KernelLauncher::operator()(PackedArgs args, Any* rv) const {
   const TVMFFIAny* raw = reinterpret_cast<const TVMFFIAny*>(args.data());
   int dev_id = current_device;
   Dev& d = Workspace::Global()->Get(dev_id);
-  cl_kernel k = m_->Kernel(dev_id, info_.name);
+  cl_kernel k = CachedKernel(dev_id);
   for (size_t i = 0; i < n; ++i) {
     const DLDataType& t = info_.arg_types[i];
     cl_int err;
@@ -768,6 +778,23 @@ void KernelLauncher::operator()(PackedArgs args, Any* rv) const {
   }
   stats.launches++;
   if (ev != nullptr) recording.events.push_back(ev);
+}
+
+cl_kernel KernelLauncher::CachedKernel(int dev_id) const {
+  struct Entry {
+    uint64_t id = 0;
+    int dev = -1;
+    cl_kernel kernel = nullptr;
+  };
+  constexpr size_t kSlots = 4096;
+  thread_local std::vector<Entry> cache(kSlots);
+  Entry& e = cache[(id_ * 0x9E3779B97F4A7C15ull >> 52) % kSlots];
+  if (e.id == id_ && e.dev == dev_id) return e.kernel;
+  cl_kernel k = m_->Kernel(dev_id, info_.name);
+  e.id = id_;
+  e.dev = dev_id;
+  e.kernel = k;
+  return k;
 }
 
 // Builds the OpenCL programs of ``mod`` and of every module it imports for ``device_id``;

@@ -1,0 +1,121 @@
+"""The task scheduler of the tuner: which task gets the next batch of trials, and when to wait.
+
+MetaSchedule's gradient scheduler (Zheng et al. 2020, "Ansor", section 6) waits for every
+batch's measurements before it searches the next batch, so the host's evolutionary search and
+candidate builds and the device's measurements take turns: on the H100 the device servers sat
+idle while the host searched, and the host waited while the servers measured. Here the
+device works on earlier batches while the host searches and builds the next one:
+:class:`PipelinedGradient` keeps up to ``max_in_flight`` batches sent to the runner and waits
+(joins) only for the oldest one when that bound is reached, or for a task that it must tune
+again before its last batch came back.
+
+Task choice follows the same gradient as MetaSchedule's ``GradientBased``: for task i with
+best-latency history h (one entry per joined batch, ms) and weight w_i (calls per step),
+``g_i = w_i * (alpha * (h[-1-W] - h[-1]) / W + (1 - alpha) * h[-1] / len(h))`` with window W.
+The history starts from the task's default-schedule time when one was measured (``--time-share``):
+a record only pays when it beats the default, so the default is the latency to improve on.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+
+from tvm.ir.utils import derived_object
+from tvm.s_tir import meta_schedule as ms
+
+
+@derived_object
+class PipelinedGradient(ms.task_scheduler.PyTaskScheduler):
+    """Gradient task scheduler that overlaps search and builds with measurement.
+
+    ``default_ms``: per task (in the order of the tuning contexts), its default-schedule time
+    in ms, or None where unknown; ``alpha`` and ``window``: the gradient's parameters
+    (MetaSchedule's defaults, 0.2 and 3); ``max_in_flight``: batches sent to the runner and not
+    yet joined (1 gives MetaSchedule's order: search, build, measure, repeat).
+    ``phases``: a :class:`thomas_tune.runner.Phases` that gets ``wait_device``: wall seconds
+    the host spent waiting for measurements, and the number of batches joined.
+    """
+
+    def __init__(self, default_ms: list[float | None] | None = None, alpha: float = 0.2,
+                 window: int = 3, max_in_flight: int = 3, seed: int = 0, phases=None):
+        super().__init__()
+        if max_in_flight < 1:
+            raise ValueError(f"max_in_flight must be at least 1, got {max_in_flight}")
+        self.default_ms = list(default_ms or [])
+        self.alpha, self.window, self.max_in_flight = alpha, window, max_in_flight
+        self.rng = random.Random(seed)
+        self.phases = phases
+        self.history: list[list[float]] | None = None
+        self.order: list[int] = []      # task ids sent to the runner, oldest first, not joined
+        self.next_round_robin = 0
+
+    # ---- bookkeeping ----------------------------------------------------------------------
+    def _init(self, n: int) -> None:
+        self.history = []
+        for i in range(n):
+            d = self.default_ms[i] if i < len(self.default_ms) else None
+            self.history.append([d] if d is not None and math.isfinite(d) and d > 0 else [])
+
+    def _join(self, task_id: int, tasks) -> None:
+        """Wait for ``task_id``'s batch; its best latency goes into the history. A task whose
+        search ended (no batch was sent: MetaSchedule terminated it) is only dropped."""
+        self.order.remove(task_id)
+        if tasks[task_id].runner_futures is None:
+            return
+        t0 = time.perf_counter()
+        results = self.join_running_task(task_id)
+        if self.phases is not None:
+            self.phases.add("wait_device", time.perf_counter() - t0, wall=True)
+        best = math.inf
+        for r in results:
+            if r.error_msg is None and r.run_secs:
+                best = min(best, 1e3 * sum(float(s) for s in r.run_secs) / len(r.run_secs))
+        h = self.history[task_id]
+        h.append(min(best, h[-1]) if h else best)
+
+    def _join_finished(self, tasks) -> None:
+        for task_id in list(self.order):
+            futures = tasks[task_id].runner_futures
+            if futures is None or all(f.done() for f in futures):
+                self._join(task_id, tasks)
+
+    def _gradient(self, task_id: int, weight: float) -> float:
+        h = self.history[task_id]
+        if not h or not math.isfinite(h[-1]):
+            return 0.0
+        best, w = h[-1], self.window
+        back = (h[-1 - w] - best) / w if len(h) > w and math.isfinite(h[-1 - w]) else 0.0
+        return weight * (self.alpha * back + (1 - self.alpha) * best / len(h))
+
+    # ---- MetaSchedule's hook ---------------------------------------------------------------
+    def next_task_id(self) -> int:
+        tasks = self._outer().tasks_
+        n = len(tasks)
+        if self.history is None:
+            self._init(n)
+        self._join_finished(tasks)
+        while len(self.order) >= self.max_in_flight:  # bound the batches in flight
+            self._join(self.order[0], tasks)
+        # first, one batch of every task (MetaSchedule's gradient scheduler does the same)
+        while self.next_round_robin < n:
+            task_id = self.next_round_robin
+            self.next_round_robin += 1
+            if not tasks[task_id].is_terminated:
+                self.order.append(task_id)
+                return task_id
+        while True:
+            alive = [i for i in range(n) if not tasks[i].is_terminated]
+            if not alive:
+                return -1
+            idle = [i for i in alive if i not in self.order]
+            if not idle:  # every live task has a batch out: wait for the oldest
+                self._join(self.order[0], tasks)
+                continue
+            grads = {i: self._gradient(i, float(tasks[i].task_weight)) for i in idle}
+            top = max(grads.values())
+            best = [i for i, g in grads.items() if g == top]
+            task_id = best[0] if len(best) == 1 else self.rng.choice(best)
+            self.order.append(task_id)
+            return task_id
