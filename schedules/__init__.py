@@ -204,10 +204,30 @@ def tuple_reduction(func: tvm.tirx.PrimFunc) -> bool:
     return found
 
 
-def shared_bytes(func: tvm.tirx.PrimFunc) -> int:
-    """Bytes of the shared-memory buffers a scheduled kernel allocates (static shapes)."""
-    import tvm_ffi
+def shared_bytes(func: tvm.tirx.PrimFunc, target: tvm.target.Target | None = None) -> int:
+    """Bytes of shared (work-group local) memory a scheduled kernel allocates, static shapes.
 
+    Counted after buffer compaction, as the kernel is built: a schedule declares its shared
+    staging buffers at the full shape of the tensor they tile (a 4096x9216 weight for a 32x8
+    tile of it) and ``CompactBufferAllocation`` shrinks them to the region each work-group
+    touches. Counting the declared shapes rejected every tiled matmul schedule of dlight
+    (152 MB "staged" for AlexNet's first fully connected layer, 2 KiB in fact)."""
+    import tvm_ffi
+    from tvm.s_tir import transform as st
+
+    lower = tvm.ir.transform.Sequential([
+        st.LowerCrossThreadReduction(), st.LowerInitBlock(),
+        st.PlanAndUpdateBufferAllocationLocation(), st.ConvertBlocksToOpaque(),
+        st.CompactBufferAllocation()])
+    mod = tvm.IRModule({"main": func})
+    try:
+        if target is not None:
+            with target:
+                mod = lower(mod)
+        else:
+            mod = lower(mod)
+    except Exception:  # a schedule the passes refuse is counted as declared
+        pass
     total = 0
 
     def visit(block) -> None:
@@ -219,19 +239,97 @@ def shared_bytes(func: tvm.tirx.PrimFunc) -> int:
                     n *= int(d) if isinstance(d, tvm.tirx.IntImm) else 1 << 30
                 total += n * tvm.DataType(buf.dtype).bits // 8
 
-    tvm_ffi.structural_walk(func.body, [(tvm.s_tir.SBlock, visit)], order="post")
+    tvm_ffi.structural_walk(mod["main"].body, [(tvm.s_tir.SBlock, visit)], order="post")
     return total
 
 
-GPU_RULES = (LongReduction, dl.gpu.Matmul, dl.gpu.GEMV, dl.gpu.Reduction,
-             dl.gpu.GeneralReduction)
+def reduction_shape(func: tvm.tirx.PrimFunc) -> tuple[int, int] | None:
+    """(outputs, terms per output) of the largest reduction block of ``func``, or None when it
+    has none or its extents are not constant."""
+    from tvm.s_tir.dlight.analysis import normalize_prim_func
+
+    sch = tvm.s_tir.Schedule(func)
+    infos = normalize_prim_func(sch)
+    if infos is None:
+        return None
+    best = None
+    for info in infos:
+        kinds = info.dom_kind()
+        if "R" not in kinds:
+            continue
+        loops = sch.get_loops(info.block_rv)
+        out = terms = 1
+        for lp, k in zip(loops, kinds):
+            ext = sch.get(lp).extent
+            if not isinstance(ext, tvm.tirx.IntImm):
+                return None
+            if k == "S":
+                out *= int(ext)
+            elif k == "R":
+                terms *= int(ext)
+        if best is None or out * terms > best[0] * best[1]:
+            best = (out, terms)
+    return best
+
+
+class WideMatmul(dl.gpu.Matmul):
+    """dlight's tiled matmul (shared-memory tiles, a register tile per thread) for matmuls with
+    long sums (at least ``min_terms`` terms) and at least ``min_outputs`` outputs: enough 32x32
+    tiles to give every compute unit work. Fully connected layers are such (32x4096 outputs
+    for AlexNet's first at batch 32, a sum of 9,216 terms each): :class:`LongReduction` would
+    give each output a work-group of its own whose threads read a column of the weight matrix
+    (238 GFLOP/s on the H100, 10 ms per step). Matmuls with few outputs and long sums (weight
+    gradients) stay with :class:`LongReduction`, which splits the sum; those with short sums
+    (most 1x1 convolutions) keep the thread-per-output fallback."""
+
+    def __init__(self, min_outputs: int = 1 << 16, min_terms: int = 2048):
+        super().__init__()
+        self.min_outputs, self.min_terms = min_outputs, min_terms
+
+    def apply(self, func, target, tunable):
+        if not isinstance(func, tvm.tirx.PrimFunc):
+            return None
+        shape = reduction_shape(func)
+        if shape is None or shape[0] < self.min_outputs or shape[1] < self.min_terms:
+            return None
+        return super().apply(func, target, tunable)
+
+
+class _LongSums:
+    """Mixin: the rule applies only to kernels whose reduction sums at least ``min_terms``
+    terms per output. dlight's reduction rules give each output (or row) a work-group whose
+    threads split the sum; for the short sums of convolutions (27 terms for a 3x3x3 filter,
+    9 for a depthwise one) that leaves most threads idle where one thread per output does the
+    whole sum."""
+
+    min_terms = 256
+
+    def apply(self, func, target, tunable):
+        if not isinstance(func, tvm.tirx.PrimFunc):
+            return None
+        shape = reduction_shape(func)
+        if shape is None or shape[1] < self.min_terms:
+            return None
+        return super().apply(func, target, tunable)
+
+
+class LongRowReduction(_LongSums, dl.gpu.Reduction):
+    """dlight's ``Reduction`` rule, for long sums only (see :class:`_LongSums`)."""
+
+
+class LongGeneralReduction(_LongSums, dl.gpu.GeneralReduction):
+    """dlight's ``GeneralReduction`` rule, for long sums only (see :class:`_LongSums`)."""
+
+
+GPU_RULES = (WideMatmul, LongReduction, dl.gpu.Matmul, dl.gpu.GEMV, LongRowReduction,
+             LongGeneralReduction)
 
 
 def default_gpu_schedules(mod: tvm.IRModule, target: tvm.target.Target) -> tvm.IRModule:
     """Give every kernel without a schedule (no tuning record) dlight's default GPU schedule.
 
-    Rules are tried in order per kernel (long reductions split across threads, matmul, GEMV,
-    reduction, general reduction); a rule
+    Rules are tried in order per kernel (:class:`WideMatmul` for matmuls with many outputs, long
+    reductions split across threads, matmul, GEMV, reduction, general reduction); a rule
     that does not match, or fails on an unusual backward kernel (some dlight rules assert on
     them in this TVM), is skipped, as is a schedule that stages more in shared memory than the
     target allows; then ``Fallback`` (thread-bound loops), and :class:`LeadingLoops` last.
@@ -253,7 +351,7 @@ def default_gpu_schedules(mod: tvm.IRModule, target: tvm.target.Target) -> tvm.I
                 sch = None
             if isinstance(sch, list):
                 sch = sch[0] if sch else None
-            if sch is not None and shared_bytes(sch.mod["main"]) > smem:
+            if sch is not None and shared_bytes(sch.mod["main"], target) > smem:
                 sch = None  # (dlight stages whole tensors of some backward kernels in shared)
             if sch is not None:
                 break

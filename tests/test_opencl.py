@@ -264,3 +264,49 @@ def test_long_reduction_schedule(target, rng):
     ref2 = 0.5 * np.einsum("nihw,njhw->ij", an.astype("float32").astype("float64"),
                            bn.astype("float32").astype("float64"))[:, :, None, None]
     np.testing.assert_allclose(got2, ref2, rtol=1e-4, atol=1e-4 * np.abs(ref2).max())
+
+
+def test_wide_matmul_gets_a_tiled_default_schedule(target, rng):
+    """A fully connected layer (many outputs, long sums) gets dlight's tiled matmul by
+    default: its shared-memory tiles are counted after buffer compaction (their declared
+    shape is the whole weight matrix, over the target's limit), and it matches numpy in
+    float64. Narrow matmuls stay with LongReduction; short sums get no cross-thread rule."""
+    from thomas_tune.schedules import (LongGeneralReduction, LongReduction, WideMatmul,
+                                       shared_bytes)
+
+    n, k, m = 64, 2304, 1024
+    x = te.placeholder((n, k), name="x")
+    w = te.placeholder((k, m), name="w")
+    bias = te.placeholder((m,), name="bias")
+    rk = te.reduce_axis((0, k))
+    mm = te.compute((n, m), lambda i, j: te.sum(x[i, rk] * w[rk, j], axis=rk), name="mm")
+    y = te.compute((n, m), lambda i, j: mm[i, j] + bias[j], name="y")
+    f = te.create_prim_func([x, w, bias, y])
+    sch = WideMatmul().apply(f, target, False)
+    assert sch is not None
+    limit = int(target.attrs["max_shared_memory_per_block"])
+    assert 0 < shared_bytes(sch.mod["main"], target) <= limit
+    scheduled = default_gpu_schedules(tvm.IRModule({"main": f}), target)
+    assert "shared" in scheduled.script()
+    xn, wn, bn = (rng.standard_normal(s) for s in ((n, k), (k, m), (m,)))
+    got = _run(scheduled, target, [xn, wn, bn], (n, m))
+    f64 = [a.astype("float32").astype("float64") for a in (xn, wn, bn)]
+    ref = f64[0] @ f64[1] + f64[2]
+    np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max())
+
+    # a weight gradient's shape (few outputs, a long sum): LongReduction's, not the tiles
+    a = te.placeholder((4096, 16), name="a")
+    b = te.placeholder((4096, 8), name="b")
+    rn = te.reduce_axis((0, 4096))
+    g = te.compute((16, 8), lambda i, j: te.sum(a[rn, i] * b[rn, j], axis=rn), name="g")
+    fg = te.create_prim_func([a, b, g])
+    assert WideMatmul().apply(fg, target, False) is None
+    assert LongReduction().apply(fg, target, False) is not None
+    # a 3x3x3 convolution's 27-term sums: no work-group per output
+    img = te.placeholder((1, 3, 34, 34), name="img")
+    wt = te.placeholder((8, 3, 3, 3), name="wt")
+    rc, rh, rw = te.reduce_axis((0, 3)), te.reduce_axis((0, 3)), te.reduce_axis((0, 3))
+    conv = te.compute((1, 8, 32, 32), lambda b_, o, i, j: te.sum(
+        img[b_, rc, i + rh, j + rw] * wt[o, rc, rh, rw], axis=[rc, rh, rw]), name="conv")
+    assert LongGeneralReduction().apply(te.create_prim_func([img, wt, conv]), target,
+                                        False) is None
