@@ -3,6 +3,11 @@ initialisation and checkpoints.
 
 A checkpoint is one ``.npz`` file: every parameter and state under its name, plus ``__header__``,
 a JSON string ``{"format": "thomas_tune.checkpoint/1", "arch", "config", "classes", "shapes"}``.
+
+Building graphs (:func:`trace`) needs TVM's compiler (``tvm.relax``). The rest (``build``,
+``spec``, ``init_params``, checkpoints) also works in a process whose TVM loaded only its runtime
+library (``TVM_USE_RUNTIME_LIB=1``, as a deployed export runs): :func:`spec` then runs the
+model's forward pass on shapes alone (:class:`ShapeGraph`).
 """
 
 from __future__ import annotations
@@ -13,10 +18,9 @@ import tempfile
 from dataclasses import dataclass
 
 import numpy as np
-from tvm import relax
 
 from .alexnet import AlexNet
-from .layers import Graph, ParamSpec
+from .layers import DTYPE, Graph, ParamSpec, Records, compiler_available, require_compiler
 from .mobilenet_v1 import MobileNetV1
 from .mobilenet_v2 import MobileNetV2
 
@@ -49,21 +53,116 @@ def trace(model, batch: int, mode: str, dtype: str = "float32"):
     callers open a function and emit ``model.forward(g, x)`` into it.
 
     Used by the graph builders; callers close the function themselves. ``dtype``: float32 for
-    the product, float64 for reference computations.
+    the product, float64 for reference computations. Raises RuntimeError in a process without
+    TVM's compiler (``TVM_USE_RUNTIME_LIB=1``).
     """
+    require_compiler("tracing a model into Relax")
+    from tvm import relax
     bb = relax.BlockBuilder()
     g = Graph(bb, mode, dtype)
     x = relax.Var("x", relax.TensorType(model.input_shape(batch), dtype))
     return bb, g, x
 
 
+class ShapeGraph(Records):
+    """The :class:`Graph` API on shapes alone: a tensor is its shape (a tuple of ints), and the
+    parameters, states, blocks and dropout masks are recorded as :class:`Graph` records them
+    (same names, shapes, blocks and order), with no Relax. What :func:`spec` runs where TVM's
+    compiler is not loaded. Shapes follow Relax's operators: a convolution or max pooling of
+    kernel k, stride s and padding p gives ``(n + 2p - k) // s + 1`` (no dilation, floor)."""
+
+    def _var(self, table, name, shape, init):
+        shape = tuple(int(d) for d in shape)
+        if name in table:
+            return table[name][1]
+        if self._block not in self.blocks:
+            self.blocks.append(self._block)
+        table[name] = (ParamSpec(name, shape, self._block, init), shape)
+        return shape
+
+    def param(self, name, shape, init):
+        return self._var(self.params, name, shape, init)
+
+    def state(self, name, shape, init):
+        return self._var(self.states, name, shape, init)
+
+    @staticmethod
+    def _pair(v) -> tuple[int, int]:
+        return (int(v), int(v)) if np.isscalar(v) else (int(v[0]), int(v[1]))
+
+    @classmethod
+    def _window(cls, x, kernel, stride, padding, channels):
+        """(N, channels, H', W') of a sliding window over x (N, C, H, W)."""
+        kh, kw = cls._pair(kernel)
+        sh, sw = cls._pair(stride)
+        if np.isscalar(padding):
+            top = left = bottom = right = int(padding)
+        elif len(padding) == 2:
+            (top, left), (bottom, right) = cls._pair(padding), cls._pair(padding)
+        else:
+            top, left, bottom, right = (int(p) for p in padding)
+        n, _, h, w = x
+        return (n, channels, (h + top + bottom - kh) // sh + 1, (w + left + right - kw) // sw + 1)
+
+    def conv2d(self, name, x, out_channels, kernel, stride=1, padding=0, groups=1, bias=False):
+        kh, kw = self._pair(kernel)
+        self.param(f"{name}.weight", (out_channels, x[1] // groups, kh, kw), "kaiming_out")
+        if bias:
+            self.param(f"{name}.bias", (out_channels,), "zeros")
+        return self._window(x, kernel, stride, padding, out_channels)
+
+    def batch_norm(self, name, x, eps=1e-5, momentum=0.1):
+        c = x[1]
+        self.param(f"{name}.weight", (c,), "ones")
+        self.param(f"{name}.bias", (c,), "zeros")
+        self.state(f"{name}.running_mean", (c,), "zeros")
+        self.state(f"{name}.running_var", (c,), "ones")
+        return x
+
+    def relu(self, x):
+        return x
+
+    def relu6(self, x):
+        return x
+
+    def max_pool2d(self, x, kernel, stride, padding=0):
+        return self._window(x, kernel, stride, padding, x[1])
+
+    def adaptive_avg_pool2d(self, x, output_size):
+        return (x[0], x[1], *self._pair(output_size))
+
+    def flatten(self, x):
+        return (x[0], int(np.prod(x[1:])))
+
+    def add(self, a, b):
+        return tuple(np.broadcast_shapes(a, b))
+
+    def linear(self, name, x, out_features):
+        self.param(f"{name}.weight", (out_features, x[1]), "linear")
+        self.param(f"{name}.bias", (out_features,), "zeros")
+        return (x[0], out_features)
+
+    def dropout(self, name, x, p):
+        if self.training and p != 0.0:
+            self.masks[f"{name}.mask"] = (x, p, x)
+        return x
+
+
 def spec(model, batch: int = 1, mode: str = "train") -> ModelSpec:
-    """Parameters, states, blocks and dropout masks of ``model`` (shapes for ``batch``)."""
-    bb, g, x = trace(model, batch, mode)
-    with bb.function("spec"):
-        with bb.dataflow():
-            y = bb.emit_output(model.forward(g, x))
-        bb.emit_func_output(y, params=[x])
+    """Parameters, states, blocks and dropout masks of ``model`` (shapes for ``batch``).
+
+    Traced with Relax where TVM's compiler is loaded, else with :class:`ShapeGraph` (same
+    result). ``mode``: ``"train"`` (dropout masks listed) or ``"infer"``; ValueError for
+    another."""
+    if compiler_available():
+        bb, g, x = trace(model, batch, mode)
+        with bb.function("spec"):
+            with bb.dataflow():
+                y = bb.emit_output(model.forward(g, x))
+            bb.emit_func_output(y, params=[x])
+    else:
+        g = ShapeGraph(mode)
+        model.forward(g, tuple(model.input_shape(batch)))
     return ModelSpec([p for p, _ in g.params.values()], [s for s, _ in g.states.values()],
                      list(g.blocks), {k: (v[0], v[1]) for k, v in g.masks.items()})
 
@@ -150,7 +249,8 @@ def load_checkpoint(path: str):
         raise ValueError(f"{path}: unknown checkpoint format {header.get('format')!r}")
     model = build(header["arch"], **header["config"])
     tensors = {k: data[k] for k in header["shapes"]}
-    for p in spec(model).params + spec(model).states:
+    s = spec(model)
+    for p in s.params + s.states:
         if p.name not in tensors or tensors[p.name].shape != p.shape:
             raise ValueError(f"{path}: tensor {p.name!r} missing or mis-shaped for {model.arch}")
     return model, tensors, header.get("classes")

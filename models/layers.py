@@ -13,6 +13,10 @@ first time it sees a name. The same ``forward`` is run once per mode:
 Every tensor is NCHW float32. Parameters belong to a *block* (a layer of the network as a user
 counts layers when saying "fine-tune the last k layers"); the order of blocks is the order of
 the forward pass.
+
+In a process whose TVM loaded only its runtime library (``TVM_USE_RUNTIME_LIB=1``: running an
+export, no compiling) there is no ``tvm.relax``: this module then imports without it, and
+:class:`Graph` raises RuntimeError; ``models.spec`` traces shapes only there.
 """
 
 from __future__ import annotations
@@ -21,8 +25,28 @@ import contextlib
 from dataclasses import dataclass
 
 import numpy as np
-from tvm import relax
-from tvm.relax import op as R
+import tvm
+
+
+def compiler_available() -> bool:
+    """True when this process's TVM has its compiler (``tvm.relax``); False when it loaded only
+    the runtime library (``TVM_USE_RUNTIME_LIB=1`` set before ``import tvm``, or a runtime-only
+    build of TVM)."""
+    return not getattr(tvm.base, "_RUNTIME_ONLY", not hasattr(tvm, "relax"))
+
+
+def require_compiler(what: str) -> None:
+    """Raise RuntimeError saying that ``what`` needs TVM's compiler, in a process whose TVM
+    loaded only its runtime library (see :func:`compiler_available`)."""
+    if not compiler_available():
+        raise RuntimeError(f"{what} needs TVM's compiler (tvm.relax), and this process loaded "
+                           "only TVM's runtime library (TVM_USE_RUNTIME_LIB=1 was set before "
+                           "TVM was imported): run it without TVM_USE_RUNTIME_LIB")
+
+
+if compiler_available():
+    from tvm import relax
+    from tvm.relax import op as R
 
 DTYPE = "float32"
 
@@ -46,23 +70,21 @@ def shape_of(x: relax.Expr) -> tuple[int, ...]:
     return tuple(int(v) for v in x.ty.shape.values)
 
 
-class Graph:
-    """Emits one forward pass (see the module docstring) and records what it needs."""
+class Records:
+    """What a forward pass records, whatever it emits: parameters, states and dropout masks by
+    name (each with its value in the emitting graph), and the blocks in order of first use."""
 
-    def __init__(self, bb: relax.BlockBuilder, mode: str, dtype: str = DTYPE):
+    def __init__(self, mode: str, dtype: str = DTYPE):
         if mode not in ("train", "infer"):
             raise ValueError(f"Graph mode must be 'train' or 'infer', got {mode!r}")
-        self.bb = bb
         self.dtype = dtype
         self.training = mode == "train"
-        self.params: dict[str, tuple[ParamSpec, relax.Var]] = {}
-        self.states: dict[str, tuple[ParamSpec, relax.Var]] = {}
-        self.masks: dict[str, tuple[tuple[int, ...], float, relax.Var]] = {}
-        self.new_states: dict[str, relax.Expr] = {}
+        self.params: dict[str, tuple] = {}
+        self.states: dict[str, tuple] = {}
+        self.masks: dict[str, tuple] = {}
         self.blocks: list[str] = []
         self._block = "stem"
 
-    # ---- bookkeeping -------------------------------------------------------------------------
     @contextlib.contextmanager
     def block(self, name: str):
         """Parameters created inside belong to block ``name``."""
@@ -74,6 +96,18 @@ class Graph:
         finally:
             self._block = prev
 
+
+class Graph(Records):
+    """Emits one forward pass (see the module docstring) into ``bb`` and records what it needs
+    (:class:`Records`: values are Relax variables)."""
+
+    def __init__(self, bb: relax.BlockBuilder, mode: str, dtype: str = DTYPE):
+        require_compiler("building a Relax graph")
+        super().__init__(mode, dtype)
+        self.bb = bb
+        self.new_states: dict[str, relax.Expr] = {}
+
+    # ---- bookkeeping -------------------------------------------------------------------------
     def _var(self, table, name, shape, init):
         if name in table:
             return table[name][1]

@@ -23,7 +23,7 @@ needs_opencl = pytest.mark.skipif(not opencl.available(),
 CHILD = r"""
 import json, sys
 import numpy as np, tvm
-from thomas_tune import opencl
+from thomas_tune import compiler_available, opencl
 n, seed = int(sys.argv[2]), int(sys.argv[3])
 x = np.random.default_rng(seed).standard_normal(n).astype("float32")
 dev = tvm.opencl(0)
@@ -32,7 +32,8 @@ a = tvm.runtime.tensor(x, dev)
 c = tvm.runtime.tensor(np.empty(n, "float32"), dev)
 lib["main"](a, c)
 err = float(np.max(np.abs(c.numpy() - (x * 3.0 + np.exp(x * 0.25)))))
-print(json.dumps({"err": err, **opencl.stats()}))
+print(json.dumps({"err": err, "relax": "tvm.relax" in sys.modules,
+                  "compiler": compiler_available(), **opencl.stats()}))
 """
 
 
@@ -56,8 +57,8 @@ def kernel_library(tmp_path_factory):
     return path
 
 
-def _start(library, cache, rng):
-    env = dict(os.environ, THOMAS_TUNE_OPENCL_CACHE=str(cache))
+def _start(library, cache, rng, **extra_env):
+    env = dict(os.environ, THOMAS_TUNE_OPENCL_CACHE=str(cache), **extra_env)
     proc = subprocess.run([sys.executable, "-c", CHILD, library, "4099",
                            str(int(rng.integers(1 << 30)))],
                           capture_output=True, text=True, env=env, timeout=300)
@@ -105,6 +106,18 @@ def test_damaged_cache_file_falls_back_to_source(kernel_library, tmp_path, rng, 
 def test_cache_off(kernel_library, tmp_path, rng):
     out, _ = _start(kernel_library, "off", rng)
     assert (out["source_builds"], out["binary_writes"], out["binary_loads"]) == (1, 0, 0)
+
+
+@needs_opencl
+def test_opencl_sidecar_runs_under_runtime_only_tvm(kernel_library, tmp_path, rng):
+    """The sidecar (linked against libtvm_runtime alone) loads and runs an exported OpenCL
+    kernel in a process whose TVM has no compiler, and uses the binary cache there too."""
+    cache = tmp_path / "cache"
+    first, _ = _start(kernel_library, cache, rng, TVM_USE_RUNTIME_LIB="1")
+    assert not first["compiler"] and not first["relax"]
+    assert (first["source_builds"], first["binary_writes"]) == (1, 1)
+    second, _ = _start(kernel_library, cache, rng, TVM_USE_RUNTIME_LIB="1")
+    assert (second["source_builds"], second["binary_loads"]) == (0, 1)
 
 
 # ---- bench pieces (llvm: this machine's CPU) ----------------------------------------------------
@@ -218,3 +231,76 @@ def test_runtime_import_leaves_torch_out():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "2.0"
+
+
+RUNTIME_ONLY_CHILD = r"""
+import json, sys
+import numpy as np
+from thomas_tune import compiler_available
+from thomas_tune.models import build, spec
+from thomas_tune.runtime import Session
+data = np.load(sys.argv[2])
+s = Session(sys.argv[1])
+loss = s.train_step(data["x"], data["y"])
+np.save(sys.argv[3], s.predict(data["x"][:1]))
+s.save(sys.argv[4])
+specs = {}
+for arch, config in json.loads(sys.argv[5]).items():
+    for mode in ("train", "infer"):
+        m = spec(build(arch, **config), 3, mode)
+        specs[f"{arch}/{mode}"] = [[[p.name, list(p.shape), p.block, p.init] for p in m.params],
+                                   [[p.name, list(p.shape), p.block, p.init] for p in m.states],
+                                   m.blocks, {k: [list(v[0]), v[1]] for k, v in m.masks.items()}]
+print(json.dumps({"loss": loss, "compiler": compiler_available(),
+                  "relax": sorted(k for k in sys.modules if k.startswith("tvm.relax")),
+                  "torch": "torch" in sys.modules, "specs": specs}))
+"""
+
+
+def test_export_runs_in_a_runtime_only_process(small_export, tmp_path, rng):
+    """A process started with TVM_USE_RUNTIME_LIB=1 (TVM's runtime library alone, as a deployed
+    second start) imports no tvm.relax, yet loads the export, runs a training step with the
+    loss, updated weights and checkpoint of a normal process, and traces the models' specs
+    (shapes only there) as Relax does."""
+    from conftest import SMALL
+    from thomas_tune.models import build, load_checkpoint, spec
+    from thomas_tune.runtime import Session
+    s = Session(small_export)
+    x = rng.standard_normal(s.model.input_shape(s.batch)).astype("float32")
+    y = rng.integers(0, s.model.num_classes, s.batch)
+    np.savez(tmp_path / "batch.npz", x=x, y=y)
+    env = dict(os.environ, TVM_USE_RUNTIME_LIB="1")
+    proc = subprocess.run([sys.executable, "-c", RUNTIME_ONLY_CHILD, small_export,
+                           str(tmp_path / "batch.npz"), str(tmp_path / "logits.npy"),
+                           str(tmp_path / "after.npz"), json.dumps(SMALL)],
+                          capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert not out["compiler"] and out["relax"] == [] and not out["torch"]
+    loss = s.train_step(x, y)  # this process: TVM with its compiler, tvm.relax imported
+    assert np.isfinite(loss) and abs(out["loss"] - loss) <= 1e-5, (out["loss"], loss)
+    np.testing.assert_allclose(np.load(tmp_path / "logits.npy"), s.predict(x[:1]),
+                               rtol=1e-5, atol=1e-5)
+    model, tensors, _ = load_checkpoint(str(tmp_path / "after.npz"))
+    assert (model.arch, model.config()) == (s.model.arch, s.model.config())
+    mine = s.tensors()
+    assert tensors.keys() == mine.keys()
+    for k in mine:
+        np.testing.assert_allclose(tensors[k], mine[k], rtol=1e-5, atol=1e-6, err_msg=k)
+    for arch, config in SMALL.items():
+        for mode in ("train", "infer"):
+            m = spec(build(arch, **config), 3, mode)
+            assert out["specs"][f"{arch}/{mode}"] == [
+                [[p.name, list(p.shape), p.block, p.init] for p in m.params],
+                [[p.name, list(p.shape), p.block, p.init] for p in m.states],
+                m.blocks, {k: [list(v[0]), v[1]] for k, v in m.masks.items()}]
+
+
+def test_compiling_verbs_refuse_a_runtime_only_process(tmp_path):
+    """Under TVM_USE_RUNTIME_LIB=1 a verb that compiles exits with status 2 and says why."""
+    env = dict(os.environ, TVM_USE_RUNTIME_LIB="1")
+    proc = subprocess.run([sys.executable, "-m", "thomas_tune.cli", "export", "--model",
+                           "alexnet", "--out", str(tmp_path / "x")],
+                          capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 2 and "TVM_USE_RUNTIME_LIB" in proc.stderr, proc.stderr
+    assert not (tmp_path / "x").exists()

@@ -10,6 +10,15 @@ x86-64 host with the CPU build of torch 2.13). So TVM is imported here with PyTo
 unless PyTorch is already imported or ``THOMAS_TUNE_TVM_WITH_TORCH=1``; ``import torch`` later
 works as usual (the bench and the tests compare with it), only tvm_ffi's automatic conversion
 of torch tensors is off, which thomas_tune does not use.
+
+Running an export needs no compiler: with ``TVM_USE_RUNTIME_LIB=1`` in the environment before
+TVM is imported, TVM loads only ``libtvm_runtime.so`` and skips ``tvm.relax``, which halves
+the import (a deployed second start; ``thomas-tune train --export DIR`` / ``infer``). Then
+:mod:`thomas_tune.runtime`, :mod:`thomas_tune.models` (checkpoints, ``spec``) and the OpenCL
+sidecar work; the compiler's modules (``export``, ``graph``, ``tune``...) do not import, graph
+building (``models.trace``) and ``runtime.check_device`` raise RuntimeError saying to run
+without the variable, and the CLI's compiling verbs exit with status 2 saying so.
+:func:`compiler_available` says which kind of process this is.
 """
 
 import os as _os
@@ -30,10 +39,13 @@ if "torch" not in _sys.modules and _os.environ.get("THOMAS_TUNE_TVM_WITH_TORCH")
     _sys.meta_path.insert(0, _hide)
     try:
         import tvm_ffi  # noqa: F401
-        import tvm.relax  # noqa: F401  (tvm.relax.base_py_module imports torch too)
+        # with TVM's compiler, tvm imports tvm.relax (tvm.relax.base_py_module imports torch
+        # too); under TVM_USE_RUNTIME_LIB=1 only the runtime's modules
+        import tvm  # noqa: F401
     finally:
         _sys.meta_path.remove(_hide)
 
+from .models.layers import compiler_available  # noqa: E402,F401
 from . import opencl as _opencl  # noqa: E402
 
 try:

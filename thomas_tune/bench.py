@@ -14,7 +14,8 @@ bandwidth. For the compiled variants also:
   sidecar.
 - start-up: a fresh process loads the export and runs one training step, twice: with an empty
   OpenCL program-binary cache (first start: programs built from source) and with the cache the
-  first start wrote (second start).
+  first start wrote (second start). That process imports TVM's runtime library only
+  (``TVM_USE_RUNTIME_LIB=1``), as a deployed export runs.
 
 The tuning curve (estimated kernel time of a training step against trials) replays the tuning
 log's records in file order: a workload's time is its default-schedule time (measured here)
@@ -493,9 +494,10 @@ def start_once(export_dir: str, cache_dir: str, seed: int = 0, timeout: float = 
     """Start a fresh Python process that loads ``export_dir`` and runs one training step (fresh
     random inputs) with the OpenCL program cache in ``cache_dir``. Returns seconds: ``total_s``
     (process start to the end of the first step), ``import_s``, ``load_s``, ``first_step_s``,
-    and the sidecar's counters (``opencl``: source builds, binary loads). Raises RuntimeError
-    with the child's stderr when it fails."""
-    env = dict(os.environ, THOMAS_TUNE_OPENCL_CACHE=cache_dir)
+    and the sidecar's counters (``opencl``: source builds, binary loads). The process is a
+    deployed runtime's: ``TVM_USE_RUNTIME_LIB=1``, TVM's runtime library without its compiler.
+    Raises RuntimeError with the child's stderr when it fails."""
+    env = dict(os.environ, THOMAS_TUNE_OPENCL_CACHE=cache_dir, TVM_USE_RUNTIME_LIB="1")
     cmd = [sys.executable] + (["-P"] if sys.flags.safe_path else []) + [
         "-c", _START_CHILD, os.path.abspath(export_dir), str(seed)]
     t0 = time.time()

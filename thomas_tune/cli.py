@@ -1,4 +1,11 @@
-"""The ``thomas-tune`` command: tasks, rpc, tune, export, replay, train, infer, bench, demo."""
+"""The ``thomas-tune`` command: tasks, rpc, tune, export, replay, train, infer, bench, demo.
+
+Running an export (``train --export DIR``, ``infer``, ``bench --tracker/--key``) needs no
+compiler: with ``TVM_USE_RUNTIME_LIB=1`` in the environment, TVM loads only its runtime
+library and the command's imports take about half the time (``TVM_USE_RUNTIME_LIB=1
+thomas-tune train --export DIR ...``). The verbs that compile refuse to run so (exit status 2,
+saying why).
+"""
 
 from __future__ import annotations
 
@@ -727,11 +734,29 @@ def _safe_records(log) -> int:
     return n
 
 
+RUNTIME_ONLY_ENV = "TVM_USE_RUNTIME_LIB"
+
+
+def _runs_without_compiler(args) -> bool:
+    """True for the verbs that only run an export: ``infer``, ``train --export``, ``bench
+    --tracker/--key`` (a process with TVM's runtime library alone runs them)."""
+    return (args.fn is cmd_infer or (args.fn is cmd_train and bool(args.export))
+            or (args.fn is cmd_bench and bool(args.tracker or args.key)))
+
+
 def main(argv=None) -> int:
-    """Entry point; returns the exit status (2 for bad input, with the reason on stderr)."""
+    """Entry point; returns the exit status (2 for bad input, with the reason on stderr; also
+    for a verb that compiles in a process without TVM's compiler, ``TVM_USE_RUNTIME_LIB=1``)."""
     signal.signal(signal.SIGTERM, _terminate)  # so that loopback servers are stopped
     signal.signal(signal.SIGINT, _terminate)
     args = parser().parse_args(argv)
+    from . import compiler_available
+    if not compiler_available() and not _runs_without_compiler(args):
+        print(f"error: this command compiles, and this process loaded TVM without its "
+              f"compiler ({RUNTIME_ONLY_ENV}=1): run it without {RUNTIME_ONLY_ENV} (only "
+              "infer, train --export and bench --tracker/--key run with the runtime alone)",
+              file=sys.stderr)
+        return 2
     try:
         return args.fn(args)
     except (ValueError, TimeoutError, FileNotFoundError) as err:

@@ -34,14 +34,11 @@ from . import graph as G
 from tvm import relax
 
 from .build import compile_graph, tuned_database
+from .manifest import (FORMAT, MANIFEST, PACK_OPTIMIZER_STATE, PACK_TRAINABLE,  # noqa: F401
+                       read_manifest)
 from .models import save_checkpoint, share_mode, spec
 from .target import cross_compiler, describe, export_shared, host_triple
 from .tuning_log import TuningLog
-
-MANIFEST = "manifest.json"
-FORMAT = "thomas_tune.export/1"
-PACK_TRAINABLE = "pack_trainable"
-PACK_OPTIMIZER_STATE = "pack_optimizer_state"
 
 
 def _with_pack_functions(mod: tvm.IRModule, trainable_shapes, optim_state) -> tvm.IRModule:
@@ -149,20 +146,4 @@ def export(out_dir: str, model, tensors: dict[str, np.ndarray], target: tvm.targ
     }
     _atomic_write(os.path.join(out_dir, MANIFEST),
                   lambda p: open(p, "w").write(json.dumps(manifest, indent=1)))
-    return manifest
-
-
-def read_manifest(export_dir: str) -> dict:
-    """The manifest of an export folder; ValueError if the folder is not a complete export."""
-    path = os.path.join(export_dir, MANIFEST)
-    try:
-        with open(path) as f:
-            manifest = json.load(f)
-    except (OSError, json.JSONDecodeError) as err:
-        raise ValueError(f"{export_dir}: not a thomas_tune export ({err}); run "
-                         "'thomas-tune export' first") from err
-    if manifest.get("format") != FORMAT:
-        raise ValueError(f"{path}: export format {manifest.get('format')!r}, but this "
-                         f"thomas_tune reads {FORMAT!r}; export the model again with "
-                         "'thomas-tune export'")
     return manifest

@@ -24,11 +24,8 @@ from tvm.relax.training import loss as rloss
 from tvm.relax.training import optimizer as ropt
 
 from . import gradients  # noqa: F401  (registers the missing gradients)
+from .manifest import ADJOINT, OPTIMIZER, PREDICT  # the exported functions' names
 from .models import spec, trace
-
-PREDICT = "predict"
-ADJOINT = "train_adjoint"
-OPTIMIZER = "optimizer"
 
 
 class _Adam(ropt.Adam):

@@ -6,6 +6,12 @@ RPC (a device server of a tracker: a phone, a board, the emulated aarch64 device
 the libraries are uploaded and loaded there; tuples of tensors cannot cross RPC, so the
 optimizer's tuples are made and kept on the device (``pack_trainable``, then the optimizer's
 own outputs) and single tensors are read from them there.
+
+Nothing here needs TVM's compiler: a process started with ``TVM_USE_RUNTIME_LIB=1`` (TVM loads
+only ``libtvm_runtime.so``, no ``tvm.relax``) imports this module in about half the time and
+runs :class:`Session` the same (the exported functions run in TVM's Relax VM,
+``tvm.runtime.vm.VirtualMachine``). Only :func:`check_device` compiles, and raises
+RuntimeError there.
 """
 
 from __future__ import annotations
@@ -15,11 +21,12 @@ import time
 
 import numpy as np
 import tvm
-from tvm import relax
+from tvm.runtime.vm import VirtualMachine
 
-from .export import PACK_OPTIMIZER_STATE, PACK_TRAINABLE, read_manifest
-from .graph import ADJOINT, OPTIMIZER, PREDICT
+from .manifest import (ADJOINT, OPTIMIZER, PACK_OPTIMIZER_STATE, PACK_TRAINABLE, PREDICT,
+                       read_manifest)
 from .models import load_checkpoint, save_checkpoint
+from .models.layers import require_compiler
 from .target import host_arch, machine_arch
 
 
@@ -72,7 +79,7 @@ class Session:
             for name in ("inference.so", "train.so"):
                 rpc_session.upload(os.path.join(export_dir, name))
                 try:  # a library of another architecture loads as a module with no functions
-                    vms[name] = relax.VirtualMachine(load(name), self.device)
+                    vms[name] = VirtualMachine(load(name), self.device)
                 except Exception as err:  # TVM raises its own error types
                     raise ValueError(f"the device server could not load {name} of {export_dir}"
                                      f" (linked for {triple or 'an unknown host'}): "
@@ -87,10 +94,10 @@ class Session:
                 raise ValueError(f"{export_dir} has no {PACK_TRAINABLE} function, which "
                                  "training over RPC needs: export it again") from err
         else:
-            self._train_vm = relax.VirtualMachine(load(os.path.join(export_dir, "train.so")),
-                                                  self.device)
-            self._infer_vm = relax.VirtualMachine(load(os.path.join(export_dir, "inference.so")),
-                                                  self.device)
+            self._train_vm = VirtualMachine(load(os.path.join(export_dir, "train.so")),
+                                            self.device)
+            self._infer_vm = VirtualMachine(load(os.path.join(export_dir, "inference.so")),
+                                            self.device)
         self.batch, self.infer_batch = m["batch"], m["infer_batch"]
         self._t = {k: tvm.runtime.tensor(v, self.device) for k, v in tensors.items()}
         self._opt = self._initial_optimizer_state()
@@ -182,6 +189,11 @@ class Session:
         return float(np.mean(np.argmax(logits, axis=1) == np.asarray(y)))
 
     def train_step(self, x: np.ndarray, y: np.ndarray) -> float:
+        """One training step on x float32 (batch, C, H, W) and y integer (batch,) labels in
+        0..classes-1: returns the mean cross-entropy loss (float) and updates the trainable
+        parameters, BatchNorm running statistics and optimizer state on the device. Dropout
+        masks come from the session's seeded generator. Raises ValueError for inputs of the
+        wrong shape or dtype and for labels out of range."""
         m = self.manifest
         x = self._check_x(x, self.batch)
         y = np.asarray(y)
@@ -263,8 +275,11 @@ def check_device(tracker: tuple[str, int], key: str, target: tvm.target.Target,
     target's host fails here, before any tuning. Returns the host triple checked.
 
     Raises ValueError naming the triple, the key and the fix; TimeoutError when no server of
-    the key is free within ``timeout`` seconds."""
+    the key is free within ``timeout`` seconds; RuntimeError in a process without TVM's
+    compiler (``TVM_USE_RUNTIME_LIB=1``)."""
     import tempfile
+
+    require_compiler("check_device (it links a probe kernel)")
 
     from tvm import te
 

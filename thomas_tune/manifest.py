@@ -1,0 +1,42 @@
+"""Names an export shares between the compiler side and the runtime side, and its manifest.
+
+Kept apart from :mod:`thomas_tune.export` and :mod:`thomas_tune.graph` (which build Relax
+graphs and compile them) so that loading and running an export imports no compiler part: a
+process started with ``TVM_USE_RUNTIME_LIB=1`` reads manifests and calls the exported functions
+by these names. ``export`` and ``graph`` re-export them under their old names.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+MANIFEST = "manifest.json"
+FORMAT = "thomas_tune.export/1"
+
+# functions of the exported libraries (``graph`` builds them, ``runtime.Session`` calls them)
+PREDICT = "predict"
+ADJOINT = "train_adjoint"
+OPTIMIZER = "optimizer"
+PACK_TRAINABLE = "pack_trainable"
+PACK_OPTIMIZER_STATE = "pack_optimizer_state"
+
+
+def read_manifest(export_dir: str) -> dict:
+    """The manifest (``manifest.json``, a dict) of the export folder ``export_dir``.
+
+    Raises ValueError when the folder holds no readable manifest (not an export, or one not
+    complete yet: the manifest is written last) or one of another export format, saying to run
+    ``thomas-tune export`` (again)."""
+    path = os.path.join(export_dir, MANIFEST)
+    try:
+        with open(path) as f:
+            manifest = json.load(f)
+    except (OSError, json.JSONDecodeError) as err:
+        raise ValueError(f"{export_dir}: not a thomas_tune export ({err}); run "
+                         "'thomas-tune export' first") from err
+    if manifest.get("format") != FORMAT:
+        raise ValueError(f"{path}: export format {manifest.get('format')!r}, but this "
+                         f"thomas_tune reads {FORMAT!r}; export the model again with "
+                         "'thomas-tune export'")
+    return manifest
