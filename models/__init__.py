@@ -71,20 +71,8 @@ class ShapeGraph(Records):
     compiler is not loaded. Shapes follow Relax's operators: a convolution or max pooling of
     kernel k, stride s and padding p gives ``(n + 2p - k) // s + 1`` (no dilation, floor)."""
 
-    def _var(self, table, name, shape, init):
-        shape = tuple(int(d) for d in shape)
-        if name in table:
-            return table[name][1]
-        if self._block not in self.blocks:
-            self.blocks.append(self._block)
-        table[name] = (ParamSpec(name, shape, self._block, init), shape)
+    def _value(self, name, shape):
         return shape
-
-    def param(self, name, shape, init):
-        return self._var(self.params, name, shape, init)
-
-    def state(self, name, shape, init):
-        return self._var(self.states, name, shape, init)
 
     @staticmethod
     def _pair(v) -> tuple[int, int]:

@@ -96,6 +96,28 @@ class Records:
         finally:
             self._block = prev
 
+    def _var(self, table, name, shape, init):
+        """The value of parameter or state ``name`` (recorded in ``table`` at first use, in the
+        current block; later uses get the same value)."""
+        if name in table:
+            return table[name][1]
+        if self._block not in self.blocks:
+            self.blocks.append(self._block)
+        shape = tuple(int(d) for d in shape)
+        value = self._value(name, shape)
+        table[name] = (ParamSpec(name, shape, self._block, init), value)
+        return value
+
+    def _value(self, name: str, shape: tuple[int, ...]):
+        """What a new parameter or state is in the emitting graph."""
+        raise NotImplementedError
+
+    def param(self, name, shape, init):
+        return self._var(self.params, name, shape, init)
+
+    def state(self, name, shape, init):
+        return self._var(self.states, name, shape, init)
+
 
 class Graph(Records):
     """Emits one forward pass (see the module docstring) into ``bb`` and records what it needs
@@ -108,20 +130,8 @@ class Graph(Records):
         self.new_states: dict[str, relax.Expr] = {}
 
     # ---- bookkeeping -------------------------------------------------------------------------
-    def _var(self, table, name, shape, init):
-        if name in table:
-            return table[name][1]
-        if self._block not in self.blocks:
-            self.blocks.append(self._block)
-        var = relax.Var(name, relax.TensorType(shape, self.dtype))
-        table[name] = (ParamSpec(name, tuple(shape), self._block, init), var)
-        return var
-
-    def param(self, name, shape, init):
-        return self._var(self.params, name, shape, init)
-
-    def state(self, name, shape, init):
-        return self._var(self.states, name, shape, init)
+    def _value(self, name, shape):
+        return relax.Var(name, relax.TensorType(shape, self.dtype))
 
     def emit(self, expr):
         return self.bb.emit(expr)

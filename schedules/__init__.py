@@ -10,6 +10,8 @@ so cross-thread reductions use plain workgroup barriers).
 
 from __future__ import annotations
 
+import contextlib
+
 import tvm
 from tvm.s_tir import dlight as dl
 from tvm.s_tir.dlight.gpu.base import GPUScheduleRule
@@ -221,10 +223,7 @@ def shared_bytes(func: tvm.tirx.PrimFunc, target: tvm.target.Target | None = Non
         st.CompactBufferAllocation()])
     mod = tvm.IRModule({"main": func})
     try:
-        if target is not None:
-            with target:
-                mod = lower(mod)
-        else:
+        with target if target is not None else contextlib.nullcontext():
             mod = lower(mod)
     except Exception:  # a schedule the passes refuse is counted as declared
         pass
@@ -272,19 +271,13 @@ def reduction_shape(func: tvm.tirx.PrimFunc) -> tuple[int, int] | None:
     return best
 
 
-class WideMatmul(dl.gpu.Matmul):
-    """dlight's tiled matmul (shared-memory tiles, a register tile per thread) for matmuls with
-    long sums (at least ``min_terms`` terms) and at least ``min_outputs`` outputs: enough 32x32
-    tiles to give every compute unit work. Fully connected layers are such (32x4096 outputs
-    for AlexNet's first at batch 32, a sum of 9,216 terms each): :class:`LongReduction` would
-    give each output a work-group of its own whose threads read a column of the weight matrix
-    (238 GFLOP/s on the H100, 10 ms per step). Matmuls with few outputs and long sums (weight
-    gradients) stay with :class:`LongReduction`, which splits the sum; those with short sums
-    (most 1x1 convolutions) keep the thread-per-output fallback."""
+class _SizeGate:
+    """Mixin: the rule applies only to kernels whose largest reduction
+    (:func:`reduction_shape`) has at least ``min_outputs`` outputs and sums at least
+    ``min_terms`` terms per output."""
 
-    def __init__(self, min_outputs: int = 1 << 16, min_terms: int = 2048):
-        super().__init__()
-        self.min_outputs, self.min_terms = min_outputs, min_terms
+    min_outputs = 1
+    min_terms = 1
 
     def apply(self, func, target, tunable):
         if not isinstance(func, tvm.tirx.PrimFunc):
@@ -295,7 +288,21 @@ class WideMatmul(dl.gpu.Matmul):
         return super().apply(func, target, tunable)
 
 
-class _LongSums:
+class WideMatmul(_SizeGate, dl.gpu.Matmul):
+    """dlight's tiled matmul (shared-memory tiles, a register tile per thread) for matmuls with
+    long sums (at least ``min_terms`` terms) and at least ``min_outputs`` outputs: enough 32x32
+    tiles to give every compute unit work. Fully connected layers are such (32x4096 outputs
+    for AlexNet's first at batch 32, a sum of 9,216 terms each): :class:`LongReduction` would
+    give each output a work-group of its own whose threads read a column of the weight matrix
+    (238 GFLOP/s on the H100, 10 ms per step). Matmuls with few outputs and long sums (weight
+    gradients) stay with :class:`LongReduction`, which splits the sum; those with short sums
+    (most 1x1 convolutions) keep the thread-per-output fallback."""
+
+    min_outputs = 1 << 16
+    min_terms = 2048
+
+
+class _LongSums(_SizeGate):
     """Mixin: the rule applies only to kernels whose reduction sums at least ``min_terms``
     terms per output. dlight's reduction rules give each output (or row) a work-group whose
     threads split the sum; for the short sums of convolutions (27 terms for a 3x3x3 filter,
@@ -303,14 +310,6 @@ class _LongSums:
     whole sum."""
 
     min_terms = 256
-
-    def apply(self, func, target, tunable):
-        if not isinstance(func, tvm.tirx.PrimFunc):
-            return None
-        shape = reduction_shape(func)
-        if shape is None or shape[1] < self.min_terms:
-            return None
-        return super().apply(func, target, tunable)
 
 
 class LongRowReduction(_LongSums, dl.gpu.Reduction):
