@@ -310,3 +310,46 @@ def test_wide_matmul_gets_a_tiled_default_schedule(target, rng):
         img[b_, rc, i + rh, j + rw] * wt[o, rc, rh, rw], axis=[rc, rh, rw]), name="conv")
     assert LongGeneralReduction().apply(te.create_prim_func([img, wt, conv]), target,
                                         False) is None
+
+
+def test_split_reduction_spaces_match_numpy(target, rng):
+    """Weight gradients and batch statistics get split-reduction design spaces (the batch loop
+    factored out: partial sums, then their sum) besides the plain ones; a variance (two
+    reductions) gets split spaces only. Sampled split candidates build for PoCL and match
+    numpy in float64, twice in a row (the second call reuses the pooled workspace)."""
+    n, ci, co, h = 4, 8, 16, 16
+    dy = te.placeholder((n, co, h, h), name="dy")
+    x = te.placeholder((n, ci, h, h), name="x")
+    rn, rh, rw = te.reduce_axis((0, n)), te.reduce_axis((0, h)), te.reduce_axis((0, h))
+    dw = te.compute((co, ci), lambda i, j: te.sum(dy[rn, i, rh, rw] * x[rn, j, rh, rw],
+                                                  axis=[rn, rh, rw]), name="dw")
+    out = te.compute((co, ci, 1, 1), lambda i, j, p, q: dw[i, j] * 0.5, name="out")
+    rn2, rh2, rw2 = te.reduce_axis((0, n)), te.reduce_axis((0, h)), te.reduce_axis((0, h))
+    total = te.compute((ci,), lambda c: te.sum(x[rn2, c, rh2, rw2], axis=[rn2, rh2, rw2]),
+                       name="total")
+    rn3, rh3, rw3 = te.reduce_axis((0, n)), te.reduce_axis((0, h)), te.reduce_axis((0, h))
+    diff = te.compute((n, ci, h, h), lambda a, c, p, q: x[a, c, p, q] - total[c] / (n * h * h),
+                      name="diff")
+    sq = te.compute((ci,), lambda c: te.sum(diff[rn3, c, rh3, rw3] * diff[rn3, c, rh3, rw3],
+                                            axis=[rn3, rh3, rw3]), name="sq")
+    var = te.compute((ci,), lambda c: sq[c] / (n * h * h), name="var")
+    dyn, xn = rng.standard_normal((n, co, h, h)), rng.standard_normal((n, ci, h, h))
+    d64, x64 = (a.astype("float32").astype("float64") for a in (dyn, xn))
+    cases = [([dy, x, out], [dyn, xn], (co, ci, 1, 1),
+              0.5 * np.einsum("nihw,njhw->ij", d64, x64)[:, :, None, None], False),
+             ([x, var], [xn], (ci,), x64.var(axis=(0, 2, 3)), True)]
+    for tensors, arrays, shape, ref, split_only in cases:
+        mod = _func(*tensors)
+        ctx = ms.TuneContext(mod=mod, target=target, space_generator=space_generator(target),
+                             task_name="split", num_threads=1,
+                             search_strategy=ms.search_strategy.ReplayTrace())
+        spaces = ctx.generate_design_space()
+        split = ["rfactor" in str(sp.trace) for sp in spaces]
+        assert any(split) and (all(split) if split_only else not all(split))
+        ctx.pre_tuning(max_trials=8, num_trials_per_iter=8, design_spaces=spaces)
+        cands = [c for c in ctx.generate_measure_candidates() if "rfactor" in str(c.sch.trace)]
+        assert cands
+        lib = tvm.compile(cands[0].sch.mod, target)
+        for _ in range(2):
+            got = _run(lib, target, arrays, shape)
+            np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max())

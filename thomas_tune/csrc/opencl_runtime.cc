@@ -44,6 +44,7 @@
 #include <iostream>
 #include <cstdlib>
 #include <cstring>
+#include <map>
 #include <mutex>
 #include <sstream>
 #include <string>
@@ -369,6 +370,38 @@ class Workspace final : public DeviceAPI {
     if (ptr != nullptr) clReleaseMemObject(static_cast<cl_mem>(ptr));
   }
 
+  // Workspaces (a kernel's intermediate buffers, e.g. the partial sums of a split reduction)
+  // are kept for reuse: the host code of a kernel allocates and frees them at every call, and
+  // a fresh clCreateBuffer per call costs more than many of the kernels themselves. A freed
+  // buffer may be handed out again while kernels that used it are still queued: the device's
+  // one in-order queue runs the next user after them.
+  void* AllocWorkspace(Device dev, size_t nbytes, DLDataType type_hint) final {
+    {
+      std::lock_guard<std::mutex> lock(pool_mu_);
+      auto& free = pool_free_[dev.device_id];
+      auto it = free.lower_bound(nbytes);
+      if (it != free.end() && it->first <= 2 * nbytes + 4096) {
+        void* ptr = it->second;
+        free.erase(it);
+        return ptr;
+      }
+    }
+    void* ptr = AllocDataSpace(dev, nbytes, 128, type_hint);
+    std::lock_guard<std::mutex> lock(pool_mu_);
+    pool_size_[ptr] = nbytes;
+    return ptr;
+  }
+
+  void FreeWorkspace(Device dev, void* ptr) final {
+    std::lock_guard<std::mutex> lock(pool_mu_);
+    auto it = pool_size_.find(ptr);
+    if (it == pool_size_.end()) {  // not from AllocWorkspace: release it as data space
+      FreeDataSpace(dev, ptr);
+      return;
+    }
+    pool_free_[dev.device_id].emplace(it->second, ptr);
+  }
+
   void CopyDataFromTo(const void* from, size_t from_offset, void* to, size_t to_offset,
                       size_t size, Device dev_from, Device dev_to, DLDataType,
                       TVMStreamHandle) final {
@@ -440,6 +473,9 @@ class Workspace final : public DeviceAPI {
   std::once_flag init_;
   std::mutex mu_;
   std::vector<Dev> devices_;
+  std::mutex pool_mu_;
+  std::unordered_map<int, std::multimap<size_t, void*>> pool_free_;  // device -> size -> buffer
+  std::unordered_map<void*, size_t> pool_size_;                       // every pooled buffer
   std::string filter_note_;
 };
 
