@@ -204,7 +204,8 @@ def cmd_tune(args) -> int:
         tasks = select(everything, top=args.top, flops_share=args.flops_share)
         latency = read_default_times(log.path, target)  # cached by an earlier --time-share
     print(summary(tasks, sum(t.total_flops for t in everything)), flush=True)
-    print(f"tuning {len(tasks)} tasks, {args.trials} trials, on {free} server(s) of key "
+    lanes = args.servers or free  # --servers: lanes asked for; else the servers free now
+    print(f"tuning {len(tasks)} tasks, {args.trials} trials, on {lanes} server(s) of key "
           f"{args.key!r}; tuning log {log.path}", flush=True)
     try:
         report = tune(tasks, target, log, runner, args.trials,
