@@ -100,39 +100,37 @@ class SplitReduction(ms.schedule_rule.PyScheduleRule):
         self._threads = [t for t in _thread_extents(max_threads) if t >= 32]
         self._tile._initialize_with_tune_context(context)
 
-    def _factor_loops(self, sch, block) -> list[int]:
-        """Indices (among the block's loops) of the reduction loops to factor out; [] when
-        the rule does not apply."""
+    def _factor_loops(self, sch, block) -> tuple[int, list[int]]:
+        """(number of spatial loops, indices among the block's loops of the reduction loops to
+        factor out); no indices when the rule does not apply."""
         b = sch.get(block)
         loops = sch.get_loops(block)
         if b.init is None or len(b.writes) != 1 or len(loops) != len(b.iter_vars):
-            return []
+            return 0, []
         outputs = terms = 1
-        reduce_at = []
+        reductions = []  # (loop index, extent)
         for i, (lp, iv) in enumerate(zip(loops, b.iter_vars)):
             ext = sch.get(lp).extent
             if not isinstance(ext, tvm.tirx.IntImm) or iv.dom.extent.value != ext.value:
-                return []
+                return 0, []
             if iv.iter_type == tvm.tirx.IterVar.CommReduce:
                 terms *= int(ext)
-                reduce_at.append(i)
+                reductions.append((i, int(ext)))
             elif iv.iter_type == tvm.tirx.IterVar.DataPar:
                 outputs *= int(ext)
             else:
-                return []
+                return 0, []
+        n_spatial = len(loops) - len(reductions)
         if terms < self.min_terms or outputs > self.max_outputs or \
-                reduce_at != list(range(len(loops) - len(reduce_at), len(loops))):
-            return []
-        ext = [int(sch.get(loops[i]).extent) for i in reduce_at]
-        return [i for i, e in zip(reduce_at, ext) if e >= 4 and terms // e >= 64][:2]
+                [i for i, _ in reductions] != list(range(n_spatial, len(loops))):
+            return 0, []
+        return n_spatial, [i for i, e in reductions if e >= 4 and terms // e >= 64][:2]
 
     def apply(self, sch, block):
-        at = self._factor_loops(sch, block)
+        n_spatial, at = self._factor_loops(sch, block)
         if not at:
             return [sch]
         spaces = []
-        n_spatial = sum(1 for iv in sch.get(block).iter_vars
-                        if iv.iter_type == tvm.tirx.IterVar.DataPar)
         for i in at:
             s = sch.copy()
             try:
@@ -143,7 +141,7 @@ class SplitReduction(ms.schedule_rule.PyScheduleRule):
         # split spaces only: MetaSchedule's cross-thread reduction fails on such kernels (it
         # computes the first inside the second's loops), and in a space where one reduction
         # is split, the other must be split too.
-        if spaces and _count_reductions(sch.mod["main"]) > 1:
+        if spaces and len(_reduction_blocks(sch.mod["main"])) > 1:
             return spaces
         return [sch, *spaces]
 
@@ -307,35 +305,25 @@ class LeadingLoops(GPUScheduleRule):
         return sch
 
 
-def _count_reductions(func: tvm.tirx.PrimFunc) -> int:
-    """Number of reduction blocks (blocks with an init statement) in ``func``."""
+def _reduction_blocks(func: tvm.tirx.PrimFunc) -> list:
+    """The reduction blocks (blocks with an init statement) of ``func``, in post order."""
     import tvm_ffi
 
-    found = [0]
+    found = []
 
     def visit(block) -> None:
         if block.init is not None:
-            found[0] += 1
+            found.append(block)
 
     tvm_ffi.structural_walk(func.body, [(tvm.s_tir.SBlock, visit)], order="post")
-    return found[0]
+    return found
 
 
 def tuple_reduction(func: tvm.tirx.PrimFunc) -> bool:
     """True when a reduction block of ``func`` writes several buffers at once (the argmax of
     max-pooling's backward): TVM cannot split such a reduction across threads ("no matched
     reducer"), so only the thread-per-output schedules apply."""
-    import tvm_ffi
-
-    found = False
-
-    def visit(block) -> None:
-        nonlocal found
-        if block.init is not None and len(block.writes) > 1:
-            found = True
-
-    tvm_ffi.structural_walk(func.body, [(tvm.s_tir.SBlock, visit)], order="post")
-    return found
+    return any(len(block.writes) > 1 for block in _reduction_blocks(func))
 
 
 def shared_bytes(func: tvm.tirx.PrimFunc, target: tvm.target.Target | None = None) -> int:

@@ -386,7 +386,7 @@ class Workspace final : public DeviceAPI {
         return ptr;
       }
     }
-    void* ptr = AllocDataSpace(dev, nbytes, 128, type_hint);
+    void* ptr = AllocDataSpace(dev, nbytes, tvm::runtime::kTempAllocaAlignment, type_hint);
     std::lock_guard<std::mutex> lock(pool_mu_);
     pool_size_[ptr] = nbytes;
     return ptr;
