@@ -181,7 +181,8 @@ def cmd_tune(args) -> int:
     log = TuningLog(args.log or _default_log(args, model, args.key))
     _STOP["log"] = log  # what a stop by signal reports
     runner = rpc_runner(tracker, args.key, servers=args.servers or free,
-                        trial_timeout_s=args.trial_timeout, repeat=args.repeat,
+                        trial_timeout_s=args.trial_timeout,
+                        compile_timeout_s=args.compile_timeout, repeat=args.repeat,
                         min_repeat_ms=args.min_repeat_ms)
     latency = None
     if args.time_share:
@@ -548,7 +549,11 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--servers", type=int, help="device servers measuring at once (default: "
                    "all free servers of the key)")
     s.add_argument("--trial-timeout", type=float, default=20.0,
-                   help="seconds before a trial is cut and recorded as an error (default 20)")
+                   help="seconds the timed runs of a trial may take before it is cut and "
+                        "recorded as an error (default 20)")
+    s.add_argument("--compile-timeout", type=float, default=30.0,
+                   help="seconds the device's build of a candidate's OpenCL programs may take "
+                        "before the trial is cut and recorded as an error (default 30)")
     s.add_argument("--repeat", type=int, default=3, help="timed repeats per trial (default 3)")
     s.add_argument("--min-repeat-ms", type=float, default=2.0,
                    help="length of one repeat; runs per repeat are sized from a warm-up run "

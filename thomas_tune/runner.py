@@ -11,8 +11,12 @@ time. Here:
   so the device server only loads it.
 * :class:`FarmRunner` keeps one *lane* per device server of the key: a worker process holding one
   RPC session, reused for every trial until the session nears its timeout or the lane goes idle.
-  Lanes take trials from one queue, so several servers measure in parallel. A trial that hangs is
-  cut after ``trial_timeout_s`` and recorded as an error with that reason; a server that dies
+  Lanes take trials from one queue, so several servers measure in parallel. A trial is three
+  calls, each with its own limit: the driver's program build (``compile_timeout_s``), the wait
+  for the device lock, and the timed runs (``trial_timeout_s``); one that runs over is cut and
+  recorded as an error that names the step (a single limit over all three cut good candidates
+  whose build waited for CPU cores or whose lock wait was long: on the H100, 85 of 333 AlexNet
+  trials of one run were cut at 20 s). A server that dies
   costs the trial in flight on it; its lane asks the tracker for a server again and the batch
   goes on with the others, and fails what is left only when no server of the key could be had
   for ``wait_s`` seconds.
@@ -212,12 +216,12 @@ def _alloc(sess, dev, args_info):
     return args
 
 
-def _lane_measure(artifact: str, device_type: str, args_info, repeat: int,
-                  min_repeat_ms: float, max_number: int) -> dict:
-    """(worker) Upload, load and time one candidate on the lane's session.
+def _lane_prepare(artifact: str, device_type: str, args_info) -> dict:
+    """(worker) Upload and load one candidate on the lane's session, allocate its arguments
+    and have the driver compile its OpenCL programs (outside the device lock).
 
-    Returns ``{"costs": [s, ...], "phases": {name: s}}``; raises on any failure.
-    """
+    Returns ``{name: s}`` of the phases; raises on any failure. The candidate waits in the
+    worker for :func:`_lane_time`."""
     sess = _LANE["session"]
     t = {}
     t0 = time.perf_counter()
@@ -234,17 +238,35 @@ def _lane_measure(artifact: str, device_type: str, args_info, repeat: int,
         args = _LANE["args"][key] = _alloc(sess, dev, args_info)
     t2 = time.perf_counter()
     t["run.load"] = t2 - t1
+    _LANE["candidate"] = (name, mod, dev, args)
     build = _LANE.get("build")
-    if build is not None:  # the driver compiles the kernels now, outside the device lock
+    if build is not None:
         build(mod, dev.index)
         t["run.compile"] = time.perf_counter() - t2
-        t2 = time.perf_counter()
+    return t
+
+
+def _lane_lock() -> float:
+    """(worker) Take the device lock that servers of one device share (if the server has it).
+    Returns the seconds waited."""
+    t0 = time.perf_counter()
     lock = _LANE.get("lock")
-    if lock is not None:
+    if lock is not None and not _LANE.get("locked"):
         lock(1)
+        _LANE["locked"] = True
+    return time.perf_counter() - t0
+
+
+def _lane_time(repeat: int, min_repeat_ms: float, max_number: int) -> dict:
+    """(worker) Time the candidate of :func:`_lane_prepare` (under the device lock of
+    :func:`_lane_lock`, released here), then remove its file from the server.
+
+    Returns ``{"costs": [s, ...], "phases": {name: s}}``; raises on any failure."""
+    name, mod, dev, args = _LANE.pop("candidate")
+    sess = _LANE["session"]
+    t = {}
     try:
         t3 = time.perf_counter()
-        t["run.lock_wait"] = t3 - t2
         warm = mod.time_evaluator(mod.entry_name, dev, number=1, repeat=1)(*args).mean
         number = max(1, min(max_number, math.ceil(min_repeat_ms * 1e-3 / max(warm, 1e-9))))
         # A slow candidate (often 100x the best) is timed less: its device time per trial
@@ -258,8 +280,8 @@ def _lane_measure(artifact: str, device_type: str, args_info, repeat: int,
         t4 = time.perf_counter()
         t["run.time"] = t4 - t3
     finally:
-        if lock is not None:
-            lock(0)
+        if _LANE.pop("locked", False):
+            _LANE["lock"](0)
     try:
         sess.get_function("tvm.rpc.server.remove")(name)
     except Exception:  # leftovers are removed with the session's folder anyway
@@ -348,7 +370,7 @@ class _Lane(threading.Thread):
 
     def _open(self) -> bool:
         f = self.farm
-        t0 = time.perf_counter()
+        t0, started = time.perf_counter(), time.monotonic()  # the server's timer starts here
         try:
             self._call(_lane_open, (f.tracker[0], f.tracker[1], f.key, f.session_timeout_s,
                                     f.priority), timeout=f.open_slice_s)
@@ -364,7 +386,7 @@ class _Lane(threading.Thread):
         if self.lost is not None:
             f.say(f"lane {self.index}: back in service after losing its server ({self.lost})")
             self.lost = None
-        self.has_session, self.opened_at, self.waiting_since = True, time.monotonic(), None
+        self.has_session, self.opened_at, self.waiting_since = True, started, None
         return True
 
     def run(self) -> None:
@@ -379,7 +401,7 @@ class _Lane(threading.Thread):
                     break
             # keep a session young enough that a trial cannot run into its timeout
             if self.has_session and (time.monotonic() - self.opened_at
-                                     > f.session_timeout_s - 2 * f.trial_timeout_s):
+                                     > f.session_timeout_s - f.trial_limit_s):
                 self._drop()
             if not self.has_session and not self._open():
                 f.check_starved()
@@ -392,19 +414,33 @@ class _Lane(threading.Thread):
                 continue
             inp, fut = item
             t0 = time.perf_counter()
+            # Three calls, each under its own limit: the driver's program build
+            # (compile_timeout_s), the wait for the device lock (other lanes' timed runs, each
+            # bounded by its own limit), and the timed runs (trial_timeout_s).
+            step = "compile"
             try:
-                out = self._call(_lane_measure, (str(inp.artifact_path), str(inp.device_type),
-                                                 tuple(a.as_json() for a in inp.args_info),
-                                                 f.repeat, f.min_repeat_ms, f.max_number),
+                phases = self._call(_lane_prepare, (str(inp.artifact_path), str(inp.device_type),
+                                                    tuple(a.as_json() for a in inp.args_info)),
+                                    timeout=f.compile_timeout_s)
+                step = "lock"
+                phases["run.lock_wait"] = self._call(_lane_lock, (), timeout=f.lock_timeout_s)
+                step = "time"
+                out = self._call(_lane_time, (f.repeat, f.min_repeat_ms, f.max_number),
                                  timeout=f.trial_timeout_s)
-                for k, v in out["phases"].items():
+                phases.update(out["phases"])
+                for k, v in phases.items():
                     f.phases.add(k, v)
                 f.phases.add("run.trial", time.perf_counter() - t0)
                 fut.set(out["costs"], None)
             except TimeoutError:
                 self._drop()
-                self.lost = f"trial timed out after {f.trial_timeout_s:g} s"
-                fut.set(None, f"run timed out after {f.trial_timeout_s:g} s on a server of key "
+                limit = {"compile": f.compile_timeout_s, "lock": f.lock_timeout_s,
+                         "time": f.trial_timeout_s}[step]
+                what = {"compile": "the OpenCL program build", "lock": "the wait for the device "
+                        "lock", "time": "the timed runs"}[step]
+                self.lost = f"{what} took over {limit:g} s"
+                f.phases.add(f"run.timeout_{step}", 1.0)
+                fut.set(None, f"run timed out: {what} took over {limit:g} s on a server of key "
                               f"{f.key!r}; the session was closed and a server requested again")
             except Exception as err:
                 msg = error_line(err)
@@ -440,18 +476,27 @@ class FarmRunner(ms.runner.PyRunner):
     """Measures candidates on the device servers of ``key`` registered with ``tracker``.
 
     ``lanes``: servers used at once (default: the free servers of the key at the first batch).
-    ``trial_timeout_s``: a trial running longer is cut and recorded as an error.
+    ``trial_timeout_s``: a trial whose timed runs (warm-up included) take longer is cut and
+    recorded as an error; ``compile_timeout_s``: the same for the driver's build of the
+    candidate's OpenCL programs; the wait for the device lock is cut after ``lanes x
+    trial_timeout_s + 10`` s.
     ``repeat``: timed repeats per trial; ``min_repeat_ms``: length of each repeat (the number of
     runs per repeat is sized from a warm-up run, at most ``max_number``).
     ``wait_s``: how long queued trials wait when no server of the key can be had at all.
     ``session_timeout_s``: the session lifetime asked of the server (it kills the session after
-    that, which also frees a server stuck in a hung kernel).
+    that, which also frees a server stuck in a hung kernel). A lane opens a new session before
+    its session comes within one trial's limits (:attr:`trial_limit_s`) of that age. Opening one costs seconds (9.6 s
+    each, on average, over 100 opens on the H100 with 12 servers): with 180 s sessions, most of
+    the opens of a run were these renewals, and a few sessions were cut by the server mid-trial.
+    ``idle_close_s``: a lane with nothing to measure for that long closes its session, which
+    frees the server for other tuning runs of the same key.
     """
 
     def __init__(self, tracker: tuple[str, int], key: str, lanes: int | None = None,
-                 trial_timeout_s: float = 20.0, repeat: int = 3, min_repeat_ms: float = 2.0,
-                 max_number: int = 1000, wait_s: float = 60.0, session_timeout_s: float = 180.0,
-                 idle_close_s: float = 20.0, priority: int = 1, phases: Phases | None = None,
+                 trial_timeout_s: float = 20.0, compile_timeout_s: float = 30.0,
+                 repeat: int = 3, min_repeat_ms: float = 2.0,
+                 max_number: int = 1000, wait_s: float = 60.0, session_timeout_s: float = 900.0,
+                 idle_close_s: float = 60.0, priority: int = 1, phases: Phases | None = None,
                  log=sys.stderr):
         super().__init__()
         self.tracker, self.key = tuple(tracker), key
@@ -459,7 +504,9 @@ class FarmRunner(ms.runner.PyRunner):
         self.trial_timeout_s, self.repeat, self.min_repeat_ms = trial_timeout_s, repeat, \
             min_repeat_ms
         self.max_number, self.wait_s, self.priority = max_number, wait_s, priority
-        self.session_timeout_s = max(session_timeout_s, 4 * trial_timeout_s)
+        self.compile_timeout_s = compile_timeout_s
+        self.lock_timeout_s = (lanes or 8) * trial_timeout_s + 10.0  # set again at the start
+        self.session_timeout_s = max(session_timeout_s, 2 * self.trial_limit_s)
         self.idle_close_s = idle_close_s
         self.open_slice_s = min(10.0, wait_s)
         self.phases = phases or Phases()
@@ -472,6 +519,11 @@ class FarmRunner(ms.runner.PyRunner):
     def say(self, text: str) -> None:
         if self.log is not None:
             print(f"[runner] {text}", file=self.log, flush=True)
+
+    @property
+    def trial_limit_s(self) -> float:
+        """The longest one trial may hold a lane: program build, lock wait and timed runs."""
+        return self.compile_timeout_s + self.lock_timeout_s + self.trial_timeout_s
 
     def live_lanes(self) -> int:
         return sum(1 for lane in self.lanes if lane.has_session)
@@ -505,6 +557,8 @@ class FarmRunner(ms.runner.PyRunner):
                 n = 1
         self.lanes = [_Lane(self, i) for i in range(n)]
         self.phases.lanes = n
+        # every other lane may hold the device lock for up to one trial's timed runs
+        self.lock_timeout_s = n * self.trial_timeout_s + 10.0
         for lane in self.lanes:
             lane.start()
         self.say(f"measuring on {n} device server(s) of key {self.key!r}")

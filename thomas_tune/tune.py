@@ -197,14 +197,16 @@ class TuneReport:
 
 
 def rpc_runner(tracker: tuple[str, int], key: str, servers: int | None = None,
-               trial_timeout_s: float = 20.0, repeat: int = 3, min_repeat_ms: float = 2.0,
-               wait_s: float = 60.0, **kwargs) -> FarmRunner:
+               trial_timeout_s: float = 20.0, compile_timeout_s: float = 30.0, repeat: int = 3,
+               min_repeat_ms: float = 2.0, wait_s: float = 60.0, **kwargs) -> FarmRunner:
     """The runner over device servers of ``key`` on ``tracker`` (see
     :class:`thomas_tune.runner.FarmRunner`): ``servers`` measure in parallel (default: those
     free at the start), each trial is ``repeat`` repeats of about ``min_repeat_ms`` ms, a trial
-    over ``trial_timeout_s`` s is recorded as an error, and trials wait at most ``wait_s`` s
+    whose timed runs take over ``trial_timeout_s`` s, or whose OpenCL build on the device takes
+    over ``compile_timeout_s`` s, is recorded as an error, and trials wait at most ``wait_s`` s
     when no server of the key can be had."""
     return FarmRunner(tracker, key, lanes=servers, trial_timeout_s=trial_timeout_s,
+                      compile_timeout_s=compile_timeout_s,
                       repeat=repeat, min_repeat_ms=min_repeat_ms, wait_s=wait_s, **kwargs)
 
 
