@@ -2,8 +2,8 @@
 # Tuning on the device tool's GPU machine with the product's own flow: a tracker, device
 # servers on NVIDIA OpenCL, and 'thomas-tune tune' runs started with setsid, so they go on
 # between calls until the machine goes back. State lives in /tmp/tt (kept on a warm machine).
-#   park    copy the carried part of the TVM tree (.devcarry/p1, then .devcarry/p2) to /tmp/tt
-#   start   set up (last part: .devcarry/p3), start tracker, servers and the tuning jobs; resumes
+#   park    copy the carried part of the TVM tree (.devcarry/p1, p2, ..., one per call) to /tmp/tt
+#   start   set up (carry .devcarry/last), start tracker, servers and the tuning jobs; resumes
 #           from /tmp/tt/logs when the machine is warm, else from the tree's tuning_logs/
 #   status  progress of each job; the tuning logs and outputs come back as $OUT/gpu_logs.tgz
 #   watch   status every minute for WATCH seconds (default 540), then once more
@@ -31,16 +31,16 @@ PY="python3 -P -m thomas_tune.cli"   # -P: the installed copy, not ./thomas_tune
 
 setup() {
   if ! [ -e $SITE/tvm/lib/libtvm_compiler.so ]; then
-    [ -s .devcarry/p3/tvm.parts ] || { echo "carry .devcarry/p3 (bench/gpu_prepare.sh makes it)"; exit 3; }
-    cp .devcarry/p3/tvm.part.* $TT/
-    for part in $(cat .devcarry/p3/tvm.parts); do
-      [ -s $TT/$part ] || { echo "$part is not in $TT: run 'park' with each of .devcarry/p1, p2 first"; exit 3; }
+    [ -s .devcarry/last/tvm.parts ] || { echo "carry .devcarry/last (bench/gpu_prepare.sh makes it)"; exit 3; }
+    cp .devcarry/last/tvm.part.* $TT/
+    for part in $(cat .devcarry/last/tvm.parts); do
+      [ -s $TT/$part ] || { echo "$part is not in $TT: run 'park' with each of .devcarry/p1, p2, ... first"; exit 3; }
     done
     t0=$(date +%s)
     mkdir -p $SITE
-    (cd $TT && cat $(cat $OLDPWD/.devcarry/p3/tvm.parts)) | xz -d | tar -x -C $SITE || exit 4
-    python3 -m pip install -q --no-index --no-deps --no-compile --target $SITE .devcarry/p3/*.whl || exit 5
-    cp .devcarry/p3/cl-headers.tar.xz $TT/
+    (cd $TT && cat $(cat $OLDPWD/.devcarry/last/tvm.parts)) | xz -d | tar -x -C $SITE || exit 4
+    python3 -m pip install -q --no-index --no-deps --no-compile --target $SITE .devcarry/last/*.whl || exit 5
+    cp .devcarry/last/cl-headers.tar.xz $TT/
     echo "TVM tree and wheels installed in $(( $(date +%s) - t0 )) s"
   fi
   [ -e /usr/include/CL/cl.h ] || tar -C /usr/include -xJf $TT/cl-headers.tar.xz
@@ -113,7 +113,7 @@ watch() {
 }
 
 case "${1:-status}" in
-  park) cp .devcarry/p[12]/tvm.part.* $TT/ && ls -la $TT ;;
+  park) cp .devcarry/p[0-9]*/tvm.part.* $TT/ && ls -la $TT ;;
   start) setup && start_services && start_jobs && watch ;;
   status) status ;;
   watch) watch ;;

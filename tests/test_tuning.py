@@ -71,7 +71,8 @@ def test_bad_tracker_address():
 
 def test_default_times_are_cached_per_schedule_rules(tmp_path, small_tasks, capsys):
     """``tune --time-share`` ranks tasks by their default-schedule times, cached in the log
-    folder: a second call measures nothing, a cache of other rules is measured again."""
+    folder: a second call measures nothing; a kernel the rules now make differently is
+    measured again, and so is every kernel of a cache of another TVM or target."""
     from thomas_tune.tune import DEFAULT_LATENCY, defaults_stamp, measure_defaults, workload_key
     target = parse_target("llvm")
     log = TuningLog(str(tmp_path / "log"))
@@ -85,12 +86,22 @@ def test_default_times_are_cached_per_schedule_rules(tmp_path, small_tasks, caps
         assert cached["stamp"] == defaults_stamp(target)
         # all cached: no runner is needed
         assert measure_defaults(small_tasks, target, None, log) == first
-        cached["stamp"] = "rules of another version"
-        cached["seconds"] = {k: 123.0 for k in cached["seconds"]}
+        # a kernel that the rules now make differently is measured again, the other is kept
+        one, other = (workload_key(t) for t in small_tasks)
+        assert set(cached["schedules"]) == {one, other}
+        cached["schedules"][one] = "a kernel of other rules"
+        cached["seconds"] = {one: 123.0, other: 456.0}
         with open(path, "w") as f:
             json.dump(cached, f)
         again = measure_defaults(small_tasks, target, rpc_runner(addr, "test-cpu"), log)
-    assert "measured with other schedule rules or another target" in capsys.readouterr().err
+        assert "1 kernel(s)" in capsys.readouterr().err
+        assert 0 < again[one] < 1 and again[other] == 456.0
+        # another TVM or target: everything is measured again
+        cached["stamp"] = "another TVM"
+        with open(path, "w") as f:
+            json.dump(cached, f)
+        again = measure_defaults(small_tasks, target, rpc_runner(addr, "test-cpu"), log)
+    assert "another TVM or another target" in capsys.readouterr().err
     assert all(0 < v < 1 for v in again.values()), again
     with open(path) as f:
         assert json.load(f)["stamp"] == defaults_stamp(target)
@@ -100,7 +111,8 @@ def test_records_slower_than_the_default_schedule_are_not_compiled(tmp_path, sma
     """``export`` and ``replay`` compile with :func:`tuned_database`: a workload whose best
     record lost to its default schedule on the device keeps the default."""
     from thomas_tune.build import tuned_database
-    from thomas_tune.tune import DEFAULT_LATENCY, defaults_stamp, workload_key
+    from thomas_tune.tune import (DEFAULT_LATENCY, default_schedule_key, defaults_stamp,
+                                  workload_key)
     target = parse_target("llvm")
     log = TuningLog(str(tmp_path / "log"))
     with rpc.loopback(key="test-cpu", servers=1, lifetime=300) as addr:
@@ -114,7 +126,9 @@ def test_records_slower_than_the_default_schedule_are_not_compiled(tmp_path, sma
     # record (0 s), the second's never does (it failed to run)
     with open(os.path.join(log.path, DEFAULT_LATENCY), "w") as f:
         json.dump({"stamp": defaults_stamp(target),
-                   "seconds": {workload_key(fast): 0.0, workload_key(slow): None}}, f)
+                   "seconds": {workload_key(fast): 0.0, workload_key(slow): None},
+                   "schedules": {workload_key(t): default_schedule_key(t.mod, target)
+                                 for t in (fast, slow)}}, f)
     db, slower = tuned_database(log, target)
     assert slower == 1
     assert not db.has_workload(fast.mod)

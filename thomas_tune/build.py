@@ -49,8 +49,9 @@ def best_records(database: ms.Database, log_path: str,
     :meth:`TuningLog.database` opens it): its fastest valid record, keyed by workload key
     (structural hash, decimal); and the keys whose fastest record is slower than the default
     schedule as measured on the device under this target and these rules
-    (``default_latency.json`` in ``log_path``, :func:`thomas_tune.tune.read_default_times`;
-    empty without one or without ``target``). Failed trials (MetaSchedule stores 1e10 s) are
+    (``default_latency.json`` in ``log_path``, :func:`thomas_tune.tune.read_default_times`:
+    only times of the kernels the default rules make today; empty without one or without
+    ``target``). Failed trials (MetaSchedule stores 1e10 s) are
     no records."""
     import math
 
@@ -64,7 +65,9 @@ def best_records(database: ms.Database, log_path: str,
         mean = sum(secs) / len(secs)
         if key not in best or mean < best[key][0]:
             best[key] = (mean, rec)
-    defaults = (read_default_times(log_path, target) if target is not None else None) or {}
+    defaults = (read_default_times(log_path, target,
+                                   {k: rec.workload.mod for k, (_, rec) in best.items()})
+                if target is not None else None) or {}
     slower = {k for k, (mean, _) in best.items() if mean >= defaults.get(k, math.inf)}
     return {k: rec for k, (_, rec) in best.items()}, slower
 

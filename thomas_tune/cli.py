@@ -201,9 +201,10 @@ def cmd_tune(args) -> int:
         if args.top:
             tasks = tasks[:args.top]
     else:
-        from .tune import read_default_times
+        from .tune import read_default_times, workload_key
         tasks = select(everything, top=args.top, flops_share=args.flops_share)
-        latency = read_default_times(log.path, target)  # cached by an earlier --time-share
+        # cached by an earlier --time-share
+        latency = read_default_times(log.path, target, {workload_key(t): t.mod for t in tasks})
     print(summary(tasks, sum(t.total_flops for t in everything)), flush=True)
     lanes = args.servers or free  # --servers: lanes asked for; else the servers free now
     print(f"tuning {len(tasks)} tasks, {args.trials} trials, on {lanes} server(s) of key "

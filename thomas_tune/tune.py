@@ -16,6 +16,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 
+import tvm
 import tvm_ffi
 from tqdm import tqdm
 from tvm.s_tir import meta_schedule as ms
@@ -321,8 +322,9 @@ def measure_defaults(tasks: list[Task], target, runner, log: TuningLog | None = 
     Returns ``{workload key: seconds per call}`` (key: :func:`workload_key`); a kernel whose
     build or run fails gets ``inf``. With ``log``, results are cached in the tuning-log folder
     (``default_latency.json``, written atomically) and only missing tasks are measured; the
-    cache is stamped with :func:`defaults_stamp` (the default-schedule rules and the target), and
-    a cache of other rules or another target is measured again, not reused. These
+    cache is stamped with :func:`defaults_stamp` (TVM version and target), and each time is kept
+    with the key of the kernel it timed (:func:`default_schedule_key`): a cache of another
+    stamp, or a kernel that the rules now make differently, is measured again, not reused. These
     times x call counts say where an untuned training step spends its time, which is what
     ``select_by_time`` ranks tasks by. On CPU targets the default is MetaSchedule's unscheduled
     kernel, compiled as is.
@@ -338,17 +340,30 @@ def measure_defaults(tasks: list[Task], target, runner, log: TuningLog | None = 
 
     cache_path = os.path.join(log.path, DEFAULT_LATENCY) if log is not None else None
     stamp = defaults_stamp(target)
-    known = read_default_times(log.path, target) if log is not None else None
+    wanted = {workload_key(t): t.mod for t in tasks}
+    known = read_default_times(log.path, target, wanted) if log is not None else None
     if known is None and cache_path and os.path.exists(cache_path):
-        print(f"default schedules: the times in {cache_path} were measured with other "
-              "schedule rules or another target; measuring again", file=sys.stderr)
+        print(f"default schedules: the times in {cache_path} were measured with another TVM "
+              "or another target (or by an older thomas_tune); measuring again",
+              file=sys.stderr)
+    elif known is not None and len(known) < len(wanted):
+        cached = _read_json(cache_path)
+        stale = sum(1 for k in wanted if k in (cached.get("seconds") or {}) and k not in known)
+        if stale:
+            print(f"default schedules: {stale} kernel(s) of {cache_path} are no longer what "
+                  "the default-schedule rules make; measuring them again", file=sys.stderr)
     known = known or {}
+    schedules = {}
+    if cache_path and os.path.exists(cache_path):  # keys of still-valid times
+        schedules = {k: v for k, v in (_read_json(cache_path).get("schedules") or {}).items()
+                     if k in known}
     todo = [t for t in tasks if workload_key(t) not in known]
     if todo:
         mods = []
         for t in todo:
             mod = tvm.IRModule({"main": t.mod["main"]})
             mods.append(default_gpu_schedules(mod, target) if is_gpu(target) else mod)
+            schedules[workload_key(t)] = str(tvm_ffi.structural_hash(mods[-1]["main"]))
         builder = Builder(max_workers=builder_workers, timeout_s=120)
         try:
             built = builder.build([ms.builder.BuilderInput(m, target) for m in mods])
@@ -376,43 +391,79 @@ def measure_defaults(tasks: list[Task], target, runner, log: TuningLog | None = 
             import shutil
             shutil.rmtree(os.path.dirname(str(inp.artifact_path)), ignore_errors=True)
         if cache_path:
+            # entries of workloads not asked about now stay as they were
+            seconds = {}
+            old = _read_json(cache_path) if os.path.exists(cache_path) else {}
+            if old.get("stamp") == stamp and isinstance(old.get("schedules"), dict):
+                for k, v in (old.get("seconds") or {}).items():
+                    if k not in wanted and k in old["schedules"]:
+                        seconds[k], schedules[k] = v, old["schedules"][k]
+            seconds.update({k: (v if math.isfinite(v) else None) for k, v in known.items()})
             os.makedirs(log.path, exist_ok=True)
             fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=log.path)
             with os.fdopen(fd, "w") as f:
-                json.dump({"stamp": stamp, "seconds": {k: (v if math.isfinite(v) else None)
-                                                       for k, v in known.items()}}, f, indent=0)
+                json.dump({"stamp": stamp, "seconds": seconds, "schedules": schedules}, f,
+                      indent=0)
             os.replace(tmp, cache_path)
     return {k: (math.inf if v is None else v) for k, v in known.items()}
 
 
-def read_default_times(log_path: str, target) -> dict[str, float] | None:
+def _read_json(path: str) -> dict:
+    import json
+    with open(path) as f:
+        data = json.load(f)
+    return data if isinstance(data, dict) else {}
+
+
+def read_default_times(log_path: str, target,
+                       workloads: dict[str, tvm.IRModule]) -> dict[str, float] | None:
     """The default-schedule times cached in the tuning-log folder ``log_path`` by
-    :func:`measure_defaults`: ``{workload key: seconds per call}`` (``inf``: failed to run), or
-    None when there is no cache or it was measured under another :func:`defaults_stamp`."""
+    :func:`measure_defaults` for ``workloads`` (``{workload key: IRModule}``):
+    ``{workload key: seconds per call}`` (``inf``: failed to run), or None when there is no
+    cache or it was measured under another :func:`defaults_stamp`.
+
+    A time is returned only where the kernel that the default-schedule rules make of the
+    workload today is the one that was timed (:func:`default_schedule_key`, cached beside each
+    time): an edit of the rules that changes some kernels invalidates their times only."""
     import json
     path = os.path.join(log_path, DEFAULT_LATENCY)
     if not os.path.exists(path):
         return None
     with open(path) as f:
         cached = json.load(f)
-    if not isinstance(cached, dict) or cached.get("stamp") != defaults_stamp(target):
+    if (not isinstance(cached, dict) or cached.get("stamp") != defaults_stamp(target)
+            or not isinstance(cached.get("schedules"), dict)):
         return None
-    return {k: (math.inf if v is None else float(v))  # null: failed to run
-            for k, v in cached["seconds"].items()}
+    seconds, schedules = cached.get("seconds") or {}, cached["schedules"]
+    out = {}
+    for key, mod in workloads.items():
+        if key in seconds and key in schedules and \
+                schedules[key] == default_schedule_key(mod, target):
+            v = seconds[key]
+            out[key] = math.inf if v is None else float(v)  # null: failed to run
+    return out
+
+
+def default_schedule_key(mod: tvm.IRModule, target) -> str:
+    """What a default-schedule time was measured on: the structural hash (decimal) of the
+    kernel that the default GPU schedules (:func:`thomas_tune.schedules.default_gpu_schedules`)
+    make of workload ``mod`` for ``target``; on CPU targets, of the workload as it is."""
+    from .schedules import default_gpu_schedules
+    from .target import is_gpu
+    one = tvm.IRModule({"main": mod["main"]})
+    if is_gpu(target):
+        one = default_gpu_schedules(one, target)
+    return str(tvm_ffi.structural_hash(one["main"]))
 
 
 def defaults_stamp(target) -> str:
-    """What a default-schedule time depends on besides the workload: sha256 (hex) of the
-    schedule rules' source (``thomas_tune.schedules``), the TVM version (its dlight rules) and
-    the target's JSON. Times measured under another stamp are not reused."""
+    """What every default-schedule time depends on besides its kernel: sha256 (hex) of the
+    TVM version (its code generators and dlight rules) and the target's JSON. Times measured
+    under another stamp are not reused."""
     import hashlib
 
-    import tvm
-
-    from . import schedules
     h = hashlib.sha256()
-    with open(schedules.__file__, "rb") as f:
-        h.update(f.read())
+    h.update(b"default-latency-v2")
     h.update(tvm.__version__.encode())
     h.update(str(target).encode())  # the target's JSON
     return h.hexdigest()
