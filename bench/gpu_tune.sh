@@ -33,12 +33,13 @@ setup() {
   if ! [ -e $SITE/tvm/lib/libtvm_compiler.so ]; then
     [ -s .devcarry/last/tvm.parts ] || { echo "carry .devcarry/last (bench/gpu_prepare.sh makes it)"; exit 3; }
     cp .devcarry/last/tvm.part.* $TT/
-    for part in $(cat .devcarry/last/tvm.parts); do
+    parts=$(cat .devcarry/last/tvm.parts)
+    for part in $parts; do
       [ -s $TT/$part ] || { echo "$part is not in $TT: run 'park' with each of .devcarry/p1, p2, ... first"; exit 3; }
     done
     t0=$(date +%s)
     mkdir -p $SITE
-    (cd $TT && cat $(cat $OLDPWD/.devcarry/last/tvm.parts)) | xz -d | tar -x -C $SITE || exit 4
+    (cd $TT && cat $parts) | xz -d | tar -x -C $SITE || exit 4
     python3 -m pip install -q --no-index --no-deps --no-compile --target $SITE .devcarry/last/*.whl || exit 5
     cp .devcarry/last/cl-headers.tar.xz $TT/
     echo "TVM tree and wheels installed in $(( $(date +%s) - t0 )) s"

@@ -443,10 +443,9 @@ class _Lane(threading.Thread):
                 fut.set(out["costs"], None)
             except TimeoutError:
                 self._drop()
-                limit = {"compile": f.compile_timeout_s, "lock": f.lock_timeout_s,
-                         "time": f.trial_timeout_s}[step]
-                what = {"compile": "the OpenCL program build", "lock": "the wait for the device "
-                        "lock", "time": "the timed runs"}[step]
+                what, limit = {"compile": ("the OpenCL program build", f.compile_timeout_s),
+                               "lock": ("the wait for the device lock", f.lock_timeout_s),
+                               "time": ("the timed runs", f.trial_timeout_s)}[step]
                 self.lost = f"{what} took over {limit:g} s"
                 f.phases.add(f"run.timeout_{step}", 1.0)
                 fut.set(None, f"run timed out: {what} took over {limit:g} s on a server of key "
@@ -494,9 +493,10 @@ class FarmRunner(ms.runner.PyRunner):
     ``wait_s``: how long queued trials wait when no server of the key can be had at all.
     ``session_timeout_s``: the session lifetime asked of the server (it kills the session after
     that, which also frees a server stuck in a hung kernel). A lane opens a new session before
-    its session comes within one trial's limits (:attr:`trial_limit_s`) of that age. Opening one costs seconds (9.6 s
-    each, on average, over 100 opens on the H100 with 12 servers): with 180 s sessions, most of
-    the opens of a run were these renewals, and a few sessions were cut by the server mid-trial.
+    its session comes within one trial's limits (:attr:`trial_limit_s`) of that age. Opening
+    one costs seconds (9.6 s each, on average, over 100 opens on the H100 with 12 servers):
+    with 180 s sessions, most of the opens of a run were these renewals, and a few sessions
+    were cut by the server mid-trial.
     ``idle_close_s``: a lane with nothing to measure for that long closes its session, which
     frees the server for other tuning runs of the same key.
     """
@@ -514,7 +514,7 @@ class FarmRunner(ms.runner.PyRunner):
             min_repeat_ms
         self.max_number, self.wait_s, self.priority = max_number, wait_s, priority
         self.compile_timeout_s = compile_timeout_s
-        self.lock_timeout_s = (lanes or 8) * trial_timeout_s + 10.0  # set again at the start
+        self.lanes: list[_Lane] = []
         self.session_timeout_s = max(session_timeout_s, 2 * self.trial_limit_s)
         self.idle_close_s = idle_close_s
         self.open_slice_s = min(10.0, wait_s)
@@ -523,11 +523,17 @@ class FarmRunner(ms.runner.PyRunner):
         self.queue: collections.deque = collections.deque()
         self.cond = threading.Condition()
         self.stopped = False
-        self.lanes: list[_Lane] = []
 
     def say(self, text: str) -> None:
         if self.log is not None:
             print(f"[runner] {text}", file=self.log, flush=True)
+
+    @property
+    def lock_timeout_s(self) -> float:
+        """How long a lane waits for the device lock: every other lane may hold it for up to
+        one trial's timed runs (lanes asked for, or 8, until the lanes start)."""
+        lanes = len(self.lanes) if self.lanes else (self.lanes_wanted or 8)
+        return lanes * self.trial_timeout_s + 10.0
 
     @property
     def trial_limit_s(self) -> float:
@@ -566,8 +572,6 @@ class FarmRunner(ms.runner.PyRunner):
                 n = 1
         self.lanes = [_Lane(self, i) for i in range(n)]
         self.phases.lanes = n
-        # every other lane may hold the device lock for up to one trial's timed runs
-        self.lock_timeout_s = n * self.trial_timeout_s + 10.0
         for lane in self.lanes:
             lane.start()
         self.say(f"measuring on {n} device server(s) of key {self.key!r}")

@@ -332,57 +332,49 @@ def measure_defaults(tasks: list[Task], target, runner, log: TuningLog | None = 
     import json
     import tempfile
 
-    import tvm
     from tvm.s_tir.meta_schedule.arg_info import ArgInfo
 
-    from .schedules import default_gpu_schedules
-    from .target import device_kind, is_gpu
+    from .target import device_kind
 
     cache_path = os.path.join(log.path, DEFAULT_LATENCY) if log is not None else None
-    stamp = defaults_stamp(target)
-    wanted = {workload_key(t): t.mod for t in tasks}
-    known = read_default_times(log.path, target, wanted) if log is not None else None
-    if known is None and cache_path and os.path.exists(cache_path):
+    keys = [workload_key(t) for t in tasks]
+    wanted = dict(zip(keys, (t.mod for t in tasks)))
+    cache = _read_cache(log.path, target) if log is not None else None
+    if cache is None and cache_path and os.path.exists(cache_path):
         print(f"default schedules: the times in {cache_path} were measured with another TVM "
               "or another target (or by an older thomas_tune); measuring again",
               file=sys.stderr)
-    elif known is not None and len(known) < len(wanted):
-        cached = _read_json(cache_path)
-        stale = sum(1 for k in wanted if k in (cached.get("seconds") or {}) and k not in known)
-        if stale:
-            print(f"default schedules: {stale} kernel(s) of {cache_path} are no longer what "
-                  "the default-schedule rules make; measuring them again", file=sys.stderr)
-    known = known or {}
-    schedules = {}
-    if cache_path and os.path.exists(cache_path):  # keys of still-valid times
-        schedules = {k: v for k, v in (_read_json(cache_path).get("schedules") or {}).items()
-                     if k in known}
-    todo = [t for t in tasks if workload_key(t) not in known]
+    known = _valid_times(cache, wanted, target) if cache is not None else {}
+    stale = sum(1 for k in wanted if cache is not None and k in cache["seconds"]
+                and k not in known)
+    if stale:
+        print(f"default schedules: {stale} kernel(s) of {cache_path} are no longer what "
+              "the default-schedule rules make; measuring them again", file=sys.stderr)
+    schedules = {k: cache["schedules"][k] for k in known}  # keys of still-valid times
+    todo = [(k, t) for k, t in zip(keys, tasks) if k not in known]
     if todo:
         mods = []
-        for t in todo:
-            mod = tvm.IRModule({"main": t.mod["main"]})
-            mods.append(default_gpu_schedules(mod, target) if is_gpu(target) else mod)
-            schedules[workload_key(t)] = str(tvm_ffi.structural_hash(mods[-1]["main"]))
+        for k, t in todo:
+            mods.append(_default_kernel(t.mod, target))
+            schedules[k] = str(tvm_ffi.structural_hash(mods[-1]["main"]))
         builder = Builder(max_workers=builder_workers, timeout_s=120)
         try:
             built = builder.build([ms.builder.BuilderInput(m, target) for m in mods])
         finally:
             builder.shutdown()
         inputs, owners, errors = [], [], collections.Counter()
-        for t, m, b in zip(todo, mods, built):
+        for (k, _), m, b in zip(todo, mods, built):
             if b.error_msg is not None:
-                known[workload_key(t)] = math.inf
+                known[k] = math.inf
                 errors[error_line(b.error_msg, 160)] += 1
                 continue
             inputs.append(ms.runner.RunnerInput(b.artifact_path, device_kind(target),
                                                 ArgInfo.from_prim_func(m["main"])))
-            owners.append(t)
-        for t, fut in zip(owners, runner.run(inputs)):
+            owners.append(k)
+        for k, fut in zip(owners, runner.run(inputs)):
             r = fut.result()
             ok = r.error_msg is None and r.run_secs
-            known[workload_key(t)] = (sum(float(s) for s in r.run_secs) / len(r.run_secs)
-                                      if ok else math.inf)
+            known[k] = (sum(float(s) for s in r.run_secs) / len(r.run_secs) if ok else math.inf)
             if not ok:
                 errors[error_line(str(r.error_msg), 160)] += 1
         for why, n in errors.most_common(5):
@@ -393,26 +385,46 @@ def measure_defaults(tasks: list[Task], target, runner, log: TuningLog | None = 
         if cache_path:
             # entries of workloads not asked about now stay as they were
             seconds = {}
-            old = _read_json(cache_path) if os.path.exists(cache_path) else {}
-            if old.get("stamp") == stamp and isinstance(old.get("schedules"), dict):
-                for k, v in (old.get("seconds") or {}).items():
-                    if k not in wanted and k in old["schedules"]:
-                        seconds[k], schedules[k] = v, old["schedules"][k]
+            for k, v in (cache["seconds"] if cache is not None else {}).items():
+                if k not in wanted and k in cache["schedules"]:
+                    seconds[k], schedules[k] = v, cache["schedules"][k]
             seconds.update({k: (v if math.isfinite(v) else None) for k, v in known.items()})
             os.makedirs(log.path, exist_ok=True)
             fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=log.path)
             with os.fdopen(fd, "w") as f:
-                json.dump({"stamp": stamp, "seconds": seconds, "schedules": schedules}, f,
-                      indent=0)
+                json.dump({"stamp": defaults_stamp(target), "seconds": seconds,
+                           "schedules": schedules}, f, indent=0)
             os.replace(tmp, cache_path)
     return {k: (math.inf if v is None else v) for k, v in known.items()}
 
 
-def _read_json(path: str) -> dict:
+def _read_cache(log_path: str, target) -> dict | None:
+    """The cache of :func:`measure_defaults` in ``log_path`` as ``{"seconds": {key: s or
+    None}, "schedules": {key: default_schedule_key}}``, or None when there is none or it was
+    written under another :func:`defaults_stamp` (or by an older thomas_tune)."""
     import json
+    path = os.path.join(log_path, DEFAULT_LATENCY)
+    if not os.path.exists(path):
+        return None
     with open(path) as f:
-        data = json.load(f)
-    return data if isinstance(data, dict) else {}
+        cached = json.load(f)
+    if (not isinstance(cached, dict) or cached.get("stamp") != defaults_stamp(target)
+            or not isinstance(cached.get("schedules"), dict)):
+        return None
+    return {"seconds": cached.get("seconds") or {}, "schedules": cached["schedules"]}
+
+
+def _valid_times(cache: dict, workloads: dict, target) -> dict[str, float]:
+    """The cached times of ``workloads`` whose timed kernel is the one the default rules make
+    today (seconds; ``inf``: failed to run)."""
+    seconds, schedules = cache["seconds"], cache["schedules"]
+    out = {}
+    for key, mod in workloads.items():
+        if key in seconds and key in schedules and \
+                schedules[key] == default_schedule_key(mod, target):
+            v = seconds[key]
+            out[key] = math.inf if v is None else float(v)  # null: failed to run
+    return out
 
 
 def read_default_times(log_path: str, target,
@@ -425,35 +437,24 @@ def read_default_times(log_path: str, target,
     A time is returned only where the kernel that the default-schedule rules make of the
     workload today is the one that was timed (:func:`default_schedule_key`, cached beside each
     time): an edit of the rules that changes some kernels invalidates their times only."""
-    import json
-    path = os.path.join(log_path, DEFAULT_LATENCY)
-    if not os.path.exists(path):
-        return None
-    with open(path) as f:
-        cached = json.load(f)
-    if (not isinstance(cached, dict) or cached.get("stamp") != defaults_stamp(target)
-            or not isinstance(cached.get("schedules"), dict)):
-        return None
-    seconds, schedules = cached.get("seconds") or {}, cached["schedules"]
-    out = {}
-    for key, mod in workloads.items():
-        if key in seconds and key in schedules and \
-                schedules[key] == default_schedule_key(mod, target):
-            v = seconds[key]
-            out[key] = math.inf if v is None else float(v)  # null: failed to run
-    return out
+    cache = _read_cache(log_path, target)
+    return None if cache is None else _valid_times(cache, workloads, target)
+
+
+def _default_kernel(mod: tvm.IRModule, target) -> tvm.IRModule:
+    """Workload ``mod``'s function alone in a module, with the default GPU schedules
+    (:func:`thomas_tune.schedules.default_gpu_schedules`) on GPU targets, as it is on CPU
+    targets: the kernel that a default-schedule time is measured on."""
+    from .schedules import default_gpu_schedules
+    from .target import is_gpu
+    one = tvm.IRModule({"main": mod["main"]})
+    return default_gpu_schedules(one, target) if is_gpu(target) else one
 
 
 def default_schedule_key(mod: tvm.IRModule, target) -> str:
     """What a default-schedule time was measured on: the structural hash (decimal) of the
-    kernel that the default GPU schedules (:func:`thomas_tune.schedules.default_gpu_schedules`)
-    make of workload ``mod`` for ``target``; on CPU targets, of the workload as it is."""
-    from .schedules import default_gpu_schedules
-    from .target import is_gpu
-    one = tvm.IRModule({"main": mod["main"]})
-    if is_gpu(target):
-        one = default_gpu_schedules(one, target)
-    return str(tvm_ffi.structural_hash(one["main"]))
+    kernel that :func:`_default_kernel` makes of workload ``mod`` for ``target``."""
+    return str(tvm_ffi.structural_hash(_default_kernel(mod, target)["main"]))
 
 
 def defaults_stamp(target) -> str:
