@@ -8,7 +8,9 @@
 #   status  progress of each job; the tuning logs and outputs come back as $OUT/gpu_logs.tgz
 #   watch   status every minute for WATCH seconds (default 540), then once more
 #   stop    stop everything
-#   bench   'thomas-tune bench' with the arguments that follow (result JSON and PNG -> $OUT)
+#   setup   install TVM and the project in /tmp/tt/site only (carry .devcarry/last)
+#   bench   'thomas-tune bench' with the arguments that follow (result JSON and PNG -> $OUT);
+#           sets up first on a fresh machine (carry .devcarry/last there)
 # Environment: JOBS (default: every job in bench/gpu_jobs.txt), SERVERS (8), TRIALS (20000).
 # The machine goes back 30 s after a call ends: keep calling (e.g. 'watch', under the 10-minute
 # limit of one call) for as long as the jobs should run; a later lease resumes from the logs
@@ -118,7 +120,8 @@ case "${1:-status}" in
   start) setup && start_services && start_jobs && watch ;;
   status) status ;;
   watch) watch ;;
-  bench) shift; mkdir -p $TT/bench; $PY bench --work $TT/bench "$@" --json ${OUT:-$TT}/bench.json ;;
+  setup) setup ;;
+  bench) shift; setup >/dev/null || exit $?; mkdir -p $TT/bench; $PY bench --work $TT/bench "$@" --json ${OUT:-$TT}/bench.json ;;
   stop) pkill -f "thomas_tune.cli tune" ; pkill -f "thomas_tune.cli rpc" ; status ;;
-  *) echo "usage: $0 park|start|status|watch|stop|bench ARGS"; exit 2 ;;
+  *) echo "usage: $0 park|setup|start|status|watch|stop|bench ARGS"; exit 2 ;;
 esac
