@@ -353,3 +353,40 @@ def test_split_reduction_spaces_match_numpy(target, rng):
         for _ in range(2):
             got = _run(lib, target, arrays, shape)
             np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max())
+
+
+def test_low_priority_build_compiles_at_raised_niceness(target):
+    """Device servers compile candidates' OpenCL programs on a thread of niceness +COMPILE_NICE
+    (so that they leave the CPU to another server's timed run); build errors reach the caller,
+    and the host module's import is found and built."""
+    import threading
+
+    import tvm_ffi
+
+    from thomas_tune.runner import (COMPILE_NICE, on_low_priority_thread,
+                                    register_low_priority_build)
+    base = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    niceness = on_low_priority_thread(
+        lambda: os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+    assert niceness == min(base + COMPILE_NICE, 19)
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == base  # caller's kept
+    with pytest.raises(ZeroDivisionError):
+        on_low_priority_thread(lambda: 1 / 0)
+
+    register_low_priority_build()
+    build = tvm_ffi.get_global_func("thomas_tune.opencl.build_programs_low_priority")
+    a = te.placeholder((4096,), name="a")
+    c = te.compute(a.shape, lambda i: a[i] * 3.0, name="c")
+    lib = tvm.compile(default_gpu_schedules(_func(a, c), target), target)
+    assert build(lib.mod, 0) == 1  # the llvm host module and its OpenCL import
+    blob = bytearray()
+
+    def s(b):
+        blob.extend(len(b).to_bytes(8, "little") + b)
+    s(b"cl")
+    blob.extend((0).to_bytes(8, "little"))
+    s(b"__kernel void broken(__global float* a) { a[0] = undefined_name; }")
+    broken = tvm_ffi.get_global_func("ffi.Module.load_from_bytes.opencl")(bytes(blob))
+    with pytest.raises(Exception, match="undefined_name"):
+        build(broken, 0)
+

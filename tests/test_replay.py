@@ -32,3 +32,27 @@ def test_replay_fails_under_threshold(tmp_path, capsys):
 def test_replay_of_missing_log_is_a_clear_error(tmp_path, capsys):
     assert cli.main(["replay", "--log", str(tmp_path / "none")]) == 2
     assert "has no records" in capsys.readouterr().err
+
+
+def test_replay_time_coverage_of_a_gpu_log(capsys):
+    """A log tuned by time share is judged by the share of the untuned kernel time (measured on
+    the device, default_latency.json) that its compiled records hold; it is computed here from
+    the committed H100 log with no device, and a minimum above it fails before compiling."""
+    gpu_log = os.path.join(ROOT, "tuning_logs", "h100", "mobilenet_v2-w0.35-r64-c10-b8")
+    args = ["replay", "--log", gpu_log, "--no-check", "--width", "0.35", "--resolution", "64",
+            "--classes", "10", "--batch", "8", "--target",
+            os.path.join(ROOT, "bench", "h100_opencl.json"), "--min-flops-coverage", "0"]
+    rc = cli.main(args + ["--min-time-coverage", "0.99"])
+    captured = capsys.readouterr()
+    assert rc == 1
+    assert "below --min-time-coverage 0.99" in captured.err
+    share = float(captured.out.split("% of the untuned kernel time")[0].rsplit(" ", 1)[1])
+    assert 1.0 < share < 99.0, captured.out
+
+
+def test_time_coverage_needs_device_times(capsys):
+    rc = cli.main(["replay", "--log", LOG, "--min-flops-coverage", "0", "--no-check",
+                   "--min-time-coverage", "0.1", "--width", "0.35", "--resolution", "64",
+                   "--classes", "10", "--batch", "8"])
+    assert rc == 1
+    assert "needs default-schedule times measured on the device" in capsys.readouterr().err

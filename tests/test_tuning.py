@@ -249,3 +249,14 @@ def test_gradient_starts_from_the_default_schedule_time():
     assert g1 == pytest.approx(0.8 * 2.0 / 3)
     with pytest.raises(ValueError, match="max_in_flight"):
         PipelinedGradient(max_in_flight=0)
+
+
+def test_builder_processes_run_at_raised_niceness():
+    """Candidate builds leave the CPU to timed runs on a machine that does both."""
+    from thomas_tune.runner import COMPILE_NICE, Builder
+    builder = Builder(max_workers=1)
+    try:
+        worker = builder._get_pool().submit(os.getpriority, os.PRIO_PROCESS, 0).result()
+    finally:
+        builder.shutdown()
+    assert worker == min(os.getpriority(os.PRIO_PROCESS, 0) + COMPILE_NICE, 19)

@@ -260,24 +260,28 @@ def cmd_export(args) -> int:
 
 
 def cmd_replay(args) -> int:
-    from .replay import replay
+    from .replay import failed_minimum, replay
     from .target import parse_target
     from .tuning_log import TuningLog
     model, _, _ = _model(args)
     report = replay(model, parse_target(args.target, args.host), TuningLog(args.log),
                     batch=args.batch,
                     infer_batch=args.infer_batch, trainable=args.trainable,
-                    check=not args.no_check, min_flops_coverage=args.min_flops_coverage)
+                    check=not args.no_check, min_flops_coverage=args.min_flops_coverage,
+                    min_time_coverage=args.min_time_coverage)
+    time_part = ("" if report.time_coverage is None else
+                 f", {100 * report.time_coverage:.1f}% of the untuned kernel time "
+                 f"{1e3 * report.time_s:.2f} ms measured on the device")
     print(f"{report.tuned}/{report.tasks} tasks have a tuning record "
           f"({100 * report.task_coverage:.1f}% of tasks, {100 * report.flops_coverage:.1f}% "
-          f"of FLOPs)")
+          f"of FLOPs{time_part})")
     if report.slower:
         print(f"{report.slower} workload(s) keep their default schedule: their best record is "
               "slower than the default measured on the device (default_latency.json)")
-    ok = report.flops_coverage >= args.min_flops_coverage
+    why = failed_minimum(report, args.min_flops_coverage, args.min_time_coverage)
+    ok = why is None
     if not ok:
-        print(f"FAIL: FLOP coverage {report.flops_coverage:.3f} is below "
-              f"--min-flops-coverage {args.min_flops_coverage}", file=sys.stderr)
+        print(f"FAIL: {why}", file=sys.stderr)
     if report.checked:
         e = report.errors
         # tuned gradients may be no worse than 10x the default schedules' float32 error
@@ -581,6 +585,10 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--log", required=True)
     s.add_argument("--min-flops-coverage", type=float, default=0.5,
                    help="fail when tuned tasks hold less than this share of FLOPs (0.5)")
+    s.add_argument("--min-time-coverage", type=float, default=0.0,
+                   help="fail when tuned tasks hold less than this share of the untuned "
+                        "kernel time measured on the device (default_latency.json in the log "
+                        "folder; for logs of tune --time-share; default 0: not checked)")
     s.add_argument("--grad-tolerance", type=float, default=1e-3,
                    help="max relative gradient error vs float64, or 10x that of the default "
                         "schedules in float32 if larger (default 1e-3)")

@@ -1,7 +1,11 @@
 """Replay: compile from a tuning log with no device, report coverage, check the numbers.
 
-Coverage is the share of tasks, and of FLOPs (calls x FLOPs per call), whose workload has at
-least one valid tuning record. The numeric check runs (on this machine's CPU, so only for
+Coverage is the share of tasks, of FLOPs (calls x FLOPs per call), and, where the log folder
+holds default-schedule times measured on the device (``default_latency.json``), of the untuned
+graphs' kernel time (calls x default time), whose workload has a tuning record that is
+compiled (a valid record faster than the default schedule). Logs tuned by time share
+(``tune --time-share``) are judged by the time: on a small network the slowest kernels are
+rarely the ones with the most FLOPs. The numeric check runs (on this machine's CPU, so only for
 ``llvm`` targets) the tuned float32 inference and training graphs against the same graphs built
 in float64 with default schedules, on fresh random inputs and parameters.
 """
@@ -30,6 +34,8 @@ class ReplayReport:
     errors: dict[str, float] = field(default_factory=dict)
     checked: bool = False
     slower: int = 0  # workloads whose best record lost to the default schedule (not applied)
+    time_s: float | None = None  # untuned kernel time of the graphs (s), None: not measured
+    tuned_time_s: float = 0.0  # of it, the time of tasks with a compiled record (s)
 
     @property
     def task_coverage(self) -> float:
@@ -38,6 +44,14 @@ class ReplayReport:
     @property
     def flops_coverage(self) -> float:
         return self.tuned_flops / self.flops if self.flops else 0.0
+
+    @property
+    def time_coverage(self) -> float | None:
+        """Share (0..1) of the untuned graphs' kernel time (calls x default-schedule time, of
+        the kernels that ran) held by tasks with a compiled record; None without the times."""
+        if self.time_s is None:
+            return None
+        return self.tuned_time_s / self.time_s if self.time_s else 0.0
 
 
 def coverage(tasks, database) -> tuple[int, float]:
@@ -49,6 +63,31 @@ def coverage(tasks, database) -> tuple[int, float]:
             n += 1
             flops += t.total_flops
     return n, flops
+
+
+def time_coverage(tasks, database, log_path: str, target) -> tuple[float, float] | None:
+    """(untuned kernel time, of it the time of tasks with a record in ``database``), in seconds
+    per run of every graph once (calls x default-schedule time from ``default_latency.json`` in
+    ``log_path``, :func:`thomas_tune.tune.read_default_times`); None when the folder has no
+    times for ``target``. Tasks without a valid time (failed, or measured on another kernel)
+    count in neither."""
+    import math
+
+    from .tune import read_default_times, workload_key
+    keys = [workload_key(t) for t in tasks]
+    times = read_default_times(log_path, target, dict(zip(keys, (t.mod for t in tasks))))
+    if not times:
+        return None
+    total = tuned = 0.0
+    for k, t in zip(keys, tasks):
+        s = times.get(k, math.inf)
+        if not math.isfinite(s):
+            continue
+        total += s * t.weight
+        if database.has_workload(t.mod) and database.get_top_k(
+                database.commit_workload(t.mod), 1):
+            tuned += s * t.weight
+    return total, tuned
 
 
 def _rel_err(got: np.ndarray, ref: np.ndarray) -> float:
@@ -107,11 +146,13 @@ def check_numbers(model, target, database, batch: int, trainable: str, seed: int
 
 def replay(model, target, log: TuningLog, batch: int = 8, infer_batch: int = 1,
            trainable: str = "all", check: bool = True, seed: int = 0,
-           min_flops_coverage: float = 0.0) -> ReplayReport:
+           min_flops_coverage: float = 0.0, min_time_coverage: float = 0.0) -> ReplayReport:
     """Compile ``model``'s inference and training graphs with ``log``; see the module docstring.
 
-    When the log's FLOP coverage is below ``min_flops_coverage`` (0..1) the replay has failed
-    already: nothing is compiled or checked.
+    When the log's FLOP coverage is below ``min_flops_coverage`` (0..1), or its time coverage
+    below ``min_time_coverage`` (0..1; a log without default-schedule times has none and fails
+    any minimum above 0), the replay has failed already: nothing is compiled or checked
+    (:func:`failed_minimum` says which).
 
     Raises ValueError when the log folder has no records at all.
     """
@@ -124,7 +165,10 @@ def replay(model, target, log: TuningLog, batch: int = 8, infer_batch: int = 1,
     report = ReplayReport(tasks=len(tasks), flops=sum(t.total_flops for t in tasks),
                           slower=slower)
     report.tuned, report.tuned_flops = coverage(tasks, database)
-    if report.flops_coverage < min_flops_coverage:
+    times = time_coverage(tasks, database, log.path, target)
+    if times is not None:
+        report.time_s, report.tuned_time_s = times
+    if failed_minimum(report, min_flops_coverage, min_time_coverage):
         return report
     for mod in graphs.values():
         compile_graph(mod, target, database)
@@ -133,3 +177,20 @@ def replay(model, target, log: TuningLog, batch: int = 8, infer_batch: int = 1,
         report.errors = check_numbers(model, target, database, batch, trainable, seed)
         report.checked = True
     return report
+
+
+def failed_minimum(report: ReplayReport, min_flops_coverage: float = 0.0,
+                   min_time_coverage: float = 0.0) -> str | None:
+    """Why ``report`` falls short of the minimum coverages (0..1), or None when it does not."""
+    if report.flops_coverage < min_flops_coverage:
+        return (f"FLOP coverage {report.flops_coverage:.3f} is below --min-flops-coverage "
+                f"{min_flops_coverage}")
+    if min_time_coverage > 0:
+        if report.time_coverage is None:
+            return ("--min-time-coverage needs default-schedule times measured on the device "
+                    "(default_latency.json in the log folder, written by tune --time-share); "
+                    "the log has none for this target")
+        if report.time_coverage < min_time_coverage:
+            return (f"time coverage {report.time_coverage:.3f} is below --min-time-coverage "
+                    f"{min_time_coverage}")
+    return None

@@ -50,6 +50,7 @@
 #include <string>
 #include <thread>
 #include <unordered_map>
+#include <unordered_set>
 #include <vector>
 
 
@@ -566,13 +567,26 @@ class KernelLauncher {
 
 std::atomic<uint64_t> KernelLauncher::next_id_{0};
 
+// The OpenCL modules alive in this process. BuildPrograms tells them from other modules by
+// this set, not by dynamic_cast: the TVM library's module classes may carry no type info, and a
+// dynamic_cast on one of them crashes.
+std::mutex live_modules_mutex;
+std::unordered_set<const tvm::ffi::ModuleObj*> live_modules;
+
 class OpenCLModuleObj : public tvm::ffi::ModuleObj {
  public:
   OpenCLModuleObj(std::string source, std::unordered_map<std::string, FunctionInfo> fmap,
                   std::string blob)
-      : source_(std::move(source)), fmap_(std::move(fmap)), blob_(std::move(blob)) {}
+      : source_(std::move(source)), fmap_(std::move(fmap)), blob_(std::move(blob)) {
+    std::lock_guard<std::mutex> lock(live_modules_mutex);
+    live_modules.insert(this);
+  }
 
   ~OpenCLModuleObj() {
+    {
+      std::lock_guard<std::mutex> lock(live_modules_mutex);
+      live_modules.erase(this);
+    }
     for (auto& kv : kernels_) clReleaseKernel(kv.second);
     for (auto& kv : programs_) clReleaseProgram(kv.second);
   }
@@ -838,8 +852,13 @@ cl_kernel KernelLauncher::CachedKernel(int dev_id) const {
 int64_t BuildPrograms(const tvm::ffi::Module& mod, int device_id) {
   int64_t n = 0;
   auto* obj = const_cast<tvm::ffi::ModuleObj*>(mod.operator->());
-  if (auto* cl = dynamic_cast<OpenCLModuleObj*>(obj)) {
-    cl->BuildProgram(device_id);
+  bool ours;
+  {
+    std::lock_guard<std::mutex> lock(live_modules_mutex);
+    ours = live_modules.count(obj) > 0;
+  }
+  if (ours) {  // the caller's reference keeps it alive
+    static_cast<OpenCLModuleObj*>(obj)->BuildProgram(device_id);
     ++n;
   }
   for (const tvm::ffi::Any& m : mod->imports()) {
