@@ -9,6 +9,9 @@
 #   watch   status every minute for WATCH seconds (default 540), then once more
 #   stop    stop everything
 #   setup   install TVM and the project in /tmp/tt/site only (carry .devcarry/last)
+#   remeasure  set up, start tracker and servers, then time each job's default schedules and
+#           its logs' best records again ('thomas-tune remeasure --defaults'), one job after
+#           another, in the background; then watch (logs come back with status)
 #   bench   'thomas-tune bench' with the arguments that follow (result JSON and PNG -> $OUT);
 #           sets up first on a fresh machine (carry .devcarry/last there)
 # Environment: JOBS (default: every job in bench/gpu_jobs.txt), SERVERS (8), TRIALS (20000).
@@ -88,13 +91,40 @@ start_jobs() {
   done
 }
 
+start_remeasure() {
+  mkdir -p $TT/logs $TT/out
+  local script=$TT/remeasure.sh
+  echo "set -u" > $script
+  jobs_list | while read -r name args; do
+    log=$TT/logs/$name
+    if ! [ -s $log/database_tuning_record.json ] && [ -d tuning_logs/$KEY/$name ]; then
+      mkdir -p $log && cp tuning_logs/$KEY/$name/* $log/
+    fi
+    # the job's model, target and build options; not its tuning options
+    keep=$(python3 - "$args" <<'PY'
+import shlex, sys
+words, keep, out = shlex.split(sys.argv[1]), {"--model", "--width", "--resolution", "--classes",
+                                              "--batch", "--trainable", "--target", "--servers",
+                                              "--build-workers"}, []
+for opt, val in zip(words, words[1:]):
+    if opt in keep:
+        out += [opt, val]
+print(" ".join(out))
+PY
+)
+    echo "$PY remeasure $keep --defaults --tracker 127.0.0.1:$PORT --key $KEY --log $log > $TT/out/$name.out 2>&1" >> $script
+  done
+  setsid nohup bash $script > $TT/remeasure.out 2>&1 < /dev/null &
+  echo "remeasuring: $(grep -c remeasure $script) job(s), one after another"
+}
+
 status() {
   for f in $TT/out/*.out; do
     [ -e "$f" ] || continue
     n=$(basename $f .out)
     recs=$(cat $TT/logs/$n/database_tuning_record.json 2>/dev/null | wc -l)
-    echo "== $n: $recs records; $(pgrep -f -- "thomas_tune.cli tune .*--log $TT/logs/$n " >/dev/null && echo running || echo stopped)"
-    grep -a -E "default schedules|tuning [0-9]+ tasks|throughput|measured|error|Error" $f | tail -4
+    echo "== $n: $recs records; $(pgrep -f -- "thomas_tune.cli (tune|remeasure) .*--log $TT/logs/$n( |$)" >/dev/null && echo running || echo stopped)"
+    grep -a -E "default schedules|tuning [0-9]+ tasks|throughput|measured|records$|error|Error" $f | tail -4
     tail -c 400 $f | tr '\r' '\n' | grep -v '^\s*$' | tail -1
     [ -s $TT/out/$n.stats.json ] && python3 -c "import json,sys; d=json.load(open(sys.argv[1])); \
 print('   stats: %d trials in %.0f s = %.2f trials/s; split %s' % (d['trials'], d['elapsed_s'], \
@@ -121,7 +151,8 @@ case "${1:-status}" in
   status) status ;;
   watch) watch ;;
   setup) setup ;;
+  remeasure) setup && start_services && start_remeasure && watch ;;
   bench) shift; setup >/dev/null || exit $?; mkdir -p $TT/bench; $PY bench --work $TT/bench "$@" --json ${OUT:-$TT}/bench.json ;;
-  stop) pkill -f "thomas_tune.cli tune" ; pkill -f "thomas_tune.cli rpc" ; status ;;
+  stop) pkill -f "remeasure.sh" ; pkill -f "thomas_tune.cli (tune|remeasure)" ; pkill -f "thomas_tune.cli rpc" ; status ;;
   *) echo "usage: $0 park|setup|start|status|watch|stop|bench ARGS"; exit 2 ;;
 esac

@@ -260,3 +260,51 @@ def test_builder_processes_run_at_raised_niceness():
     finally:
         builder.shutdown()
     assert worker == min(os.getpriority(os.PRIO_PROCESS, 0) + COMPILE_NICE, 19)
+
+
+def test_remeasure_replaces_noisy_times_in_place(tmp_path, small_tasks):
+    """A record timed under load (here: its times inflated 1000x in the file) is timed again
+    through the device server and its new time replaces the old; every other line of the log
+    stays as it was, and the log still parses."""
+    from thomas_tune.remeasure import remeasure
+    from thomas_tune.tune import measure_defaults, workload_key
+    target = parse_target("llvm")
+    log = TuningLog(str(tmp_path / "log"))
+    with rpc.loopback(key="test-cpu", servers=1, lifetime=600) as addr:
+        runner = rpc_runner(addr, "test-cpu")
+        tune(small_tasks, target, log, runner, trials=6, trials_per_iter=3,
+             show_progress=False)
+        with open(log.record_path) as f:
+            lines = [line for line in f if line.strip()]
+        bodies = [json.loads(line) for line in lines]
+        ok = [i for i, (_, b) in enumerate(bodies) if max(b[1]) < 1e9]
+        assert len(ok) >= 2
+        noisy = ok[0]
+        true_s = sum(bodies[noisy][1][1]) / len(bodies[noisy][1][1])
+        bodies[noisy][1][1] = [s * 1000 for s in bodies[noisy][1][1]]
+        lines[noisy] = json.dumps(bodies[noisy]) + "\n"
+        with open(log.record_path, "w") as f:
+            f.writelines(lines)
+        keys = {workload_key(t) for t in small_tasks}
+        with pytest.raises(RuntimeError, match="shut down"):  # tune() shut it down
+            runner.run([])
+        runner = rpc_runner(addr, "test-cpu")
+        report = remeasure(log, target, runner, keys, top_k=10, batch=2)
+        # the default schedules measured again replace their cached times
+        first = measure_defaults(small_tasks, target, runner, log)
+        again = measure_defaults(small_tasks, target, runner, log, refresh=True)
+        runner.shutdown()
+    assert report.failed == 0 and report.measured == len(ok)
+    assert set(report.best) <= keys
+    after = [line for line in open(log.record_path) if line.strip()]
+    assert len(after) == len(lines)
+    for i, line in enumerate(after):
+        if i not in ok:  # failed trials are not timed again: their lines are unchanged
+            assert line == lines[i]
+    new = json.loads(after[noisy])[1][1]
+    new_s = sum(new) / len(new)
+    assert new_s < true_s * 100  # back near what the kernel takes, not the inflated time
+    assert log.check(report_to=None).rejected == []
+    assert set(first) == set(again) and all(v > 0 for v in again.values())
+    cache = json.load(open(os.path.join(log.path, "default_latency.json")))
+    assert all(cache["seconds"][k] == again[k] for k in again)

@@ -235,6 +235,65 @@ def cmd_tune(args) -> int:
     return 0
 
 
+def cmd_remeasure(args) -> int:
+    """Time the best records of the model's tasks in ``--log`` again (and with ``--defaults``
+    the default schedules); see :mod:`thomas_tune.remeasure`. Returns 1 when a re-measure
+    failed (the record keeps its old time), else 0."""
+    import math
+
+    from . import rpc
+    from .remeasure import remeasure
+    from .runtime import check_device
+    from .target import parse_target
+    from .tasks import extract
+    from .tune import measure_defaults, rpc_runner, workload_key
+    from .tuning_log import TuningLog
+    model, _, _ = _model(args)
+    target = parse_target(args.target, args.host)
+    log = TuningLog(args.log)
+    if not log.exists():
+        raise ValueError(f"tuning log {args.log!r} has no records; tune first or fix the path")
+    tracker = rpc.parse_address(args.tracker)
+    rpc.wait_for_key(tracker, args.key, timeout=args.wait)
+    check_device(tracker, args.key, target, timeout=args.wait)
+    free = rpc.wait_for_key(tracker, args.key, timeout=args.wait)
+    tasks = extract(_graphs(args, model), target)
+    runner = rpc_runner(tracker, args.key, servers=args.servers or free,
+                        trial_timeout_s=args.trial_timeout,
+                        compile_timeout_s=args.compile_timeout, repeat=args.repeat,
+                        min_repeat_ms=args.min_repeat_ms)
+    try:
+        if args.defaults:
+            t0 = time.perf_counter()
+            from .tune import read_default_times
+            read_times = read_default_times(log.path, target,
+                                            {workload_key(t): t.mod for t in tasks}) or {}
+            before = sum(v * t.weight for t in tasks
+                         if math.isfinite(v := read_times.get(workload_key(t), math.inf)))
+            latency = measure_defaults(tasks, target, runner, log,
+                                       builder_workers=args.build_workers, refresh=True)
+            after = sum(v * t.weight for t in tasks
+                        if math.isfinite(v := latency.get(workload_key(t), math.inf)))
+            was = (f"{1e3 * before:.2f} ms before (cached)" if read_times
+                   else "none cached before")
+            print(f"default schedules: {len(tasks)} kernels timed again in "
+                  f"{time.perf_counter() - t0:.0f} s; sum per pass of all graphs "
+                  f"{1e3 * after:.2f} ms now, {was}", flush=True)
+        t0 = time.perf_counter()
+        report = remeasure(log, target, runner, {workload_key(t) for t in tasks},
+                           top_k=args.top_k, builder_workers=args.build_workers,
+                           progress=lambda d, n: print(f"  {d}/{n} records", flush=True))
+    finally:
+        if hasattr(runner, "shutdown"):
+            runner.shutdown()
+    print(f"remeasured {report.measured} records of {len(report.best)} workloads in "
+          f"{time.perf_counter() - t0:.0f} s ({report.failed} failed and kept their old time); "
+          f"best time moved by more than 1.25x for {report.changed()} workloads")
+    for why, n in sorted(report.reasons.items(), key=lambda kv: -kv[1])[:5]:
+        print(f"  {n} x {why}")
+    return 1 if report.failed else 0
+
+
 def _export_model(args, out: str) -> dict:
     """Compile the model of the model options (with ``--log``'s schedules) into ``out``; the
     export's manifest. Raises ValueError for a tuning log with no records."""
@@ -571,6 +630,27 @@ def parser() -> argparse.ArgumentParser:
                    "30 s while tuning, and at the end)")
     s.add_argument("--seed", type=int, default=0)
     s.set_defaults(fn=cmd_tune)
+
+    s = sub.add_parser("remeasure", help="time a log's best records (and the default "
+                       "schedules) again on the device; the new times replace the old")
+    _model_args(s)
+    _target_arg(s)
+    s.add_argument("--tracker", required=True, help="tracker HOST:PORT")
+    s.add_argument("--key", required=True, help="device key of the servers to measure on")
+    s.add_argument("--log", required=True, help="tuning-log folder")
+    s.add_argument("--top-k", type=int, default=2,
+                   help="records per workload timed again, fastest first (default 2)")
+    s.add_argument("--defaults", action="store_true",
+                   help="also time every task's default schedule again (default_latency.json)")
+    s.add_argument("--wait", type=float, default=30, help="seconds to wait for a free server")
+    s.add_argument("--servers", type=int, help="device servers measuring at once (default: "
+                   "all free servers of the key)")
+    s.add_argument("--trial-timeout", type=float, default=20.0)
+    s.add_argument("--compile-timeout", type=float, default=30.0)
+    s.add_argument("--repeat", type=int, default=3, help="timed repeats per record (default 3)")
+    s.add_argument("--min-repeat-ms", type=float, default=2.0)
+    s.add_argument("--build-workers", type=int, help="build processes (default: CPU count)")
+    s.set_defaults(fn=cmd_remeasure)
 
     s = sub.add_parser("export", help="compile inference and training modules with a log")
     _model_args(s)

@@ -585,6 +585,9 @@ class FarmRunner(ms.runner.PyRunner):
         self.say(f"measuring on {n} device server(s) of key {self.key!r}")
 
     def run(self, runner_inputs):
+        if self.stopped:
+            raise RuntimeError("this runner was shut down (tune() shuts its runner down when "
+                               "it ends); make a new one, e.g. with thomas_tune.tune.rpc_runner")
         if not self.lanes:
             self._start_lanes()
         futures = []

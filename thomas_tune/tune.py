@@ -316,7 +316,8 @@ DEFAULT_LATENCY = "default_latency.json"
 
 
 def measure_defaults(tasks: list[Task], target, runner, log: TuningLog | None = None,
-                     builder_workers: int | None = None) -> dict[str, float]:
+                     builder_workers: int | None = None, refresh: bool = False
+                     ) -> dict[str, float]:
     """Time every task's kernel with its default schedule (no tuning) on the runner's device.
 
     Returns ``{workload key: seconds per call}`` (key: :func:`workload_key`); a kernel whose
@@ -327,7 +328,8 @@ def measure_defaults(tasks: list[Task], target, runner, log: TuningLog | None = 
     stamp, or a kernel that the rules now make differently, is measured again, not reused. These
     times x call counts say where an untuned training step spends its time, which is what
     ``select_by_time`` ranks tasks by. On CPU targets the default is MetaSchedule's unscheduled
-    kernel, compiled as is.
+    kernel, compiled as is. ``refresh``: measure every task again and replace its cached time
+    (``thomas-tune remeasure --defaults``, for times measured under a noisy load).
     """
     import json
     import tempfile
@@ -344,10 +346,10 @@ def measure_defaults(tasks: list[Task], target, runner, log: TuningLog | None = 
         print(f"default schedules: the times in {cache_path} were measured with another TVM "
               "or another target (or by an older thomas_tune); measuring again",
               file=sys.stderr)
-    known = _valid_times(cache, wanted, target) if cache is not None else {}
+    known = _valid_times(cache, wanted, target) if cache is not None and not refresh else {}
     stale = sum(1 for k in wanted if cache is not None and k in cache["seconds"]
                 and k not in known)
-    if stale:
+    if stale and not refresh:
         print(f"default schedules: {stale} kernel(s) of {cache_path} are no longer what "
               "the default-schedule rules make; measuring them again", file=sys.stderr)
     schedules = {k: cache["schedules"][k] for k in known}  # keys of still-valid times

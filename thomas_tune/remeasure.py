@@ -1,0 +1,139 @@
+"""Measure a tuning log's best records again, on the device, and keep the new times.
+
+A record's time is what one trial measured under the load of its tuning run. Where that load
+made timings noisy (on the H100, before builds and compiles ran at low priority, small kernels
+were timed at up to 15x), records and the default-schedule times they are compared with
+(``default_latency.json``) carry that noise, and ``export`` may keep the wrong one. Here the
+``top_k`` fastest valid records of each workload are built and timed again through the same
+runner as tuning, and their run times in the log are replaced by the new ones: for one schedule
+the latest measurement stands. The record file is rewritten atomically after each batch, under
+the log's lock, so a killed run keeps the batches it finished and loses no record. A record
+whose new measurement fails keeps its old time (the failure is reported).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+from dataclasses import dataclass, field
+
+import tvm_ffi
+from tvm.s_tir import meta_schedule as ms
+from tvm.s_tir.schedule import Schedule
+
+from .runner import Builder, error_line
+from .tuning_log import FAILED_RUN_S, TuningLog, _rewrite
+
+
+@dataclass
+class RemeasureReport:
+    """What :func:`remeasure` did: records timed again (``measured``), those whose new
+    measurement failed (``failed``, with reasons), and per workload key the best time before
+    and after, in seconds (``best``: ``{key: (before, after)}``)."""
+
+    measured: int = 0
+    failed: int = 0
+    reasons: dict[str, int] = field(default_factory=dict)
+    best: dict[str, tuple[float, float]] = field(default_factory=dict)
+
+    def changed(self, factor: float = 1.25) -> int:
+        """Workloads whose best time moved by more than ``factor`` either way."""
+        return sum(1 for a, b in self.best.values()
+                   if math.isfinite(a) and math.isfinite(b) and max(a / b, b / a) > factor)
+
+
+def _mean(secs) -> float:
+    secs = [float(s) for s in secs]
+    if not secs or max(secs) >= FAILED_RUN_S:
+        return math.inf
+    return sum(secs) / len(secs)
+
+
+def remeasure(log: TuningLog, target, runner: ms.Runner, workload_keys: set[str] | None = None,
+              top_k: int = 2, batch: int = 64, builder_workers: int | None = None,
+              progress=None) -> RemeasureReport:
+    """Time the ``top_k`` fastest valid records of each workload of ``log`` again on
+    ``runner``'s device (compiled for ``target``) and write the new run times (seconds, one
+    per repeat) into the log in place of the old.
+
+    ``workload_keys``: only workloads whose key (structural hash, decimal, as
+    :func:`thomas_tune.tune.workload_key`) is in it (None: all). Records are built and run in
+    batches of ``batch``; ``progress(done, total)`` is called after each. Raises
+    :class:`thomas_tune.tuning_log.LogInUse` when a tuner holds the log, ValueError when the
+    log has no records; lines that do not parse are set aside as :meth:`TuningLog.check` does.
+    """
+    from tvm.s_tir.meta_schedule.arg_info import ArgInfo
+
+    from .target import device_kind
+
+    if not log.exists():
+        raise ValueError(f"tuning log {log.path!r} has no records; tune first or fix the path")
+    report = RemeasureReport()
+    with log.lock("remeasuring"):
+        log.check()  # bad lines set aside first: the line numbers below are of good lines
+        with open(log.workload_path) as f:
+            wl_lines = [line for line in f if line.strip()]
+        workloads = [ms.database.Workload.from_json(json.loads(line)) for line in wl_lines]
+        keys = [str(tvm_ffi.structural_hash(w.mod)) for w in workloads]
+        with open(log.record_path) as f:
+            lines = [line if line.endswith("\n") else line + "\n" for line in f if line.strip()]
+        bodies = [json.loads(line) for line in lines]
+        by_workload: dict[int, list[int]] = {}
+        for i, (w, body) in enumerate(bodies):
+            if workload_keys is None or keys[w] in workload_keys:
+                if math.isfinite(_mean(body[1])):
+                    by_workload.setdefault(w, []).append(i)
+        picked = []
+        for w, idx in by_workload.items():
+            idx.sort(key=lambda i: _mean(bodies[i][1][1]))
+            picked += idx[:top_k]
+            report.best[keys[w]] = (_mean(bodies[idx[0]][1][1]), math.inf)
+        builder = Builder(max_workers=builder_workers, timeout_s=120)
+        try:
+            for start in range(0, len(picked), batch):
+                chunk = picked[start:start + batch]
+                inputs, owners = [], []
+                for i in chunk:
+                    w, body = bodies[i]
+                    rec = ms.database.TuningRecord.from_json(body, workloads[w])
+                    sch = Schedule(workloads[w].mod)
+                    rec.trace.apply_to_schedule(sch, remove_postproc=False)
+                    inputs.append(ms.builder.BuilderInput(sch.mod, target))
+                    owners.append(i)
+                built = builder.build(inputs)
+                run_inputs, run_owners = [], []
+                for i, b, inp in zip(owners, built, inputs):
+                    if b.error_msg is not None:
+                        report.failed += 1
+                        why = error_line(b.error_msg, 160)
+                        report.reasons[why] = report.reasons.get(why, 0) + 1
+                        continue
+                    run_inputs.append(ms.runner.RunnerInput(
+                        b.artifact_path, device_kind(target),
+                        ArgInfo.from_prim_func(inp.mod["main"])))
+                    run_owners.append(i)
+                for i, fut in zip(run_owners, runner.run(run_inputs) if run_inputs else []):
+                    r = fut.result()
+                    secs = [float(s) for s in (r.run_secs or [])]
+                    if r.error_msg is not None or not math.isfinite(_mean(secs)):
+                        report.failed += 1
+                        why = error_line(str(r.error_msg), 160)
+                        report.reasons[why] = report.reasons.get(why, 0) + 1
+                        continue
+                    w, body = bodies[i]
+                    body[1] = secs
+                    lines[i] = json.dumps([w, body], separators=(",", ":")) + "\n"
+                    report.measured += 1
+                for inp in run_inputs:
+                    shutil.rmtree(os.path.dirname(str(inp.artifact_path)), ignore_errors=True)
+                _rewrite(log.record_path, lines)  # this batch's times are safe now
+                if progress is not None:
+                    progress(min(start + batch, len(picked)), len(picked))
+        finally:
+            builder.shutdown()
+        for w, idx in by_workload.items():
+            report.best[keys[w]] = (report.best[keys[w]][0],
+                                    min(_mean(bodies[i][1][1]) for i in idx))
+    return report
