@@ -101,17 +101,8 @@ start_remeasure() {
       mkdir -p $log && cp tuning_logs/$KEY/$name/* $log/
     fi
     # the job's model, target and build options; not its tuning options
-    keep=$(python3 - "$args" <<'PY'
-import shlex, sys
-words, keep, out = shlex.split(sys.argv[1]), {"--model", "--width", "--resolution", "--classes",
-                                              "--batch", "--trainable", "--target", "--servers",
-                                              "--build-workers"}, []
-for opt, val in zip(words, words[1:]):
-    if opt in keep:
-        out += [opt, val]
-print(" ".join(out))
-PY
-)
+    keep=$(python3 bench/job_options.py "$args" --model --width --resolution --classes \
+      --batch --trainable --target --servers --build-workers)
     echo "$PY remeasure $keep --defaults --tracker 127.0.0.1:$PORT --key $KEY --log $log > $TT/out/$name.out 2>&1" >> $script
   done
   setsid nohup bash $script > $TT/remeasure.out 2>&1 < /dev/null &

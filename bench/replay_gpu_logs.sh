@@ -18,16 +18,8 @@ while read -r name args; do
   [ -s "$log/database_tuning_record.json" ] || continue
   found=$((found + 1))
   # keep the options that say which graphs the log belongs to; drop the tuning options
-  model_args=$(python3 - "$args" <<'PY'
-import shlex, sys
-words, keep, out = shlex.split(sys.argv[1]), {"--model", "--width", "--resolution", "--classes",
-                                              "--batch", "--trainable"}, []
-for opt, val in zip(words, words[1:]):
-    if opt in keep:
-        out += [opt, val]
-print(" ".join(out))
-PY
-)
+  model_args=$(python3 bench/job_options.py "$args" --model --width --resolution --classes \
+    --batch --trainable)
   echo "== $name: thomas-tune replay --log $log $model_args --target bench/h100_opencl.json"
   t0=$SECONDS
   if thomas-tune replay --log "$log" $model_args --target bench/h100_opencl.json --no-check \

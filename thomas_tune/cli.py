@@ -186,12 +186,11 @@ def cmd_tune(args) -> int:
                         min_repeat_ms=args.min_repeat_ms)
     latency = None
     if args.time_share:
-        from .tune import measure_defaults, select_by_time
+        from .tune import kernel_time_s, measure_defaults, select_by_time
         t0 = time.perf_counter()
         latency = measure_defaults(everything, target, runner, log,
                                    builder_workers=args.build_workers)
-        step_ms = sum(latency.get(workload_key(t), 0.0) * t.weight for t in everything
-                      if math.isfinite(latency.get(workload_key(t), 0.0))) * 1e3
+        step_ms = kernel_time_s(everything, latency) * 1e3
         failed = sum(1 for v in latency.values() if not math.isfinite(v))
         print(f"default schedules: {len(everything)} kernels sum to {step_ms:.1f} ms per "
               f"pass of all graphs ({failed} failed to run); measured in "
@@ -239,14 +238,13 @@ def cmd_remeasure(args) -> int:
     """Time the best records of the model's tasks in ``--log`` again (and with ``--defaults``
     the default schedules); see :mod:`thomas_tune.remeasure`. Returns 1 when a re-measure
     failed (the record keeps its old time), else 0."""
-    import math
-
     from . import rpc
     from .remeasure import remeasure
     from .runtime import check_device
     from .target import parse_target
     from .tasks import extract
-    from .tune import measure_defaults, rpc_runner, workload_key
+    from .tune import (kernel_time_s, measure_defaults, read_default_times, rpc_runner,
+                       workload_key)
     from .tuning_log import TuningLog
     model, _, _ = _model(args)
     target = parse_target(args.target, args.host)
@@ -265,27 +263,21 @@ def cmd_remeasure(args) -> int:
     try:
         if args.defaults:
             t0 = time.perf_counter()
-            from .tune import read_default_times
-            read_times = read_default_times(log.path, target,
-                                            {workload_key(t): t.mod for t in tasks}) or {}
-            before = sum(v * t.weight for t in tasks
-                         if math.isfinite(v := read_times.get(workload_key(t), math.inf)))
+            cached = read_default_times(log.path, target,
+                                        {workload_key(t): t.mod for t in tasks})
             latency = measure_defaults(tasks, target, runner, log,
                                        builder_workers=args.build_workers, refresh=True)
-            after = sum(v * t.weight for t in tasks
-                        if math.isfinite(v := latency.get(workload_key(t), math.inf)))
-            was = (f"{1e3 * before:.2f} ms before (cached)" if read_times
+            was = (f"{1e3 * kernel_time_s(tasks, cached):.2f} ms before (cached)" if cached
                    else "none cached before")
             print(f"default schedules: {len(tasks)} kernels timed again in "
                   f"{time.perf_counter() - t0:.0f} s; sum per pass of all graphs "
-                  f"{1e3 * after:.2f} ms now, {was}", flush=True)
+                  f"{1e3 * kernel_time_s(tasks, latency):.2f} ms now, {was}", flush=True)
         t0 = time.perf_counter()
         report = remeasure(log, target, runner, {workload_key(t) for t in tasks},
                            top_k=args.top_k, builder_workers=args.build_workers,
                            progress=lambda d, n: print(f"  {d}/{n} records", flush=True))
     finally:
-        if hasattr(runner, "shutdown"):
-            runner.shutdown()
+        runner.shutdown()
     print(f"remeasured {report.measured} records of {len(report.best)} workloads in "
           f"{time.perf_counter() - t0:.0f} s ({report.failed} failed and kept their old time); "
           f"best time moved by more than 1.25x for {report.changed()} workloads")

@@ -15,16 +15,15 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import shutil
 from dataclasses import dataclass, field
 
 import tvm_ffi
 from tvm.s_tir import meta_schedule as ms
 from tvm.s_tir.schedule import Schedule
 
-from .runner import Builder, error_line
-from .tuning_log import FAILED_RUN_S, TuningLog, _rewrite
+from .runner import Builder
+from .tune import measure_kernels
+from .tuning_log import TuningLog, _rewrite, mean_seconds
 
 
 @dataclass
@@ -44,13 +43,6 @@ class RemeasureReport:
                    if math.isfinite(a) and math.isfinite(b) and max(a / b, b / a) > factor)
 
 
-def _mean(secs) -> float:
-    secs = [float(s) for s in secs]
-    if not secs or max(secs) >= FAILED_RUN_S:
-        return math.inf
-    return sum(secs) / len(secs)
-
-
 def remeasure(log: TuningLog, target, runner: ms.Runner, workload_keys: set[str] | None = None,
               top_k: int = 2, batch: int = 64, builder_workers: int | None = None,
               progress=None) -> RemeasureReport:
@@ -64,10 +56,6 @@ def remeasure(log: TuningLog, target, runner: ms.Runner, workload_keys: set[str]
     :class:`thomas_tune.tuning_log.LogInUse` when a tuner holds the log, ValueError when the
     log has no records; lines that do not parse are set aside as :meth:`TuningLog.check` does.
     """
-    from tvm.s_tir.meta_schedule.arg_info import ArgInfo
-
-    from .target import device_kind
-
     if not log.exists():
         raise ValueError(f"tuning log {log.path!r} has no records; tune first or fix the path")
     report = RemeasureReport()
@@ -83,51 +71,34 @@ def remeasure(log: TuningLog, target, runner: ms.Runner, workload_keys: set[str]
         by_workload: dict[int, list[int]] = {}
         for i, (w, body) in enumerate(bodies):
             if workload_keys is None or keys[w] in workload_keys:
-                if math.isfinite(_mean(body[1])):
+                if math.isfinite(mean_seconds(body)):
                     by_workload.setdefault(w, []).append(i)
         picked = []
         for w, idx in by_workload.items():
-            idx.sort(key=lambda i: _mean(bodies[i][1][1]))
+            idx.sort(key=lambda i: mean_seconds(bodies[i][1]))
             picked += idx[:top_k]
-            report.best[keys[w]] = (_mean(bodies[idx[0]][1][1]), math.inf)
+            report.best[keys[w]] = (mean_seconds(bodies[idx[0]][1]), math.inf)
         builder = Builder(max_workers=builder_workers, timeout_s=120)
         try:
             for start in range(0, len(picked), batch):
                 chunk = picked[start:start + batch]
-                inputs, owners = [], []
+                mods = []
                 for i in chunk:
                     w, body = bodies[i]
                     rec = ms.database.TuningRecord.from_json(body, workloads[w])
                     sch = Schedule(workloads[w].mod)
                     rec.trace.apply_to_schedule(sch, remove_postproc=False)
-                    inputs.append(ms.builder.BuilderInput(sch.mod, target))
-                    owners.append(i)
-                built = builder.build(inputs)
-                run_inputs, run_owners = [], []
-                for i, b, inp in zip(owners, built, inputs):
-                    if b.error_msg is not None:
+                    mods.append(sch.mod)
+                for i, (secs, why) in zip(chunk, measure_kernels(mods, target, runner,
+                                                                 builder)):
+                    if secs is None:
                         report.failed += 1
-                        why = error_line(b.error_msg, 160)
-                        report.reasons[why] = report.reasons.get(why, 0) + 1
-                        continue
-                    run_inputs.append(ms.runner.RunnerInput(
-                        b.artifact_path, device_kind(target),
-                        ArgInfo.from_prim_func(inp.mod["main"])))
-                    run_owners.append(i)
-                for i, fut in zip(run_owners, runner.run(run_inputs) if run_inputs else []):
-                    r = fut.result()
-                    secs = [float(s) for s in (r.run_secs or [])]
-                    if r.error_msg is not None or not math.isfinite(_mean(secs)):
-                        report.failed += 1
-                        why = error_line(str(r.error_msg), 160)
                         report.reasons[why] = report.reasons.get(why, 0) + 1
                         continue
                     w, body = bodies[i]
                     body[1] = secs
                     lines[i] = json.dumps([w, body], separators=(",", ":")) + "\n"
                     report.measured += 1
-                for inp in run_inputs:
-                    shutil.rmtree(os.path.dirname(str(inp.artifact_path)), ignore_errors=True)
                 _rewrite(log.record_path, lines)  # this batch's times are safe now
                 if progress is not None:
                     progress(min(start + batch, len(picked)), len(picked))
@@ -135,5 +106,5 @@ def remeasure(log: TuningLog, target, runner: ms.Runner, workload_keys: set[str]
             builder.shutdown()
         for w, idx in by_workload.items():
             report.best[keys[w]] = (report.best[keys[w]][0],
-                                    min(_mean(bodies[i][1][1]) for i in idx))
+                                    min(mean_seconds(bodies[i][1]) for i in idx))
     return report

@@ -54,15 +54,16 @@ class ReplayReport:
         return self.tuned_time_s / self.time_s if self.time_s else 0.0
 
 
+def _has_record(database, mod) -> bool:
+    """Whether ``database`` holds a valid record of workload ``mod``."""
+    return bool(database.has_workload(mod)
+                and database.get_top_k(database.commit_workload(mod), 1))
+
+
 def coverage(tasks, database) -> tuple[int, float]:
     """(number of tasks, FLOPs) of ``tasks`` that have a valid record in ``database``."""
-    n, flops = 0, 0.0
-    for t in tasks:
-        if database.has_workload(t.mod) and database.get_top_k(
-                database.commit_workload(t.mod), 1):
-            n += 1
-            flops += t.total_flops
-    return n, flops
+    tuned = [t for t in tasks if _has_record(database, t.mod)]
+    return len(tuned), sum(t.total_flops for t in tuned)
 
 
 def time_coverage(tasks, database, log_path: str, target) -> tuple[float, float] | None:
@@ -71,23 +72,12 @@ def time_coverage(tasks, database, log_path: str, target) -> tuple[float, float]
     ``log_path``, :func:`thomas_tune.tune.read_default_times`); None when the folder has no
     times for ``target``. Tasks without a valid time (failed, or measured on another kernel)
     count in neither."""
-    import math
-
-    from .tune import read_default_times, workload_key
-    keys = [workload_key(t) for t in tasks]
-    times = read_default_times(log_path, target, dict(zip(keys, (t.mod for t in tasks))))
+    from .tune import kernel_time_s, read_default_times, workload_key
+    times = read_default_times(log_path, target, {workload_key(t): t.mod for t in tasks})
     if not times:
         return None
-    total = tuned = 0.0
-    for k, t in zip(keys, tasks):
-        s = times.get(k, math.inf)
-        if not math.isfinite(s):
-            continue
-        total += s * t.weight
-        if database.has_workload(t.mod) and database.get_top_k(
-                database.commit_workload(t.mod), 1):
-            tuned += s * t.weight
-    return total, tuned
+    tuned = [t for t in tasks if _has_record(database, t.mod)]
+    return kernel_time_s(tasks, times), kernel_time_s(tuned, times)
 
 
 def _rel_err(got: np.ndarray, ref: np.ndarray) -> float:

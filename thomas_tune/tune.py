@@ -25,7 +25,7 @@ from tvm.ir.utils import derived_object
 from .runner import Builder, FarmRunner, Phases, error_line
 from .schedules import space_generator
 from .tasks import Task
-from .tuning_log import TrialErrors, TuningLog
+from .tuning_log import FAILED_RUN_S, TrialErrors, TuningLog
 
 
 @derived_object
@@ -334,10 +334,6 @@ def measure_defaults(tasks: list[Task], target, runner, log: TuningLog | None = 
     import json
     import tempfile
 
-    from tvm.s_tir.meta_schedule.arg_info import ArgInfo
-
-    from .target import device_kind
-
     cache_path = os.path.join(log.path, DEFAULT_LATENCY) if log is not None else None
     keys = [workload_key(t) for t in tasks]
     wanted = dict(zip(keys, (t.mod for t in tasks)))
@@ -347,9 +343,9 @@ def measure_defaults(tasks: list[Task], target, runner, log: TuningLog | None = 
               "or another target (or by an older thomas_tune); measuring again",
               file=sys.stderr)
     known = _valid_times(cache, wanted, target) if cache is not None and not refresh else {}
-    stale = sum(1 for k in wanted if cache is not None and k in cache["seconds"]
-                and k not in known)
-    if stale and not refresh:
+    stale = 0 if refresh else sum(1 for k in wanted if cache is not None
+                                  and k in cache["seconds"] and k not in known)
+    if stale:
         print(f"default schedules: {stale} kernel(s) of {cache_path} are no longer what "
               "the default-schedule rules make; measuring them again", file=sys.stderr)
     schedules = {k: cache["schedules"][k] for k in known}  # keys of still-valid times
@@ -361,29 +357,16 @@ def measure_defaults(tasks: list[Task], target, runner, log: TuningLog | None = 
             schedules[k] = str(tvm_ffi.structural_hash(mods[-1]["main"]))
         builder = Builder(max_workers=builder_workers, timeout_s=120)
         try:
-            built = builder.build([ms.builder.BuilderInput(m, target) for m in mods])
+            results = measure_kernels(mods, target, runner, builder)
         finally:
             builder.shutdown()
-        inputs, owners, errors = [], [], collections.Counter()
-        for (k, _), m, b in zip(todo, mods, built):
-            if b.error_msg is not None:
-                known[k] = math.inf
-                errors[error_line(b.error_msg, 160)] += 1
-                continue
-            inputs.append(ms.runner.RunnerInput(b.artifact_path, device_kind(target),
-                                                ArgInfo.from_prim_func(m["main"])))
-            owners.append(k)
-        for k, fut in zip(owners, runner.run(inputs)):
-            r = fut.result()
-            ok = r.error_msg is None and r.run_secs
-            known[k] = (sum(float(s) for s in r.run_secs) / len(r.run_secs) if ok else math.inf)
-            if not ok:
-                errors[error_line(str(r.error_msg), 160)] += 1
+        errors = collections.Counter()
+        for (k, _), (secs, why) in zip(todo, results):
+            known[k] = math.inf if secs is None else sum(secs) / len(secs)
+            if why is not None:
+                errors[why] += 1
         for why, n in errors.most_common(5):
             print(f"default schedules: {n} kernel(s) failed: {why}", file=sys.stderr)
-        for inp in inputs:
-            import shutil
-            shutil.rmtree(os.path.dirname(str(inp.artifact_path)), ignore_errors=True)
         if cache_path:
             # entries of workloads not asked about now stay as they were
             seconds = {}
@@ -398,6 +381,54 @@ def measure_defaults(tasks: list[Task], target, runner, log: TuningLog | None = 
                            "schedules": schedules}, f, indent=0)
             os.replace(tmp, cache_path)
     return {k: (math.inf if v is None else v) for k, v in known.items()}
+
+
+def measure_kernels(mods: list[tvm.IRModule], target, runner, builder: Builder
+                    ) -> list[tuple[list[float] | None, str | None]]:
+    """Build each module of ``mods`` (one kernel, function ``main``) for ``target`` with
+    ``builder`` and time it on ``runner``'s device. Per module, in order: (run seconds, one
+    per repeat; None) or (None; the error of the build or the run, one line). Build artifacts
+    are removed."""
+    import shutil
+
+    from tvm.s_tir.meta_schedule.arg_info import ArgInfo
+
+    from .target import device_kind
+
+    built = builder.build([ms.builder.BuilderInput(m, target) for m in mods])
+    out: list = [None] * len(mods)
+    inputs, owners = [], []
+    for i, (m, b) in enumerate(zip(mods, built)):
+        if b.error_msg is not None:
+            out[i] = (None, error_line(b.error_msg, 160))
+            continue
+        inputs.append(ms.runner.RunnerInput(b.artifact_path, device_kind(target),
+                                            ArgInfo.from_prim_func(m["main"])))
+        owners.append(i)
+    try:
+        for i, fut in zip(owners, runner.run(inputs) if inputs else []):
+            r = fut.result()
+            secs = [float(x) for x in (r.run_secs or [])]
+            if r.error_msg is None and secs and max(secs) < FAILED_RUN_S:
+                out[i] = (secs, None)
+            else:
+                out[i] = (None, error_line(str(r.error_msg), 160) if r.error_msg is not None
+                          else "the run returned no valid time")
+    finally:
+        for inp in inputs:
+            shutil.rmtree(os.path.dirname(str(inp.artifact_path)), ignore_errors=True)
+    return out
+
+
+def kernel_time_s(tasks: list[Task], seconds: dict[str, float]) -> float:
+    """Seconds per run of every graph once: each task's time in ``seconds`` (``{workload key:
+    seconds per call}``) x its calls, over the tasks with a finite time there."""
+    total = 0.0
+    for t in tasks:
+        s = seconds.get(workload_key(t), math.inf)
+        if math.isfinite(s):
+            total += s * t.weight
+    return total
 
 
 def _read_cache(log_path: str, target) -> dict | None:
