@@ -18,6 +18,8 @@ from tvm.s_tir import dlight as dl
 from tvm.s_tir.dlight.gpu.base import GPUScheduleRule
 from tvm.s_tir import meta_schedule as ms
 
+from .matmul_tiles import tiled_spaces
+
 
 def _thread_extents(max_threads: int) -> list[int]:
     return [t for t in (16, 32, 64, 128, 256, 512, 1024) if t <= max_threads] or [max_threads]
@@ -194,13 +196,21 @@ def gpu_mutators() -> dict[ms.Mutator, float]:
 
 
 def space_generator(target: tvm.target.Target) -> ms.SpaceGenerator:
-    """The design-space generator for ``target`` (post-order application of the rules above)."""
+    """The design-space generator for ``target``: on CPUs MetaSchedule's own; on GPUs the
+    post-order application of the rules above, and beside it one space per tiling of
+    :func:`matmul_tiles.tiled_spaces` for kernels that are matmuls once regrouped."""
     if target.kind.name == "llvm":
         return ms.space_generator.PostOrderApply(sch_rules="llvm", postprocs="llvm",
                                                  mutator_probs="llvm")
-    return ms.space_generator.PostOrderApply(sch_rules=gpu_rules(target),
-                                             postprocs=gpu_postprocs(),
-                                             mutator_probs=gpu_mutators())
+    rules = ms.space_generator.PostOrderApply(sch_rules=gpu_rules(target),
+                                              postprocs=gpu_postprocs(),
+                                              mutator_probs=gpu_mutators())
+    tiles = ms.space_generator.ScheduleFn(lambda sch: tiled_spaces(sch, target), sch_rules=[],
+                                          postprocs=gpu_postprocs(),
+                                          mutator_probs=gpu_mutators())
+    return ms.space_generator.SpaceGeneratorUnion([rules, tiles], sch_rules=[],
+                                                  postprocs=gpu_postprocs(),
+                                                  mutator_probs=gpu_mutators())
 
 
 class LongReduction(GPUScheduleRule):

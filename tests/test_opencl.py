@@ -390,3 +390,43 @@ def test_low_priority_build_compiles_at_raised_niceness(target):
     with pytest.raises(Exception, match="undefined_name"):
         build(broken, 0)
 
+
+
+def test_matmul_tile_spaces_match_numpy(target, rng):
+    """A convolution (regrouped: i = batch x rows x columns, j = output channels, k = input
+    channels x 3 x 3) gets one fully scheduled design space per tiling of matmul_tiles beside
+    the multi-level-tiling space; each tiling's kernel builds for PoCL and matches numpy in
+    float64. Sums shorter than MIN_TERMS and matmuls too small for MIN_GROUPS get none."""
+    from thomas_tune.schedules import matmul_tiles as mt
+
+    n, ci, co, h = 4, 16, 64, 16
+    x = te.placeholder((n, ci, h + 2, h + 2), name="x")
+    w = te.placeholder((co, ci, 3, 3), name="w")
+    rc, rh, rw = te.reduce_axis((0, ci)), te.reduce_axis((0, 3)), te.reduce_axis((0, 3))
+    y = te.compute((n, co, h, h), lambda b, o, i, j: te.sum(
+        x[b, rc, i + rh, j + rw] * w[o, rc, rh, rw], axis=[rc, rh, rw]), name="y")
+    mod = _func(x, w, y)
+    assert mt.matmul_extents(mod["main"]) == (1, n * h * h, co, ci * 9)
+    tiles = mt.tiles_for((1, n * h * h, co, ci * 9), *mt.target_limits(target))
+    assert tiles and all(t.threads <= int(target.attrs["max_threads_per_block"]) for t in tiles)
+    ctx = ms.TuneContext(mod=mod, target=target, space_generator=space_generator(target),
+                         task_name="conv", num_threads=1,
+                         search_strategy=ms.search_strategy.ReplayTrace())
+    spaces = ctx.generate_design_space()
+    tiled = [sp for sp in spaces if "pad_einsum" in str(sp.trace)]
+    assert len(tiled) == len(tiles) and len(spaces) > len(tiled)
+
+    xn, wn = rng.standard_normal((n, ci, h + 2, h + 2)), rng.standard_normal((co, ci, 3, 3))
+    x64, w64 = (a.astype("float32").astype("float64") for a in (xn, wn))
+    ref = sum(np.einsum("ncij,oc->noij", x64[:, :, a:a + h, b:b + h], w64[:, :, a, b])
+              for a in range(3) for b in range(3))
+    for sp in (tiled[0], tiled[-1]):  # the largest register tile and the smallest
+        got = _run(sp.mod, target, [xn, wn], (n, co, h, h))
+        np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max())
+
+    assert mt.tiles_for((1, 4096, 64, 27), 1024, 1 << 16) == []     # 27-term sums
+    assert mt.tiles_for((1, 64, 64, 4096), 1024, 1 << 16) == []     # a handful of work-groups
+    # a kernel that is no matmul (an elementwise add) gets no tiled space
+    a = te.placeholder((64, 64), name="a")
+    assert mt.matmul_extents(te.create_prim_func(
+        [a, te.compute((64, 64), lambda i, j: a[i, j] + 1.0, name="b")])) is None
