@@ -2,7 +2,8 @@
 # Fill .devcarry/ (ignored by git) with what the GPU machine of the device tool lacks, in carries
 # that fit beside the work tree under the tool's 64 MiB: the pinned TVM wheel's tree in PART-sized
 # parts, .devcarry/p1, p2, ... (each parked in /tmp there by 'bench/gpu_tune.sh park'), then
-# .devcarry/last: the last part, the cp312 wheels, the OpenCL headers and the list of parts.
+# .devcarry/last: the cp312 wheels, the OpenCL headers and the list of parts (every part parked
+# first: .devcarry/last rides beside the work tree, 56 MB with the GPU logs on 2026-11-24).
 #   bash bench/gpu_prepare.sh            -> .devcarry/p1 .. pN, .devcarry/last
 # PART (default 10m, split -b): small enough that a part fits beside the work tree (50 MB with
 # the committed GPU tuning logs, 2026-11-24); a park call costs a few seconds.
@@ -22,10 +23,9 @@ fi
 split -b ${PART:-10m} .devcarry/work/tvm.tar.xz .devcarry/work/tvm.part.
 (cd .devcarry/work && ls tvm.part.*) > .devcarry/last/tvm.parts
 parts=($(cat .devcarry/last/tvm.parts))
-for i in $(seq 1 $((${#parts[@]} - 1))); do
+for i in $(seq 1 ${#parts[@]}); do
   mkdir -p .devcarry/p$i && mv .devcarry/work/${parts[$((i - 1))]} .devcarry/p$i/
 done
-mv .devcarry/work/${parts[-1]} .devcarry/last/
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 \
   --platform manylinux2014_x86_64 --platform manylinux1_x86_64 -d .devcarry/last \

@@ -12,6 +12,7 @@
 #   remeasure  set up, start tracker and servers, then time each job's default schedules and
 #           its logs' best records again ('thomas-tune remeasure --defaults'), one job after
 #           another, in the background; then watch (logs come back with status)
+#   py      python3 with the arguments that follow, in this set-up's environment
 #   bench   'thomas-tune bench' with the arguments that follow (result JSON and PNG -> $OUT);
 #           sets up first on a fresh machine (carry .devcarry/last there)
 # Environment: JOBS (default: every job in bench/gpu_jobs.txt), SERVERS (8), TRIALS (20000).
@@ -37,7 +38,6 @@ PY="python3 -P -m thomas_tune.cli"   # -P: the installed copy, not ./thomas_tune
 setup() {
   if ! [ -e $SITE/tvm/lib/libtvm_compiler.so ]; then
     [ -s .devcarry/last/tvm.parts ] || { echo "carry .devcarry/last (bench/gpu_prepare.sh makes it)"; exit 3; }
-    cp .devcarry/last/tvm.part.* $TT/
     parts=$(cat .devcarry/last/tvm.parts)
     for part in $parts; do
       [ -s $TT/$part ] || { echo "$part is not in $TT: run 'park' with each of .devcarry/p1, p2, ... first"; exit 3; }
@@ -144,6 +144,7 @@ case "${1:-status}" in
   setup) setup ;;
   remeasure) setup && start_services && start_remeasure && watch ;;
   bench) shift; setup >/dev/null || exit $?; mkdir -p $TT/bench; $PY bench --work $TT/bench "$@" --json ${OUT:-$TT}/bench.json ;;
+  py) shift; python3 -P "$@" ;;   # a script with the set-up's environment (bench/step_split.py)
   stop) pkill -f "remeasure.sh" ; pkill -f "thomas_tune.cli (tune|remeasure)" ; pkill -f "thomas_tune.cli rpc" ; status ;;
   *) echo "usage: $0 park|setup|start|status|watch|stop|bench ARGS"; exit 2 ;;
 esac

@@ -523,7 +523,9 @@ def startup(export_dir: str, seed: int = 0) -> dict:
 # ---- steady state ------------------------------------------------------------------------------
 def time_export(export_dir: str, steps: int, warmup: int = 2, seed: int = 0) -> dict:
     """ms per training step and per inference pass (median wall time of ``steps`` runs, after
-    ``warmup``; a fresh random batch for every run) of an export on this machine's device;
+    ``warmup``; a fresh random batch for every run, copied to the device before the step's
+    clock starts, as :func:`time_torch` does; the step's dropout masks are drawn and copied
+    inside it) of an export on this machine's device;
     kernel launches per training step on OpenCL. Returns a dict with ``train_ms``,
     ``infer_ms``, ``batch``, ``infer_batch``, ``launches_per_step`` (None off OpenCL)."""
     from .runtime import Session
@@ -547,7 +549,8 @@ def time_export(export_dir: str, steps: int, warmup: int = 2, seed: int = 0) -> 
         before = opencl.stats()["launches"]
     times = []
     for _ in range(steps):
-        x, y = batch(s.batch), labels()
+        x, y = s.upload(batch(s.batch), labels())  # on the device before the clock starts,
+        s.sync()                                   # as PyTorch's batch is (time_torch)
         t0 = time.perf_counter()
         s.train_step(x, y)
         s.sync()

@@ -124,8 +124,9 @@ class Session:
         """A fresh inverted-dropout mask, float32 of ``shape``: 0 with probability ``p``, else
         1 / (1 - p), as ``torch.nn.functional.dropout`` scales (Srivastava et al., JMLR 2014,
         with the scaling moved to training). Drawn from the session's seeded generator."""
-        keep = self._rng.random(shape) >= p
-        return (keep / (1.0 - p)).astype("float32")
+        mask = (self._rng.random(shape, dtype=np.float32) >= p).astype(np.float32)
+        mask *= np.float32(1.0 / (1.0 - p))
+        return mask
 
     def sync(self) -> None:
         """Wait for the device to finish queued work (for timing)."""
@@ -188,24 +189,35 @@ class Session:
         logits = self._predict_chunks(self._train_vm, self.batch, x)
         return float(np.mean(np.argmax(logits, axis=1) == np.asarray(y)))
 
-    def train_step(self, x: np.ndarray, y: np.ndarray) -> float:
-        """One training step on x float32 (batch, C, H, W) and y integer (batch,) labels in
-        0..classes-1: returns the mean cross-entropy loss (float) and updates the trainable
-        parameters, BatchNorm running statistics and optimizer state on the device. Dropout
-        masks come from the session's seeded generator. Raises ValueError for inputs of the
-        wrong shape or dtype and for labels out of range."""
-        m = self.manifest
+    def upload(self, x: np.ndarray, y: np.ndarray) -> tuple:
+        """Check a training batch and copy it to the device: x float32 (batch, C, H, W), y
+        integer (batch,) labels in 0..classes-1. Returns (x, y) as device tensors, which
+        :meth:`train_step` takes as they are (a loop over data already on the device, or a
+        timing that leaves the copy out, as PyTorch's is timed). Raises ValueError for inputs
+        of the wrong shape or dtype and for labels out of range."""
         x = self._check_x(x, self.batch)
         y = np.asarray(y)
         if y.shape != (self.batch,) or not np.issubdtype(y.dtype, np.integer):
             raise ValueError(f"labels: expected integer ({self.batch},), got {y.dtype} {y.shape}")
         if y.min() < 0 or y.max() >= self.model.num_classes:
             raise ValueError(f"labels must be in 0..{self.model.num_classes - 1}")
+        return (tvm.runtime.tensor(x, self.device),
+                tvm.runtime.tensor(y.astype("int64"), self.device))
+
+    def train_step(self, x, y) -> float:
+        """One training step on x float32 (batch, C, H, W) and y integer (batch,) labels in
+        0..classes-1, as numpy arrays or as the device tensors of :meth:`upload`: returns the
+        mean cross-entropy loss (float) and updates the trainable parameters, BatchNorm running
+        statistics and optimizer state on the device. Dropout masks come from the session's
+        seeded generator. Raises ValueError for inputs of the wrong shape or dtype and for
+        labels out of range (numpy inputs; :meth:`upload` checks device tensors)."""
+        m = self.manifest
+        if not (isinstance(x, tvm.runtime.Tensor) and isinstance(y, tvm.runtime.Tensor)):
+            x, y = self.upload(x, y)
         masks = [tvm.runtime.tensor(self.dropout_mask(spec["shape"], spec["p"]), self.device)
                  for spec in m["masks"].values()]
-        args = ([tvm.runtime.tensor(x, self.device), *masks, *self._ordered(m["frozen"]),
-                 *self._ordered(m["trainable"]), *self._ordered(m["states"]),
-                 tvm.runtime.tensor(y.astype("int64"), self.device)])
+        args = ([x, *masks, *self._ordered(m["frozen"]), *self._ordered(m["trainable"]),
+                 *self._ordered(m["states"]), y])
         if self.remote:
             return self._remote_step(args)
         ret, grads = self._train_vm[ADJOINT](*args)
