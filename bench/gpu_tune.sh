@@ -18,7 +18,8 @@
 # Environment: JOBS (default: every job in bench/gpu_jobs.txt), SERVERS (8), TRIALS (20000).
 # The machine goes back 30 s after a call ends: keep calling (e.g. 'watch', under the 10-minute
 # limit of one call) for as long as the jobs should run; a later lease resumes from the logs
-# that came back (commit them under tuning_logs/h100/).
+# that came back: copy their two database files and trial_errors.jsonl under tuning_logs/h100/
+# <job>/ and run 'thomas-tune log pack' on it before the commit (committed logs are packed).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 TT=/tmp/tt
@@ -83,6 +84,7 @@ start_jobs() {
     log=$TT/logs/$name
     if ! [ -s $log/database_tuning_record.json ] && [ -d tuning_logs/$KEY/$name ]; then
       mkdir -p $log && cp tuning_logs/$KEY/$name/* $log/     # resume from the committed log
+      for f in $log/*.xz; do [ -e "$f" ] && xz -d -f "$f"; done # (committed packed: plain here)
     fi
     echo "$name: starting ($args)"
     setsid nohup $PY tune $args --tracker 127.0.0.1:$PORT --key $KEY --log $log \
@@ -99,6 +101,7 @@ start_remeasure() {
     log=$TT/logs/$name
     if ! [ -s $log/database_tuning_record.json ] && [ -d tuning_logs/$KEY/$name ]; then
       mkdir -p $log && cp tuning_logs/$KEY/$name/* $log/
+      for f in $log/*.xz; do [ -e "$f" ] && xz -d -f "$f"; done
     fi
     # the job's model, target and build options; not its tuning options
     keep=$(python3 bench/job_options.py "$args" --model --width --resolution --classes \

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Replay every committed GPU tuning log (tuning_logs/h100/<job>/ with records) with no device,
+# Replay every committed GPU tuning log (tuning_logs/h100/<job>/ with records, packed or not) with
+# no device,
 # as CI does: the model options come from the job's line in bench/gpu_jobs.txt, the target from
 # bench/h100_opencl.json. Each log must compile the inference and training graphs for that
 # target with its records, and its compiled records must hold at least MIN_TIME (default 0.2)
@@ -15,7 +16,7 @@ status=0
 found=0
 while read -r name args; do
   log=tuning_logs/h100/$name
-  [ -s "$log/database_tuning_record.json" ] || continue
+  [ -s "$log/database_tuning_record.json" ] || [ -s "$log/database_tuning_record.json.xz" ] || continue
   found=$((found + 1))
   # keep the options that say which graphs the log belongs to; drop the tuning options
   model_args=$(python3 bench/job_options.py "$args" --model --width --resolution --classes \

@@ -56,3 +56,33 @@ def test_time_coverage_needs_device_times(capsys):
                    "--classes", "10", "--batch", "8"])
     assert rc == 1
     assert "needs default-schedule times measured on the device" in capsys.readouterr().err
+
+
+def test_packed_log_reads_as_the_plain_one_and_refuses_writes(tmp_path, monkeypatch):
+    """'log pack' compresses a log in place; the packed log reads the same workloads and
+    records (from an unpacked copy in the cache), refuses the lock a tuner or re-measure takes
+    with an error naming 'log unpack', and 'log unpack' restores the plain files byte for
+    byte."""
+    import shutil
+
+    import pytest
+
+    from thomas_tune.tuning_log import (RECORDS, WORKLOADS, TuningLog, is_packed, read_log,
+                                        summarize)
+
+    monkeypatch.setenv("THOMAS_TUNE_CACHE", str(tmp_path / "cache"))
+    log = tmp_path / "log"
+    shutil.copytree(LOG, log)
+    plain = {n: (log / n).read_bytes() for n in (WORKLOADS, RECORDS)}
+    before = summarize(read_log(str(log)))
+    assert cli.main(["log", "pack", str(log)]) == 0
+    assert is_packed(str(log)) and not (log / RECORDS).exists()
+    assert (log / (RECORDS + ".xz")).stat().st_size * 10 < len(plain[RECORDS])
+    assert summarize(read_log(str(log))) == before
+    packed = TuningLog(str(log))
+    assert packed.packed and packed.database().has_workload is not None
+    with pytest.raises(ValueError, match="log unpack"):
+        packed.lock()
+    assert cli.main(["log", "unpack", str(log)]) == 0
+    assert {n: (log / n).read_bytes() for n in (WORKLOADS, RECORDS)} == plain
+    assert not is_packed(str(log)) and not TuningLog(str(log)).packed

@@ -399,11 +399,12 @@ def tuning_curve(log_path: str, kernels: list[Kernel], default_variant: str = "d
     ``trials_to_95pct`` is the first trial count whose estimate is within 5% of the total gain
     from the final value. Raises FileNotFoundError when the log has no record file.
     """
-    from .tuning_log import RECORDS, WORKLOADS
+    from .tuning_log import TuningLog
+    log = TuningLog(log_path)  # a packed log is read from its unpacked copy
     by_key: dict[str, list[Kernel]] = {}
     for k in kernels:
         by_key.setdefault(k.key, []).append(k)
-    with open(os.path.join(log_path, WORKLOADS)) as f:
+    with open(log.workload_path) as f:
         wl_keys = []
         for line in f:
             try:
@@ -417,7 +418,7 @@ def tuning_curve(log_path: str, kernels: list[Kernel], default_variant: str = "d
         return sum(cur[key] * calls[key] for key in cur if math.isfinite(cur[key]))
 
     trials, ms, skipped = [0], [total()], 0
-    with open(os.path.join(log_path, RECORDS)) as f:
+    with open(log.record_path) as f:
         for line in f:
             try:
                 idx, rec = json.loads(line)

@@ -114,9 +114,26 @@ def cmd_merge(args) -> int:
     return 0
 
 
+def cmd_pack(args) -> int:
+    """xz-compress tuning logs in place (read-only from then on; for commits)."""
+    from .tuning_log import pack
+    for path in args.logs:
+        before, after = pack(path)
+        print(f"packed {path}: {before / 1e6:.2f} MB -> {after / 1e6:.2f} MB")
+    return 0
+
+
+def cmd_unpack(args) -> int:
+    """Undo 'log pack' in place, so that the logs can be tuned into again."""
+    from .tuning_log import unpack
+    for path in args.logs:
+        print(f"unpacked {path}: {unpack(path) / 1e6:.2f} MB")
+    return 0
+
+
 def add_parser(sub, model_args, target_arg) -> None:
     """Add the ``log`` verb and its ``show``/``check``/``merge`` sub-verbs to ``sub``."""
-    s = sub.add_parser("log", help="show a tuning log, check it against a model, merge logs")
+    s = sub.add_parser("log", help="show a tuning log, check it against a model, merge, pack and unpack logs")
     lsub = s.add_subparsers(dest="log_verb", required=True)
     t = lsub.add_parser("show", help="records, failures and best time per workload")
     t.add_argument("log", help="tuning-log folder")
@@ -131,3 +148,9 @@ def add_parser(sub, model_args, target_arg) -> None:
     t.add_argument("logs", nargs="+", help="tuning-log folders to merge")
     t.add_argument("--out", required=True, help="folder of the merged log (may exist)")
     t.set_defaults(fn=cmd_merge)
+    t = lsub.add_parser("pack", help="xz-compress logs in place (read-only; as committed)")
+    t.add_argument("logs", nargs="+", help="tuning-log folders")
+    t.set_defaults(fn=cmd_pack)
+    t = lsub.add_parser("unpack", help="undo 'log pack', to tune into a log again")
+    t.add_argument("logs", nargs="+", help="tuning-log folders")
+    t.set_defaults(fn=cmd_unpack)
