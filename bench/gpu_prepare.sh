@@ -2,11 +2,11 @@
 # Fill .devcarry/ (ignored by git) with what the GPU machine of the device tool lacks, in carries
 # that fit beside the work tree under the tool's 64 MiB: the pinned TVM wheel's tree in PART-sized
 # parts, .devcarry/p1, p2, ... (each parked in /tmp there by 'bench/gpu_tune.sh park'), then
-# .devcarry/last: the cp312 wheels, the OpenCL headers and the list of parts (every part parked
-# first: .devcarry/last rides beside the work tree, 56 MB with the GPU logs on 2026-11-24).
+# .devcarry/last: the cp312 wheels, the OpenCL headers and the list of parts (every part is
+# parked first; .devcarry/last rides beside the work tree).
 #   bash bench/gpu_prepare.sh            -> .devcarry/p1 .. pN, .devcarry/last
-# PART (default 10m, split -b): small enough that a part fits beside the work tree (50 MB with
-# the committed GPU tuning logs, 2026-11-24); a park call costs a few seconds.
+# PART (default 24m, split -b): small enough that a part fits beside the work tree (12 MB with
+# the packed GPU tuning logs, 2026-11-24): 3 parts; a park call costs a few seconds.
 # Then, with the device tool (one command each, from the repository root):
 #   carry [.devcarry/p1]: bash bench/gpu_tune.sh park      (and so on for each pK)
 #   carry [.devcarry/last]: bash bench/gpu_tune.sh start   (setup + tracker + servers + tuners)
@@ -20,7 +20,7 @@ if ! [ -s .devcarry/work/tvm.tar.xz ]; then
   (cd "$SITE" && tar --exclude=__pycache__ -cf - tvm apache_tvm-0.27.0.post1.dist-info) \
     | xz -6 -T0 > .devcarry/work/tvm.tar.xz
 fi
-split -b ${PART:-10m} .devcarry/work/tvm.tar.xz .devcarry/work/tvm.part.
+split -b ${PART:-24m} .devcarry/work/tvm.tar.xz .devcarry/work/tvm.part.
 (cd .devcarry/work && ls tvm.part.*) > .devcarry/last/tvm.parts
 parts=($(cat .devcarry/last/tvm.parts))
 for i in $(seq 1 ${#parts[@]}); do
