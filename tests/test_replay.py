@@ -58,7 +58,7 @@ def test_time_coverage_needs_device_times(capsys):
     assert "needs default-schedule times measured on the device" in capsys.readouterr().err
 
 
-def test_packed_log_reads_as_the_plain_one_and_refuses_writes(tmp_path, monkeypatch):
+def test_packed_log_reads_as_the_plain_one_and_refuses_writes(tmp_path, monkeypatch, capsys):
     """'log pack' compresses a log in place; the packed log reads the same workloads and
     records (from an unpacked copy in the cache), refuses the lock a tuner or re-measure takes
     with an error naming 'log unpack', and 'log unpack' restores the plain files byte for
@@ -83,6 +83,11 @@ def test_packed_log_reads_as_the_plain_one_and_refuses_writes(tmp_path, monkeypa
     assert packed.packed and packed.database().has_workload is not None
     with pytest.raises(ValueError, match="log unpack"):
         packed.lock()
+    # the CLI refuses before it does any work (no tracker at this address is needed)
+    assert cli.main(["remeasure", "--model", "mobilenet_v2", "--width", "0.35", "--resolution",
+                     "64", "--classes", "10", "--batch", "8", "--log", str(log),
+                     "--tracker", "127.0.0.1:9", "--key", "none"]) != 0
+    assert "log unpack" in capsys.readouterr().err
     assert cli.main(["log", "unpack", str(log)]) == 0
     assert {n: (log / n).read_bytes() for n in (WORKLOADS, RECORDS)} == plain
     assert not is_packed(str(log)) and not TuningLog(str(log)).packed

@@ -179,6 +179,7 @@ def cmd_tune(args) -> int:
     free = rpc.wait_for_key(tracker, args.key, timeout=args.wait)
     everything = extract(_graphs(args, model), target)
     log = TuningLog(args.log or _default_log(args, model, args.key))
+    log.require_writable()  # before minutes of default-schedule timing
     _STOP["log"] = log  # what a stop by signal reports
     runner = rpc_runner(tracker, args.key, servers=args.servers or free,
                         trial_timeout_s=args.trial_timeout,
@@ -251,6 +252,7 @@ def cmd_remeasure(args) -> int:
     log = TuningLog(args.log)
     if not log.exists():
         raise ValueError(f"tuning log {args.log!r} has no records; tune first or fix the path")
+    log.require_writable()  # its times are rewritten in place
     tracker = rpc.parse_address(args.tracker)
     rpc.wait_for_key(tracker, args.key, timeout=args.wait)
     check_device(tracker, args.key, target, timeout=args.wait)

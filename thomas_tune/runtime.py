@@ -102,6 +102,7 @@ class Session:
         self._t = {k: tvm.runtime.tensor(v, self.device) for k, v in tensors.items()}
         self._opt = self._initial_optimizer_state()
         self._rng = np.random.default_rng(seed)
+        self._next_masks: list[np.ndarray] | None = None  # the next step's, drawn ahead
         self.steps = 0
 
     # ---- helpers -----------------------------------------------------------------------------
@@ -127,6 +128,13 @@ class Session:
         mask = (self._rng.random(shape, dtype=np.float32) >= p).astype(np.float32)
         mask *= np.float32(1.0 / (1.0 - p))
         return mask
+
+    def _draw_masks(self) -> list[np.ndarray]:
+        """One step's dropout masks, in the manifest's order. :meth:`train_step` draws the
+        next step's after queueing its own kernels, so that the host draws them while the
+        device computes (the same draws, in the same order, as drawing each at its step)."""
+        return [self.dropout_mask(spec["shape"], spec["p"])
+                for spec in self.manifest["masks"].values()]
 
     def sync(self) -> None:
         """Wait for the device to finish queued work (for timing)."""
@@ -214,8 +222,8 @@ class Session:
         m = self.manifest
         if not (isinstance(x, tvm.runtime.Tensor) and isinstance(y, tvm.runtime.Tensor)):
             x, y = self.upload(x, y)
-        masks = [tvm.runtime.tensor(self.dropout_mask(spec["shape"], spec["p"]), self.device)
-                 for spec in m["masks"].values()]
+        drawn, self._next_masks = self._next_masks or self._draw_masks(), None
+        masks = [tvm.runtime.tensor(a, self.device) for a in drawn]
         args = ([x, *masks, *self._ordered(m["frozen"]), *self._ordered(m["trainable"]),
                  *self._ordered(m["states"]), y])
         if self.remote:
@@ -229,6 +237,7 @@ class Session:
                                                           self._opt)
         for name, value in zip(m["trainable"], new_params):
             self._t[name] = value
+        self._next_masks = self._draw_masks()  # on the host while the device runs this step
         self.steps += 1
         return float(loss.numpy())
 
@@ -251,6 +260,7 @@ class Session:
         self._tuples = {"params": get(res, 0), "opt": get(res, 1)}
         for i, name in enumerate(m["trainable"]):
             self._t[name] = get(self._tuples["params"], i)
+        self._next_masks = self._draw_masks()
         self.steps += 1
         return float(loss.numpy())
 

@@ -171,6 +171,13 @@ class TuningLog:
     def exists(self) -> bool:
         return os.path.exists(self.record_path)
 
+    def require_writable(self) -> None:
+        """Raise ValueError, naming 'thomas-tune log unpack', when this log is packed."""
+        if self.packed:
+            raise ValueError(f"tuning log {self.path!r} is packed (read-only: {RECORDS}{PACKED}); "
+                             f"unpack it first with 'thomas-tune log unpack {self.path}', then "
+                             f"pack it again for a commit ('thomas-tune log pack')")
+
     def lock(self, purpose: str = "tuning") -> LogLock:
         """Take this folder's lock for ``purpose`` (a word shown to a refused second process).
 
@@ -178,10 +185,7 @@ class TuningLog:
         holder (pid, host, since when) when another process, or another lock of this one,
         holds it. Creates the folder.
         """
-        if self.packed:
-            raise ValueError(f"tuning log {self.path!r} is packed (read-only: {RECORDS}{PACKED}); "
-                             f"unpack it first with 'thomas-tune log unpack {self.path}', then "
-                             f"pack it again for a commit ('thomas-tune log pack')")
+        self.require_writable()
         os.makedirs(self.path, exist_ok=True)
         lock_path = os.path.join(self.path, LOCK)
         fd = os.open(lock_path, os.O_CREAT | os.O_RDWR, 0o666)
