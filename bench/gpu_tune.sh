@@ -77,15 +77,22 @@ start_services() {
   sleep 8
 }
 
+# $TT/logs/NAME from the committed log (packed there, plain here) unless it is there already:
+# runs resume from it
+committed_log() {
+  local log=$TT/logs/$1
+  if ! [ -s $log/database_tuning_record.json ] && [ -d tuning_logs/$KEY/$1 ]; then
+    mkdir -p $log && cp tuning_logs/$KEY/$1/* $log/
+    for f in $log/*.xz; do [ -e "$f" ] && xz -d -f "$f"; done
+  fi
+}
+
 start_jobs() {
   mkdir -p $TT/logs $TT/out
   jobs_list | while read -r name args; do
     if pgrep -f -- "thomas_tune.cli tune .*--log $TT/logs/$name " >/dev/null; then echo "$name: running"; continue; fi
     log=$TT/logs/$name
-    if ! [ -s $log/database_tuning_record.json ] && [ -d tuning_logs/$KEY/$name ]; then
-      mkdir -p $log && cp tuning_logs/$KEY/$name/* $log/     # resume from the committed log
-      for f in $log/*.xz; do [ -e "$f" ] && xz -d -f "$f"; done # (committed packed: plain here)
-    fi
+    committed_log $name
     echo "$name: starting ($args)"
     setsid nohup $PY tune $args --tracker 127.0.0.1:$PORT --key $KEY --log $log \
       --stats $TT/out/$name.stats.json --trials ${TRIALS:-20000} \
@@ -99,10 +106,7 @@ start_remeasure() {
   echo "set -u" > $script
   jobs_list | while read -r name args; do
     log=$TT/logs/$name
-    if ! [ -s $log/database_tuning_record.json ] && [ -d tuning_logs/$KEY/$name ]; then
-      mkdir -p $log && cp tuning_logs/$KEY/$name/* $log/
-      for f in $log/*.xz; do [ -e "$f" ] && xz -d -f "$f"; done
-    fi
+    committed_log $name
     # the job's model, target and build options; not its tuning options
     keep=$(python3 bench/job_options.py "$args" --model --width --resolution --classes \
       --batch --trainable --target --servers --build-workers)

@@ -47,11 +47,9 @@ def main() -> int:
         x = rng.standard_normal(s.model.input_shape(s.batch)).astype("float32")
         y = rng.integers(0, s.model.num_classes, s.batch)
         xd, yd = clock("upload", lambda: s.upload(x, y))
-        masks = clock("masks", lambda: [tvm.runtime.tensor(s.dropout_mask(v["shape"], v["p"]),
-                                                           s.device)
-                                        for v in m["masks"].values()])
-        call = [xd, *masks, *s._ordered(m["frozen"]), *s._ordered(m["trainable"]),
-                *s._ordered(m["states"]), yd]
+        masks = clock("masks", lambda: [tvm.runtime.tensor(a, s.device)
+                                        for a in s._draw_masks()])
+        call = s._step_args(xd, yd, masks)
         ret, grads = clock("adjoint", lambda: s._train_vm[ADJOINT](*call))
         loss = ret[0] if m["states"] else ret
         clock("optimizer", lambda: s._train_vm[OPTIMIZER](s._ordered(m["trainable"]), grads,

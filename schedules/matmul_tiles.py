@@ -88,10 +88,7 @@ def matmul_extents(func: tvm.tirx.PrimFunc) -> tuple[int, int, int, int] | None:
     matmul, or an extent is not a constant."""
     sch = tvm.s_tir.Schedule(func)
     try:
-        blocks = sch.get_child_blocks(sch.get_sblock("root")) if _has_root(sch) else None
-        if blocks is None:
-            return None
-        found = get_reduction_blocks(sch, blocks)
+        found = get_reduction_blocks(sch, sch.get_child_blocks(sch.get_sblock("root")))
         if found is None:
             return None
         main = found[0]
@@ -104,23 +101,16 @@ def matmul_extents(func: tvm.tirx.PrimFunc) -> tuple[int, int, int, int] | None:
             return None
         sch.transform_block_layout(main, maps[0])
         extents = [iv.dom.extent for iv in sch.get(main).iter_vars]
-    except Exception:  # TVM's ScheduleError: not a matmul this regrouping can express
-        return None
+    except Exception:  # TVM's ScheduleError: no root block, or not a matmul this regrouping
+        return None     # can express
     if len(extents) != 4 or not all(isinstance(e, tvm.tirx.IntImm) for e in extents):
         return None
     return tuple(int(e) for e in extents)
 
 
-def _has_root(sch) -> bool:
-    try:
-        sch.get_sblock("root")
-        return True
-    except Exception:
-        return False
-
-
-def _padded(n: int, tile: int) -> int:
-    return -(-n // tile) * tile
+def _tiles(n: int, tile: int) -> int:
+    """Tiles of ``tile`` that cover ``n``."""
+    return -(-n // tile)
 
 
 def tiles_for(extents: tuple[int, int, int, int], max_threads: int,
@@ -137,11 +127,12 @@ def tiles_for(extents: tuple[int, int, int, int], max_threads: int,
         t = Tile(ti, tj, mi, mj, ks)
         if t.threads > max_threads or t.shared_bytes() > max_shared_bytes:
             continue
-        if _padded(i, t.tile_i) * _padded(j, t.tile_j) > (1 + MAX_PAD) * i * j:
+        groups_i, groups_j = _tiles(i, t.tile_i), _tiles(j, t.tile_j)
+        if groups_i * t.tile_i * groups_j * t.tile_j > (1 + MAX_PAD) * i * j:
             continue
-        if _padded(k, ks) > (1 + MAX_PAD_K) * k:
+        if _tiles(k, ks) * ks > (1 + MAX_PAD_K) * k:
             continue
-        if b * (-(-i // t.tile_i)) * (-(-j // t.tile_j)) < MIN_GROUPS:
+        if b * groups_i * groups_j < MIN_GROUPS:
             continue
         out.append(t)
     out.sort(key=lambda t: (-t.micro_i * t.micro_j, -t.threads, -t.k))

@@ -136,6 +136,14 @@ class Session:
         return [self.dropout_mask(spec["shape"], spec["p"])
                 for spec in self.manifest["masks"].values()]
 
+    def _step_args(self, x, y, masks: list) -> list:
+        """The arguments of the training module's adjoint function, in its order: the batch's
+        images, the dropout masks, frozen and trainable parameters, states, labels (device
+        tensors)."""
+        m = self.manifest
+        return [x, *masks, *self._ordered(m["frozen"]), *self._ordered(m["trainable"]),
+                *self._ordered(m["states"]), y]
+
     def sync(self) -> None:
         """Wait for the device to finish queued work (for timing)."""
         self.device.sync()
@@ -223,9 +231,7 @@ class Session:
         if not (isinstance(x, tvm.runtime.Tensor) and isinstance(y, tvm.runtime.Tensor)):
             x, y = self.upload(x, y)
         drawn, self._next_masks = self._next_masks or self._draw_masks(), None
-        masks = [tvm.runtime.tensor(a, self.device) for a in drawn]
-        args = ([x, *masks, *self._ordered(m["frozen"]), *self._ordered(m["trainable"]),
-                 *self._ordered(m["states"]), y])
+        args = self._step_args(x, y, [tvm.runtime.tensor(a, self.device) for a in drawn])
         if self.remote:
             return self._remote_step(args)
         ret, grads = self._train_vm[ADJOINT](*args)

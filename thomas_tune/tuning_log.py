@@ -125,11 +125,6 @@ def is_packed(path: str) -> bool:
             and not os.path.exists(os.path.join(path, RECORDS)))
 
 
-def _cache_root() -> str:
-    return os.environ.get("THOMAS_TUNE_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "thomas_tune")
-
-
 def _unpacked_copy(path: str) -> str:
     """The folder, in the cache, holding the plain files of the packed log ``path``; unpacked
     on first use (into a temporary folder renamed into place, so a reader never sees half)."""
@@ -139,7 +134,8 @@ def _unpacked_copy(path: str) -> str:
         if os.path.exists(packed):
             with open(packed, "rb") as f:
                 h.update(name.encode() + f.read())
-    dest = os.path.join(_cache_root(), "logs", h.hexdigest()[:24])
+    from .opencl import _cache_dir  # the project's cache folder (THOMAS_TUNE_CACHE)
+    dest = os.path.join(_cache_dir(), "logs", h.hexdigest()[:24])
     if os.path.isdir(dest):
         return dest
     os.makedirs(os.path.dirname(dest), exist_ok=True)
