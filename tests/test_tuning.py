@@ -251,6 +251,19 @@ def test_gradient_starts_from_the_default_schedule_time():
         PipelinedGradient(max_in_flight=0)
 
 
+def test_resumed_tasks_start_from_their_best_record_and_skip_the_first_round():
+    """A task with records in the resumed tuning log starts from its best record (or its
+    default, where that is faster) and is not owed a first-round batch; only tasks never
+    measured get one, in task order."""
+    from thomas_tune.scheduler import PipelinedGradient
+    s = PipelinedGradient([2.0, 0.5, None, 1.0, None], tuned_ms=[None, 0.3, 0.8, 1.5, None])
+    s._init(5)
+    assert s.history == [[2.0], [0.5, 0.3], [0.8], [1.0, 1.0], []]
+    assert s.first_round[::-1] == [0, 4]
+    # after the first round, a resumed task competes by its gradient: 0.8 * 0.3 / 2 x 10 calls
+    assert s._gradient(1, 10.0) == pytest.approx(0.8 * 0.3 / 2 * 10)
+
+
 def test_builder_processes_run_at_raised_niceness():
     """Candidate builds leave the CPU to timed runs on a machine that does both."""
     from thomas_tune.runner import COMPILE_NICE, Builder

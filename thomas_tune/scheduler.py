@@ -14,6 +14,9 @@ best-latency history h (one entry per joined batch, ms) and weight w_i (calls pe
 ``g_i = w_i * (alpha * (h[-1-W] - h[-1]) / W + (1 - alpha) * h[-1] / len(h))`` with window W.
 The history starts from the task's default-schedule time when one was measured (``--time-share``):
 a record only pays when it beats the default, so the default is the latency to improve on.
+A task that already has records in the tuning log being resumed starts from its best record
+as well and gets no first-round batch: the first round is for tasks never measured, and a
+resumed task is chosen by its gradient like any other.
 """
 
 from __future__ import annotations
@@ -31,7 +34,9 @@ class PipelinedGradient(ms.task_scheduler.PyTaskScheduler):
     """Gradient task scheduler that overlaps search and builds with measurement.
 
     ``default_ms``: per task (in the order of the tuning contexts), its default-schedule time
-    in ms, or None where unknown; ``alpha`` and ``window``: the gradient's parameters
+    in ms, or None where unknown; ``tuned_ms``: likewise, its best record's time in the tuning
+    log being resumed, or None for a task with no record (such tasks alone get a first-round
+    batch); ``alpha`` and ``window``: the gradient's parameters
     (MetaSchedule's defaults, 0.2 and 3); ``max_in_flight``: batches sent to the runner and not
     yet joined (1 gives MetaSchedule's order: search, build, measure, repeat).
     ``phases``: a :class:`thomas_tune.runner.Phases` that gets ``wait_device``: wall seconds
@@ -39,24 +44,36 @@ class PipelinedGradient(ms.task_scheduler.PyTaskScheduler):
     """
 
     def __init__(self, default_ms: list[float | None] | None = None, alpha: float = 0.2,
-                 window: int = 3, max_in_flight: int = 3, seed: int = 0, phases=None):
+                 window: int = 3, max_in_flight: int = 3, seed: int = 0, phases=None,
+                 tuned_ms: list[float | None] | None = None):
         super().__init__()
         if max_in_flight < 1:
             raise ValueError(f"max_in_flight must be at least 1, got {max_in_flight}")
         self.default_ms = list(default_ms or [])
+        self.tuned_ms = list(tuned_ms or [])
         self.alpha, self.window, self.max_in_flight = alpha, window, max_in_flight
         self.rng = random.Random(seed)
         self.phases = phases
         self.history: list[list[float]] | None = None
         self.order: list[int] = []      # task ids sent to the runner, oldest first, not joined
-        self.next_round_robin = 0
+        self.first_round: list[int] = []  # tasks still owed their first batch, in task order
 
     # ---- bookkeeping ----------------------------------------------------------------------
     def _init(self, n: int) -> None:
-        self.history = []
+        def known(values, i):
+            v = values[i] if i < len(values) else None
+            return v if v is not None and math.isfinite(v) and v > 0 else None
+
+        self.history, self.first_round = [], []
         for i in range(n):
-            d = self.default_ms[i] if i < len(self.default_ms) else None
-            self.history.append([d] if d is not None and math.isfinite(d) and d > 0 else [])
+            d, t = known(self.default_ms, i), known(self.tuned_ms, i)
+            h = [d] if d is not None else []
+            if t is not None:
+                h.append(min(t, d) if d is not None else t)
+            else:
+                self.first_round.append(i)
+            self.history.append(h)
+        self.first_round.reverse()  # popped from the end: task order
 
     def _join(self, task_id: int, tasks) -> None:
         """Wait for ``task_id``'s batch; its best latency goes into the history. A task whose
@@ -98,10 +115,10 @@ class PipelinedGradient(ms.task_scheduler.PyTaskScheduler):
         self._join_finished(tasks)
         while len(self.order) >= self.max_in_flight:  # bound the batches in flight
             self._join(self.order[0], tasks)
-        # first, one batch of every task (MetaSchedule's gradient scheduler does the same)
-        while self.next_round_robin < n:
-            task_id = self.next_round_robin
-            self.next_round_robin += 1
+        # first, one batch of every task with no record (MetaSchedule's gradient scheduler gives
+        # one to every task)
+        while self.first_round:
+            task_id = self.first_round.pop()
             if not tasks[task_id].is_terminated:
                 self.order.append(task_id)
                 return task_id

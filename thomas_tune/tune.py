@@ -227,7 +227,8 @@ def tune(tasks: list[Task], target, log: TuningLog, runner: ms.Runner, trials: i
     :class:`thomas_tune.scheduler.PipelinedGradient`, with up to ``max_in_flight`` batches
     measured while the next one is searched and built, and each task's gradient starting from
     its default-schedule time in ``default_s`` (``{workload key: seconds per call}``, from
-    :func:`measure_defaults`) where known. Raises ValueError for
+    :func:`measure_defaults`) where known, and from its best record where ``log`` has one
+    (such a task gets no first-round batch). Raises ValueError for
     an empty task list or a budget smaller than one round over the tasks, and
     :class:`thomas_tune.tuning_log.LogInUse` when another tuner holds ``log``. Failed trials
     are appended with their reason to ``trial_errors.jsonl`` in the log folder.
@@ -251,7 +252,7 @@ def _tune_locked(tasks, target, log, runner, trials, trials_per_iter, builder_wo
     database = log.database()
     report = TuneReport()
     phases = getattr(runner, "phases", None) or Phases()
-    contexts, weights, progress, default_ms = [], [], [], []
+    contexts, weights, progress, default_ms, tuned_ms = [], [], [], [], []
     for i, task in enumerate(tasks):
         measured = log.measured(database, task.mod)
         report.resumed_records += len(measured)
@@ -272,6 +273,8 @@ def _tune_locked(tasks, target, log, runner, trials, trials_per_iter, builder_wo
         weights.append(float(task.weight))
         d = default_s.get(workload_key(task))
         default_ms.append(d * 1e3 if d is not None and math.isfinite(d) else None)
+        best = log.best_seconds(database, task.mod) if measured else None
+        tuned_ms.append(best * 1e3 if best is not None else None)
         progress.append(TaskProgress(task.name, task.flops))
     if not contexts:
         raise ValueError("no task has a search space for this target (see the lines above)")
@@ -297,7 +300,7 @@ def _tune_locked(tasks, target, log, runner, trials, trials_per_iter, builder_wo
             num_trials_per_iter=trials_per_iter, builder=builder, runner=runner,
             database=database, cost_model="xgb", measure_callbacks=callbacks,
             task_scheduler=PipelinedGradient(default_ms, max_in_flight=max_in_flight,
-                                             seed=seed, phases=phases))
+                                             seed=seed, phases=phases, tuned_ms=tuned_ms))
     finally:
         callbacks[-1].bar.close()
         builder.shutdown()

@@ -304,6 +304,14 @@ class TuningLog:
             out.add(tvm_ffi.structural_hash(sch.mod))
         return out
 
+    def best_seconds(self, database: ms.Database, mod) -> float | None:
+        """Mean run time (s) of the fastest record of workload ``mod``, or None if it has none."""
+        if not database.has_workload(mod):
+            return None
+        top = database.get_top_k(database.commit_workload(mod), 1)
+        secs = mean_seconds([None, [float(x) for x in top[0].run_secs]]) if top else math.inf
+        return secs if math.isfinite(secs) else None
+
     def records_per_workload(self, database: ms.Database, mod) -> int:
         """Number of records with a valid run time for workload ``mod``."""
         if not database.has_workload(mod):
