@@ -315,8 +315,10 @@ def test_wide_matmul_gets_a_tiled_default_schedule(target, rng):
 def test_split_reduction_spaces_match_numpy(target, rng):
     """Weight gradients and batch statistics get split-reduction design spaces (the batch loop
     factored out: partial sums, then their sum) besides the plain ones; a variance (two
-    reductions) gets split spaces only. Sampled split candidates build for PoCL and match
-    numpy in float64, twice in a row (the second call reuses the pooled workspace)."""
+    reductions) gets split spaces only. The weight gradient (a contraction) gets tiled and
+    work-group split spaces; the variance's sums (one operand each, beside a per-channel mean)
+    are never tiled. Sampled split candidates build for PoCL and match numpy in float64, twice
+    in a row (the second call reuses the pooled workspace)."""
     n, ci, co, h = 4, 8, 16, 16
     dy = te.placeholder((n, co, h, h), name="dy")
     x = te.placeholder((n, ci, h, h), name="x")
@@ -346,6 +348,8 @@ def test_split_reduction_spaces_match_numpy(target, rng):
         spaces = ctx.generate_design_space()
         split = ["rfactor" in str(sp.trace) for sp in spaces]
         assert any(split) and (all(split) if split_only else not all(split))
+        tiled = ["tiling_structure" in sp.mod.script() for sp, f in zip(spaces, split) if f]
+        assert (not any(tiled)) if split_only else (any(tiled) and not all(tiled))
         ctx.pre_tuning(max_trials=8, num_trials_per_iter=8, design_spaces=spaces)
         cands = [c for c in ctx.generate_measure_candidates() if "rfactor" in str(c.sch.trace)]
         assert cands
