@@ -78,7 +78,10 @@ def test_default_times_are_cached_per_schedule_rules(tmp_path, small_tasks, caps
     target = parse_target("llvm")
     log = TuningLog(str(tmp_path / "log"))
     with rpc.loopback(key="test-cpu", servers=1, lifetime=300) as addr:
-        first = measure_defaults(small_tasks, target, rpc_runner(addr, "test-cpu"), log)
+        # one runner for both measurements: a second one would wait for the one server, which
+        # the first keeps until it is shut down
+        runner = rpc_runner(addr, "test-cpu")
+        first = measure_defaults(small_tasks, target, runner, log)
         assert set(first) == {workload_key(t) for t in small_tasks}
         assert all(0 < v < 1 for v in first.values()), first
         path = os.path.join(log.path, DEFAULT_LATENCY)
@@ -94,7 +97,8 @@ def test_default_times_are_cached_per_schedule_rules(tmp_path, small_tasks, caps
         cached["seconds"] = {one: 123.0, other: 456.0}
         with open(path, "w") as f:
             json.dump(cached, f)
-        again = measure_defaults(small_tasks, target, rpc_runner(addr, "test-cpu"), log)
+        again = measure_defaults(small_tasks, target, runner, log)
+        runner.shutdown()
         assert "1 kernel(s)" in capsys.readouterr().err
         assert 0 < again[one] < 1 and again[other] == 456.0
     with open(path) as f:
