@@ -309,7 +309,7 @@ class TuningLog:
         if not database.has_workload(mod):
             return None
         top = database.get_top_k(database.commit_workload(mod), 1)
-        secs = mean_seconds([None, [float(x) for x in top[0].run_secs]]) if top else math.inf
+        secs = mean_run_seconds(top[0].run_secs) if top else math.inf
         return secs if math.isfinite(secs) else None
 
     def records_per_workload(self, database: ms.Database, mod) -> int:
@@ -473,7 +473,12 @@ def read_log(path: str) -> LogContents:
 
 def mean_seconds(body: list) -> float:
     """Mean run time (s) of a record body; ``inf`` for a failed trial."""
-    secs = [float(s) for s in body[1]]
+    return mean_run_seconds(body[1])
+
+
+def mean_run_seconds(run_secs) -> float:
+    """Mean of a record's run times (s); ``inf`` for a failed trial (none, or FAILED_RUN_S)."""
+    secs = [float(s) for s in run_secs]
     if not secs or max(secs) >= FAILED_RUN_S:
         return math.inf
     return sum(secs) / len(secs)
