@@ -233,6 +233,7 @@ def test_pipelined_scheduler_searches_while_the_device_measures(tmp_path, small_
             seen[in_flight] = runner.pending_at_submit
             split = report.time_split()
             assert split["search"] > 0 and split["build"] > 0 and 0 < split["lanes_busy"] <= 1
+            assert 0 <= split["lanes_idle"] < 1 and 0 < report.cpu_busy <= 1
     assert max(seen[1]) == 0, seen
     assert max(seen[3]) > 0, seen
 
@@ -253,6 +254,51 @@ def test_gradient_starts_from_the_default_schedule_time():
     assert g1 == pytest.approx(0.8 * 2.0 / 3)
     with pytest.raises(ValueError, match="max_in_flight"):
         PipelinedGradient(max_in_flight=0)
+
+
+def test_the_host_joins_the_first_batch_to_finish_not_the_oldest():
+    """With the bound of batches in flight reached, the scheduler waits for whichever batch
+    finishes first: a slow trial in the oldest batch (a long OpenCL build) does not hold the
+    host while later batches are done and the device servers run out of trials. The wait is
+    counted as ``wait_device``."""
+    import threading
+    import types
+
+    from thomas_tune.runner import Phases
+    from thomas_tune.scheduler import PipelinedGradient, finished
+
+    class Future:
+        def __init__(self, done: bool):
+            self.is_done = done
+
+        def done(self) -> bool:
+            return self.is_done
+
+    slow = Future(False)  # the oldest batch's last trial: still out for the whole test
+    late = Future(False)  # the second batch's last trial: comes back after 0.1 s
+    tasks = [types.SimpleNamespace(runner_futures=[Future(True), slow]),
+             types.SimpleNamespace(runner_futures=[Future(True), late]),
+             types.SimpleNamespace(runner_futures=None)]  # a task whose search ended
+    assert finished([0, 1], tasks) == [] and finished([0, 2], tasks) == [2]
+    phases = Phases()
+    s = PipelinedGradient(max_in_flight=2, phases=phases)
+    inst = s._inst
+    joined = []
+
+    def join(task_id, _tasks):  # what MetaSchedule's join would record
+        joined.append(task_id)
+        inst.order.remove(task_id)
+
+    inst._join = join
+    inst.order = [0, 1]
+    timer = threading.Timer(0.1, lambda: setattr(late, "is_done", True))
+    timer.start()
+    try:
+        s._join_first(tasks)
+    finally:
+        timer.cancel()
+    assert joined == [1] and inst.order == [0]
+    assert phases.wall["wait_device"] >= 0.09 and phases.counts["wait_device"] == 1
 
 
 def test_resumed_tasks_start_from_their_best_record_and_skip_the_first_round():

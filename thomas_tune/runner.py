@@ -411,11 +411,15 @@ class _Lane(threading.Thread):
         while not f.stopped:
             item = None
             with f.cond:
+                t_idle = time.perf_counter()
                 while not f.queue and not f.stopped:
                     if not f.cond.wait(timeout=f.idle_close_s) and self.has_session:
                         self._drop()  # idle: free the server for others
                 if f.stopped:
                     break
+                idle = time.perf_counter() - t_idle
+                if idle > 1e-3:  # no trial was waiting for this lane
+                    f.phases.add("run.idle", idle)
             # keep a session young enough that a trial cannot run into its timeout
             if self.has_session and (time.monotonic() - self.opened_at
                                      > f.session_timeout_s - f.trial_limit_s):
@@ -450,6 +454,7 @@ class _Lane(threading.Thread):
                 f.phases.add("run.trial", time.perf_counter() - t0)
                 fut.set(out["costs"], None)
             except TimeoutError:
+                f.phases.add("run.trial", time.perf_counter() - t0)
                 self._drop()
                 what, limit = {"compile": ("the OpenCL program build", f.compile_timeout_s),
                                "lock": ("the wait for the device lock", f.lock_timeout_s),
@@ -459,6 +464,7 @@ class _Lane(threading.Thread):
                 fut.set(None, f"run timed out: {what} took over {limit:g} s on a server of key "
                               f"{f.key!r}; the session was closed and a server requested again")
             except Exception as err:
+                f.phases.add("run.trial", time.perf_counter() - t0)
                 msg = error_line(err)
                 if isinstance(err, ChildProcessError) or not self._alive():
                     self._drop()

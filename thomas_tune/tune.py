@@ -138,6 +138,9 @@ class TuneReport:
     resumed_records: int = 0
     elapsed_s: float = 0.0
     phases: dict = field(default_factory=dict)
+    #: share (0..1) of this machine's CPU time (all cores, all processes) that was busy during
+    #: the run, from ``/proc/stat``; None where the system does not have it
+    cpu_busy: float | None = None
 
     @property
     def trials(self) -> int:
@@ -152,7 +155,9 @@ class TuneReport:
         (evolutionary search), ``build`` (candidate builds), ``wait_device`` (waiting for
         measurements), ``other`` (cost-model updates, records, callbacks: the rest); and
         ``lanes_busy``: the share (0..1) of the device servers' time spent on trials, which
-        run while the host searches and builds (:class:`thomas_tune.scheduler.PipelinedGradient`)."""
+        run while the host searches and builds (:class:`thomas_tune.scheduler.PipelinedGradient`),
+        and ``lanes_idle``: the share they waited with no trial queued for them (the rest is
+        opening sessions)."""
         wall = self.phases.get("wall_s", {})
         busy = self.phases.get("busy_s", {})
         search, build = wall.get("search", 0.0), wall.get("build", 0.0)
@@ -162,6 +167,8 @@ class TuneReport:
                 "wait_device": wait,
                 "other": max(0.0, self.elapsed_s - search - build - wait),
                 "lanes_busy": (busy.get("run.trial", 0.0) / (lanes * self.elapsed_s)
+                               if self.elapsed_s > 0 else 0.0),
+                "lanes_idle": (busy.get("run.idle", 0.0) / (lanes * self.elapsed_s)
                                if self.elapsed_s > 0 else 0.0)}
 
     def as_dict(self) -> dict:
@@ -169,7 +176,8 @@ class TuneReport:
         and per task trials, failures, best time (ms) and GFLOP/s."""
         return {"trials": self.trials, "elapsed_s": self.elapsed_s,
                 "trials_per_s": self.trials_per_s, "split_s": self.time_split(),
-                "phases": self.phases, "resumed_records": self.resumed_records,
+                "phases": self.phases, "cpu_busy": self.cpu_busy,
+                "resumed_records": self.resumed_records,
                 "skipped": self.skipped,
                 "tasks": [{"name": t.name, "trials": t.trials, "errors": t.errors,
                            "best_ms": t.best_s * 1e3 if t.best_s < math.inf else None,
@@ -189,12 +197,30 @@ class TuneReport:
         total = split["total"] or 1.0
         busy = self.phases.get("busy_s", {})
         parts = ", ".join(f"{k} {v:.0f} s ({100 * v / total:.0f}%)" for k, v in split.items()
-                          if k not in ("total", "lanes_busy"))
-        parts += f"; device servers busy {100 * split['lanes_busy']:.0f}% of the time"
+                          if k not in ("total", "lanes_busy", "lanes_idle"))
+        parts += (f"; device servers busy {100 * split['lanes_busy']:.0f}% of the time, idle "
+                  f"with no trial queued {100 * split['lanes_idle']:.0f}%")
+        if self.cpu_busy is not None:
+            parts += f"; this machine's CPUs busy {100 * self.cpu_busy:.0f}%"
         inner = ", ".join(f"{k.split('.', 1)[1]} {v:.1f}" for k, v in sorted(busy.items())
-                          if k.startswith("run.") and k != "run.trial")
+                          if k.startswith("run.") and k not in ("run.trial", "run.idle"))
         return (f"{self.trials} trials in {split['total']:.0f} s = {self.trials_per_s:.2f} "
                 f"trials/s; {parts}; per-trial device-side seconds summed: {inner}")
+
+
+def cpu_jiffies() -> tuple[int, int] | None:
+    """(busy, total) CPU time of this machine since boot, all cores together, in clock ticks
+    (``/proc/stat``'s first line; idle and iowait count as not busy; proc(5)); None where the
+    file cannot be read (not Linux)."""
+    try:
+        with open("/proc/stat") as f:
+            fields = f.readline().split()
+    except OSError:
+        return None
+    if not fields or fields[0] != "cpu":
+        return None
+    ticks = [int(x) for x in fields[1:8]]  # user nice system idle iowait irq softirq
+    return sum(ticks) - ticks[3] - ticks[4], sum(ticks)
 
 
 def rpc_runner(tracker: tuple[str, int], key: str, servers: int | None = None,
@@ -281,10 +307,18 @@ def _tune_locked(tasks, target, log, runner, trials, trials_per_iter, builder_wo
     report.tasks = progress
     t0 = time.perf_counter()
     last_write = [t0]
+    cpu0 = cpu_jiffies()
+
+    def cpu_share() -> float | None:
+        now = cpu_jiffies()
+        if cpu0 is None or now is None or now[1] <= cpu0[1]:
+            return None
+        return (now[0] - cpu0[0]) / (now[1] - cpu0[1])
 
     def tick() -> None:
         now = time.perf_counter()
         report.elapsed_s, report.phases = now - t0, phases.as_dict()
+        report.cpu_busy = cpu_share()
         if stats_path and now - last_write[0] >= stats_every_s:
             report.write(stats_path)
             last_write[0] = now
@@ -308,6 +342,7 @@ def _tune_locked(tasks, target, log, runner, trials, trials_per_iter, builder_wo
             runner.shutdown()
     report.elapsed_s = time.perf_counter() - t0
     report.phases = phases.as_dict()
+    report.cpu_busy = cpu_share()
     report.skipped = sum(c.search_strategy.skipped for c in contexts
                          if isinstance(c.search_strategy, ResumingSearch))
     if stats_path:
