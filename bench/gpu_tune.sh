@@ -15,7 +15,8 @@
 #   py      python3 with the arguments that follow, in this set-up's environment
 #   bench   'thomas-tune bench' with the arguments that follow (result JSON and PNG -> $OUT);
 #           sets up first on a fresh machine (carry .devcarry/last there)
-# Environment: JOBS (default: every job in bench/gpu_jobs.txt), SERVERS (8), TRIALS (20000).
+# Environment: JOBS (default: every job in bench/gpu_jobs.txt), SERVERS (8), TRIALS (20000),
+# TUNE_ARGS (options added after the job's own, which they override: e.g. "--match NAME").
 # The machine goes back 30 s after a call ends: keep calling (e.g. 'watch', under the 10-minute
 # limit of one call) for as long as the jobs should run; a later lease resumes from the logs
 # that came back: copy their two database files and trial_errors.jsonl under tuning_logs/h100/
@@ -94,7 +95,7 @@ start_jobs() {
     log=$TT/logs/$name
     committed_log $name
     echo "$name: starting ($args)"
-    setsid nohup $PY tune $args --tracker 127.0.0.1:$PORT --key $KEY --log $log \
+    setsid nohup $PY tune $args ${TUNE_ARGS:-} --tracker 127.0.0.1:$PORT --key $KEY --log $log \
       --stats $TT/out/$name.stats.json --trials ${TRIALS:-20000} \
       > $TT/out/$name.out 2>&1 < /dev/null &
   done

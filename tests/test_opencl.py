@@ -359,6 +359,52 @@ def test_split_reduction_spaces_match_numpy(target, rng):
             np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max())
 
 
+def test_strided_data_gradient_gets_direct_tiling_that_matches_numpy(target, rng):
+    """The data gradient of a stride-2 depthwise convolution reads the output gradient at
+    ``(h + pad - kh) // 2``: besides the spaces that stage operands in shared memory, it gets
+    multi-level tiling spaces that stage nothing (schedules.Tiling); a sampled candidate of
+    those builds for PoCL and matches numpy in float64. The stride-1 gradient (affine reads)
+    gets no such space."""
+    from thomas_tune.gradients import depthwise_data_grad_te
+    from thomas_tune.schedules import strided_read
+
+    n, c, h, k = 2, 8, 16, 3
+    spaces_of = {}
+    for stride in (2, 1):
+        oh = (h + 2 - k) // stride + 1
+        dy = te.placeholder((n, c, oh, oh), name="dy")
+        w = te.placeholder((c, 1, k, k), name="w")
+        dx = depthwise_data_grad_te(dy, w, (h, h), (stride, stride), (1, 1, 1, 1), (1, 1))
+        mod = _func(dy, w, dx)
+        sch = tvm.s_tir.Schedule(mod)
+        assert strided_read(sch.get(sch.get_sblock("depthwise_data_grad"))) == (stride == 2)
+        ctx = ms.TuneContext(mod=mod, target=target, space_generator=space_generator(target),
+                             task_name="dgrad", num_threads=1,
+                             search_strategy=ms.search_strategy.ReplayTrace())
+        spaces = ctx.generate_design_space()
+        direct = [sp for sp in spaces if "tiling_structure" in sp.mod.script()
+                  and '"shared"' not in str(sp.trace)]
+        spaces_of[stride] = (ctx, spaces, direct, oh)
+    assert spaces_of[2][2] and not spaces_of[1][2]
+    ctx, _, direct, oh = spaces_of[2]
+    ctx.pre_tuning(max_trials=8, num_trials_per_iter=8, design_spaces=direct)
+    cands = ctx.generate_measure_candidates()
+    assert cands
+    dyn, wn = rng.standard_normal((n, c, oh, oh)), rng.standard_normal((c, 1, k, k))
+    d64, w64 = (a.astype("float32").astype("float64") for a in (dyn, wn))
+    ref = np.zeros((n, c, h, h))
+    for kh in range(k):  # output row i reads input row 2i - 1 + kh (padding 1)
+        for kw in range(k):
+            for i in range(oh):
+                for j in range(oh):
+                    y, x = 2 * i - 1 + kh, 2 * j - 1 + kw
+                    if 0 <= y < h and 0 <= x < h:
+                        ref[:, :, y, x] += d64[:, :, i, j] * w64[None, :, 0, kh, kw]
+    for cand in cands[:2]:
+        got = _run(cand.sch.mod, target, [dyn, wn], (n, c, h, h))
+        np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+
+
 def test_low_priority_build_compiles_at_raised_niceness(target):
     """Device servers compile candidates' OpenCL programs on a thread of niceness +COMPILE_NICE
     (so that they leave the CPU to another server's timed run); build errors reach the caller,

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import signal
 import sys
 import tempfile
@@ -173,11 +174,21 @@ def cmd_tune(args) -> int:
     model, _, _ = _model(args)
     target = parse_target(args.target, args.host)
     cross_compiler(target)  # a missing or wrong cross compiler fails before any work
+    try:
+        pattern = re.compile(args.match) if args.match else None
+    except re.error as err:
+        raise ValueError(f"--match {args.match!r} is not a regular expression ({err})") from None
     tracker = rpc.parse_address(args.tracker)
     rpc.wait_for_key(tracker, args.key, timeout=args.wait)
     check_device(tracker, args.key, target, timeout=args.wait)  # loads code linked here
     free = rpc.wait_for_key(tracker, args.key, timeout=args.wait)
     everything = extract(_graphs(args, model), target)
+    pool = everything
+    if pattern is not None:
+        pool = [t for t in everything if pattern.search(t.name)]
+        if not pool:
+            raise ValueError(f"no task name matches --match {args.match!r}; 'thomas-tune tasks' "
+                             "with the same model options lists them")
     log = TuningLog(args.log or _default_log(args, model, args.key))
     log.require_writable()  # before minutes of default-schedule timing
     _STOP["log"] = log  # what a stop by signal reports
@@ -196,13 +207,13 @@ def cmd_tune(args) -> int:
         print(f"default schedules: {len(everything)} kernels sum to {step_ms:.1f} ms per "
               f"pass of all graphs ({failed} failed to run); measured in "
               f"{time.perf_counter() - t0:.0f} s, cached in {log.path}", flush=True)
-        tasks = select_by_time(select(everything, top=None, flops_share=None, skip_empty=False),
+        tasks = select_by_time(select(pool, top=None, flops_share=None, skip_empty=False),
                                latency, args.time_share)
         if args.top:
             tasks = tasks[:args.top]
     else:
         from .tune import read_default_times, workload_key
-        tasks = select(everything, top=args.top, flops_share=args.flops_share)
+        tasks = select(pool, top=args.top, flops_share=args.flops_share)
         # cached by an earlier --time-share
         latency = read_default_times(log.path, target, {workload_key(t): t.mod for t in tasks})
     print(summary(tasks, sum(t.total_flops for t in everything)), flush=True)
@@ -595,6 +606,8 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--trials-per-iter", type=int, default=8,
                    help="candidates measured per task per round (default 8)")
     s.add_argument("--top", type=int, help="tune only the N tasks with the most FLOPs")
+    s.add_argument("--match", help="choose among the tasks whose name matches this regular "
+                   "expression only (Python re.search; the other options select among them)")
     s.add_argument("--flops-share", type=float,
                    help="tune the fewest largest tasks covering this share of FLOPs")
     s.add_argument("--time-share", type=float,
