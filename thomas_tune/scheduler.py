@@ -8,8 +8,9 @@ device works on earlier batches while the host searches and builds the next one:
 :class:`PipelinedGradient` keeps up to ``max_in_flight`` batches sent to the runner and, when
 that bound is reached or every live task has a batch out, waits for whichever batch finishes
 first and joins it. (Joining the oldest batch instead let one slow trial in it, such as a 20 s
-OpenCL build, hold the host while the other servers ran out of trials: on the H100 the servers
-were busy 60-68% of the time in runs of 12 servers and 4 batches in flight.)
+OpenCL build, hold the host while the other servers ran out of trials: on the H100, with 12
+servers and 4 batches in flight, the servers were busy 60-68% of the time and the host waited
+for them 39-41% of it; joining the first to finish, 87% and 9%, README's tenth run.)
 
 Task choice follows the same gradient as MetaSchedule's ``GradientBased``: for task i with
 best-latency history h (one entry per joined batch, ms) and weight w_i (calls per step),
