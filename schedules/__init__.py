@@ -25,28 +25,17 @@ def _thread_extents(max_threads: int) -> list[int]:
     return [t for t in (16, 32, 64, 128, 256, 512, 1024) if t <= max_threads] or [max_threads]
 
 
-def _tiling() -> ms.ScheduleRule:
+def _tiling(staged: bool = True) -> ms.ScheduleRule:
     """Multi-level tiling with shared-memory reuse (structure SSSRRSRS, Zheng et al. 2020
-    "Ansor", section 4.1)."""
+    "Ansor", section 4.1); with ``staged`` False, no operand is staged in shared memory
+    (results still gather in registers)."""
     return ms.schedule_rule.MultiLevelTiling(
         structure="SSSRRSRS",
         tile_binds=["blockIdx.x", "vthread.x", "threadIdx.x"],
         max_innermost_factor=64,
         vector_load_lens=[1, 2, 3, 4, 8, 16],
-        reuse_read=ms.schedule_rule.ReuseType(req="must", levels=[4], scope="shared"),
-        reuse_write=ms.schedule_rule.ReuseType(req="must", levels=[3], scope="local"),
-    )
-
-
-def _direct_tiling() -> ms.ScheduleRule:
-    """Multi-level tiling as :func:`_tiling`, with no operand staged in shared memory (results
-    still gather in registers)."""
-    return ms.schedule_rule.MultiLevelTiling(
-        structure="SSSRRSRS",
-        tile_binds=["blockIdx.x", "vthread.x", "threadIdx.x"],
-        max_innermost_factor=64,
-        vector_load_lens=[1, 2, 3, 4, 8, 16],
-        reuse_read=None,
+        reuse_read=(ms.schedule_rule.ReuseType(req="must", levels=[4], scope="shared")
+                    if staged else None),
         reuse_write=ms.schedule_rule.ReuseType(req="must", levels=[3], scope="local"),
     )
 
@@ -67,18 +56,18 @@ class Tiling(ms.schedule_rule.PyScheduleRule):
 
     def __init__(self):
         super().__init__()
-        self._staged, self._direct = _tiling(), _direct_tiling()
+        self._staged, self._direct = _tiling(), _tiling(staged=False)
 
     def _initialize_with_tune_context(self, context) -> None:
         self._staged._initialize_with_tune_context(context)
         self._direct._initialize_with_tune_context(context)
 
     def apply(self, sch, block):
-        spaces = list(self._staged.apply(sch.copy(), block))
-        if strided_read(sch.get(block)):
-            spaces += [s for s in self._direct.apply(sch.copy(), block)
-                       if "meta_schedule.tiling_structure" in s.get(block).annotations]
-        return spaces or [sch]
+        direct = []
+        if strided_read(sch.get(block)):  # (on a copy: the staged rule may change ``sch``)
+            direct = [s for s in self._direct.apply(sch.copy(), block)
+                      if "meta_schedule.tiling_structure" in s.get(block).annotations]
+        return [*self._staged.apply(sch, block), *direct]
 
     def clone(self) -> "Tiling":
         return Tiling()
@@ -93,8 +82,7 @@ def strided_read(block) -> bool:
     found = []
 
     def visit(node) -> None:
-        used = tvm.tirx.analysis.undefined_vars(node, [])
-        if any(u.same_as(v) for u in used for v in iters):
+        if _uses(node, iters):
             found.append(node)
 
     for region in block.reads:
@@ -398,12 +386,16 @@ def _contraction(block) -> bool:
     matmul or a convolution's weight gradient, as opposed to a plain sum of one operand)."""
     reduce_vars = [iv.var for iv in block.iter_vars
                    if iv.iter_type == tvm.tirx.IterVar.CommReduce]
-    indexed = 0
-    for region in block.reads:
-        used = [v for r in region.region for v in tvm.tirx.analysis.undefined_vars(r.min, [])]
-        if any(u.same_as(v) for u in used for v in reduce_vars):
-            indexed += 1
+    indexed = sum(1 for region in block.reads
+                  if any(_uses(r.min, reduce_vars) for r in region.region))
     return indexed >= 2
+
+
+def _uses(expr, variables) -> bool:
+    """Whether TIR expression ``expr`` refers to one of ``variables`` (compared by identity:
+    ``==`` on TIR variables builds an expression)."""
+    used = tvm.tirx.analysis.undefined_vars(expr, [])
+    return any(u.same_as(v) for u in used for v in variables)
 
 
 def _reduction_blocks(func: tvm.tirx.PrimFunc) -> list:

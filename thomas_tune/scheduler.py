@@ -110,12 +110,10 @@ class PipelinedGradient(ms.task_scheduler.PyTaskScheduler):
         h = self.history[task_id]
         h.append(min(best, h[-1]) if h else best)
 
-    def _join_finished(self, tasks) -> int:
-        """Join every batch whose trials have all come back; returns how many were joined."""
-        done = finished(self.order, tasks)
-        for task_id in done:
+    def _join_finished(self, tasks) -> None:
+        """Join every batch whose trials have all come back."""
+        for task_id in finished(self.order, tasks):
             self._join(task_id, tasks)
-        return len(done)
 
     def _join_first(self, tasks) -> None:
         """Wait until at least one batch in flight has all its results, and join those that
