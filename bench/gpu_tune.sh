@@ -12,6 +12,9 @@
 #   remeasure  set up, start tracker and servers, then time each job's default schedules and
 #           its logs' best records again ('thomas-tune remeasure --defaults'), one job after
 #           another, in the background; then watch (logs come back with status)
+#   compile-cost  set up, then time TVM's build, the driver's compile and the run of records of
+#           the first job's log as recorded and with less unrolling (bench/compile_cost.py, its
+#           options in CC_ARGS), in the background; its output is $TT/out/JOB.compile_cost.*
 #   py      python3 with the arguments that follow, in this set-up's environment
 #   bench   'thomas-tune bench' with the arguments that follow (result JSON and PNG -> $OUT);
 #           sets up first on a fresh machine (carry .devcarry/last there)
@@ -117,6 +120,15 @@ start_remeasure() {
   echo "remeasuring: $(grep -c remeasure $script) job(s), one after another"
 }
 
+start_compile_cost() {
+  local name; name=$(jobs_list | head -1 | cut -d' ' -f1)
+  committed_log $name
+  mkdir -p $TT/out && cp bench/compile_cost.py $TT/compile_cost.py
+  setsid nohup python3 -P $TT/compile_cost.py --log $TT/logs/$name --target bench/h100_opencl.json \
+    ${CC_ARGS:-} --out $TT/out/$name.compile_cost.json > $TT/out/$name.compile_cost.txt 2>&1 < /dev/null &
+  echo "compile_cost: started on $name"
+}
+
 status() {
   for f in $TT/out/*.out; do
     [ -e "$f" ] || continue
@@ -151,6 +163,7 @@ case "${1:-status}" in
   watch) watch ;;
   setup) setup ;;
   remeasure) setup && start_services && start_remeasure && watch ;;
+  compile-cost) setup && start_compile_cost ;;
   bench) shift; setup >/dev/null || exit $?; mkdir -p $TT/bench; $PY bench --work $TT/bench "$@" --json ${OUT:-$TT}/bench.json ;;
   py) shift; python3 -P "$@" ;;   # a script with the set-up's environment (bench/step_split.py)
   stop) pkill -f "remeasure.sh" ; pkill -f "thomas_tune.cli (tune|remeasure)" ; pkill -f "thomas_tune.cli rpc" ; status ;;

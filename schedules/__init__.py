@@ -21,6 +21,54 @@ from tvm.s_tir import meta_schedule as ms
 from .matmul_tiles import tiled_spaces
 
 
+#: The maximum numbers of unrolled steps the search chooses among for a GPU kernel
+#: (MetaSchedule's ``ParallelizeVectorizeUnroll``; loops are unrolled explicitly in the OpenCL C
+#: source). On the H100 (``bench/compile_cost.py``, 48 AlexNet records, README "Eleventh run"),
+#: limiting them to 64 cut TVM's build 3.2x and NVIDIA's compile 3.5x per candidate, and made
+#: kernels 1.11x slower in the geometric mean (1.20x for each workload's best record).
+UNROLL_STEPS = (0, 16, 64, 512, 1024)
+
+
+def unroll_steps(max_unroll: int | None = None) -> list[int]:
+    """The choices of :data:`UNROLL_STEPS` up to ``max_unroll`` (all for None). Raises
+    ValueError for a negative ``max_unroll``."""
+    if max_unroll is None:
+        return list(UNROLL_STEPS)
+    if max_unroll < 0:
+        raise ValueError(f"max_unroll {max_unroll} is negative; give 0 (no unrolling) or more, "
+                         f"e.g. one of {UNROLL_STEPS}")
+    return [s for s in UNROLL_STEPS if s <= max_unroll]
+
+
+def with_unroll(trace_json, step: int):
+    """A record's trace (JSON form ``[instructions, decisions]``) with its sampled unroll
+    limit set to ``step`` (one of :data:`UNROLL_STEPS`), the choice widened to all of them and
+    the postprocessing instructions dropped (apply it, then the postprocessors, to get the
+    schedule). None when the trace has no sampled unroll limit (the enumerated matmul tilings
+    fix theirs) or its limit is ``step`` already."""
+    import json
+
+    if step not in UNROLL_STEPS:
+        raise ValueError(f"unroll step {step} is not one of {UNROLL_STEPS}")
+    insts, decisions = json.loads(json.dumps(trace_json))
+    end = next((i for i, ins in enumerate(insts) if ins[0] == "EnterPostproc"), len(insts))
+    insts = insts[:end]
+    var = next((ins[1][1] for ins in insts if ins[0] == "Annotate" and ins[2]
+                and ins[2][0] == "meta_schedule.unroll_explicit"), None)
+    where = next((i for i, ins in enumerate(insts)
+                  if ins[0] == "SampleCategorical" and ins[3] == [var]), None)
+    if var is None or where is None:
+        return None
+    chosen = dict(decisions).get(where)
+    if chosen is not None and insts[where][2][0][chosen] == step:
+        return None
+    choices = list(UNROLL_STEPS)
+    insts[where][2] = [choices, [1.0 / len(choices)] * len(choices)]
+    decisions = [[i, d] for i, d in decisions if i < end and i != where]
+    decisions.append([where, choices.index(step)])
+    return [insts, decisions]
+
+
 def _thread_extents(max_threads: int) -> list[int]:
     return [t for t in (16, 32, 64, 128, 256, 512, 1024) if t <= max_threads] or [max_threads]
 
@@ -101,11 +149,12 @@ def _inline() -> ms.ScheduleRule:
         disallow_op=None)
 
 
-def gpu_rules(target: tvm.target.Target) -> list[ms.ScheduleRule]:
+def gpu_rules(target: tvm.target.Target, max_unroll: int | None = None
+              ) -> list[ms.ScheduleRule]:
     """Schedule rules for an OpenCL/CUDA-like target: inlining, split reductions
     (:class:`SplitReduction`), cross-thread reduction, multi-level tiling with shared-memory
     reuse (and without, for strided reads: :class:`Tiling`) and auto-binding, with thread
-    extents capped by the target."""
+    extents capped by the target, and unroll limits of :func:`unroll_steps` (``max_unroll``)."""
     max_threads = int(target.attrs.get("max_threads_per_block", 256))
     extents = _thread_extents(max_threads)
     return [
@@ -118,7 +167,7 @@ def gpu_rules(target: tvm.target.Target) -> list[ms.ScheduleRule]:
         _inline(),
         ms.schedule_rule.ParallelizeVectorizeUnroll(
             max_jobs_per_core=-1, max_vectorize_extent=-1,
-            unroll_max_steps=[0, 16, 64, 512, 1024], unroll_explicit=True),
+            unroll_max_steps=unroll_steps(max_unroll), unroll_explicit=True),
         ms.schedule_rule.AutoBind(max_threadblocks=256, thread_extents=extents),
     ]
 
@@ -261,14 +310,16 @@ def gpu_mutators() -> dict[ms.Mutator, float]:
     }
 
 
-def space_generator(target: tvm.target.Target) -> ms.SpaceGenerator:
+def space_generator(target: tvm.target.Target, max_unroll: int | None = None
+                    ) -> ms.SpaceGenerator:
     """The design-space generator for ``target``: on CPUs MetaSchedule's own; on GPUs the
-    post-order application of the rules above, and beside it one space per tiling of
+    post-order application of the rules above (unroll limits up to ``max_unroll``, see
+    :func:`unroll_steps`), and beside it one space per tiling of
     :func:`matmul_tiles.tiled_spaces` for kernels that are matmuls once regrouped."""
     if target.kind.name == "llvm":
         return ms.space_generator.PostOrderApply(sch_rules="llvm", postprocs="llvm",
                                                  mutator_probs="llvm")
-    rules = ms.space_generator.PostOrderApply(sch_rules=gpu_rules(target),
+    rules = ms.space_generator.PostOrderApply(sch_rules=gpu_rules(target, max_unroll),
                                               postprocs=gpu_postprocs(),
                                               mutator_probs=gpu_mutators())
     tiles = ms.space_generator.ScheduleFn(lambda sch: tiled_spaces(sch, target), sch_rules=[],

@@ -480,3 +480,55 @@ def test_matmul_tile_spaces_match_numpy(target, rng):
     a = te.placeholder((64, 64), name="a")
     assert mt.matmul_extents(te.create_prim_func(
         [a, te.compute((64, 64), lambda i, j: a[i, j] + 1.0, name="b")])) is None
+
+
+def test_unroll_refinement_gives_the_best_records_larger_limits(tmp_path, target, rng):
+    """With ``max_unroll`` 16 the search samples unroll limits of 0 or 16 only; afterwards the
+    best record is measured again with 64, 512 and 1024 (``refine_unroll``), each as a record of
+    its own whose trace replays to that limit, builds for PoCL and matches numpy in float64.
+    A record without a sampled limit, or with the asked one already, gets no variant."""
+    import json
+
+    from thomas_tune.schedules import with_unroll
+    from thomas_tune.tasks import Task
+    from thomas_tune.tune import rpc_runner, tune
+    from thomas_tune.tuning_log import TuningLog
+
+    n = 64
+    a = te.placeholder((n, n), name="A")
+    b = te.placeholder((n, n), name="B")
+    k = te.reduce_axis((0, n), name="k")
+    c = te.compute((n, n), lambda i, j: te.sum(a[i, k] * b[k, j], axis=k), name="C")
+    task = Task("matmul", _func(a, b, c), 2.0 * n ** 3, {"infer": 1})
+    log = TuningLog(str(tmp_path / "log"))
+    with rpc.loopback(key="pocl", servers=1, lifetime=600) as addr:
+        report = tune([task], target, log, rpc_runner(addr, "pocl"), trials=4,
+                      trials_per_iter=2, population=16, show_progress=False, max_unroll=16,
+                      refine_top=1)
+    with open(log.record_path) as f:
+        bodies = [json.loads(line)[1] for line in f if line.strip()]
+
+    def limit(body):  # the sampled unroll limit of a record's trace (None: not sampled)
+        insts, decisions = body[0]
+        var = next((i[1][1] for i in insts if i[0] == "Annotate"
+                    and i[2] == ["meta_schedule.unroll_explicit"]), None)
+        at = next((j for j, i in enumerate(insts)
+                   if i[0] == "SampleCategorical" and i[3] == [var]), None)
+        return None if at is None else insts[at][2][0][dict(decisions)[at]]
+
+    searched, refined = bodies[:4], bodies[4:]
+    assert report.trials == 4 + len(refined)
+    assert {limit(b) for b in searched} <= {0, 16, None}
+    assert report.refined["measured"] == len(refined) == 3, report.refined
+    assert sorted(limit(b) for b in refined) == [64, 512, 1024]
+    best = min(searched, key=lambda b: sum(b[1]) / len(b[1]))
+    assert with_unroll(best[0], limit(best)) is None
+    database = log.database()
+    an, bn = rng.standard_normal((n, n)), rng.standard_normal((n, n))
+    ref = an.astype("float32").astype("float64") @ bn.astype("float32").astype("float64")
+    for rec in database.get_all_tuning_records()[4:]:
+        sch = tvm.s_tir.Schedule(task.mod)
+        rec.trace.apply_to_schedule(sch, remove_postproc=False)
+        assert f'"pragma_auto_unroll_max_step": {limit(rec.as_json())}' in sch.mod.script()
+        got = _run(sch.mod, target, [an, bn], (n, n))
+        np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())

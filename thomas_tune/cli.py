@@ -178,6 +178,12 @@ def cmd_tune(args) -> int:
         pattern = re.compile(args.match) if args.match else None
     except re.error as err:
         raise ValueError(f"--match {args.match!r} is not a regular expression ({err})") from None
+    if args.max_unroll is not None and args.max_unroll < 0:
+        raise ValueError(f"--max-unroll {args.max_unroll} is negative; give 0 (no unrolling) "
+                         "or a limit such as 64, or leave it out for all limits")
+    if args.refine_top < 0:
+        raise ValueError(f"--refine-top {args.refine_top} is negative; give 0 (no refinement) "
+                         "or more")
     tracker = rpc.parse_address(args.tracker)
     rpc.wait_for_key(tracker, args.key, timeout=args.wait)
     check_device(tracker, args.key, target, timeout=args.wait)  # loads code linked here
@@ -225,7 +231,8 @@ def cmd_tune(args) -> int:
                       trials_per_iter=args.trials_per_iter, seed=args.seed,
                       population=args.population, builder_workers=args.build_workers,
                       stats_path=args.stats, default_s=latency,
-                      max_in_flight=args.in_flight)
+                      max_in_flight=args.in_flight, max_unroll=args.max_unroll,
+                      refine_top=args.refine_top)
     except BaseException:
         if "signal" not in _STOP:  # stopped by SIGINT/SIGTERM: one line, not a traceback
             raise
@@ -633,6 +640,13 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--in-flight", type=int, default=3,
                    help="batches measured while the next is searched and built (default 3; "
                         "1: search, build and measure take turns)")
+    s.add_argument("--max-unroll", type=int,
+                   help="largest unroll limit the search chooses on GPUs (of 0, 16, 64, 512, "
+                        "1024; default: all): smaller candidates build and compile faster; "
+                        "the best records then get the larger limits (--refine-top)")
+    s.add_argument("--refine-top", type=int, default=2,
+                   help="with --max-unroll: best records per task measured again with each "
+                        "larger unroll limit after the search (default 2; 0: none)")
     s.add_argument("--stats", help="write trials/s and the time split as JSON here (every "
                    "30 s while tuning, and at the end)")
     s.add_argument("--seed", type=int, default=0)

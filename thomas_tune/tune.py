@@ -23,7 +23,7 @@ from tvm.s_tir import meta_schedule as ms
 from tvm.ir.utils import derived_object
 
 from .runner import Builder, FarmRunner, Phases, error_line
-from .schedules import space_generator
+from .schedules import UNROLL_STEPS, space_generator, unroll_steps, with_unroll
 from .tasks import Task
 from .tuning_log import FAILED_RUN_S, TrialErrors, TuningLog
 
@@ -141,6 +141,9 @@ class TuneReport:
     #: share (0..1) of this machine's CPU time (all cores, all processes) that was busy during
     #: the run, from ``/proc/stat``; None where the system does not have it
     cpu_busy: float | None = None
+    #: the unroll refinement after the search (:func:`refine_unroll`): candidates measured,
+    #: failed, better than their task's best before it, and its wall seconds
+    refined: dict = field(default_factory=dict)
 
     @property
     def trials(self) -> int:
@@ -176,7 +179,7 @@ class TuneReport:
         and per task trials, failures, best time (ms) and GFLOP/s."""
         return {"trials": self.trials, "elapsed_s": self.elapsed_s,
                 "trials_per_s": self.trials_per_s, "split_s": self.time_split(),
-                "phases": self.phases, "cpu_busy": self.cpu_busy,
+                "phases": self.phases, "cpu_busy": self.cpu_busy, "refined": self.refined,
                 "resumed_records": self.resumed_records,
                 "skipped": self.skipped,
                 "tasks": [{"name": t.name, "trials": t.trials, "errors": t.errors,
@@ -241,7 +244,8 @@ def tune(tasks: list[Task], target, log: TuningLog, runner: ms.Runner, trials: i
          trials_per_iter: int = 8, builder_workers: int | None = None, seed: int = 0,
          population: int = 128, show_progress: bool = True, stats_path: str | None = None,
          stats_every_s: float = 30.0, default_s: dict[str, float] | None = None,
-         max_in_flight: int = 3) -> TuneReport:
+         max_in_flight: int = 3, max_unroll: int | None = None,
+         refine_top: int = 2) -> TuneReport:
     """Tune ``tasks`` for ``target`` with ``trials`` measurements in all, appending to ``log``.
 
     The gradient task scheduler (Zheng et al. 2020, "Ansor", section 6) spends the budget where
@@ -254,31 +258,41 @@ def tune(tasks: list[Task], target, log: TuningLog, runner: ms.Runner, trials: i
     measured while the next one is searched and built, and each task's gradient starting from
     its default-schedule time in ``default_s`` (``{workload key: seconds per call}``, from
     :func:`measure_defaults`) where known, and from its best record where ``log`` has one
-    (such a task gets no first-round batch). Raises ValueError for
+    (such a task gets no first-round batch). ``max_unroll`` limits the unrolled steps the
+    search chooses among (:func:`thomas_tune.schedules.unroll_steps`; None: all of
+    :data:`~thomas_tune.schedules.UNROLL_STEPS`): candidates build and compile faster. Where it
+    leaves larger steps out, the ``refine_top`` best records of each task are measured again
+    with each larger step after the search (:func:`refine_unroll`; these trials come on top of
+    ``trials``). Raises ValueError for
     an empty task list or a budget smaller than one round over the tasks, and
     :class:`thomas_tune.tuning_log.LogInUse` when another tuner holds ``log``. Failed trials
     are appended with their reason to ``trial_errors.jsonl`` in the log folder.
     """
     if not tasks:
         raise ValueError("no task to tune")
+    unroll_steps(max_unroll)  # a negative limit fails here, before the log is locked
+    if refine_top < 0:
+        raise ValueError(f"refine_top {refine_top} is negative; give 0 (no refinement) or more")
     if trials < len(tasks):
         raise ValueError(f"--trials {trials} is below one trial per task ({len(tasks)} tasks); "
                          "raise --trials or tune fewer tasks (--top)")
     with log.lock("tuning"):  # one tuner per log: a second one is refused (LogInUse)
         return _tune_locked(tasks, target, log, runner, trials, trials_per_iter,
                             builder_workers, seed, population, show_progress, stats_path,
-                            stats_every_s, default_s or {}, max_in_flight)
+                            stats_every_s, default_s or {}, max_in_flight, max_unroll,
+                            refine_top)
 
 
 def _tune_locked(tasks, target, log, runner, trials, trials_per_iter, builder_workers, seed,
                  population, show_progress, stats_path, stats_every_s, default_s,
-                 max_in_flight) -> TuneReport:
+                 max_in_flight, max_unroll, refine_top) -> TuneReport:
     from .scheduler import PipelinedGradient
 
     database = log.database()
     report = TuneReport()
     phases = getattr(runner, "phases", None) or Phases()
     contexts, weights, progress, default_ms, tuned_ms = [], [], [], [], []
+    errors = TrialErrors(log, [t.name for t in tasks])
     for i, task in enumerate(tasks):
         measured = log.measured(database, task.mod)
         report.resumed_records += len(measured)
@@ -286,7 +300,7 @@ def _tune_locked(tasks, target, log, runner, trials, trials_per_iter, builder_wo
                                   init_min_unmeasured=max(8, population // 4),
                                   genetic_num_iters=2)
         ctx = ms.TuneContext(
-            mod=task.mod, target=target, space_generator=space_generator(target),
+            mod=task.mod, target=target, space_generator=space_generator(target, max_unroll),
             search_strategy=strategy, task_name=task.name, rand_state=seed + i,
             num_threads=max(1, os.cpu_count() or 1)).clone()
         try:  # a rule that fails on this kernel would otherwise stop the whole run
@@ -323,8 +337,7 @@ def _tune_locked(tasks, target, log, runner, trials, trials_per_iter, builder_wo
             report.write(stats_path)
             last_write[0] = now
 
-    callbacks = [*ms.measure_callback.MeasureCallback.create("default"),
-                 TrialErrors(log, [t.name for t in tasks]),
+    callbacks = [*ms.measure_callback.MeasureCallback.create("default"), errors,
                  Progress(progress, trials, disable=not show_progress, tick=tick)]
     builder = Builder(max_workers=builder_workers or max(1, (os.cpu_count() or 2)),
                       timeout_s=60, phases=phases)
@@ -335,6 +348,16 @@ def _tune_locked(tasks, target, log, runner, trials, trials_per_iter, builder_wo
             database=database, cost_model="xgb", measure_callbacks=callbacks,
             task_scheduler=PipelinedGradient(default_ms, max_in_flight=max_in_flight,
                                              seed=seed, phases=phases, tuned_ms=tuned_ms))
+        larger = [s for s in UNROLL_STEPS if s not in unroll_steps(max_unroll)]
+        if larger and refine_top > 0:
+            report.refined = refine_unroll(contexts, progress, database, target, runner,
+                                           builder, larger, refine_top, errors)
+            if show_progress:
+                r = report.refined
+                print(f"unroll refinement: {r['measured']} candidates with unroll steps "
+                      f"{larger} measured in {r['seconds']:.0f} s ({r['failed']} failed); "
+                      f"{r['better']} task(s) got a faster best record", file=sys.stderr,
+                      flush=True)
     finally:
         callbacks[-1].bar.close()
         builder.shutdown()
@@ -348,6 +371,77 @@ def _tune_locked(tasks, target, log, runner, trials, trials_per_iter, builder_wo
     if stats_path:
         report.write(stats_path)
     return report
+
+
+def refine_unroll(contexts, progress: list[TaskProgress], database: ms.Database, target,
+                  runner, builder: Builder, steps: list[int], top_k: int,
+                  errors: TrialErrors | None = None) -> dict:
+    """Measure the ``top_k`` best records of each task of ``contexts`` again with each unroll
+    limit of ``steps`` (:func:`thomas_tune.schedules.with_unroll`; the task's postprocessors
+    are applied, a candidate they reject is left out), and add the results to ``database``.
+
+    The search may run with small unroll limits, whose candidates build and compile several
+    times faster; this gives the best schedules it found the larger limits that often make a
+    kernel faster still (``bench/compile_cost.py``). Candidates already measured (in the log
+    or this run) are skipped. Failed ones are committed as failed trials (run time
+    :data:`~thomas_tune.tuning_log.FAILED_RUN_S` x 10) and their reasons go to ``errors``.
+    ``progress`` (per context) gets the trials, errors and best times. Returns ``{"measured",
+    "failed", "better", "seconds"}``: candidates measured, failed, tasks whose best record
+    got faster, wall seconds."""
+    from tvm.s_tir.meta_schedule.arg_info import ArgInfo
+    from tvm.s_tir.schedule import Schedule
+
+    t0 = time.perf_counter()
+    mods, owners = [], []
+    for c, ctx in enumerate(contexts):
+        workload = database.commit_workload(ctx.mod)
+        seen = getattr(ctx.search_strategy, "measured", None)
+        for rec in database.get_top_k(workload, top_k):
+            body = rec.as_json()
+            for step in steps:
+                trace_json = with_unroll(body[0], step)
+                if trace_json is None:
+                    continue
+                trace = ms.database.TuningRecord.from_json([trace_json, *body[1:]],
+                                                           workload).trace
+                sch = Schedule(ctx.mod)
+                try:
+                    trace.apply_to_schedule(sch, remove_postproc=True)
+                    if not all(p.apply(sch) for p in ctx.space_generator.postprocs):
+                        continue
+                except Exception:  # a schedule the postprocessors cannot complete
+                    continue
+                h = tvm_ffi.structural_hash(sch.mod)
+                if seen is not None:
+                    if h in seen:
+                        continue
+                    seen.add(h)
+                mods.append(sch.mod)
+                owners.append((c, workload, sch.trace))
+    out = {"measured": 0, "failed": 0, "better": 0, "seconds": 0.0}
+    if not mods:
+        return out
+    before = [p.best_s for p in progress]
+    for (c, workload, trace), mod, (secs, why) in zip(
+            owners, mods, measure_kernels(mods, target, runner, builder)):
+        p = progress[c]
+        p.trials += 1
+        out["measured"] += 1
+        if secs is None:
+            p.errors += 1
+            p.last_error = why or ""
+            out["failed"] += 1
+            if errors is not None:
+                errors.add(p.name, "run", why or "no run time")
+            secs = [FAILED_RUN_S * 10]
+        else:
+            p.best_s = min(p.best_s, sum(secs) / len(secs))
+        database.commit_tuning_record(ms.database.TuningRecord(
+            trace, workload, [float(x) for x in secs], target,
+            ArgInfo.from_prim_func(mod["main"])))
+    out["better"] = sum(1 for b, p in zip(before, progress) if p.best_s < b)
+    out["seconds"] = time.perf_counter() - t0
+    return out
 
 
 DEFAULT_LATENCY = "default_latency.json"

@@ -333,18 +333,24 @@ class TrialErrors(ms.measure_callback.PyMeasureCallback):
 
     def apply(self, task_scheduler, task_id, measure_candidates, builder_results,
               runner_results) -> None:
-        lines = []
+        failed = []
         for b, r in zip(builder_results, runner_results):
             if b.error_msg is not None:
-                stage, reason = "build", str(b.error_msg)
+                failed.append(("build", str(b.error_msg)))
             elif r.error_msg is not None or not r.run_secs:
-                stage, reason = "run", str(r.error_msg or "no run time")
-            else:
-                continue
+                failed.append(("run", str(r.error_msg or "no run time")))
+        self._write([(self.task_names[task_id], stage, why) for stage, why in failed])
+
+    def add(self, task: str, stage: str, reason: str) -> None:
+        """Append one failed trial of ``task`` (``stage`` "build" or "run")."""
+        self._write([(task, stage, reason)])
+
+    def _write(self, failed: list[tuple[str, str, str]]) -> None:
+        lines = []
+        for task, stage, reason in failed:
             reason = [ln for ln in reason.strip().splitlines() if ln.strip()] or [""]
-            lines.append(json.dumps({"time": round(time.time(), 3),
-                                     "task": self.task_names[task_id], "stage": stage,
-                                     "reason": reason[-1][:500]}) + "\n")
+            lines.append(json.dumps({"time": round(time.time(), 3), "task": task,
+                                     "stage": stage, "reason": reason[-1][:500]}) + "\n")
         if lines:
             with open(self.path, "a") as f:
                 f.writelines(lines)
