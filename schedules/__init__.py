@@ -31,38 +31,52 @@ UNROLL_STEPS = (0, 16, 64, 512, 1024)
 
 def unroll_steps(max_unroll: int | None = None) -> list[int]:
     """The choices of :data:`UNROLL_STEPS` up to ``max_unroll`` (all for None). Raises
-    ValueError for a negative ``max_unroll``."""
+    ValueError when that leaves fewer than two (below 16): MetaSchedule's unroll mutator
+    needs another choice to move to."""
     if max_unroll is None:
         return list(UNROLL_STEPS)
-    if max_unroll < 0:
-        raise ValueError(f"max_unroll {max_unroll} is negative; give 0 (no unrolling) or more, "
-                         f"e.g. one of {UNROLL_STEPS}")
-    return [s for s in UNROLL_STEPS if s <= max_unroll]
+    steps = [s for s in UNROLL_STEPS if s <= max_unroll]
+    if len(steps) < 2:
+        raise ValueError(f"max_unroll {max_unroll} leaves the search one unroll limit or none; "
+                         f"give at least {UNROLL_STEPS[1]} (the limits are {UNROLL_STEPS})")
+    return steps
 
 
-def with_unroll(trace_json, step: int):
-    """A record's trace (JSON form ``[instructions, decisions]``) with its sampled unroll
-    limit set to ``step`` (one of :data:`UNROLL_STEPS`), the choice widened to all of them and
-    the postprocessing instructions dropped (apply it, then the postprocessors, to get the
-    schedule). None when the trace has no sampled unroll limit (the enumerated matmul tilings
-    fix theirs) or its limit is ``step`` already."""
-    import json
-
-    if step not in UNROLL_STEPS:
-        raise ValueError(f"unroll step {step} is not one of {UNROLL_STEPS}")
-    insts, decisions = json.loads(json.dumps(trace_json))
-    end = next((i for i, ins in enumerate(insts) if ins[0] == "EnterPostproc"), len(insts))
-    insts = insts[:end]
+def sampled_unroll(trace_json) -> tuple[int, int] | None:
+    """Where a trace (JSON form ``[instructions, decisions]``) samples its unroll limit and the
+    limit it chose: ``(instruction index, limit)``, or None when it samples none (the enumerated
+    matmul tilings fix theirs)."""
+    insts, decisions = trace_json
     var = next((ins[1][1] for ins in insts if ins[0] == "Annotate" and ins[2]
                 and ins[2][0] == "meta_schedule.unroll_explicit"), None)
     where = next((i for i, ins in enumerate(insts)
                   if ins[0] == "SampleCategorical" and ins[3] == [var]), None)
-    if var is None or where is None:
+    chosen = dict((int(i), d) for i, d in decisions).get(where)
+    if var is None or where is None or chosen is None:
         return None
-    chosen = dict(decisions).get(where)
-    if chosen is not None and insts[where][2][0][chosen] == step:
+    return where, int(insts[where][2][0][int(chosen)])
+
+
+def with_unroll(trace_json, step: int, choices=UNROLL_STEPS):
+    """A trace (JSON form) with its sampled unroll limit set to ``step``, its choice among
+    ``choices`` (default all of :data:`UNROLL_STEPS`) and the postprocessing instructions
+    dropped (apply it, then the postprocessors, to get the schedule). None when the trace
+    samples no unroll limit (:func:`sampled_unroll`) or already chose ``step`` among
+    ``choices``. Raises ValueError when ``step`` is not in ``choices``."""
+    import json
+
+    choices = [int(c) for c in choices]
+    if step not in choices:
+        raise ValueError(f"unroll step {step} is not one of {choices}")
+    found = sampled_unroll(trace_json)
+    if found is None:
         return None
-    choices = list(UNROLL_STEPS)
+    where, current = found
+    insts, decisions = json.loads(json.dumps(trace_json))
+    if current == step and [int(c) for c in insts[where][2][0]] == choices:
+        return None
+    end = next((i for i, ins in enumerate(insts) if ins[0] == "EnterPostproc"), len(insts))
+    insts = insts[:end]
     insts[where][2] = [choices, [1.0 / len(choices)] * len(choices)]
     decisions = [[i, d] for i, d in decisions if i < end and i != where]
     decisions.append([where, choices.index(step)])

@@ -571,6 +571,19 @@ def test_tune_match_names_what_is_wrong(tmp_path, capsys, rng):
     assert not log.exists()
 
 
+def test_tune_unroll_options_name_what_is_wrong(tmp_path, capsys):
+    """'tune --max-unroll' below 16 (one unroll limit or none left to choose among) and a
+    negative '--refine-top' fail before the tracker is contacted, naming the option and the
+    fix; no log is made."""
+    log = tmp_path / "log"
+    base = ["tune", *TINY, "--tracker", "127.0.0.1:9", "--key", "k", "--log", str(log)]
+    _fails(capsys, [*base, "--max-unroll", "8"], "--max-unroll 8 leaves the search fewer",
+           "give 16 or more")
+    _fails(capsys, [*base, "--max-unroll", "64", "--refine-top", "-1"],
+           "--refine-top -1 is negative")
+    assert not log.exists()
+
+
 # ---- network exposure -------------------------------------------------------------------------
 def test_rpc_binds_loopback_and_warns_otherwise(capsys):
     assert rpc.exposure_warning("127.0.0.1", "device server") is None

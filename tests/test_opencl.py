@@ -522,11 +522,24 @@ def test_unroll_refinement_gives_the_best_records_larger_limits(tmp_path, target
     assert report.refined["measured"] == len(refined) == 3, report.refined
     assert sorted(limit(b) for b in refined) == [64, 512, 1024]
     best = min(searched, key=lambda b: sum(b[1]) / len(b[1]))
-    assert with_unroll(best[0], limit(best)) is None
+    assert with_unroll(best[0], limit(best), [0, 16]) is None
+
+    # resumed with limits up to 16: candidates bred from the records above (up to 1024)
+    # are lowered to 16, and the refinement measures none it has measured before
+    with rpc.loopback(key="pocl", servers=1, lifetime=600) as addr:
+        again = tune([task], target, log, rpc_runner(addr, "pocl"), trials=4,
+                     trials_per_iter=2, population=16, show_progress=False, max_unroll=16,
+                     refine_top=1, seed=1)
+    with open(log.record_path) as f:
+        later = [json.loads(line)[1] for line in f if line.strip()][len(bodies):]
+    new_search = later[:len(later) - again.refined["measured"]]
+    assert len(new_search) == 4 and {limit(b) for b in new_search} <= {0, 16, None}
     database = log.database()
     an, bn = rng.standard_normal((n, n)), rng.standard_normal((n, n))
     ref = an.astype("float32").astype("float64") @ bn.astype("float32").astype("float64")
-    for rec in database.get_all_tuning_records()[4:]:
+    big = [r for r in database.get_all_tuning_records() if (limit(r.as_json()) or 0) >= 64]
+    assert len(big) >= 3
+    for rec in big:
         sch = tvm.s_tir.Schedule(task.mod)
         rec.trace.apply_to_schedule(sch, remove_postproc=False)
         assert f'"pragma_auto_unroll_max_step": {limit(rec.as_json())}' in sch.mod.script()

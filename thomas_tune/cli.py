@@ -178,9 +178,9 @@ def cmd_tune(args) -> int:
         pattern = re.compile(args.match) if args.match else None
     except re.error as err:
         raise ValueError(f"--match {args.match!r} is not a regular expression ({err})") from None
-    if args.max_unroll is not None and args.max_unroll < 0:
-        raise ValueError(f"--max-unroll {args.max_unroll} is negative; give 0 (no unrolling) "
-                         "or a limit such as 64, or leave it out for all limits")
+    if args.max_unroll is not None and args.max_unroll < 16:
+        raise ValueError(f"--max-unroll {args.max_unroll} leaves the search fewer than two "
+                         "unroll limits; give 16 or more (e.g. 64), or leave it out for all")
     if args.refine_top < 0:
         raise ValueError(f"--refine-top {args.refine_top} is negative; give 0 (no refinement) "
                          "or more")

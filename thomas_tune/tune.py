@@ -23,7 +23,8 @@ from tvm.s_tir import meta_schedule as ms
 from tvm.ir.utils import derived_object
 
 from .runner import Builder, FarmRunner, Phases, error_line
-from .schedules import UNROLL_STEPS, space_generator, unroll_steps, with_unroll
+from .schedules import (UNROLL_STEPS, sampled_unroll, space_generator, unroll_steps,
+                         with_unroll)
 from .tasks import Task
 from .tuning_log import FAILED_RUN_S, TrialErrors, TuningLog
 
@@ -34,16 +35,45 @@ class ResumingSearch(ms.search_strategy.PySearchStrategy):
     tuning log it resumes). ``skipped`` counts the candidates dropped as already measured."""
 
     def __init__(self, measured: set[int] | None = None, max_empty_rounds: int = 8,
-                 phases: Phases | None = None, **kwargs):
+                 phases: Phases | None = None, max_unroll: int | None = None, **kwargs):
         self.inner = ms.search_strategy.EvolutionarySearch(**kwargs)
         self.kwargs = kwargs
         self.measured = set(measured or ())
         self.max_empty_rounds = max_empty_rounds
         self.phases = phases
+        self.max_unroll = max_unroll
+        self.postprocs, self.mod = [], None
         self.skipped = 0
+        #: candidates whose unroll limit, inherited from a record of the tuning log, was over
+        #: ``max_unroll`` and was lowered to the largest allowed
+        self.clamped = 0
 
     def _initialize_with_tune_context(self, context) -> None:
         self.inner._initialize_with_tune_context(context)
+        self.postprocs = list(context.space_generator.postprocs or [])
+        self.mod = context.mod
+
+    def _clamp(self, cand):
+        """``cand`` with its unroll limit lowered to ``max_unroll`` where it is over it (a
+        candidate bred from a record tuned without the limit), or None if the postprocessors
+        reject the result."""
+        from tvm.s_tir.schedule import Schedule, Trace
+
+        trace = cand.sch.trace
+        found = sampled_unroll(trace.as_json()) if trace is not None else None
+        if found is None or found[1] <= self.max_unroll:
+            return cand
+        allowed = unroll_steps(self.max_unroll)
+        sch = Schedule(self.mod)
+        try:
+            Trace.apply_json_to_schedule(with_unroll(trace.as_json(), max(allowed), allowed), sch)
+            sch.enter_postproc()
+            if not all(p.apply(sch) for p in self.postprocs):
+                return None
+        except Exception:  # a schedule the postprocessors cannot complete
+            return None
+        self.clamped += 1
+        return ms.MeasureCandidate(sch, cand.args_info)
 
     def pre_tuning(self, max_trials, num_trials_per_iter, design_spaces, database=None,
                    cost_model=None) -> None:
@@ -68,6 +98,10 @@ class ResumingSearch(ms.search_strategy.PySearchStrategy):
                 return None
             fresh = []
             for c in cands:
+                if self.max_unroll is not None:
+                    c = self._clamp(c)
+                    if c is None:
+                        continue
                 h = tvm_ffi.structural_hash(c.sch.mod)
                 if h in self.measured:
                     self.skipped += 1
@@ -83,7 +117,7 @@ class ResumingSearch(ms.search_strategy.PySearchStrategy):
 
     def clone(self):
         return ResumingSearch(set(self.measured), self.max_empty_rounds, self.phases,
-                              **self.kwargs)
+                              self.max_unroll, **self.kwargs)
 
 
 @dataclass
@@ -136,6 +170,8 @@ class TuneReport:
     tasks: list[TaskProgress] = field(default_factory=list)
     skipped: int = 0
     resumed_records: int = 0
+    #: candidates whose unroll limit was lowered to ``max_unroll`` (bred from records over it)
+    clamped: int = 0
     elapsed_s: float = 0.0
     phases: dict = field(default_factory=dict)
     #: share (0..1) of this machine's CPU time (all cores, all processes) that was busy during
@@ -180,7 +216,7 @@ class TuneReport:
         return {"trials": self.trials, "elapsed_s": self.elapsed_s,
                 "trials_per_s": self.trials_per_s, "split_s": self.time_split(),
                 "phases": self.phases, "cpu_busy": self.cpu_busy, "refined": self.refined,
-                "resumed_records": self.resumed_records,
+                "resumed_records": self.resumed_records, "clamped": self.clamped,
                 "skipped": self.skipped,
                 "tasks": [{"name": t.name, "trials": t.trials, "errors": t.errors,
                            "best_ms": t.best_s * 1e3 if t.best_s < math.inf else None,
@@ -270,7 +306,7 @@ def tune(tasks: list[Task], target, log: TuningLog, runner: ms.Runner, trials: i
     """
     if not tasks:
         raise ValueError("no task to tune")
-    unroll_steps(max_unroll)  # a negative limit fails here, before the log is locked
+    unroll_steps(max_unroll)  # a limit below 16 fails here, before the log is locked
     if refine_top < 0:
         raise ValueError(f"refine_top {refine_top} is negative; give 0 (no refinement) or more")
     if trials < len(tasks):
@@ -296,7 +332,8 @@ def _tune_locked(tasks, target, log, runner, trials, trials_per_iter, builder_wo
     for i, task in enumerate(tasks):
         measured = log.measured(database, task.mod)
         report.resumed_records += len(measured)
-        strategy = ResumingSearch(measured, phases=phases, population_size=population,
+        strategy = ResumingSearch(measured, phases=phases, max_unroll=max_unroll,
+                                  population_size=population,
                                   init_min_unmeasured=max(8, population // 4),
                                   genetic_num_iters=2)
         ctx = ms.TuneContext(
@@ -368,6 +405,8 @@ def _tune_locked(tasks, target, log, runner, trials, trials_per_iter, builder_wo
     report.cpu_busy = cpu_share()
     report.skipped = sum(c.search_strategy.skipped for c in contexts
                          if isinstance(c.search_strategy, ResumingSearch))
+    report.clamped = sum(c.search_strategy.clamped for c in contexts
+                         if isinstance(c.search_strategy, ResumingSearch))
     if stats_path:
         report.write(stats_path)
     return report
@@ -407,6 +446,7 @@ def refine_unroll(contexts, progress: list[TaskProgress], database: ms.Database,
                 sch = Schedule(ctx.mod)
                 try:
                     trace.apply_to_schedule(sch, remove_postproc=True)
+                    sch.enter_postproc()  # a later replay can tell these instructions apart
                     if not all(p.apply(sch) for p in ctx.space_generator.postprocs):
                         continue
                 except Exception:  # a schedule the postprocessors cannot complete
