@@ -68,11 +68,18 @@ jobs_list() {
   grep -v '^#' bench/gpu_jobs.txt | grep -v '^\s*$' | { if [ -n "${JOBS:-}" ]; then grep -E "^(${JOBS// /|}) "; else cat; fi; }
 }
 
+# the tracker takes the next free port when $PORT is in use: read the one it listens on
+tracker_port() {
+  local p; p=$(grep -ao "listening on 127.0.0.1:[0-9]*" $TT/tracker.out 2>/dev/null | tail -1 | cut -d: -f2)
+  [ -n "$p" ] && PORT=$p
+}
+
 start_services() {
   if ! pgrep -f "thomas_tune.cli rpc tracker" >/dev/null; then
     setsid nohup $PY rpc tracker --port $PORT > $TT/tracker.out 2>&1 < /dev/null &
     sleep 3
   fi
+  tracker_port
   local have; have=$(pgrep -fc "thomas_tune.cli rpc server" || true)
   for i in $(seq $((have + 1)) ${SERVERS:-8}); do
     setsid nohup $PY rpc server --tracker 127.0.0.1:$PORT --key $KEY --target opencl \
