@@ -11,7 +11,8 @@ as recorded and in variants, and measures per candidate, in this one process and
 - ``source_kb``: the OpenCL C source, kB;
 - ``compile_s``: the OpenCL driver's build of the program (``thomas_tune.opencl``; the on-disk
   binary cache is off), seconds;
-- ``run_ms``: the kernel's run time on random inputs (best of 3 repeats of >= 20 ms), ms.
+- ``run_ms``: the kernel's run time on random inputs (``thomas_tune.bench``'s timing: best of
+  3 repeats of >= 20 ms), ms.
 
 Variants: ``recorded`` (the trace as tuned); ``capN`` (each ``pragma_auto_unroll_max_step``
 lowered to at most N); ``pragma`` (the same step limits, with ``pragma_unroll_explicit`` 0: TVM
@@ -30,6 +31,7 @@ import json
 import math
 import os
 import random
+import shutil
 import statistics
 import sys
 import time
@@ -84,27 +86,14 @@ def _build(job):
 
 def _time_one(job, dev, rng) -> None:
     import tvm
-    from thomas_tune import opencl
+    from thomas_tune.bench import _random_args, _time
     lib = tvm.runtime.load_module(job["path"])
     build = tvm.get_global_func("thomas_tune.opencl.build_programs")
     t0 = time.perf_counter()
     build(lib, dev.index)
     job["compile_s"] = time.perf_counter() - t0
-    args = []
-    for shape, dtype in job["args"]:
-        if dtype.startswith("float"):
-            a = rng.standard_normal(shape).astype(dtype)
-        elif dtype == "bool":
-            a = rng.random(shape) < 0.5
-        else:
-            a = rng.integers(0, 2, shape).astype(dtype)
-        args.append(tvm.runtime.tensor(np.asarray(a, dtype=dtype), dev))
-    f = lib.time_evaluator(lib.entry_name, dev, number=1, repeat=1)
-    warm = f(*args).mean
-    number = max(1, min(1000, math.ceil(0.02 / max(warm, 1e-9))))
-    res = lib.time_evaluator(lib.entry_name, dev, number=number, repeat=3)(*args)
-    job["run_ms"] = min(res.results) * 1e3
-    del opencl
+    job["run_ms"] = _time(lib, lib.entry_name, dev, _random_args(job["args"], dev, rng),
+                          20.0) * 1e3
 
 
 def pick(log: str, workloads: int, records: int, seed: int, spread: int = 0) -> list[dict]:
@@ -140,6 +129,9 @@ def summarize(rows: list[dict], variants) -> dict:
     recorded variant of the same record (geometric mean ratio, all and best records only)."""
     base = {(r["workload_index"], r["record"]): r for r in rows
             if r["variant"] == "recorded" and "run_ms" in r}
+    def gm(xs):
+        return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else None
+
     out = {}
     for v in variants:
         ok = [r for r in rows if r["variant"] == v and "run_ms" in r]
@@ -147,10 +139,6 @@ def summarize(rows: list[dict], variants) -> dict:
                   for r in ok if (r["workload_index"], r["record"]) in base]
         best = [r["run_ms"] / base[(r["workload_index"], r["record"])]["run_ms"]
                 for r in ok if r["best"] and (r["workload_index"], r["record"]) in base]
-
-        def gm(xs):
-            return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else None
-
         out[v] = {
             "candidates": len([r for r in rows if r["variant"] == v]),
             "failed": len([r for r in rows if r["variant"] == v and "run_ms" not in r]),
@@ -211,7 +199,6 @@ def main(argv=None) -> int:
                     job["error"] = str(err).strip().splitlines()[-1][:300]
             path = job.pop("path", None)
             if path:
-                import shutil
                 shutil.rmtree(os.path.dirname(path), ignore_errors=True)
             for k in ("workload", "body", "target", "args"):
                 job.pop(k, None)

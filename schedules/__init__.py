@@ -83,6 +83,21 @@ def with_unroll(trace_json, step: int, choices=UNROLL_STEPS):
     return [insts, decisions]
 
 
+def postprocessed(mod: tvm.IRModule, trace_json, postprocs) -> tvm.s_tir.Schedule | None:
+    """The schedule of ``mod`` that a trace without postprocessing instructions (JSON form, as
+    :func:`with_unroll` gives) and then ``postprocs`` make, its postprocessing marked so that a
+    later replay can remove it; None when a postprocessor rejects it or cannot complete it."""
+    sch = tvm.s_tir.Schedule(mod)
+    try:
+        tvm.s_tir.schedule.Trace.apply_json_to_schedule(trace_json, sch)
+        sch.enter_postproc()
+        if not all(p.apply(sch) for p in postprocs):
+            return None
+    except Exception:  # TVM's ScheduleError and friends: a schedule they cannot complete
+        return None
+    return sch
+
+
 def _thread_extents(max_threads: int) -> list[int]:
     return [t for t in (16, 32, 64, 128, 256, 512, 1024) if t <= max_threads] or [max_threads]
 

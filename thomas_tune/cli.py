@@ -167,6 +167,7 @@ def cmd_tune(args) -> int:
     import math
 
     from .runner import error_line
+    from .schedules import UNROLL_STEPS, unroll_steps
     from .tune import rpc_runner, tune, workload_key
     from .tuning_log import TuningLog
     from .runtime import check_device
@@ -178,9 +179,12 @@ def cmd_tune(args) -> int:
         pattern = re.compile(args.match) if args.match else None
     except re.error as err:
         raise ValueError(f"--match {args.match!r} is not a regular expression ({err})") from None
-    if args.max_unroll is not None and args.max_unroll < 16:
+    try:
+        unroll_steps(args.max_unroll)
+    except ValueError:
         raise ValueError(f"--max-unroll {args.max_unroll} leaves the search fewer than two "
-                         "unroll limits; give 16 or more (e.g. 64), or leave it out for all")
+                         f"unroll limits; give {UNROLL_STEPS[1]} or more (e.g. 64), or leave it "
+                         "out for all") from None
     if args.refine_top < 0:
         raise ValueError(f"--refine-top {args.refine_top} is negative; give 0 (no refinement) "
                          "or more")

@@ -23,8 +23,8 @@ from tvm.s_tir import meta_schedule as ms
 from tvm.ir.utils import derived_object
 
 from .runner import Builder, FarmRunner, Phases, error_line
-from .schedules import (UNROLL_STEPS, sampled_unroll, space_generator, unroll_steps,
-                         with_unroll)
+from .schedules import (UNROLL_STEPS, postprocessed, sampled_unroll, space_generator,
+                         unroll_steps, with_unroll)
 from .tasks import Task
 from .tuning_log import FAILED_RUN_S, TrialErrors, TuningLog
 
@@ -57,20 +57,14 @@ class ResumingSearch(ms.search_strategy.PySearchStrategy):
         """``cand`` with its unroll limit lowered to ``max_unroll`` where it is over it (a
         candidate bred from a record tuned without the limit), or None if the postprocessors
         reject the result."""
-        from tvm.s_tir.schedule import Schedule, Trace
-
         trace = cand.sch.trace
         found = sampled_unroll(trace.as_json()) if trace is not None else None
         if found is None or found[1] <= self.max_unroll:
             return cand
         allowed = unroll_steps(self.max_unroll)
-        sch = Schedule(self.mod)
-        try:
-            Trace.apply_json_to_schedule(with_unroll(trace.as_json(), max(allowed), allowed), sch)
-            sch.enter_postproc()
-            if not all(p.apply(sch) for p in self.postprocs):
-                return None
-        except Exception:  # a schedule the postprocessors cannot complete
+        sch = postprocessed(self.mod, with_unroll(trace.as_json(), max(allowed), allowed),
+                            self.postprocs)
+        if sch is None:
             return None
         self.clamped += 1
         return ms.MeasureCandidate(sch, cand.args_info)
@@ -422,13 +416,12 @@ def refine_unroll(contexts, progress: list[TaskProgress], database: ms.Database,
     The search may run with small unroll limits, whose candidates build and compile several
     times faster; this gives the best schedules it found the larger limits that often make a
     kernel faster still (``bench/compile_cost.py``). Candidates already measured (in the log
-    or this run) are skipped. Failed ones are committed as failed trials (run time
-    :data:`~thomas_tune.tuning_log.FAILED_RUN_S` x 10) and their reasons go to ``errors``.
+    or this run) are skipped. Failed ones are committed as MetaSchedule commits a failed trial
+    (run time :data:`~thomas_tune.tuning_log.FAILED_RUN_S`) and their reasons go to ``errors``.
     ``progress`` (per context) gets the trials, errors and best times. Returns ``{"measured",
     "failed", "better", "seconds"}``: candidates measured, failed, tasks whose best record
     got faster, wall seconds."""
     from tvm.s_tir.meta_schedule.arg_info import ArgInfo
-    from tvm.s_tir.schedule import Schedule
 
     t0 = time.perf_counter()
     mods, owners = [], []
@@ -441,15 +434,8 @@ def refine_unroll(contexts, progress: list[TaskProgress], database: ms.Database,
                 trace_json = with_unroll(body[0], step)
                 if trace_json is None:
                     continue
-                trace = ms.database.TuningRecord.from_json([trace_json, *body[1:]],
-                                                           workload).trace
-                sch = Schedule(ctx.mod)
-                try:
-                    trace.apply_to_schedule(sch, remove_postproc=True)
-                    sch.enter_postproc()  # a later replay can tell these instructions apart
-                    if not all(p.apply(sch) for p in ctx.space_generator.postprocs):
-                        continue
-                except Exception:  # a schedule the postprocessors cannot complete
+                sch = postprocessed(ctx.mod, trace_json, ctx.space_generator.postprocs)
+                if sch is None:
                     continue
                 h = tvm_ffi.structural_hash(sch.mod)
                 if seen is not None:
@@ -473,7 +459,7 @@ def refine_unroll(contexts, progress: list[TaskProgress], database: ms.Database,
             out["failed"] += 1
             if errors is not None:
                 errors.add(p.name, "run", why or "no run time")
-            secs = [FAILED_RUN_S * 10]
+            secs = [FAILED_RUN_S]
         else:
             p.best_s = min(p.best_s, sum(secs) / len(secs))
         database.commit_tuning_record(ms.database.TuningRecord(
