@@ -42,11 +42,32 @@ def unroll_steps(max_unroll: int | None = None) -> list[int]:
     return steps
 
 
+def plain_json(trace_json) -> list:
+    """A trace's JSON form (``Trace.as_json()``: TVM arrays holding ``IntImm`` and ``FloatImm``
+    attributes; or a record's, already plain) as plain Python lists, ints, floats and strings,
+    which ``json`` can write and ``Trace.apply_json_to_schedule`` reads back. Raises TypeError
+    for an object JSON cannot hold (a layout transform's ``IndexMap``)."""
+    import json
+
+    def plain(o):
+        if isinstance(o, tvm.tirx.IntImm):
+            return bool(o.value) if str(o.ty) == "bool" else int(o.value)
+        if isinstance(o, tvm.tirx.FloatImm):
+            return float(o.value)
+        if hasattr(o, "items"):
+            return dict(o.items())
+        if hasattr(o, "__len__") and hasattr(o, "__getitem__"):
+            return list(o)  # TVM's arrays
+        raise TypeError(f"{type(o).__name__} has no JSON form")
+
+    return json.loads(json.dumps(trace_json, default=plain))
+
+
 def sampled_unroll(trace_json) -> tuple[int, int] | None:
-    """Where a trace (JSON form ``[instructions, decisions]``) samples its unroll limit and the
-    limit it chose: ``(instruction index, limit)``, or None when it samples none (the enumerated
-    matmul tilings fix theirs)."""
-    insts, decisions = trace_json
+    """Where a trace (JSON form ``[instructions, decisions]``, plain or as ``Trace.as_json()``
+    gives it) samples its unroll limit and the limit it chose: ``(instruction index, limit)``,
+    or None when it samples none (the enumerated matmul tilings fix theirs)."""
+    insts, decisions = plain_json(trace_json)
     var = next((ins[1][1] for ins in insts if ins[0] == "Annotate" and ins[2]
                 and ins[2][0] == "meta_schedule.unroll_explicit"), None)
     where = next((i for i, ins in enumerate(insts)
@@ -58,13 +79,11 @@ def sampled_unroll(trace_json) -> tuple[int, int] | None:
 
 
 def with_unroll(trace_json, step: int, choices=UNROLL_STEPS):
-    """A trace (JSON form) with its sampled unroll limit set to ``step``, its choice among
+    """A trace (JSON form, plain or as ``Trace.as_json()`` gives it) with its sampled unroll limit set to ``step``, its choice among
     ``choices`` (default all of :data:`UNROLL_STEPS`) and the postprocessing instructions
     dropped (apply it, then the postprocessors, to get the schedule). None when the trace
     samples no unroll limit (:func:`sampled_unroll`) or already chose ``step`` among
     ``choices``. Raises ValueError when ``step`` is not in ``choices``."""
-    import json
-
     choices = [int(c) for c in choices]
     if step not in choices:
         raise ValueError(f"unroll step {step} is not one of {choices}")
@@ -72,7 +91,7 @@ def with_unroll(trace_json, step: int, choices=UNROLL_STEPS):
     if found is None:
         return None
     where, current = found
-    insts, decisions = json.loads(json.dumps(trace_json))
+    insts, decisions = plain_json(trace_json)
     if current == step and [int(c) for c in insts[where][2][0]] == choices:
         return None
     end = next((i for i, ins in enumerate(insts) if ins[0] == "EnterPostproc"), len(insts))

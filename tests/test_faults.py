@@ -572,8 +572,8 @@ def test_tune_match_names_what_is_wrong(tmp_path, capsys, rng):
 
 
 def test_tune_unroll_options_name_what_is_wrong(tmp_path, capsys):
-    """'tune --max-unroll' below 16 (one unroll limit or none left to choose among) and a
-    negative '--refine-top' fail before the tracker is contacted, naming the option and the
+    """'tune --max-unroll' below 16 (one unroll limit or none left to choose among), a
+    negative '--refine-top' and '--genetic-iters 0' fail before the tracker is contacted, naming the option and the
     fix; no log is made."""
     log = tmp_path / "log"
     base = ["tune", *TINY, "--tracker", "127.0.0.1:9", "--key", "k", "--log", str(log)]
@@ -581,6 +581,8 @@ def test_tune_unroll_options_name_what_is_wrong(tmp_path, capsys):
            "give 16 or more")
     _fails(capsys, [*base, "--max-unroll", "64", "--refine-top", "-1"],
            "--refine-top -1 is negative")
+    _fails(capsys, [*base, "--genetic-iters", "0"], "--genetic-iters 0 leaves the search no "
+           "mutation", "give 1 or more")
     assert not log.exists()
 
 

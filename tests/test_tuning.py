@@ -371,3 +371,68 @@ def test_remeasure_replaces_noisy_times_in_place(tmp_path, small_tasks):
     assert set(first) == set(again) and all(v > 0 for v in again.values())
     cache = json.load(open(os.path.join(log.path, "default_latency.json")))
     assert all(cache["seconds"][k] == again[k] for k in again)
+
+
+def test_candidates_over_the_unroll_limit_are_lowered_to_it():
+    """A candidate bred from a record tuned without ``--max-unroll`` (limit 1024 here) comes out
+    of the search with the largest allowed limit, its traces in the form the search holds them
+    (``Trace.as_json()``: TVM integers and floats), and the lowered schedule annotates 16."""
+    from tvm import te
+    import tvm
+    from tvm.s_tir import meta_schedule as ms
+
+    from thomas_tune.schedules import (plain_json, postprocessed, sampled_unroll,
+                                       space_generator, with_unroll)
+    import tvm_ffi
+
+    from thomas_tune.tune import ResumingSearch, UnrollLimitedView
+
+    n = 64
+    a = te.placeholder((n, n), name="A")
+    b = te.placeholder((n, n), name="B")
+    k = te.reduce_axis((0, n), name="k")
+    c = te.compute((n, n), lambda i, j: te.sum(a[i, k] * b[k, j], axis=k), name="C")
+    mod = tvm.IRModule({"main": te.create_prim_func([a, b, c])})
+    target = parse_target(os.path.join(os.path.dirname(__file__), "..", "bench",
+                                       "h100_opencl.json"))
+    strategy = ResumingSearch(max_unroll=16, population_size=16)
+    ctx = ms.TuneContext(mod=mod, target=target, space_generator=space_generator(target, 16),
+                         search_strategy=strategy, task_name="matmul")
+    clone = ctx.clone()  # as MetaSchedule searches: the clone shares the counts
+    postprocs = list(ctx.space_generator.postprocs)
+    space = next(s for s in ms.TuneContext(
+        mod=mod, target=target, space_generator=space_generator(target), task_name="m",
+        search_strategy=ms.search_strategy.ReplayTrace()).generate_design_space()
+        if sampled_unroll(s.trace.as_json()) is not None)
+    raw = space.trace.as_json()
+    assert json.dumps(plain_json(raw))  # TVM's IntImm/FloatImm made plain
+    big = postprocessed(mod, with_unroll(raw, 1024), postprocs)
+    assert big is not None and sampled_unroll(big.trace.as_json())[1] == 1024
+    cand = ms.MeasureCandidate(big, ms.arg_info.ArgInfo.from_prim_func(big.mod["main"]))
+    low = strategy._clamp(cand)
+    assert strategy.clamped == 1 and clone.search_strategy is not None
+    assert sampled_unroll(low.sch.trace.as_json())[1] == 16
+    assert '"pragma_auto_unroll_max_step": 16' in low.sch.mod.script()
+    assert strategy._clamp(low) is low and strategy.clamped == 1  # within the limit: kept
+
+    # the search of a run with the limit reads the log's records lowered and narrowed to the
+    # allowed limits before it breeds from them; a record that samples no limit (here a layout
+    # transform, whose IndexMap MetaSchedule's TuningRecord.as_json cannot write) is unchanged
+    db = ms.database.MemoryDatabase()
+    workload = db.commit_workload(mod)
+    db.commit_tuning_record(ms.database.TuningRecord(big.trace, workload, [1e-3], target,
+                                                     cand.args_info))
+    odd = tvm.s_tir.Schedule(mod)
+    odd.transform_layout(odd.get_sblock("C"), ("write", 0), lambda i, j: (j, i))
+    db.commit_tuning_record(ms.database.TuningRecord(odd.trace, workload, [2e-3], target,
+                                                     cand.args_info))
+    view = UnrollLimitedView(db, [0, 16])
+    first, second = view.get_top_k(workload, 2)
+    body = plain_json(first.trace.as_json())
+    where, step = sampled_unroll(body)
+    assert step == 16 and body[0][where][2][0] == [0, 16] and view.lowered == 1
+    lowered = postprocessed(mod, body, postprocs)
+    assert '"pragma_auto_unroll_max_step": 16' in lowered.mod.script()
+    assert second.same_as(db.get_top_k(workload, 2)[1])
+    again = postprocessed(mod, plain_json(second.trace.as_json()), [])
+    assert tvm_ffi.structural_equal(again.mod, odd.mod)

@@ -185,6 +185,9 @@ def cmd_tune(args) -> int:
         raise ValueError(f"--max-unroll {args.max_unroll} leaves the search fewer than two "
                          f"unroll limits; give {UNROLL_STEPS[1]} or more (e.g. 64), or leave it "
                          "out for all") from None
+    if args.genetic_iters < 1:
+        raise ValueError(f"--genetic-iters {args.genetic_iters} leaves the search no mutation; "
+                         "give 1 or more (default 2)")
     if args.refine_top < 0:
         raise ValueError(f"--refine-top {args.refine_top} is negative; give 0 (no refinement) "
                          "or more")
@@ -236,7 +239,7 @@ def cmd_tune(args) -> int:
                       population=args.population, builder_workers=args.build_workers,
                       stats_path=args.stats, default_s=latency,
                       max_in_flight=args.in_flight, max_unroll=args.max_unroll,
-                      refine_top=args.refine_top)
+                      refine_top=args.refine_top, genetic_iters=args.genetic_iters)
     except BaseException:
         if "signal" not in _STOP:  # stopped by SIGINT/SIGTERM: one line, not a traceback
             raise
@@ -628,6 +631,9 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--wait", type=float, default=30, help="seconds to wait for a free server")
     s.add_argument("--population", type=int, default=128,
                    help="evolutionary-search population per round (default 128)")
+    s.add_argument("--genetic-iters", type=int, default=2,
+                   help="rounds of mutation per search round (default 2); the search's host "
+                        "time per round grows with population x rounds")
     s.add_argument("--servers", type=int, help="device servers measuring at once (default: "
                    "all free servers of the key)")
     s.add_argument("--trial-timeout", type=float, default=20.0,

@@ -10,6 +10,7 @@ schedule is already in the log before it is built, and the new run measures only
 from __future__ import annotations
 
 import collections
+import json
 import math
 import os
 import sys
@@ -23,10 +24,82 @@ from tvm.s_tir import meta_schedule as ms
 from tvm.ir.utils import derived_object
 
 from .runner import Builder, FarmRunner, Phases, error_line
-from .schedules import (UNROLL_STEPS, postprocessed, sampled_unroll, space_generator,
-                         unroll_steps, with_unroll)
+from .schedules import (UNROLL_STEPS, plain_json, postprocessed, sampled_unroll,
+                         space_generator, unroll_steps, with_unroll)
 from .tasks import Task
 from .tuning_log import FAILED_RUN_S, TrialErrors, TuningLog
+
+
+@derived_object
+class UnrollLimitedView(ms.database.PyDatabase):
+    """The tuning log as the search of a run with ``--max-unroll`` reads it: each record that
+    :meth:`get_top_k` hands out has its sampled unroll limit lowered to the largest of
+    ``allowed`` where it is over it, and its choice narrowed to ``allowed``
+    (:func:`~thomas_tune.schedules.with_unroll`). Everything else goes to ``inner`` unchanged.
+
+    MetaSchedule's evolutionary search starts each round from the best records of the log;
+    without this view the candidates it breeds from records tuned with limits of 512 and 1024
+    keep those limits, and each had to be lowered and post-processed again one at a time
+    (:meth:`ResumingSearch._clamp`): 45 of 46 candidates of a round on AlexNet's slowest
+    convolution, 16-29% of a round's time on 2 cores. A record is changed once (the result is
+    kept)."""
+
+    def __init__(self, inner: ms.Database, allowed: list[int]):
+        self.inner, self.allowed = inner, [int(a) for a in allowed]
+        self.cache: dict[str, ms.database.TuningRecord] = {}
+        self.lowered = 0  # records handed out with a lower limit
+
+    def _limited(self, rec):
+        try:
+            trace = plain_json(rec.trace.as_json())
+        except TypeError:  # an object with no JSON form: no sampled limit
+            return rec
+        key = json.dumps(trace)
+        if key in self.cache:
+            return self.cache[key]
+        out = rec
+        found = sampled_unroll(trace)
+        if found is not None:
+            step = max(s for s in self.allowed if s <= max(found[1], self.allowed[0]))
+            lowered = with_unroll(trace, step, self.allowed)
+            if lowered is not None:
+                sch = tvm.s_tir.Schedule(rec.workload.mod)
+                try:
+                    tvm.s_tir.schedule.Trace.apply_json_to_schedule(lowered, sch)
+                    out = ms.database.TuningRecord(sch.trace, rec.workload, rec.run_secs,
+                                                   rec.target, rec.args_info)
+                    self.lowered += found[1] > step
+                except Exception:  # a trace that no longer applies: the search drops it too
+                    pass
+        self.cache[key] = out
+        return out
+
+    def get_top_k(self, workload, top_k):
+        return [self._limited(r) for r in self.inner.get_top_k(workload, top_k)]
+
+    def has_workload(self, mod):
+        return self.inner.has_workload(mod)
+
+    def commit_workload(self, mod):
+        return self.inner.commit_workload(mod)
+
+    def commit_tuning_record(self, record):
+        self.inner.commit_tuning_record(record)
+
+    def get_all_tuning_records(self):
+        return self.inner.get_all_tuning_records()
+
+    def query_tuning_record(self, mod, target, workload_name):
+        return self.inner.query_tuning_record(mod, target, workload_name)
+
+    def query_schedule(self, mod, target, workload_name):
+        return self.inner.query_schedule(mod, target, workload_name)
+
+    def query_ir_module(self, mod, target, workload_name):
+        return self.inner.query_ir_module(mod, target, workload_name)
+
+    def __len__(self):
+        return len(self.inner)
 
 
 @derived_object
@@ -35,18 +108,29 @@ class ResumingSearch(ms.search_strategy.PySearchStrategy):
     tuning log it resumes). ``skipped`` counts the candidates dropped as already measured."""
 
     def __init__(self, measured: set[int] | None = None, max_empty_rounds: int = 8,
-                 phases: Phases | None = None, max_unroll: int | None = None, **kwargs):
+                 phases: Phases | None = None, max_unroll: int | None = None,
+                 counts: dict[str, int] | None = None, **kwargs):
         self.inner = ms.search_strategy.EvolutionarySearch(**kwargs)
         self.kwargs = kwargs
-        self.measured = set(measured or ())
+        # MetaSchedule searches with a clone, whose Python object cannot be reached from the
+        # tune context: the clone shares this set and these counts with the object made here
+        self.measured = measured if isinstance(measured, set) else set(measured or ())
         self.max_empty_rounds = max_empty_rounds
         self.phases = phases
         self.max_unroll = max_unroll
         self.postprocs, self.mod = [], None
-        self.skipped = 0
-        #: candidates whose unroll limit, inherited from a record of the tuning log, was over
-        #: ``max_unroll`` and was lowered to the largest allowed
-        self.clamped = 0
+        #: ``skipped``: candidates dropped as already measured; ``clamped``: candidates whose
+        #: unroll limit, inherited from a record of the tuning log, was over ``max_unroll`` and
+        #: was lowered to the largest allowed
+        self.counts = counts if counts is not None else {"skipped": 0, "clamped": 0}
+
+    @property
+    def skipped(self) -> int:
+        return self.counts["skipped"]
+
+    @property
+    def clamped(self) -> int:
+        return self.counts["clamped"]
 
     def _initialize_with_tune_context(self, context) -> None:
         self.inner._initialize_with_tune_context(context)
@@ -58,19 +142,25 @@ class ResumingSearch(ms.search_strategy.PySearchStrategy):
         candidate bred from a record tuned without the limit), or None if the postprocessors
         reject the result."""
         trace = cand.sch.trace
-        found = sampled_unroll(trace.as_json()) if trace is not None else None
+        try:
+            body = plain_json(trace.as_json()) if trace is not None else None
+        except TypeError:  # an object with no JSON form: no sampled limit
+            return cand
+        found = sampled_unroll(body) if body is not None else None
         if found is None or found[1] <= self.max_unroll:
             return cand
         allowed = unroll_steps(self.max_unroll)
-        sch = postprocessed(self.mod, with_unroll(trace.as_json(), max(allowed), allowed),
+        sch = postprocessed(self.mod, with_unroll(body, max(allowed), allowed),
                             self.postprocs)
         if sch is None:
             return None
-        self.clamped += 1
+        self.counts["clamped"] += 1
         return ms.MeasureCandidate(sch, cand.args_info)
 
     def pre_tuning(self, max_trials, num_trials_per_iter, design_spaces, database=None,
                    cost_model=None) -> None:
+        if self.max_unroll is not None and database is not None:
+            database = UnrollLimitedView(database, unroll_steps(self.max_unroll))
         self.inner.pre_tuning(max_trials, num_trials_per_iter, design_spaces, database,
                               cost_model)
 
@@ -98,7 +188,7 @@ class ResumingSearch(ms.search_strategy.PySearchStrategy):
                         continue
                 h = tvm_ffi.structural_hash(c.sch.mod)
                 if h in self.measured:
-                    self.skipped += 1
+                    self.counts["skipped"] += 1
                 else:
                     self.measured.add(h)
                     fresh.append(c)
@@ -110,8 +200,8 @@ class ResumingSearch(ms.search_strategy.PySearchStrategy):
         self.inner.notify_runner_results(measure_candidates, results)
 
     def clone(self):
-        return ResumingSearch(set(self.measured), self.max_empty_rounds, self.phases,
-                              self.max_unroll, **self.kwargs)
+        return ResumingSearch(self.measured, self.max_empty_rounds, self.phases,
+                              self.max_unroll, self.counts, **self.kwargs)
 
 
 @dataclass
@@ -275,13 +365,17 @@ def tune(tasks: list[Task], target, log: TuningLog, runner: ms.Runner, trials: i
          population: int = 128, show_progress: bool = True, stats_path: str | None = None,
          stats_every_s: float = 30.0, default_s: dict[str, float] | None = None,
          max_in_flight: int = 3, max_unroll: int | None = None,
-         refine_top: int = 2) -> TuneReport:
+         refine_top: int = 2, genetic_iters: int = 2) -> TuneReport:
     """Tune ``tasks`` for ``target`` with ``trials`` measurements in all, appending to ``log``.
 
     The gradient task scheduler (Zheng et al. 2020, "Ansor", section 6) spends the budget where
     it shortens the graph's total time most (weights are the call counts). ``population``: the
     evolutionary search's population per round (MetaSchedule's default is 512, sized for large
-    hosts; each member is scored by the cost model on this machine). With ``stats_path``, the
+    hosts; each member is scored by the cost model on this machine) and ``genetic_iters`` its
+    rounds of mutation per batch (MetaSchedule's default is 4): the search's host time per
+    batch grows with their product (on AlexNet's slowest convolution with population 96 and 2
+    iterations, 2/3 of a round's time went to mutations and their cost-model scores, and a
+    round took 12 s on 2 cores for 48 candidates). With ``stats_path``, the
     report (:meth:`TuneReport.as_dict`: trials/s, time split) is written there every
     ``stats_every_s`` seconds while tuning and once at the end. Task choice and pipelining:
     :class:`thomas_tune.scheduler.PipelinedGradient`, with up to ``max_in_flight`` batches
@@ -303,6 +397,9 @@ def tune(tasks: list[Task], target, log: TuningLog, runner: ms.Runner, trials: i
     unroll_steps(max_unroll)  # a limit below 16 fails here, before the log is locked
     if refine_top < 0:
         raise ValueError(f"refine_top {refine_top} is negative; give 0 (no refinement) or more")
+    if genetic_iters < 1 or population < 2:
+        raise ValueError(f"genetic_iters {genetic_iters} and population {population}: the "
+                         "search needs at least 1 round of mutation and 2 members")
     if trials < len(tasks):
         raise ValueError(f"--trials {trials} is below one trial per task ({len(tasks)} tasks); "
                          "raise --trials or tune fewer tasks (--top)")
@@ -310,18 +407,19 @@ def tune(tasks: list[Task], target, log: TuningLog, runner: ms.Runner, trials: i
         return _tune_locked(tasks, target, log, runner, trials, trials_per_iter,
                             builder_workers, seed, population, show_progress, stats_path,
                             stats_every_s, default_s or {}, max_in_flight, max_unroll,
-                            refine_top)
+                            refine_top, genetic_iters)
 
 
 def _tune_locked(tasks, target, log, runner, trials, trials_per_iter, builder_workers, seed,
                  population, show_progress, stats_path, stats_every_s, default_s,
-                 max_in_flight, max_unroll, refine_top) -> TuneReport:
+                 max_in_flight, max_unroll, refine_top, genetic_iters) -> TuneReport:
     from .scheduler import PipelinedGradient
 
     database = log.database()
     report = TuneReport()
     phases = getattr(runner, "phases", None) or Phases()
     contexts, weights, progress, default_ms, tuned_ms = [], [], [], [], []
+    strategies = []  # per context: the search strategy made here (shares state with its clone)
     errors = TrialErrors(log, [t.name for t in tasks])
     for i, task in enumerate(tasks):
         measured = log.measured(database, task.mod)
@@ -329,7 +427,7 @@ def _tune_locked(tasks, target, log, runner, trials, trials_per_iter, builder_wo
         strategy = ResumingSearch(measured, phases=phases, max_unroll=max_unroll,
                                   population_size=population,
                                   init_min_unmeasured=max(8, population // 4),
-                                  genetic_num_iters=2)
+                                  genetic_num_iters=genetic_iters)
         ctx = ms.TuneContext(
             mod=task.mod, target=target, space_generator=space_generator(target, max_unroll),
             search_strategy=strategy, task_name=task.name, rand_state=seed + i,
@@ -341,6 +439,7 @@ def _tune_locked(tasks, target, log, runner, trials, trials_per_iter, builder_wo
                   "default schedule", file=sys.stderr, flush=True)
             continue
         contexts.append(ctx)
+        strategies.append(strategy)
         weights.append(float(task.weight))
         d = default_s.get(workload_key(task))
         default_ms.append(d * 1e3 if d is not None and math.isfinite(d) else None)
@@ -364,6 +463,8 @@ def _tune_locked(tasks, target, log, runner, trials, trials_per_iter, builder_wo
         now = time.perf_counter()
         report.elapsed_s, report.phases = now - t0, phases.as_dict()
         report.cpu_busy = cpu_share()
+        report.skipped = sum(s.skipped for s in strategies)
+        report.clamped = sum(s.clamped for s in strategies)
         if stats_path and now - last_write[0] >= stats_every_s:
             report.write(stats_path)
             last_write[0] = now
@@ -382,7 +483,8 @@ def _tune_locked(tasks, target, log, runner, trials, trials_per_iter, builder_wo
         larger = [s for s in UNROLL_STEPS if s not in unroll_steps(max_unroll)]
         if larger and refine_top > 0:
             report.refined = refine_unroll(contexts, progress, database, target, runner,
-                                           builder, larger, refine_top, errors)
+                                           builder, larger, refine_top, errors,
+                                           [s.measured for s in strategies])
             if show_progress:
                 r = report.refined
                 print(f"unroll refinement: {r['measured']} candidates with unroll steps "
@@ -397,10 +499,8 @@ def _tune_locked(tasks, target, log, runner, trials, trials_per_iter, builder_wo
     report.elapsed_s = time.perf_counter() - t0
     report.phases = phases.as_dict()
     report.cpu_busy = cpu_share()
-    report.skipped = sum(c.search_strategy.skipped for c in contexts
-                         if isinstance(c.search_strategy, ResumingSearch))
-    report.clamped = sum(c.search_strategy.clamped for c in contexts
-                         if isinstance(c.search_strategy, ResumingSearch))
+    report.skipped = sum(s.skipped for s in strategies)
+    report.clamped = sum(s.clamped for s in strategies)
     if stats_path:
         report.write(stats_path)
     return report
@@ -408,7 +508,8 @@ def _tune_locked(tasks, target, log, runner, trials, trials_per_iter, builder_wo
 
 def refine_unroll(contexts, progress: list[TaskProgress], database: ms.Database, target,
                   runner, builder: Builder, steps: list[int], top_k: int,
-                  errors: TrialErrors | None = None) -> dict:
+                  errors: TrialErrors | None = None,
+                  measured: list[set[int]] | None = None) -> dict:
     """Measure the ``top_k`` best records of each task of ``contexts`` again with each unroll
     limit of ``steps`` (:func:`thomas_tune.schedules.with_unroll`; the task's postprocessors
     are applied, a candidate they reject is left out), and add the results to ``database``.
@@ -416,8 +517,9 @@ def refine_unroll(contexts, progress: list[TaskProgress], database: ms.Database,
     The search may run with small unroll limits, whose candidates build and compile several
     times faster; this gives the best schedules it found the larger limits that often make a
     kernel faster still (``bench/compile_cost.py``). Candidates already measured (in the log
-    or this run) are skipped. Failed ones are committed as MetaSchedule commits a failed trial
-    (run time :data:`~thomas_tune.tuning_log.FAILED_RUN_S`) and their reasons go to ``errors``.
+    or this run: ``measured``, per context, the structural hashes of its measured schedules,
+    which gets the new ones) are skipped. Failed ones are committed as MetaSchedule commits a
+    failed trial (run time :data:`~thomas_tune.tuning_log.FAILED_RUN_S`) and their reasons go to ``errors``.
     ``progress`` (per context) gets the trials, errors and best times. Returns ``{"measured",
     "failed", "better", "seconds"}``: candidates measured, failed, tasks whose best record
     got faster, wall seconds."""
@@ -427,11 +529,14 @@ def refine_unroll(contexts, progress: list[TaskProgress], database: ms.Database,
     mods, owners = [], []
     for c, ctx in enumerate(contexts):
         workload = database.commit_workload(ctx.mod)
-        seen = getattr(ctx.search_strategy, "measured", None)
+        seen = measured[c] if measured is not None else None
         for rec in database.get_top_k(workload, top_k):
-            body = rec.as_json()
+            try:
+                body = plain_json(rec.trace.as_json())
+            except TypeError:  # an object with no JSON form: no limit
+                continue
             for step in steps:
-                trace_json = with_unroll(body[0], step)
+                trace_json = with_unroll(body, step)
                 if trace_json is None:
                     continue
                 sch = postprocessed(ctx.mod, trace_json, ctx.space_generator.postprocs)
