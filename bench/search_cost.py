@@ -6,7 +6,7 @@ rounds of mutation, each member scored by the XGBoost cost model, the best not y
 picked) and the builds and measurements of the candidates it picked. On the H100 the search
 became the bound once compiles were cheap (README, eleventh and twelfth runs). This script
 times search rounds with no device: it builds one task of a model for a target, resumes the
-task's records from a tuning log as ``thomas-tune tune`` does (:class:`ResumingSearch`, with
+task's records from a tuning log as ``thomas-tune tune`` does (``search_context``, with
 ``--max-unroll`` the log read through :class:`UnrollLimitedView`), trains the cost model on up
 to ``--train`` of those records (a run's model learns from its own trials; this stands for one
 well into a run), and runs ``--rounds`` rounds under MetaSchedule's profiler.
@@ -32,10 +32,9 @@ import time
 
 def main(argv=None) -> int:
     from thomas_tune import cli
-    from thomas_tune.schedules import space_generator
     from thomas_tune.target import parse_target
     from thomas_tune.tasks import extract
-    from thomas_tune.tune import ResumingSearch, read_default_times, workload_key
+    from thomas_tune.tune import read_default_times, search_context, workload_key
     from thomas_tune.tuning_log import TuningLog
     from tvm.s_tir import meta_schedule as ms
     from tvm.s_tir.schedule import Schedule
@@ -73,14 +72,8 @@ def main(argv=None) -> int:
     print(f"task {task.name}: {len(measured)} measured schedules in the log (replayed in "
           f"{time.perf_counter() - t0:.1f} s)", flush=True)
 
-    strategy = ResumingSearch(measured, max_unroll=args.max_unroll,
-                              population_size=args.population,
-                              init_min_unmeasured=max(8, args.population // 4),
-                              genetic_num_iters=args.genetic_iters)
-    ctx = ms.TuneContext(mod=task.mod, target=target,
-                         space_generator=space_generator(target, args.max_unroll),
-                         search_strategy=strategy, task_name=task.name, rand_state=1,
-                         num_threads=os.cpu_count() or 1)
+    ctx, strategy = search_context(task, target, measured, args.population,
+                                   args.genetic_iters, args.max_unroll, seed=1)
     spaces = ctx.generate_design_space()
     cost_model = ms.cost_model.XGBModel(num_tuning_cores=os.cpu_count() or 1)
     records = (database.get_top_k(database.commit_workload(task.mod), args.train)

@@ -46,7 +46,8 @@ def plain_json(trace_json) -> list:
     """A trace's JSON form (``Trace.as_json()``: TVM arrays holding ``IntImm`` and ``FloatImm``
     attributes; or a record's, already plain) as plain Python lists, ints, floats and strings,
     which ``json`` can write and ``Trace.apply_json_to_schedule`` reads back. Raises TypeError
-    for an object JSON cannot hold (a layout transform's ``IndexMap``)."""
+    for an object that is none of these (not met in MetaSchedule's traces so far: a layout's
+    ``IndexMap`` comes as a string)."""
     import json
 
     def plain(o):
@@ -63,11 +64,8 @@ def plain_json(trace_json) -> list:
     return json.loads(json.dumps(trace_json, default=plain))
 
 
-def sampled_unroll(trace_json) -> tuple[int, int] | None:
-    """Where a trace (JSON form ``[instructions, decisions]``, plain or as ``Trace.as_json()``
-    gives it) samples its unroll limit and the limit it chose: ``(instruction index, limit)``,
-    or None when it samples none (the enumerated matmul tilings fix theirs)."""
-    insts, decisions = plain_json(trace_json)
+def _unroll_at(insts, decisions) -> tuple[int, int] | None:
+    """:func:`sampled_unroll` of a plain trace."""
     var = next((ins[1][1] for ins in insts if ins[0] == "Annotate" and ins[2]
                 and ins[2][0] == "meta_schedule.unroll_explicit"), None)
     where = next((i for i, ins in enumerate(insts)
@@ -78,20 +76,16 @@ def sampled_unroll(trace_json) -> tuple[int, int] | None:
     return where, int(insts[where][2][0][int(chosen)])
 
 
-def with_unroll(trace_json, step: int, choices=UNROLL_STEPS):
-    """A trace (JSON form, plain or as ``Trace.as_json()`` gives it) with its sampled unroll limit set to ``step``, its choice among
-    ``choices`` (default all of :data:`UNROLL_STEPS`) and the postprocessing instructions
-    dropped (apply it, then the postprocessors, to get the schedule). None when the trace
-    samples no unroll limit (:func:`sampled_unroll`) or already chose ``step`` among
-    ``choices``. Raises ValueError when ``step`` is not in ``choices``."""
-    choices = [int(c) for c in choices]
-    if step not in choices:
-        raise ValueError(f"unroll step {step} is not one of {choices}")
-    found = sampled_unroll(trace_json)
-    if found is None:
-        return None
+def sampled_unroll(trace_json) -> tuple[int, int] | None:
+    """Where a trace (JSON form ``[instructions, decisions]``, plain or as ``Trace.as_json()``
+    gives it) samples its unroll limit and the limit it chose: ``(instruction index, limit)``,
+    or None when it samples none (the enumerated matmul tilings fix theirs)."""
+    return _unroll_at(*plain_json(trace_json))
+
+
+def _set_unroll(insts, decisions, found, step: int, choices: list[int]):
+    """:func:`with_unroll` of a plain trace whose sampled limit is ``found``."""
     where, current = found
-    insts, decisions = plain_json(trace_json)
     if current == step and [int(c) for c in insts[where][2][0]] == choices:
         return None
     end = next((i for i, ins in enumerate(insts) if ins[0] == "EnterPostproc"), len(insts))
@@ -100,6 +94,36 @@ def with_unroll(trace_json, step: int, choices=UNROLL_STEPS):
     decisions = [[i, d] for i, d in decisions if i < end and i != where]
     decisions.append([where, choices.index(step)])
     return [insts, decisions]
+
+
+def with_unroll(trace_json, step: int, choices=UNROLL_STEPS):
+    """A trace (JSON form, plain or as ``Trace.as_json()`` gives it) with its sampled unroll
+    limit set to ``step``, its choice among ``choices`` (default all of :data:`UNROLL_STEPS`)
+    and the postprocessing instructions dropped (apply it, then the postprocessors, to get the
+    schedule). None when the trace samples no unroll limit (:func:`sampled_unroll`) or already
+    chose ``step`` among ``choices``. Raises ValueError when ``step`` is not in ``choices``."""
+    choices = [int(c) for c in choices]
+    if step not in choices:
+        raise ValueError(f"unroll step {step} is not one of {choices}")
+    insts, decisions = plain_json(trace_json)
+    found = _unroll_at(insts, decisions)
+    return None if found is None else _set_unroll(insts, decisions, found, step, choices)
+
+
+def within_unroll(trace_json, allowed) -> tuple[list | None, int | None]:
+    """A trace (JSON form, plain or as ``Trace.as_json()`` gives it) kept to the unroll limits
+    ``allowed`` (ascending, as :func:`unroll_steps` gives them): its sampled limit lowered to
+    the largest allowed one not above it and its choice narrowed to ``allowed``, postprocessing
+    dropped (:func:`with_unroll`). Returns ``(trace or None, limit it had)``: None for the
+    trace when it chose among exactly ``allowed`` already; ``(None, None)`` when it samples no
+    limit."""
+    allowed = [int(a) for a in allowed]
+    insts, decisions = plain_json(trace_json)
+    found = _unroll_at(insts, decisions)
+    if found is None:
+        return None, None
+    step = max(s for s in allowed if s <= max(found[1], allowed[0]))
+    return _set_unroll(insts, decisions, found, step, allowed), found[1]
 
 
 def postprocessed(mod: tvm.IRModule, trace_json, postprocs) -> tvm.s_tir.Schedule | None:

@@ -24,8 +24,8 @@ from tvm.s_tir import meta_schedule as ms
 from tvm.ir.utils import derived_object
 
 from .runner import Builder, FarmRunner, Phases, error_line
-from .schedules import (UNROLL_STEPS, plain_json, postprocessed, sampled_unroll,
-                         space_generator, unroll_steps, with_unroll)
+from .schedules import (UNROLL_STEPS, plain_json, postprocessed, space_generator,
+                         unroll_steps, with_unroll, within_unroll)
 from .tasks import Task
 from .tuning_log import FAILED_RUN_S, TrialErrors, TuningLog
 
@@ -47,7 +47,7 @@ class UnrollLimitedView(ms.database.PyDatabase):
     def __init__(self, inner: ms.Database, allowed: list[int]):
         self.inner, self.allowed = inner, [int(a) for a in allowed]
         self.cache: dict[str, ms.database.TuningRecord] = {}
-        self.lowered = 0  # records handed out with a lower limit
+        self.lowered = 0  # records handed out whose limit was over the largest allowed
 
     def _limited(self, rec):
         try:
@@ -58,19 +58,16 @@ class UnrollLimitedView(ms.database.PyDatabase):
         if key in self.cache:
             return self.cache[key]
         out = rec
-        found = sampled_unroll(trace)
-        if found is not None:
-            step = max(s for s in self.allowed if s <= max(found[1], self.allowed[0]))
-            lowered = with_unroll(trace, step, self.allowed)
-            if lowered is not None:
-                sch = tvm.s_tir.Schedule(rec.workload.mod)
-                try:
-                    tvm.s_tir.schedule.Trace.apply_json_to_schedule(lowered, sch)
-                    out = ms.database.TuningRecord(sch.trace, rec.workload, rec.run_secs,
-                                                   rec.target, rec.args_info)
-                    self.lowered += found[1] > step
-                except Exception:  # a trace that no longer applies: the search drops it too
-                    pass
+        lowered, limit = within_unroll(trace, self.allowed)
+        if lowered is not None:
+            sch = tvm.s_tir.Schedule(rec.workload.mod)
+            try:
+                tvm.s_tir.schedule.Trace.apply_json_to_schedule(lowered, sch)
+                out = ms.database.TuningRecord(sch.trace, rec.workload, rec.run_secs,
+                                               rec.target, rec.args_info)
+                self.lowered += limit > self.allowed[-1]
+            except Exception:  # a trace that no longer applies: the search drops it too
+                pass
         self.cache[key] = out
         return out
 
@@ -142,16 +139,16 @@ class ResumingSearch(ms.search_strategy.PySearchStrategy):
         candidate bred from a record tuned without the limit), or None if the postprocessors
         reject the result."""
         trace = cand.sch.trace
+        if trace is None:
+            return cand
         try:
-            body = plain_json(trace.as_json()) if trace is not None else None
+            body = plain_json(trace.as_json())
         except TypeError:  # an object with no JSON form: no sampled limit
             return cand
-        found = sampled_unroll(body) if body is not None else None
-        if found is None or found[1] <= self.max_unroll:
+        lowered, limit = within_unroll(body, unroll_steps(self.max_unroll))
+        if limit is None or limit <= self.max_unroll:
             return cand
-        allowed = unroll_steps(self.max_unroll)
-        sch = postprocessed(self.mod, with_unroll(body, max(allowed), allowed),
-                            self.postprocs)
+        sch = postprocessed(self.mod, lowered, self.postprocs)
         if sch is None:
             return None
         self.counts["clamped"] += 1
@@ -410,6 +407,26 @@ def tune(tasks: list[Task], target, log: TuningLog, runner: ms.Runner, trials: i
                             refine_top, genetic_iters)
 
 
+def search_context(task: Task, target, measured: set[int], population: int,
+                   genetic_iters: int, max_unroll: int | None, seed: int,
+                   phases: Phases | None = None):
+    """The tune context and search strategy (:class:`ResumingSearch`) of one task as
+    :func:`tune` searches it: ``measured``, the structural hashes of its schedules already in
+    the tuning log; ``population`` and ``genetic_iters``, the evolutionary search's size (a
+    quarter of the population, at least 8, is drawn fresh each round); ``max_unroll``, the
+    unroll limit (:func:`thomas_tune.schedules.unroll_steps`); ``seed``, the context's random
+    state. The search runs on every core. Returns ``(context, strategy)``."""
+    strategy = ResumingSearch(measured, phases=phases, max_unroll=max_unroll,
+                              population_size=population,
+                              init_min_unmeasured=max(8, population // 4),
+                              genetic_num_iters=genetic_iters)
+    ctx = ms.TuneContext(
+        mod=task.mod, target=target, space_generator=space_generator(target, max_unroll),
+        search_strategy=strategy, task_name=task.name, rand_state=seed,
+        num_threads=max(1, os.cpu_count() or 1))
+    return ctx, strategy
+
+
 def _tune_locked(tasks, target, log, runner, trials, trials_per_iter, builder_workers, seed,
                  population, show_progress, stats_path, stats_every_s, default_s,
                  max_in_flight, max_unroll, refine_top, genetic_iters) -> TuneReport:
@@ -424,14 +441,9 @@ def _tune_locked(tasks, target, log, runner, trials, trials_per_iter, builder_wo
     for i, task in enumerate(tasks):
         measured = log.measured(database, task.mod)
         report.resumed_records += len(measured)
-        strategy = ResumingSearch(measured, phases=phases, max_unroll=max_unroll,
-                                  population_size=population,
-                                  init_min_unmeasured=max(8, population // 4),
-                                  genetic_num_iters=genetic_iters)
-        ctx = ms.TuneContext(
-            mod=task.mod, target=target, space_generator=space_generator(target, max_unroll),
-            search_strategy=strategy, task_name=task.name, rand_state=seed + i,
-            num_threads=max(1, os.cpu_count() or 1)).clone()
+        ctx, strategy = search_context(task, target, measured, population, genetic_iters,
+                                       max_unroll, seed + i, phases)
+        ctx = ctx.clone()
         try:  # a rule that fails on this kernel would otherwise stop the whole run
             ctx.generate_design_space()
         except Exception as err:  # TVM's ScheduleError and friends
