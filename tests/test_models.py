@@ -84,6 +84,22 @@ def test_frozen_layers_get_no_gradient_and_no_backward():
     assert ops(last) < ops(full) / 2
 
 
+def test_linear_layers_read_their_weight_in_place():
+    """The fused AlexNet graphs (training and inference) hold no kernel that writes a linear
+    layer's transposed weight: the forward matmul reads W (out, in) as it is stored."""
+    from thomas_tune.tasks import fuse
+    model = build("alexnet", **SMALL["alexnet"])
+    tg = G.training_module(model, 2, "all")
+    weights = [tuple(p.shape) for p in spec(model).params if p.init == "linear"]
+    assert len(weights) == 3
+    for gv, func in fuse(tg.mod).functions.items():
+        if isinstance(func, tvm.tirx.PrimFunc):
+            shapes = [tuple(int(d) for d in v.ty.shape) for v in func.params]
+            # a copy of one weight (out, in) into (in, out)
+            copies = len(shapes) == 2 and shapes[0] in weights and shapes[1] == shapes[0][::-1]
+            assert not copies, gv.name_hint
+
+
 @pytest.mark.parametrize("bad", ["last:0", "last:999", "first:2", "some"])
 def test_bad_trainable_is_a_clear_error(bad):
     model = build("mobilenet_v2", **SMALL["mobilenet_v2"])
