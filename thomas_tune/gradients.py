@@ -4,11 +4,9 @@ Importing this module registers them for: ``relax.clip`` (ReLU6), ``relax.nn.bat
 ``relax.nn.dropout``, ``relax.nn.adaptive_avg_pool2d`` and ``relax.flatten``. Each is checked
 against float64 finite differences in ``tests/test_gradients.py``. Registration is idempotent and
 never replaces a gradient that TVM itself registers (see :func:`missing_gradients`), with one
-exception: conv2d's gradient (:func:`_conv2d_grad`). Depthwise convolutions get their own
-backward kernels, since TVM's form of them (a transposed and a grouped convolution over batch x
-channels) held most of a MobileNet training step on a GPU and its schedule space had no valid
-GPU schedule. Dense convolutions with a filter larger than 1x1 whose weight gradient has few
-outputs for its long sums get that gradient split over the batch (:func:`weight_grad_parts`).
+exception: depthwise convolutions get their own backward kernels (:func:`_conv2d_grad`), since
+TVM's form of them (a transposed and a grouped convolution over batch x channels) held most of
+a MobileNet training step on a GPU and its schedule space had no valid GPU schedule.
 """
 
 from __future__ import annotations
@@ -201,93 +199,6 @@ def depthwise_data_grad_te(dy, w, in_hw, strides, padding, dilation):
                       name="depthwise_data_grad")
 
 
-#: a split weight gradient aims at this many partial outputs (parts x outputs): with a 64 x 64
-#: block of outputs per 256-thread work-group that is 256 work-groups, about 2 per SM of a
-#: 132-SM H100 (NVIDIA H100 datasheet), the least that keeps every SM busy
-SPLIT_OUTPUTS = 1 << 20
-#: ... only for weight gradients of at least this many outputs (below, a gradient is a few
-#: long sums, which the ``LongReduction`` schedule rule splits inside a work-group)
-SPLIT_MIN_OUTPUTS = 1 << 14
-#: ... and keeps at least this many terms in each partial sum
-SPLIT_MIN_TERMS = 2048
-
-
-def weight_grad_parts(outputs: int, terms: int, batch: int) -> int:
-    """Parts the batch of a convolution's weight gradient is split into (1: no split).
-
-    ``outputs``: elements of the weight (O*I*KH*KW), ``terms``: terms of each one's sum
-    (N*OH*OW), ``batch``: N. The smallest divisor G of N with G * outputs >=
-    :data:`SPLIT_OUTPUTS`, lowered until each part keeps :data:`SPLIT_MIN_TERMS` terms; 1 for
-    gradients under :data:`SPLIT_MIN_OUTPUTS` outputs. A GPU kernel parallelizes over outputs
-    only (a sum is never split across work-groups), so a gradient of a few hundred thousand
-    outputs with sums of tens of thousands of terms cannot fill the device; its G partial
-    gradients (one kernel, G times the outputs) are then added by a small second kernel.
-    AlexNet@224 at batch 32: 32, 4, 2, 2, 2 parts for its five convolutions.
-    """
-    if outputs < SPLIT_MIN_OUTPUTS:
-        return 1
-    best = 1
-    for g in range(2, batch + 1):
-        if batch % g or terms // g < SPLIT_MIN_TERMS:
-            continue
-        best = g
-        if g * outputs >= SPLIT_OUTPUTS:
-            break
-    return best
-
-
-def split_weight_grad_te(x, dy, kernel, strides, padding, dilation, parts):
-    """TE compute of a dense conv2d's weight gradient (NCHW, OIHW, groups 1) in ``parts``
-    partial sums over the batch.
-
-    x: (N, C, H, W), dy: (N, O, OH, OW) -> (parts, O, C, KH, KW) with part g holding
-    sum over n in [g*N/parts, (g+1)*N/parts), oh, ow of dy[n, o, oh, ow] *
-    xpad[n, c, oh*sh + kh*dh, ow*sw + kw*dw] (the convolution's definition differentiated by
-    its weight); their sum over the first axis is the gradient. Written as the sum itself, it
-    needs neither the dilated-filter convolution of TVM's form nor its strided slice (stride > 1
-    layers computed a larger filter and cut it).
-    """
-    from tvm import te, topi
-    n_n, c_n = x.shape[0], x.shape[1]
-    _, o_n, oh_n, ow_n = dy.shape
-    kh_n, kw_n = kernel
-    (sh, sw), (dh, dw) = strides, dilation
-    pt, pl, pb, pr = padding
-    per = int(n_n) // parts
-    xp = topi.nn.pad(x, [0, 0, pt, pl], [0, 0, pb, pr], name="weight_grad_pad")
-    rn = te.reduce_axis((0, per), name="rn")
-    rh = te.reduce_axis((0, oh_n), name="rh")
-    rw = te.reduce_axis((0, ow_n), name="rw")
-    return te.compute(
-        (parts, o_n, c_n, kh_n, kw_n),
-        lambda g, o, c, kh, kw: te.sum(
-            dy[g * per + rn, o, rh, rw]
-            * xp[g * per + rn, c, rh * sh + kh * dh, rw * sw + kw * dw],
-            axis=[rn, rh, rw]),
-        name="split_weight_grad")
-
-
-def split_parts(call) -> int:
-    """Parts of :func:`weight_grad_parts` for a conv2d call: 1 unless the call is a dense
-    (groups 1) NCHW/OIHW convolution with a filter larger than 1x1. The 1x1 convolutions of the
-    MobileNets keep TVM's form (not measured split)."""
-    a = call.attrs
-    x, w = call.args
-    if (a.data_layout != "NCHW" or a.kernel_layout != "OIHW"
-            or (a.out_layout or "NCHW") != "NCHW" or int(a.groups) != 1):
-        return 1
-    o, c, kh, kw = _shape(w)
-    if kh * kw == 1:
-        return 1
-    n = _shape(x)[0]
-    (sh, sw), (dh, dw) = [int(v) for v in a.strides], [int(v) for v in a.dilation]
-    pt, pl, pb, pr = [int(v) for v in a.padding]
-    h, w_ = _shape(x)[2:]
-    oh = (h + pt + pb - dh * (kh - 1) - 1) // sh + 1
-    ow = (w_ + pl + pr - dw * (kw - 1) - 1) // sw + 1
-    return weight_grad_parts(o * c * kh * kw, n * oh * ow, n)
-
-
 def is_depthwise(call) -> bool:
     """True for a conv2d call that is depthwise with multiplier 1 in NCHW/OIHW layouts."""
     a = call.attrs
@@ -299,22 +210,10 @@ def is_depthwise(call) -> bool:
 
 
 def _conv2d_grad(orig_var, orig_call, output_grad, ctx):
-    """Gradient of conv2d: depthwise layers (multiplier 1) get the two kernels above; dense
-    convolutions whose weight gradient :func:`split_parts` splits get TVM's data gradient and
-    the split weight gradient (:func:`split_weight_grad_te`, then a sum over the parts); every
+    """Gradient of conv2d: depthwise layers (multiplier 1) get the two kernels above, every
     other convolution TVM's own gradient (transposed convolution and grouped convolution)."""
     if not is_depthwise(orig_call):
-        parts = split_parts(orig_call)
-        grads = _tvm_conv2d_grad(orig_var, orig_call, output_grad, ctx)
-        if parts == 1:
-            return grads
-        a = orig_call.attrs
-        x, w = orig_call.args
-        partial = ctx.call_te(split_weight_grad_te, x, output_grad, _shape(w)[2:],
-                              [int(v) for v in a.strides], [int(v) for v in a.padding],
-                              [int(v) for v in a.dilation], parts,
-                              primfunc_name_hint="split_weight_grad")
-        return [grads[0], R.sum(partial, axis=[0])]
+        return _tvm_conv2d_grad(orig_var, orig_call, output_grad, ctx)
     a = orig_call.attrs
     x, w = orig_call.args
     strides = [int(v) for v in a.strides]
