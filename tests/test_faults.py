@@ -573,8 +573,8 @@ def test_tune_match_names_what_is_wrong(tmp_path, capsys, rng):
 
 def test_tune_unroll_options_name_what_is_wrong(tmp_path, capsys):
     """'tune --max-unroll' below 16 (one unroll limit or none left to choose among), a
-    negative '--refine-top' and '--genetic-iters 0' fail before the tracker is contacted, naming the option and the
-    fix; no log is made."""
+    negative '--refine-top' and '--genetic-iters 0' fail before the tracker is contacted,
+    naming the option and the fix; no log is made."""
     log = tmp_path / "log"
     base = ["tune", *TINY, "--tracker", "127.0.0.1:9", "--key", "k", "--log", str(log)]
     _fails(capsys, [*base, "--max-unroll", "8"], "--max-unroll 8 leaves the search fewer",

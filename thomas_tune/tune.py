@@ -35,7 +35,7 @@ class UnrollLimitedView(ms.database.PyDatabase):
     """The tuning log as the search of a run with ``--max-unroll`` reads it: each record that
     :meth:`get_top_k` hands out has its sampled unroll limit lowered to the largest of
     ``allowed`` where it is over it, and its choice narrowed to ``allowed``
-    (:func:`~thomas_tune.schedules.with_unroll`). Everything else goes to ``inner`` unchanged.
+    (:func:`~thomas_tune.schedules.within_unroll`). Everything else goes to ``inner`` unchanged.
 
     MetaSchedule's evolutionary search starts each round from the best records of the log;
     without this view the candidates it breeds from records tuned with limits of 512 and 1024
@@ -531,7 +531,8 @@ def refine_unroll(contexts, progress: list[TaskProgress], database: ms.Database,
     kernel faster still (``bench/compile_cost.py``). Candidates already measured (in the log
     or this run: ``measured``, per context, the structural hashes of its measured schedules,
     which gets the new ones) are skipped. Failed ones are committed as MetaSchedule commits a
-    failed trial (run time :data:`~thomas_tune.tuning_log.FAILED_RUN_S`) and their reasons go to ``errors``.
+    failed trial (run time :data:`~thomas_tune.tuning_log.FAILED_RUN_S`) and their reasons go
+    to ``errors``.
     ``progress`` (per context) gets the trials, errors and best times. Returns ``{"measured",
     "failed", "better", "seconds"}``: candidates measured, failed, tasks whose best record
     got faster, wall seconds."""
