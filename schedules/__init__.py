@@ -11,6 +11,7 @@ so cross-thread reductions use plain workgroup barriers).
 from __future__ import annotations
 
 import contextlib
+import math
 
 import tvm
 from tvm.ir.utils import derived_object
@@ -244,6 +245,35 @@ def gpu_rules(target: tvm.target.Target, max_unroll: int | None = None
     ]
 
 
+#: partial sums a split-K space aims at (G x outputs), one space for each: enough work-groups
+#: for a large GPU (the H100 has 132 multiprocessors) at every tiling the search draws
+SPLIT_PARTIALS = (1 << 20, 1 << 22)
+#: each partial sum keeps at least this many terms
+SPLIT_MIN_TERMS = 64
+#: kernels with more outputs are never split (splitting one loop into parts: up to 2^19 outputs,
+#: so that two or more parts fit in :data:`SPLIT_PARTIALS`' 2^22 partial sums)
+SPLIT_MAX_OUTPUTS = 1 << 19
+
+
+def split_parts(extent: int, outputs: int, rest: int = 1) -> list[int]:
+    """The part counts G offered for splitting a reduction loop of ``extent`` iterations (a
+    matmul's k) of a kernel with ``outputs`` outputs, whose other reduction loops have ``rest``
+    iterations in all: for each of :data:`SPLIT_PARTIALS`, the divisor of ``extent`` nearest
+    to it over ``outputs`` (in ratio) that leaves each partial sum :data:`SPLIT_MIN_TERMS`
+    terms or more; 2 or more, no repeats, at most 4 bytes x 2^22 = 16 MiB of partial sums.
+    AlexNet's first fully connected layer at batch 32 (32x4096 outputs, k = 9216): [8, 32]."""
+    divisors = [g for g in range(2, extent + 1) if extent % g == 0
+                and (extent // g) * rest >= SPLIT_MIN_TERMS and g * outputs <= 1 << 22]
+    out = []
+    for aim in SPLIT_PARTIALS:
+        if not divisors:
+            break
+        g = min(divisors, key=lambda d: abs(math.log(d * outputs / aim)))
+        if g not in out:
+            out.append(g)
+    return out
+
+
 @derived_object
 class SplitReduction(ms.schedule_rule.PyScheduleRule):
     """Design spaces that split a long reduction across work-groups (split-K).
@@ -267,10 +297,17 @@ class SplitReduction(ms.schedule_rule.PyScheduleRule):
     variance on the H100: 1.30 ms at best over 65 tiled records, against 0.51 ms by default).
     The plain block's spaces stay too: the tuner picks.
 
-    Applies to a reduction block with constant loops bound one to one to its iterators, at
-    least ``min_terms`` terms per output and at most ``max_outputs`` outputs; factors a
-    reduction loop of at least 4 iterations that leaves at least 64 terms; at most the first
-    two such loops. The partial sums take (loop extent x outputs x 4) bytes of device
+    A matmul's sum runs over one loop (k): factoring it out whole would leave one term per
+    partial sum. Such a loop is first split into G parts of k / G terms (:func:`split_parts`,
+    two choices of G) and the G parts are factored out (split-K). AlexNet's fully connected
+    layers at batch 32 are such kernels: 32x4096 outputs of 9216- or 4096-term sums, which
+    tiling maps to a few dozen work-groups.
+
+    Applies to a reduction block with constant loops bound one to one to its iterators and at
+    least ``min_terms`` terms per output; factors a reduction loop of at least 4 iterations
+    that leaves at least 64 terms (at most the first two such loops) when the block has at
+    most ``max_outputs`` outputs, else splits its longest reduction loop when it has at most
+    :data:`SPLIT_MAX_OUTPUTS`. The partial sums take (parts x outputs x 4) bytes of device
     workspace per call.
     """
 
@@ -306,10 +343,15 @@ class SplitReduction(ms.schedule_rule.PyScheduleRule):
             else:
                 return 0, []
         n_spatial = len(loops) - len(reductions)
-        if terms < self.min_terms or outputs > self.max_outputs or \
+        if terms < self.min_terms or outputs > SPLIT_MAX_OUTPUTS or \
                 [i for i, _ in reductions] != list(range(n_spatial, len(loops))):
             return 0, []
-        return n_spatial, [i for i, e in reductions if e >= 4 and terms // e >= 64][:2]
+        whole = [(i, None) for i, e in reductions if e >= 4 and terms // e >= 64][:2]
+        if whole:
+            return n_spatial, (whole if outputs <= self.max_outputs else [])
+        # one loop holds (nearly) the whole sum, a matmul's k: split it into G parts first
+        i, e = max(reductions, key=lambda r: r[1])
+        return n_spatial, [(i, g) for g in split_parts(e, outputs, terms // e)]
 
     def apply(self, sch, block):
         n_spatial, at = self._factor_loops(sch, block)
@@ -317,11 +359,11 @@ class SplitReduction(ms.schedule_rule.PyScheduleRule):
             return [sch]
         contraction = _contraction(sch.get(block))
         spaces = []
-        for i in at:
+        for i, parts in at:
             for tiled in ((False, True) if contraction else (False,)):
                 s = sch.copy()
                 try:
-                    spaces.extend(self._split(s, block, i, n_spatial, tiled))
+                    spaces.extend(self._split(s, block, i, n_spatial, tiled, parts))
                 except tvm.error.TVMError:  # a block this split cannot take: other spaces stay
                     continue
         # A kernel of several reductions (a variance: its mean, then the sum of squares) keeps
@@ -332,8 +374,12 @@ class SplitReduction(ms.schedule_rule.PyScheduleRule):
             return spaces
         return [sch, *spaces]
 
-    def _split(self, s, block, i: int, n_spatial: int, tiled: bool) -> list:
-        rf = s.rfactor(s.get_loops(block)[i], factor_axis=0)
+    def _split(self, s, block, i: int, n_spatial: int, tiled: bool,
+               parts: int | None = None) -> list:
+        loop = s.get_loops(block)[i]
+        if parts is not None:  # factor out the outer of G x (e / G)
+            loop, _ = s.split(loop, factors=[parts, None])
+        rf = s.rfactor(loop, factor_axis=0)
         # the factored loop is the partial-sum block's first iterator: its loops must run in
         # the iterators' order (a "trivial binding") for multi-level tiling to apply
         rl = s.get_loops(rf)

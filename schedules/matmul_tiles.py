@@ -33,8 +33,9 @@ MAX_PAD = 0.25
 MAX_PAD_K = 0.15
 #: ... and it makes at least this many work-groups
 MIN_GROUPS = 32
-#: ... and each output sums at least this many terms (shorter sums gain little from the tiles)
-MIN_TERMS = 64
+#: ... and each output sums at least this many terms (shorter sums gain little from the tiles;
+#: a linear layer's weight gradient at batch 32 sums 32)
+MIN_TERMS = 32
 
 
 @dataclass(frozen=True)

@@ -359,6 +359,44 @@ def test_split_reduction_spaces_match_numpy(target, rng):
             np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max())
 
 
+def test_matmul_with_few_outputs_gets_split_k_spaces_that_match_numpy(target, rng):
+    """A linear layer's forward at a small batch (32x256 outputs, one 2048-term loop k) has too
+    few outputs to fill a GPU: it gets split-K spaces, k split into G parts (schedules.
+    split_parts) and the parts factored out (partial sums, then their sum), both work-group and
+    tiled. Sampled candidates of each build for PoCL and match numpy in float64 with a bias
+    added. A loop too short to leave 64 terms per part gets no split space."""
+    from thomas_tune.schedules import split_parts
+
+    m, n, k = 32, 256, 2048
+    x = te.placeholder((m, k), name="x")
+    w = te.placeholder((n, k), name="w")
+    bias = te.placeholder((n,), name="bias")
+    rk = te.reduce_axis((0, k), name="k")
+    mm = te.compute((m, n), lambda i, j: te.sum(x[i, rk] * w[j, rk], axis=rk), name="NT_matmul")
+    y = te.compute((m, n), lambda i, j: mm[i, j] + bias[j], name="add")
+    mod = _func(x, w, bias, y)
+    parts = split_parts(k, m * n)
+    assert parts and all(k % g == 0 and k // g >= 64 for g in parts)
+    ctx = ms.TuneContext(mod=mod, target=target, space_generator=space_generator(target),
+                         task_name="nt", num_threads=1,
+                         search_strategy=ms.search_strategy.ReplayTrace())
+    spaces = ctx.generate_design_space()
+    split = [sp for sp in spaces if "rfactor" in str(sp.trace)]
+    assert len(split) == 2 * len(parts)  # per G: a work-group space and a tiled one
+    tiled = ["tiling_structure" in sp.mod.script() for sp in split]
+    assert any(tiled) and not all(tiled)
+    xn, wn, bn = rng.standard_normal((m, k)), rng.standard_normal((n, k)), rng.standard_normal(n)
+    x64, w64, b64 = (a.astype("float32").astype("float64") for a in (xn, wn, bn))
+    ref = x64 @ w64.T + b64
+    ctx.pre_tuning(max_trials=16, num_trials_per_iter=16, design_spaces=split)
+    cands = ctx.generate_measure_candidates()
+    for want in (True, False):
+        cand = next(c for c in cands if ("tiling_structure" in c.sch.mod.script()) == want)
+        got = _run(cand.sch.mod, target, [xn, wn, bn], (m, n))
+        np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max())
+    assert split_parts(96, 32 * 256) == []  # 96 terms: no two parts of 64
+
+
 def test_strided_data_gradient_gets_direct_tiling_that_matches_numpy(target, rng):
     """The data gradient of a stride-2 depthwise convolution reads the output gradient at
     ``(h + pad - kh) // 2``: besides the spaces that stage operands in shared memory, it gets
@@ -475,6 +513,7 @@ def test_matmul_tile_spaces_match_numpy(target, rng):
         np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max())
 
     assert mt.tiles_for((1, 4096, 64, 27), 1024, 1 << 16) == []     # 27-term sums
+    assert mt.tiles_for((1, 4096, 4096, 32), 1024, 1 << 16)        # a batch-32 weight gradient
     assert mt.tiles_for((1, 64, 64, 4096), 1024, 1 << 16) == []     # a handful of work-groups
     # a kernel that is no matmul (an elementwise add) gets no tiled space
     a = te.placeholder((64, 64), name="a")
