@@ -19,7 +19,6 @@ from tvm.s_tir import dlight as dl
 from tvm.s_tir.dlight.gpu.base import GPUScheduleRule
 from tvm.s_tir import meta_schedule as ms
 
-from .low_batch import low_batch_spaces
 from .matmul_tiles import tiled_spaces
 
 
@@ -434,17 +433,16 @@ def space_generator(target: tvm.target.Target, max_unroll: int | None = None
     """The design-space generator for ``target``: on CPUs MetaSchedule's own; on GPUs the
     post-order application of the rules above (unroll limits up to ``max_unroll``, see
     :func:`unroll_steps`), and beside it one space per tiling of
-    :func:`matmul_tiles.tiled_spaces` for kernels that are matmuls once regrouped and one per
-    bucket of :func:`low_batch.low_batch_spaces` for matmuls with few rows."""
+    :func:`matmul_tiles.tiled_spaces` for kernels that are matmuls once regrouped."""
     if target.kind.name == "llvm":
         return ms.space_generator.PostOrderApply(sch_rules="llvm", postprocs="llvm",
                                                  mutator_probs="llvm")
     rules = ms.space_generator.PostOrderApply(sch_rules=gpu_rules(target, max_unroll),
                                               postprocs=gpu_postprocs(),
                                               mutator_probs=gpu_mutators())
-    tiles = ms.space_generator.ScheduleFn(
-        lambda sch: [*tiled_spaces(sch, target), *low_batch_spaces(sch.mod["main"], target)],
-        sch_rules=[], postprocs=gpu_postprocs(), mutator_probs=gpu_mutators())
+    tiles = ms.space_generator.ScheduleFn(lambda sch: tiled_spaces(sch, target), sch_rules=[],
+                                          postprocs=gpu_postprocs(),
+                                          mutator_probs=gpu_mutators())
     return ms.space_generator.SpaceGeneratorUnion([rules, tiles], sch_rules=[],
                                                   postprocs=gpu_postprocs(),
                                                   mutator_probs=gpu_mutators())

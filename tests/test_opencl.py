@@ -381,8 +381,7 @@ def test_matmul_with_few_outputs_gets_split_k_spaces_that_match_numpy(target, rn
                          task_name="nt", num_threads=1,
                          search_strategy=ms.search_strategy.ReplayTrace())
     spaces = ctx.generate_design_space()
-    # (the low-batch spaces of schedules.low_batch factor twice: threads, then their lanes)
-    split = [sp for sp in spaces if str(sp.trace).count("rfactor") == 1]
+    split = [sp for sp in spaces if "rfactor" in str(sp.trace)]
     assert len(split) == 2 * len(parts)  # per G: a work-group space and a tiled one
     tiled = ["tiling_structure" in sp.mod.script() for sp in split]
     assert any(tiled) and not all(tiled)
@@ -396,46 +395,6 @@ def test_matmul_with_few_outputs_gets_split_k_spaces_that_match_numpy(target, rn
         got = _run(cand.sch.mod, target, [xn, wn, bn], (m, n))
         np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max())
     assert split_parts(96, 32 * 256) == []  # 96 terms: no two parts of 64
-
-
-def test_matmul_with_few_rows_gets_low_batch_spaces_that_match_numpy(target, rng):
-    """A linear layer's forward at batch 32 with its bias and ReLU fused (``relu(X W^T + b)``)
-    gets one design space per bucket and settings set of schedules.low_batch beside the other
-    spaces; those spaces build for PoCL and match numpy in float64. A convolution, and a matmul
-    whose weight is read across the sum (``X W``), get none."""
-    from thomas_tune.schedules import low_batch as lb
-
-    m, n, k = 32, 128, 1024
-    x = te.placeholder((m, k), name="x")
-    w = te.placeholder((n, k), name="w")
-    bias = te.placeholder((n,), name="bias")
-    rk = te.reduce_axis((0, k), name="k")
-    mm = te.compute((m, n), lambda i, j: te.sum(x[i, rk] * w[j, rk], axis=rk), name="NT_matmul")
-    y = te.compute((m, n), lambda i, j: te.max(mm[i, j] + bias[j], 0.0), name="relu")
-    mod = _func(x, w, bias, y)
-    spaces = lb.low_batch_spaces(mod["main"], target)
-    buckets = [b for b in lb.BUCKETS if m % b == 0]
-    assert len(spaces) == len(buckets) * len(lb.SETTINGS)
-    ctx = ms.TuneContext(mod=mod, target=target, space_generator=space_generator(target),
-                         task_name="fc", num_threads=1,
-                         search_strategy=ms.search_strategy.ReplayTrace())
-    assert len(ctx.generate_design_space()) >= len(spaces) + 1
-    xn, wn, bn = rng.standard_normal((m, k)), rng.standard_normal((n, k)), rng.standard_normal(n)
-    x64, w64, b64 = (a.astype("float32").astype("float64") for a in (xn, wn, bn))
-    ref = np.maximum(x64 @ w64.T + b64, 0.0)
-    for sp in (spaces[0], spaces[len(buckets) - 1], spaces[-1]):
-        got = _run(sp.mod, target, [xn, wn, bn], (m, n))
-        np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max())
-    rn = te.reduce_axis((0, k), name="k")
-    wt = te.placeholder((k, n), name="wt")
-    nn = te.compute((m, n), lambda i, j: te.sum(x[i, rn] * wt[rn, j], axis=rn), name="matmul")
-    assert lb.low_batch_spaces(_func(x, wt, nn)["main"], target) == []
-    img = te.placeholder((2, 8, 18, 18), name="img")
-    wc = te.placeholder((16, 8, 3, 3), name="wc")
-    rc, rh, rw = te.reduce_axis((0, 8)), te.reduce_axis((0, 3)), te.reduce_axis((0, 3))
-    conv = te.compute((2, 16, 16, 16), lambda b_, o, i, j: te.sum(
-        img[b_, rc, i + rh, j + rw] * wc[o, rc, rh, rw], axis=[rc, rh, rw]), name="conv")
-    assert lb.low_batch_spaces(_func(img, wc, conv)["main"], target) == []
 
 
 def test_strided_data_gradient_gets_direct_tiling_that_matches_numpy(target, rng):
