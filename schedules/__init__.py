@@ -323,8 +323,9 @@ class SplitReduction(ms.schedule_rule.PyScheduleRule):
         self._tile._initialize_with_tune_context(context)
 
     def _factor_loops(self, sch, block) -> tuple[int, list[int]]:
-        """(number of spatial loops, indices among the block's loops of the reduction loops to
-        factor out); no indices when the rule does not apply."""
+        """(number of spatial loops, [(index among the block's loops of a reduction loop to
+        factor out, None to factor it out whole or the number of parts to split it into
+        first)]); an empty list when the rule does not apply."""
         b = sch.get(block)
         loops = sch.get_loops(block)
         if b.init is None or len(b.writes) != 1 or len(loops) != len(b.iter_vars):
