@@ -225,10 +225,11 @@ def cmd_tune(args) -> int:
         if args.top:
             tasks = tasks[:args.top]
     else:
-        from .tune import read_default_times, workload_key
+        from .tune import measure_defaults
         tasks = select(pool, top=args.top, flops_share=args.flops_share)
-        # cached by an earlier --time-share
-        latency = read_default_times(log.path, target, {workload_key(t): t.mod for t in tasks})
+        # the tuned tasks' default schedules, timed once (cached in the log, as --time-share
+        # does for every kernel): the baseline a record must beat to be compiled by export
+        latency = measure_defaults(tasks, target, runner, log, builder_workers=args.build_workers)
     print(summary(tasks, sum(t.total_flops for t in everything)), flush=True)
     lanes = args.servers or free  # --servers: lanes asked for; else the servers free now
     print(f"tuning {len(tasks)} tasks, {args.trials} trials, on {lanes} server(s) of key "
