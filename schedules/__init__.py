@@ -251,7 +251,7 @@ SPLIT_PARTIALS = (1 << 20, 1 << 22)
 #: each partial sum keeps at least this many terms
 SPLIT_MIN_TERMS = 64
 #: kernels with more outputs are never split (splitting one loop into parts: up to 2^19 outputs,
-#: so that two or more parts fit in :data:`SPLIT_PARTIALS`' 2^22 partial sums)
+#: so that up to 8 parts fit in the largest of :data:`SPLIT_PARTIALS`, 2^22 partial sums)
 SPLIT_MAX_OUTPUTS = 1 << 19
 
 
@@ -263,7 +263,7 @@ def split_parts(extent: int, outputs: int, rest: int = 1) -> list[int]:
     terms or more; 2 or more, no repeats, at most 4 bytes x 2^22 = 16 MiB of partial sums.
     AlexNet's first fully connected layer at batch 32 (32x4096 outputs, k = 9216): [8, 32]."""
     divisors = [g for g in range(2, extent + 1) if extent % g == 0
-                and (extent // g) * rest >= SPLIT_MIN_TERMS and g * outputs <= 1 << 22]
+                and (extent // g) * rest >= SPLIT_MIN_TERMS and g * outputs <= max(SPLIT_PARTIALS)]
     out = []
     for aim in SPLIT_PARTIALS:
         if not divisors:
@@ -322,7 +322,7 @@ class SplitReduction(ms.schedule_rule.PyScheduleRule):
         self._threads = [t for t in _thread_extents(max_threads) if t >= 32]
         self._tile._initialize_with_tune_context(context)
 
-    def _factor_loops(self, sch, block) -> tuple[int, list[int]]:
+    def _factor_loops(self, sch, block) -> tuple[int, list[tuple[int, int | None]]]:
         """(number of spatial loops, [(index among the block's loops of a reduction loop to
         factor out, None to factor it out whole or the number of parts to split it into
         first)]); an empty list when the rule does not apply."""
@@ -347,7 +347,7 @@ class SplitReduction(ms.schedule_rule.PyScheduleRule):
         if terms < self.min_terms or outputs > SPLIT_MAX_OUTPUTS or \
                 [i for i, _ in reductions] != list(range(n_spatial, len(loops))):
             return 0, []
-        whole = [(i, None) for i, e in reductions if e >= 4 and terms // e >= 64][:2]
+        whole = [(i, None) for i, e in reductions if e >= 4 and terms // e >= SPLIT_MIN_TERMS][:2]
         if whole:
             return n_spatial, (whole if outputs <= self.max_outputs else [])
         # one loop holds (nearly) the whole sum, a matmul's k: split it into G parts first
