@@ -207,6 +207,42 @@ def test_no_platform_error_names_the_filter():
     assert "no device found on platforms matching 'no-such-platform'" in p.stderr
 
 
+_SCALE_KERNEL = """
+import numpy as np, thomas_tune, tvm
+from tvm import te
+a = te.placeholder((256,), name="a")
+b = te.compute((256,), lambda i: a[i] * 3.0 + 1.0, name="b")
+s = tvm.s_tir.Schedule(te.create_prim_func([a, b]))
+i, = s.get_loops(s.get_sblock("b"))
+o, t = s.split(i, [None, 64])
+s.bind(o, "blockIdx.x"); s.bind(t, "threadIdx.x")
+lib = tvm.compile(s.mod, target=tvm.target.Target({"kind": "opencl"}, host={"kind": "llvm"}))
+x = np.random.default_rng().standard_normal(256).astype("float32")
+y = tvm.runtime.tensor(np.empty(256, "float32"), tvm.opencl(0))
+lib["main"](tvm.runtime.tensor(x, tvm.opencl(0)), y)
+assert np.allclose(y.numpy(), x * 3 + 1)
+"""
+
+
+def test_build_options_reach_the_compiler(tmp_path):
+    """``THOMAS_TUNE_OPENCL_OPTIONS`` goes to clBuildProgram: a macro it defines is seen by the
+    compiler (the driver rejects the program that ``#error``s on it), and with
+    ``THOMAS_TUNE_OPENCL_BUILD_LOG`` each program built from source is logged with its options."""
+    log = tmp_path / "build.log"
+    env = dict(THOMAS_TUNE_OPENCL_CACHE="off", THOMAS_TUNE_OPENCL_BUILD_LOG=str(log))
+    ok = _python(_SCALE_KERNEL, THOMAS_TUNE_OPENCL_OPTIONS="-cl-mad-enable", **env)
+    assert ok.returncode == 0, ok.stderr[-2000:]
+    assert '== program of main_kernel (options "-cl-mad-enable")' in log.read_text()
+    # the same kernel with "#error" under a macro only the options define: the build must fail
+    code = _SCALE_KERNEL.replace("lib = tvm.compile", "tvm.register_global_func("
+                                 "'tvm_callback_opencl_postproc', lambda c, t: "
+                                 "'#ifdef TT_FAIL\\n#error TT_FAIL set\\n#endif\\n' + c, "
+                                 "override=True)\nlib = tvm.compile")
+    assert _python(code, **env).returncode == 0
+    bad = _python(code, THOMAS_TUNE_OPENCL_OPTIONS="-DTT_FAIL", **env)
+    assert bad.returncode != 0 and "TT_FAIL set" in bad.stderr, bad.stderr[-2000:]
+
+
 def test_kernel_build_failure_shows_the_build_log():
     import tvm_ffi
     blob = bytearray()

@@ -169,6 +169,32 @@ std::string BinaryCacheDir() {
   return std::string(home) + "/.cache/thomas_tune/opencl";
 }
 
+// Options passed to clBuildProgram: $THOMAS_TUNE_OPENCL_OPTIONS (e.g. "-cl-mad-enable", or
+// NVIDIA's "-cl-nv-verbose", which puts each kernel's register and spill counts in the build
+// log), "" when unset. Part of a cached binary's key.
+const std::string& BuildOptions() {
+  static const std::string options = [] {
+    const char* o = std::getenv("THOMAS_TUNE_OPENCL_OPTIONS");
+    return std::string(o == nullptr ? "" : o);
+  }();
+  return options;
+}
+
+// Appends the compiler's log of a program built from source to $THOMAS_TUNE_OPENCL_BUILD_LOG
+// (when set), after a line naming the program's kernels; the driver's log is otherwise read
+// only when a build fails.
+void AppendBuildLog(cl_program prog, cl_device_id dev, const std::string& kernels) {
+  const char* path = std::getenv("THOMAS_TUNE_OPENCL_BUILD_LOG");
+  if (path == nullptr || *path == '\0') return;
+  size_t n = 0;
+  clGetProgramBuildInfo(prog, dev, CL_PROGRAM_BUILD_LOG, 0, nullptr, &n);
+  std::string log(n, '\0');
+  if (n > 0) clGetProgramBuildInfo(prog, dev, CL_PROGRAM_BUILD_LOG, n, log.data(), nullptr);
+  while (!log.empty() && (log.back() == '\0' || log.back() == '\n')) log.pop_back();
+  std::ofstream f(path, std::ios::app);
+  f << "== program of " << kernels << " (options \"" << BuildOptions() << "\")\n" << log << "\n";
+}
+
 constexpr char kBinaryMagic[8] = {'T', 'T', 'C', 'L', 'B', 'I', 'N', '1'};
 constexpr size_t kBinaryHeader = 8 + 8 + 8;  // magic, binary size, checksum of the binary
 
@@ -645,7 +671,7 @@ class OpenCLModuleObj : public tvm::ffi::ModuleObj {
            {PlatformString(d.platform, CL_PLATFORM_NAME),
             PlatformString(d.platform, CL_PLATFORM_VERSION), d.name,
             DeviceString(d.id, CL_DEVICE_VERSION), DeviceString(d.id, CL_DRIVER_VERSION),
-            std::string(kBuildOptions), source_}) {
+            BuildOptions(), source_}) {
         key += '\0';
         key += part;
       }
@@ -663,7 +689,7 @@ class OpenCLModuleObj : public tvm::ffi::ModuleObj {
     cl_int err;
     cl_program prog = clCreateProgramWithSource(d.context, 1, &src, &len, &err);
     TT_CL_CHECK(err, "clCreateProgramWithSource");
-    err = clBuildProgram(prog, 1, &d.id, kBuildOptions, nullptr, nullptr);
+    err = clBuildProgram(prog, 1, &d.id, BuildOptions().c_str(), nullptr, nullptr);
     if (err != CL_SUCCESS) {
       size_t n = 0;
       clGetProgramBuildInfo(prog, d.id, CL_PROGRAM_BUILD_LOG, 0, nullptr, &n);
@@ -678,6 +704,11 @@ class OpenCLModuleObj : public tvm::ffi::ModuleObj {
     }
     stats.source_builds++;
     stats.source_build_ns += NanosSince(t0);
+    {
+      std::string names;
+      for (const auto& kv : fmap_) names += (names.empty() ? "" : ", ") + kv.first;
+      AppendBuildLog(prog, d.id, names);
+    }
     if (!path.empty()) ToBinary(d, prog, dir, path);
     programs_[device_id] = prog;
     return prog;
@@ -703,7 +734,7 @@ class OpenCLModuleObj : public tvm::ffi::ModuleObj {
                        ErrorName(err != CL_SUCCESS ? err : status));
       return nullptr;
     }
-    err = clBuildProgram(prog, 1, &d.id, kBuildOptions, nullptr, nullptr);
+    err = clBuildProgram(prog, 1, &d.id, BuildOptions().c_str(), nullptr, nullptr);
     if (err != CL_SUCCESS) {
       clReleaseProgram(prog);
       Reject(path, std::string("building from the binary failed: ") + ErrorName(err));
@@ -741,8 +772,6 @@ class OpenCLModuleObj : public tvm::ffi::ModuleObj {
       stats.write_failures++;
     }
   }
-
-  static constexpr const char* kBuildOptions = "";
 
   std::string source_;
   std::unordered_map<std::string, FunctionInfo> fmap_;
