@@ -245,11 +245,13 @@ class PaddingKernel(ms.schedule_rule.PyScheduleRule):
     Inlined, the padding becomes a bounds test on every operand read in the innermost loop:
     the tuned AlexNet convolutions on the H100 (OpenCL) test bounds and re-read shared memory
     once per multiply-add (static PTX counts: 688 FMA against 580 shared loads in the best
-    ``conv4`` forward kernel), which caps them near a quarter of the FP32 peak whatever the
-    register tile, as an SM issues shared loads at a quarter of its FMA rate. A padding kernel
-    costs one pass over the input (11 MB for ``conv4`` at batch 32, about 8 us at the H100's
-    bandwidth), after which the convolution stages the padded tensor in shared memory with no
-    test. Both spaces are offered; the tuner picks by measurement."""
+    ``conv4`` forward kernel), and an SM issues shared loads at a quarter of its FMA rate (32
+    banks of 4 bytes per clock against 128 FP32 lanes; NVIDIA's CUDA C++ Programming Guide and
+    H100 whitepaper): they run at 14-28% of the FP32 peak. A padding kernel costs one pass over
+    the input (11 MB read and written for ``conv4`` at batch 32, about 8 us at the H100's
+    measured 2.96 TB/s), after which the convolution stages the padded tensor in shared memory
+    with no test. Both spaces are offered; the tuner picks by measurement. Whether the padded
+    spaces beat the inlined ones on the H100 is not measured yet (README, fifteenth run)."""
 
     def _initialize_with_tune_context(self, context) -> None:
         pass
