@@ -269,6 +269,40 @@ class PaddingKernel(ms.schedule_rule.PyScheduleRule):
         return PaddingKernel()
 
 
+def with_padding_kernel(mod: tvm.IRModule, trace_json):
+    """A trace of ``mod`` (JSON form, plain or as ``Trace.as_json()`` gives it) whose padding
+    blocks stay kernels of their own (:class:`PaddingKernel`): each ``ComputeInline`` of a
+    block that :func:`padding_block` recognizes and that feeds a :func:`contraction` becomes the
+    annotation that keeps the inlining rules off it, every other decision (tile sizes, thread
+    bindings, unrolling) kept, and the postprocessing instructions dropped (apply it, then the
+    postprocessors, to get the schedule: they bind the padding block to threads). None when the
+    trace inlines no such block. The best records of the inlined spaces carry the tiling that
+    the search took thousands of trials to find; this gives the padded spaces the same one."""
+    insts, decisions = plain_json(trace_json)
+    end = next((i for i, ins in enumerate(insts) if ins[0] == "EnterPostproc"), len(insts))
+    insts = [list(ins) for ins in insts[:end]]
+    sch = tvm.s_tir.Schedule(mod)
+    names = {}  # trace variable -> block name, for the blocks the trace looks up by name
+    for ins in insts:
+        if ins[0] == "GetSBlock" and len(ins[2]) >= 1 and len(ins[3]) == 1:
+            names[ins[3][0]] = ins[2][0]
+    changed = False
+    for i, ins in enumerate(insts):
+        if ins[0] != "ComputeInline" or ins[1][0] not in names:
+            continue
+        try:
+            block = sch.get_sblock(names[ins[1][0]])
+        except Exception:  # TVM's ScheduleError: no block of that name in the unscheduled mod
+            continue
+        if padding_block(sch.get(block)) and any(contraction(sch.get(c))
+                                                 for c in sch.get_consumers(block)):
+            insts[i] = ["Annotate", [ins[1][0], '"disable"'], ["meta_schedule.inline_rule"], []]
+            changed = True
+    if not changed:
+        return None
+    return [insts, [[i, d] for i, d in decisions if i < end]]
+
+
 def _inline() -> ms.ScheduleRule:
     return ms.schedule_rule.AutoInline(
         into_producer=True, into_consumer=True, inline_const_tensor=True,

@@ -489,6 +489,79 @@ def test_padded_convolution_gets_spaces_with_a_padding_kernel_that_match_numpy(t
     assert unpadded and not any(kept(sp) for sp in unpadded)
 
 
+def test_best_records_are_measured_with_their_padding_as_a_kernel(tmp_path, target, rng):
+    """A record of an inlined space keeps its tiling with the padding made a kernel of its own
+    (schedules.with_padding_kernel): the variant builds for PoCL as a padding kernel and a
+    convolution, and matches numpy in float64. Before the search, the tuner measures that
+    variant of the best record of each task (tune.refine_padding) and logs it."""
+    import json
+
+    from tvm import topi
+
+    from thomas_tune.schedules import plain_json, postprocessed, with_padding_kernel
+    from thomas_tune.tasks import Task
+    from thomas_tune.tune import rpc_runner, tune
+    from thomas_tune.tuning_log import TuningLog
+
+    n, ci, co, h = 2, 8, 16, 12
+    x = te.placeholder((n, ci, h, h), name="x")
+    w = te.placeholder((co, ci, 3, 3), name="w")
+    mod = _func(x, w, topi.nn.conv2d_nchw(x, w, 1, 1, 1))
+
+    def kept(sp):
+        return "pad_temp" in [sp.get(b).name_hint
+                              for b in sp.get_child_blocks(sp.get_sblock("root"))]
+
+    ctx = ms.TuneContext(mod=mod, target=target, space_generator=space_generator(target),
+                         task_name="conv", num_threads=1,
+                         search_strategy=ms.search_strategy.ReplayTrace())
+    inlined = [sp for sp in ctx.generate_design_space() if not kept(sp)]
+    ctx.pre_tuning(max_trials=8, num_trials_per_iter=8, design_spaces=inlined)
+    xn, wn = rng.standard_normal((n, ci, h, h)), rng.standard_normal((co, ci, 3, 3))
+    x64, w64 = (a.astype("float32").astype("float64") for a in (xn, wn))
+    xp = np.pad(x64, ((0, 0), (0, 0), (1, 1), (1, 1)))
+    ref = sum(np.einsum("nchw,oc->nohw", xp[:, :, i:i + h, j:j + h], w64[:, :, i, j])
+              for i in range(3) for j in range(3))
+    built = 0
+    for cand in ctx.generate_measure_candidates():
+        variant = with_padding_kernel(mod, plain_json(cand.sch.trace.as_json()))
+        assert variant is not None and with_padding_kernel(mod, variant) is None
+        sch = postprocessed(mod, variant, ctx.space_generator.postprocs)
+        if sch is None:
+            continue
+        assert kept(sch)
+        try:
+            lib = tvm.compile(sch.mod, target)
+        except tvm.error.InternalError as err:  # the pinned TVM's vectorizer check (_sampled)
+            assert "eval_vec_" in str(err)
+            continue
+        got = _run(lib, target, [xn, wn], (n, co, h, h))
+        np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max())
+        built += 1
+        break
+    assert built == 1
+
+    task = Task("conv", mod, 2.0 * n * co * h * h * ci * 9, {"infer": 1})
+    log = TuningLog(str(tmp_path / "log"))
+    with rpc.loopback(key="pocl", servers=1, lifetime=600) as addr:
+        tune([task], target, log, rpc_runner(addr, "pocl"), trials=4, trials_per_iter=2,
+             population=16, show_progress=False, refine_top=0)
+        with open(log.record_path) as f:
+            before = sum(1 for line in f if line.strip())
+        database = log.database()
+        top = database.get_top_k(database.commit_workload(mod), 1)[0]
+        expect = int(with_padding_kernel(mod, plain_json(top.trace.as_json())) is not None)
+        report = tune([task], target, log, rpc_runner(addr, "pocl"), trials=1,
+                      trials_per_iter=1, population=16, show_progress=False, refine_top=1,
+                      seed=1)
+    assert report.padded["measured"] == expect, report.padded
+    with open(log.record_path) as f:
+        bodies = [json.loads(line)[1] for line in f if line.strip()]
+    assert len(bodies) == before + expect + 1 and report.trials == expect + 1
+    # the variant is the record right after the resumed ones (measured before the search)
+    assert ("meta_schedule.inline_rule" in json.dumps(bodies[before][0])) == bool(expect)
+
+
 def test_strided_data_gradient_gets_direct_tiling_that_matches_numpy(target, rng):
     """The data gradient of a stride-2 depthwise convolution reads the output gradient at
     ``(h + pad - kh) // 2``: besides the spaces that stage operands in shared memory, it gets

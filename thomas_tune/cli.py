@@ -656,8 +656,10 @@ def parser() -> argparse.ArgumentParser:
                         "1024; default: all): smaller candidates build and compile faster; "
                         "the best records then get the larger limits (--refine-top)")
     s.add_argument("--refine-top", type=int, default=2,
-                   help="with --max-unroll: best records per task measured again with each "
-                        "larger unroll limit after the search (default 2; 0: none)")
+                   help="best records per task measured again before the search with "
+                        "their padding as a kernel of its own (convolutions), and, with "
+                        "--max-unroll, after it with each larger unroll limit (default 2; "
+                        "0: none)")
     s.add_argument("--stats", help="write trials/s and the time split as JSON here (every "
                    "30 s while tuning, and at the end)")
     s.add_argument("--seed", type=int, default=0)

@@ -25,7 +25,7 @@ from tvm.ir.utils import derived_object
 
 from .runner import Builder, FarmRunner, Phases, error_line
 from .schedules import (UNROLL_STEPS, plain_json, postprocessed, space_generator,
-                         unroll_steps, with_unroll, within_unroll)
+                         unroll_steps, with_padding_kernel, with_unroll, within_unroll)
 from .tasks import Task
 from .tuning_log import FAILED_RUN_S, TrialErrors, TuningLog
 
@@ -261,6 +261,8 @@ class TuneReport:
     #: the unroll refinement after the search (:func:`refine_unroll`): candidates measured,
     #: failed, better than their task's best before it, and its wall seconds
     refined: dict = field(default_factory=dict)
+    #: :func:`refine_padding`'s result (before the search)
+    padded: dict = field(default_factory=dict)
 
     @property
     def trials(self) -> int:
@@ -297,6 +299,7 @@ class TuneReport:
         return {"trials": self.trials, "elapsed_s": self.elapsed_s,
                 "trials_per_s": self.trials_per_s, "split_s": self.time_split(),
                 "phases": self.phases, "cpu_busy": self.cpu_busy, "refined": self.refined,
+                "padded": self.padded,
                 "resumed_records": self.resumed_records, "clamped": self.clamped,
                 "skipped": self.skipped,
                 "tasks": [{"name": t.name, "trials": t.trials, "errors": t.errors,
@@ -486,6 +489,16 @@ def _tune_locked(tasks, target, log, runner, trials, trials_per_iter, builder_wo
     builder = Builder(max_workers=builder_workers or max(1, (os.cpu_count() or 2)),
                       timeout_s=60, phases=phases)
     try:
+        if refine_top > 0:
+            report.padded = refine_padding(contexts, progress, database, target, runner,
+                                           builder, refine_top, errors,
+                                           [s.measured for s in strategies])
+            r = report.padded
+            if show_progress and r["measured"]:
+                print(f"padding kernels: {r['measured']} best records measured with their "
+                      f"padding as a kernel of its own in {r['seconds']:.0f} s "
+                      f"({r['failed']} failed); {r['better']} task(s) got a faster best "
+                      "record", file=sys.stderr, flush=True)
         ms.tune_tasks(
             tasks=contexts, task_weights=weights, work_dir=log.path, max_trials_global=trials,
             num_trials_per_iter=trials_per_iter, builder=builder, runner=runner,
@@ -536,6 +549,35 @@ def refine_unroll(contexts, progress: list[TaskProgress], database: ms.Database,
     ``progress`` (per context) gets the trials, errors and best times. Returns ``{"measured",
     "failed", "better", "seconds"}``: candidates measured, failed, tasks whose best record
     got faster, wall seconds."""
+    def variants(ctx, body):
+        return [t for t in (with_unroll(body, step) for step in steps) if t is not None]
+
+    return _measure_variants(contexts, progress, database, target, runner, builder, top_k,
+                             variants, errors, measured)
+
+
+def refine_padding(contexts, progress: list[TaskProgress], database: ms.Database, target,
+                   runner, builder: Builder, top_k: int, errors: TrialErrors | None = None,
+                   measured: list[set[int]] | None = None) -> dict:
+    """Measure the ``top_k`` best records of each task of ``contexts`` again with their padding
+    kept as a kernel of its own (:func:`thomas_tune.schedules.with_padding_kernel`: every
+    other decision kept), and add the results to ``database``; tasks without padding fed into
+    a contraction get nothing. Run before the search, so that a padded variant that wins seeds
+    the evolutionary search from the database like any record. Arguments and result as
+    :func:`refine_unroll`'s."""
+    def variants(ctx, body):
+        t = with_padding_kernel(ctx.mod, body)
+        return [] if t is None else [t]
+
+    return _measure_variants(contexts, progress, database, target, runner, builder, top_k,
+                             variants, errors, measured)
+
+
+def _measure_variants(contexts, progress, database, target, runner, builder, top_k, variants,
+                      errors, measured) -> dict:
+    """Variants (``variants(context, plain trace)`` -> traces without postprocessing) of the
+    ``top_k`` best records of each task, postprocessed, measured and committed: the body of
+    :func:`refine_unroll` and :func:`refine_padding`."""
     from tvm.s_tir.meta_schedule.arg_info import ArgInfo
 
     t0 = time.perf_counter()
@@ -546,12 +588,9 @@ def refine_unroll(contexts, progress: list[TaskProgress], database: ms.Database,
         for rec in database.get_top_k(workload, top_k):
             try:
                 body = plain_json(rec.trace.as_json())
-            except TypeError:  # an object with no JSON form: no limit
+            except TypeError:  # an object with no JSON form: no variant
                 continue
-            for step in steps:
-                trace_json = with_unroll(body, step)
-                if trace_json is None:
-                    continue
+            for trace_json in variants(ctx, body):
                 sch = postprocessed(ctx.mod, trace_json, ctx.space_generator.postprocs)
                 if sch is None:
                     continue
@@ -565,7 +604,12 @@ def refine_unroll(contexts, progress: list[TaskProgress], database: ms.Database,
     out = {"measured": 0, "failed": 0, "better": 0, "seconds": 0.0}
     if not mods:
         return out
-    before = [p.best_s for p in progress]
+    before = []  # per context: the mean run time of its best record so far (s)
+    for ctx in contexts:
+        top = database.get_top_k(database.commit_workload(ctx.mod), 1)
+        secs = [float(x) for x in top[0].run_secs] if top and top[0].run_secs else []
+        before.append(sum(secs) / len(secs) if secs else math.inf)
+    after = list(before)
     for (c, workload, trace), mod, (secs, why) in zip(
             owners, mods, measure_kernels(mods, target, runner, builder)):
         p = progress[c]
@@ -580,10 +624,11 @@ def refine_unroll(contexts, progress: list[TaskProgress], database: ms.Database,
             secs = [FAILED_RUN_S]
         else:
             p.best_s = min(p.best_s, sum(secs) / len(secs))
+            after[c] = min(after[c], sum(secs) / len(secs))
         database.commit_tuning_record(ms.database.TuningRecord(
             trace, workload, [float(x) for x in secs], target,
             ArgInfo.from_prim_func(mod["main"])))
-    out["better"] = sum(1 for b, p in zip(before, progress) if p.best_s < b)
+    out["better"] = sum(1 for b, a in zip(before, after) if a < b)
     out["seconds"] = time.perf_counter() - t0
     return out
 
