@@ -84,15 +84,21 @@ def sampled_unroll(trace_json) -> tuple[int, int] | None:
     return _unroll_at(*plain_json(trace_json))
 
 
+def _before_postproc(insts, decisions) -> tuple[list, list]:
+    """A plain trace's instructions (each a list of its own) and decisions up to its
+    postprocessing (``EnterPostproc``), which the postprocessors redo when applied again."""
+    end = next((i for i, ins in enumerate(insts) if ins[0] == "EnterPostproc"), len(insts))
+    return [list(ins) for ins in insts[:end]], [[i, d] for i, d in decisions if i < end]
+
+
 def _set_unroll(insts, decisions, found, step: int, choices: list[int]):
     """:func:`with_unroll` of a plain trace whose sampled limit is ``found``."""
     where, current = found
     if current == step and [int(c) for c in insts[where][2][0]] == choices:
         return None
-    end = next((i for i, ins in enumerate(insts) if ins[0] == "EnterPostproc"), len(insts))
-    insts = insts[:end]
+    insts, decisions = _before_postproc(insts, decisions)
     insts[where][2] = [choices, [1.0 / len(choices)] * len(choices)]
-    decisions = [[i, d] for i, d in decisions if i < end and i != where]
+    decisions = [[i, d] for i, d in decisions if i != where]
     decisions.append([where, choices.index(step)])
     return [insts, decisions]
 
@@ -237,6 +243,13 @@ def contraction(block) -> bool:
             and any(int(iv.iter_type) == 2 for iv in block.iter_vars))  # 2: CommReduce
 
 
+def pads_a_contraction(sch: tvm.s_tir.Schedule, block) -> bool:
+    """Whether ``block`` of ``sch`` is a :func:`padding_block` that feeds a
+    :func:`contraction`: the blocks :class:`PaddingKernel` keeps as kernels of their own."""
+    return padding_block(sch.get(block)) and any(contraction(sch.get(c))
+                                                 for c in sch.get_consumers(block))
+
+
 @derived_object
 class PaddingKernel(ms.schedule_rule.PyScheduleRule):
     """Design spaces where a convolution's padding stays a kernel of its own, beside those
@@ -257,12 +270,11 @@ class PaddingKernel(ms.schedule_rule.PyScheduleRule):
         pass
 
     def apply(self, sch, block):
-        b = sch.get(block)
-        if not padding_block(b) or not any(contraction(sch.get(c))
-                                           for c in sch.get_consumers(block)):
+        if not pads_a_contraction(sch, block):
             return [sch]
         kept = sch.copy()
-        kept.annotate(kept.get_sblock(b.name_hint), "meta_schedule.inline_rule", "disable")
+        kept.annotate(kept.get_sblock(sch.get(block).name_hint), "meta_schedule.inline_rule",
+                      "disable")
         return [sch, kept]
 
     def clone(self) -> "PaddingKernel":
@@ -278,9 +290,7 @@ def with_padding_kernel(mod: tvm.IRModule, trace_json):
     postprocessors, to get the schedule: they bind the padding block to threads). None when the
     trace inlines no such block. The best records of the inlined spaces carry the tiling that
     the search took thousands of trials to find; this gives the padded spaces the same one."""
-    insts, decisions = plain_json(trace_json)
-    end = next((i for i, ins in enumerate(insts) if ins[0] == "EnterPostproc"), len(insts))
-    insts = [list(ins) for ins in insts[:end]]
+    insts, decisions = _before_postproc(*plain_json(trace_json))
     sch = tvm.s_tir.Schedule(mod)
     names = {}  # trace variable -> block name, for the blocks the trace looks up by name
     for ins in insts:
@@ -294,13 +304,10 @@ def with_padding_kernel(mod: tvm.IRModule, trace_json):
             block = sch.get_sblock(names[ins[1][0]])
         except Exception:  # TVM's ScheduleError: no block of that name in the unscheduled mod
             continue
-        if padding_block(sch.get(block)) and any(contraction(sch.get(c))
-                                                 for c in sch.get_consumers(block)):
+        if pads_a_contraction(sch, block):
             insts[i] = ["Annotate", [ins[1][0], '"disable"'], ["meta_schedule.inline_rule"], []]
             changed = True
-    if not changed:
-        return None
-    return [insts, [[i, d] for i, d in decisions if i < end]]
+    return [insts, decisions] if changed else None
 
 
 def _inline() -> ms.ScheduleRule:

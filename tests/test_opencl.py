@@ -433,6 +433,23 @@ def test_matmul_with_few_outputs_gets_split_k_spaces_that_match_numpy(target, rn
     assert split_parts(96, 32 * 256) == []  # 96 terms: no two parts of 64
 
 
+def _padding_apart(sch) -> bool:
+    """Whether the convolution's padding block ``pad_temp`` is a block of its own in ``sch``
+    (not inlined into the convolution)."""
+    return "pad_temp" in [sch.get(b).name_hint
+                          for b in sch.get_child_blocks(sch.get_sblock("root"))]
+
+
+def _conv3x3_same(x, w):
+    """numpy's float64 reference of a stride-1 3x3 convolution padded by 1 (NCHW, OIHW) of the
+    float32-rounded inputs."""
+    x64, w64 = (a.astype("float32").astype("float64") for a in (x, w))
+    h = x.shape[2]
+    xp = np.pad(x64, ((0, 0), (0, 0), (1, 1), (1, 1)))
+    return sum(np.einsum("nchw,oc->nohw", xp[:, :, i:i + h, j:j + h], w64[:, :, i, j])
+               for i in range(3) for j in range(3))
+
+
 def test_padded_convolution_gets_spaces_with_a_padding_kernel_that_match_numpy(target, rng):
     """A padded convolution gets design spaces where the padding stays a kernel of its own
     (schedules.PaddingKernel) beside those where it is inlined; a sampled candidate of the
@@ -457,12 +474,8 @@ def test_padded_convolution_gets_spaces_with_a_padding_kernel_that_match_numpy(t
                              search_strategy=ms.search_strategy.ReplayTrace())
         return ctx, ctx.generate_design_space()
 
-    def kept(sp):
-        return "pad_temp" in [sp.get(b).name_hint
-                              for b in sp.get_child_blocks(sp.get_sblock("root"))]
-
     ctx, sps = spaces(mod)
-    padded = [sp for sp in sps if kept(sp)]
+    padded = [sp for sp in sps if _padding_apart(sp)]
     assert padded and len(padded) < len(sps)  # both kinds are offered
     ctx.pre_tuning(max_trials=8, num_trials_per_iter=8, design_spaces=padded)
     lib = None
@@ -477,16 +490,11 @@ def test_padded_convolution_gets_spaces_with_a_padding_kernel_that_match_numpy(t
     conv = src.split("// Function:")[2]  # the second kernel: the convolution's
     assert src.count("// Function:") == 2 and "pad_temp" in conv and "condval" not in conv
     xn, wn = rng.standard_normal((n, ci, h, h)), rng.standard_normal((co, ci, 3, 3))
-    x64, w64 = (a.astype("float32").astype("float64") for a in (xn, wn))
-    xp = np.pad(x64, ((0, 0), (0, 0), (1, 1), (1, 1)))
-    ref = np.zeros((n, co, h, h))
-    for kh in range(3):
-        for kw in range(3):
-            ref += np.einsum("nchw,oc->nohw", xp[:, :, kh:kh + h, kw:kw + h], w64[:, :, kh, kw])
+    ref = _conv3x3_same(xn, wn)
     got = _run(lib, target, [xn, wn], (n, co, h, h))
     np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max())
     _, unpadded = spaces(_func(x, w, topi.nn.conv2d_nchw(x, w, 1, 0, 1)))
-    assert unpadded and not any(kept(sp) for sp in unpadded)
+    assert unpadded and not any(_padding_apart(sp) for sp in unpadded)
 
 
 def test_best_records_are_measured_with_their_padding_as_a_kernel(tmp_path, target, rng):
@@ -508,20 +516,13 @@ def test_best_records_are_measured_with_their_padding_as_a_kernel(tmp_path, targ
     w = te.placeholder((co, ci, 3, 3), name="w")
     mod = _func(x, w, topi.nn.conv2d_nchw(x, w, 1, 1, 1))
 
-    def kept(sp):
-        return "pad_temp" in [sp.get(b).name_hint
-                              for b in sp.get_child_blocks(sp.get_sblock("root"))]
-
     ctx = ms.TuneContext(mod=mod, target=target, space_generator=space_generator(target),
                          task_name="conv", num_threads=1,
                          search_strategy=ms.search_strategy.ReplayTrace())
-    inlined = [sp for sp in ctx.generate_design_space() if not kept(sp)]
+    inlined = [sp for sp in ctx.generate_design_space() if not _padding_apart(sp)]
     ctx.pre_tuning(max_trials=8, num_trials_per_iter=8, design_spaces=inlined)
     xn, wn = rng.standard_normal((n, ci, h, h)), rng.standard_normal((co, ci, 3, 3))
-    x64, w64 = (a.astype("float32").astype("float64") for a in (xn, wn))
-    xp = np.pad(x64, ((0, 0), (0, 0), (1, 1), (1, 1)))
-    ref = sum(np.einsum("nchw,oc->nohw", xp[:, :, i:i + h, j:j + h], w64[:, :, i, j])
-              for i in range(3) for j in range(3))
+    ref = _conv3x3_same(xn, wn)
     built = 0
     for cand in ctx.generate_measure_candidates():
         variant = with_padding_kernel(mod, plain_json(cand.sch.trace.as_json()))
@@ -529,7 +530,7 @@ def test_best_records_are_measured_with_their_padding_as_a_kernel(tmp_path, targ
         sch = postprocessed(mod, variant, ctx.space_generator.postprocs)
         if sch is None:
             continue
-        assert kept(sch)
+        assert _padding_apart(sch)
         try:
             lib = tvm.compile(sch.mod, target)
         except tvm.error.InternalError as err:  # the pinned TVM's vectorizer check (_sampled)

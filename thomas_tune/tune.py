@@ -582,10 +582,14 @@ def _measure_variants(contexts, progress, database, target, runner, builder, top
 
     t0 = time.perf_counter()
     mods, owners = [], []
+    before = []  # per context: the mean run time of its best record so far (s)
     for c, ctx in enumerate(contexts):
         workload = database.commit_workload(ctx.mod)
         seen = measured[c] if measured is not None else None
-        for rec in database.get_top_k(workload, top_k):
+        top = database.get_top_k(workload, top_k)  # best first
+        secs = [float(x) for x in top[0].run_secs] if top and top[0].run_secs else []
+        before.append(sum(secs) / len(secs) if secs else math.inf)
+        for rec in top:
             try:
                 body = plain_json(rec.trace.as_json())
             except TypeError:  # an object with no JSON form: no variant
@@ -604,11 +608,6 @@ def _measure_variants(contexts, progress, database, target, runner, builder, top
     out = {"measured": 0, "failed": 0, "better": 0, "seconds": 0.0}
     if not mods:
         return out
-    before = []  # per context: the mean run time of its best record so far (s)
-    for ctx in contexts:
-        top = database.get_top_k(database.commit_workload(ctx.mod), 1)
-        secs = [float(x) for x in top[0].run_secs] if top and top[0].run_secs else []
-        before.append(sum(secs) / len(secs) if secs else math.inf)
     after = list(before)
     for (c, workload, trace), mod, (secs, why) in zip(
             owners, mods, measure_kernels(mods, target, runner, builder)):

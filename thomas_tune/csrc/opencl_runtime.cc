@@ -180,12 +180,16 @@ const std::string& BuildOptions() {
   return options;
 }
 
-// Appends the compiler's log of a program built from source to $THOMAS_TUNE_OPENCL_BUILD_LOG
-// (when set), after a line naming the program's kernels; the driver's log is otherwise read
-// only when a build fails.
-void AppendBuildLog(cl_program prog, cl_device_id dev, const std::string& kernels) {
+// $THOMAS_TUNE_OPENCL_BUILD_LOG, or nullptr when unset. AppendBuildLog appends the compiler's
+// log of a program built from source to that file, after a line naming the program's kernels;
+// the driver's log is otherwise read only when a build fails.
+const char* BuildLogPath() {
   const char* path = std::getenv("THOMAS_TUNE_OPENCL_BUILD_LOG");
-  if (path == nullptr || *path == '\0') return;
+  return path == nullptr || *path == '\0' ? nullptr : path;
+}
+
+void AppendBuildLog(const char* path, cl_program prog, cl_device_id dev,
+                    const std::string& kernels) {
   size_t n = 0;
   clGetProgramBuildInfo(prog, dev, CL_PROGRAM_BUILD_LOG, 0, nullptr, &n);
   std::string log(n, '\0');
@@ -704,10 +708,10 @@ class OpenCLModuleObj : public tvm::ffi::ModuleObj {
     }
     stats.source_builds++;
     stats.source_build_ns += NanosSince(t0);
-    {
+    if (const char* log_path = BuildLogPath()) {
       std::string names;
       for (const auto& kv : fmap_) names += (names.empty() ? "" : ", ") + kv.first;
-      AppendBuildLog(prog, d.id, names);
+      AppendBuildLog(log_path, prog, d.id, names);
     }
     if (!path.empty()) ToBinary(d, prog, dir, path);
     programs_[device_id] = prog;
