@@ -194,7 +194,10 @@ class Tiling(ms.schedule_rule.PyScheduleRule):
         if strided_read(sch.get(block)):  # (on a copy: the staged rule may change ``sch``)
             direct = [s for s in self._direct.apply(sch.copy(), block)
                       if "meta_schedule.tiling_structure" in s.get(block).annotations]
-        return [*self._staged.apply(sch, block), *direct]
+        staged = self._staged.apply(sch, block)
+        for space in staged:
+            pad_in_fill(space)
+        return [*staged, *direct]
 
     def clone(self) -> "Tiling":
         return Tiling()
@@ -245,26 +248,59 @@ def contraction(block) -> bool:
 
 def pads_a_contraction(sch: tvm.s_tir.Schedule, block) -> bool:
     """Whether ``block`` of ``sch`` is a :func:`padding_block` that feeds a
-    :func:`contraction`: the blocks :class:`PaddingKernel` keeps as kernels of their own."""
+    :func:`contraction`: the blocks :class:`PaddingInFill` keeps as kernels of their own."""
     return padding_block(sch.get(block)) and any(contraction(sch.get(c))
                                                  for c in sch.get_consumers(block))
 
 
-@derived_object
-class PaddingKernel(ms.schedule_rule.PyScheduleRule):
-    """Design spaces where a convolution's padding stays a kernel of its own, beside those
-    where it is inlined into the convolution.
+#: the annotation :class:`PaddingInFill` puts on a padding block it keeps out of inlining
+KEEP_PADDING = ("meta_schedule.inline_rule", "disable")
 
-    Inlined, the padding becomes a bounds test on every operand read in the innermost loop:
-    the tuned AlexNet convolutions on the H100 (OpenCL) test bounds and re-read shared memory
-    once per multiply-add (static PTX counts: 688 FMA against 580 shared loads in the best
-    ``conv4`` forward kernel), and an SM issues shared loads at a quarter of its FMA rate (32
-    banks of 4 bytes per clock against 128 FP32 lanes; NVIDIA's CUDA C++ Programming Guide and
-    H100 whitepaper): they run at 14-28% of the FP32 peak. A padding kernel costs one pass over
-    the input (11 MB read and written for ``conv4`` at batch 32, about 8 us at the H100's
-    measured 2.96 TB/s), after which the convolution stages the padded tensor in shared memory
-    with no test. Both spaces are offered; the tuner picks by measurement. Whether the padded
-    spaces beat the inlined ones on the H100 is not measured yet (README, fifteenth run)."""
+
+def _kept_padding(sch: tvm.s_tir.Schedule, block) -> bool:
+    b = sch.get(block)
+    return padding_block(b) and b.annotations.get(KEEP_PADDING[0]) == KEEP_PADDING[1]
+
+
+def pad_in_fill(sch: tvm.s_tir.Schedule) -> int:
+    """Inline each padding block that :class:`PaddingInFill` kept apart and that now only
+    feeds shared-memory copies (the stages multi-level tiling made of the padded operand):
+    the bounds test moves into the copy that fills shared memory, once per staged element,
+    and the convolution's innermost loop reads shared memory with no test. Returns the
+    number of blocks inlined; a padding block read by anything else stays a kernel of its own."""
+    done = 0
+    for block in sch.get_child_blocks(sch.get_sblock("root")):
+        if not _kept_padding(sch, block):
+            continue
+        consumers = sch.get_consumers(block)
+        if consumers and all(sch.get(c).writes and sch.get(c).writes[0].source.scope()
+                             == "shared" for c in consumers):
+            sch.compute_inline(block)
+            done += 1
+    return done
+
+
+@derived_object
+class PaddingInFill(ms.schedule_rule.PyScheduleRule):
+    """Design spaces where a convolution's padding is kept out of its innermost loop, beside
+    those where it is inlined into the convolution.
+
+    Inlined into the convolution, the padding becomes a bounds test on every operand read of
+    the innermost loop, each read a load of its own behind a branch: the best AlexNet record
+    for the weight gradient of ``conv2`` on the H100 (OpenCL, 1.41 ms, 16% of the FP32 peak)
+    compiles to 972 FMA, 1,015 shared-memory loads and 786 branches (PTX; the same counts from
+    NVIDIA's driver and from clang's NVPTX backend, ``bench/ptx_mix.py``), and an SM issues
+    shared loads at a quarter of its FMA rate (32 banks of 4 bytes per clock against 128 FP32
+    lanes; NVIDIA's CUDA C++ Programming Guide and H100 whitepaper).
+
+    Here the padding block is not inlined before tiling (annotation :data:`KEEP_PADDING`), so
+    multi-level tiling stages the *padded* tensor in shared memory; :class:`Tiling` and
+    :class:`SplitReduction` then inline the padding into that copy (:func:`pad_in_fill`). The
+    bounds test runs once per staged element and the innermost loop reads shared memory with
+    no test: the same record with its padding in the fill compiles to 972 FMA, 567 shared
+    loads (7 per 12 FMA, its 3x4 register tile) and 24 branches. Where nothing is staged
+    (direct tiling, cross-thread reduction), the padding stays a kernel of its own (one pass
+    over the input). Both kinds of space are offered; the tuner picks by measurement."""
 
     def _initialize_with_tune_context(self, context) -> None:
         pass
@@ -273,41 +309,50 @@ class PaddingKernel(ms.schedule_rule.PyScheduleRule):
         if not pads_a_contraction(sch, block):
             return [sch]
         kept = sch.copy()
-        kept.annotate(kept.get_sblock(sch.get(block).name_hint), "meta_schedule.inline_rule",
-                      "disable")
+        kept.annotate(kept.get_sblock(sch.get(block).name_hint), *KEEP_PADDING)
         return [sch, kept]
 
-    def clone(self) -> "PaddingKernel":
-        return PaddingKernel()
+    def clone(self) -> "PaddingInFill":
+        return PaddingInFill()
 
 
-def with_padding_kernel(mod: tvm.IRModule, trace_json):
+def with_padding_in_fill(mod: tvm.IRModule, trace_json):
     """A trace of ``mod`` (JSON form, plain or as ``Trace.as_json()`` gives it) whose padding
-    blocks stay kernels of their own (:class:`PaddingKernel`): each ``ComputeInline`` of a
-    block that :func:`padding_block` recognizes and that feeds a :func:`contraction` becomes the
-    annotation that keeps the inlining rules off it, every other decision (tile sizes, thread
-    bindings, unrolling) kept, and the postprocessing instructions dropped (apply it, then the
-    postprocessors, to get the schedule: they bind the padding block to threads). None when the
-    trace inlines no such block. The best records of the inlined spaces carry the tiling that
-    the search took thousands of trials to find; this gives the padded spaces the same one."""
+    blocks are kept out of the innermost loop as :class:`PaddingInFill`'s spaces keep them:
+    each ``ComputeInline`` of a block that :func:`padding_block` recognizes and that feeds a
+    :func:`contraction` becomes the annotation that keeps the inlining rules off it, and after
+    the trace's last scheduling step the padding goes into the shared-memory copies of the
+    padded operand (:func:`pad_in_fill`) where the tiling made them; every other decision (tile
+    sizes, thread bindings, unrolling) is kept and the postprocessing instructions dropped
+    (apply it, then the postprocessors, to get the schedule). None when the trace inlines no
+    such block. The best records of the inlined spaces carry the tiling that the search took
+    thousands of trials to find; this gives the padded spaces the same one."""
     insts, decisions = _before_postproc(*plain_json(trace_json))
     sch = tvm.s_tir.Schedule(mod)
     names = {}  # trace variable -> block name, for the blocks the trace looks up by name
     for ins in insts:
         if ins[0] == "GetSBlock" and len(ins[2]) >= 1 and len(ins[3]) == 1:
             names[ins[3][0]] = ins[2][0]
+    kept = {ins[1][0] for ins in insts if ins[0] == "Annotate" and ins[2] == [KEEP_PADDING[0]]}
     changed = False
     for i, ins in enumerate(insts):
-        if ins[0] != "ComputeInline" or ins[1][0] not in names:
+        if ins[0] != "ComputeInline" or ins[1][0] not in names or ins[1][0] in kept:
             continue
         try:
             block = sch.get_sblock(names[ins[1][0]])
         except Exception:  # TVM's ScheduleError: no block of that name in the unscheduled mod
             continue
         if pads_a_contraction(sch, block):
-            insts[i] = ["Annotate", [ins[1][0], '"disable"'], ["meta_schedule.inline_rule"], []]
+            insts[i] = ["Annotate", [ins[1][0], '"disable"'], [KEEP_PADDING[0]], []]
             changed = True
-    return [insts, decisions] if changed else None
+    if not changed:
+        return None
+    try:
+        tvm.s_tir.schedule.Trace.apply_json_to_schedule([insts, decisions], sch)
+        pad_in_fill(sch)
+    except Exception:  # TVM's ScheduleError: the trace does not apply with the padding kept
+        return [insts, decisions]
+    return plain_json(sch.trace.as_json())
 
 
 def _inline() -> ms.ScheduleRule:
@@ -320,7 +365,7 @@ def _inline() -> ms.ScheduleRule:
 def gpu_rules(target: tvm.target.Target, max_unroll: int | None = None
               ) -> list[ms.ScheduleRule]:
     """Schedule rules for an OpenCL/CUDA-like target: padding kept as a kernel of its own
-    beside inlined (:class:`PaddingKernel`), inlining, split reductions
+    beside inlined (:class:`PaddingInFill`), inlining, split reductions
     (:class:`SplitReduction`), cross-thread reduction, multi-level tiling with shared-memory
     reuse (and without, for strided reads: :class:`Tiling`) and auto-binding, with thread
     extents capped by the target, and unroll limits of :func:`unroll_steps` (``max_unroll``)."""
@@ -328,7 +373,7 @@ def gpu_rules(target: tvm.target.Target, max_unroll: int | None = None
     extents = _thread_extents(max_threads)
     return [
         ms.schedule_rule.ApplyCustomRule(),
-        PaddingKernel(),
+        PaddingInFill(),
         _inline(),
         SplitReduction(),
         ms.schedule_rule.CrossThreadReduction(thread_extents=extents),
@@ -403,9 +448,13 @@ class SplitReduction(ms.schedule_rule.PyScheduleRule):
     Applies to a reduction block with constant loops bound one to one to its iterators and at
     least ``min_terms`` terms per output; factors a reduction loop of at least 4 iterations
     that leaves at least 64 terms (at most the first two such loops) when the block has at
-    most ``max_outputs`` outputs, else splits its longest reduction loop when it has at most
-    :data:`SPLIT_MAX_OUTPUTS`. The partial sums take (parts x outputs x 4) bytes of device
-    workspace per call.
+    most ``max_outputs`` outputs; else, or when no loop leaves 64 terms, splits its longest
+    reduction loop into G parts (:func:`split_parts`) when it has at most
+    :data:`SPLIT_MAX_OUTPUTS` outputs. AlexNet's ``conv2`` weight gradient at batch 32 is
+    such a kernel: 192x64x5x5 outputs, each a sum over 32x27x27 terms, its batch loop split
+    into 4 or 8 parts; its best tiled record without a split runs 128 work-groups of 200
+    threads on the H100's 132 multiprocessors (1.41 ms, 16% of the FP32 peak). The partial
+    sums take (parts x outputs x 4) bytes of device workspace per call.
     """
 
     def __init__(self, min_terms: int = 1024, max_outputs: int = 1 << 17):
@@ -445,9 +494,10 @@ class SplitReduction(ms.schedule_rule.PyScheduleRule):
                 [i for i, _ in reductions] != list(range(n_spatial, len(loops))):
             return 0, []
         whole = [(i, None) for i, e in reductions if e >= 4 and terms // e >= SPLIT_MIN_TERMS][:2]
-        if whole:
-            return n_spatial, (whole if outputs <= self.max_outputs else [])
-        # one loop holds (nearly) the whole sum, a matmul's k: split it into G parts first
+        if whole and outputs <= self.max_outputs:
+            return n_spatial, whole
+        # one loop holds (nearly) the whole sum, a matmul's k, or a whole loop's partial sums
+        # would be too many: split the longest loop into G parts first
         i, e = max(reductions, key=lambda r: r[1])
         return n_spatial, [(i, g) for g in split_parts(e, outputs, terms // e)]
 
@@ -486,10 +536,12 @@ class SplitReduction(ms.schedule_rule.PyScheduleRule):
         # the adding-up block is left to the postprocessors (RewriteUnboundBlock)
         s.annotate(block, "schedule_rule", "None")
         if tiled:
-            spaces = self._tile.apply(s, rf)
-            # no space when tiling finds no data reuse: the work-group space covers that case
-            return [t for t in spaces if "meta_schedule.tiling_structure"
-                    in t.get(rf).annotations]
+            spaces = [t for t in self._tile.apply(s, rf)
+                      if "meta_schedule.tiling_structure" in t.get(rf).annotations]
+            # (no space when tiling finds no data reuse: the work-group space covers that case)
+            for t in spaces:
+                pad_in_fill(t)
+            return spaces
         # a work-group per partial sum, its threads split the sum (cross-thread reduction,
         # combined in local memory)
         rl = s.get_loops(rf)

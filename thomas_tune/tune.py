@@ -25,7 +25,7 @@ from tvm.ir.utils import derived_object
 
 from .runner import Builder, FarmRunner, Phases, error_line
 from .schedules import (UNROLL_STEPS, plain_json, postprocessed, space_generator,
-                         unroll_steps, with_padding_kernel, with_unroll, within_unroll)
+                         unroll_steps, with_padding_in_fill, with_unroll, within_unroll)
 from .tasks import Task
 from .tuning_log import FAILED_RUN_S, TrialErrors, TuningLog
 
@@ -495,8 +495,8 @@ def _tune_locked(tasks, target, log, runner, trials, trials_per_iter, builder_wo
                                            [s.measured for s in strategies])
             r = report.padded
             if show_progress and r["measured"]:
-                print(f"padding kernels: {r['measured']} best records measured with their "
-                      f"padding as a kernel of its own in {r['seconds']:.0f} s "
+                print(f"padding out of the inner loop: {r['measured']} best records measured "
+                      f"with their padding in the shared fill in {r['seconds']:.0f} s "
                       f"({r['failed']} failed); {r['better']} task(s) got a faster best "
                       "record", file=sys.stderr, flush=True)
         ms.tune_tasks(
@@ -560,13 +560,14 @@ def refine_padding(contexts, progress: list[TaskProgress], database: ms.Database
                    runner, builder: Builder, top_k: int, errors: TrialErrors | None = None,
                    measured: list[set[int]] | None = None) -> dict:
     """Measure the ``top_k`` best records of each task of ``contexts`` again with their padding
-    kept as a kernel of its own (:func:`thomas_tune.schedules.with_padding_kernel`: every
-    other decision kept), and add the results to ``database``; tasks without padding fed into
-    a contraction get nothing. Run before the search, so that a padded variant that wins seeds
+    moved out of the innermost loop into the copy that stages the padded operand in shared
+    memory, or kept as a kernel of its own where nothing is staged
+    (:func:`thomas_tune.schedules.with_padding_in_fill`: every other decision kept), and add
+    the results to ``database``; tasks without padding fed into a contraction get nothing. Run before the search, so that a padded variant that wins seeds
     the evolutionary search from the database like any record. Arguments and result as
     :func:`refine_unroll`'s."""
     def variants(ctx, body):
-        t = with_padding_kernel(ctx.mod, body)
+        t = with_padding_in_fill(ctx.mod, body)
         return [] if t is None else [t]
 
     return _measure_variants(contexts, progress, database, target, runner, builder, top_k,
