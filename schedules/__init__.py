@@ -364,8 +364,8 @@ def _inline() -> ms.ScheduleRule:
 
 def gpu_rules(target: tvm.target.Target, max_unroll: int | None = None
               ) -> list[ms.ScheduleRule]:
-    """Schedule rules for an OpenCL/CUDA-like target: padding kept as a kernel of its own
-    beside inlined (:class:`PaddingInFill`), inlining, split reductions
+    """Schedule rules for an OpenCL/CUDA-like target: padding kept out of a convolution's
+    inner loop (in the shared-memory fill) beside inlined (:class:`PaddingInFill`), inlining, split reductions
     (:class:`SplitReduction`), cross-thread reduction, multi-level tiling with shared-memory
     reuse (and without, for strided reads: :class:`Tiling`) and auto-binding, with thread
     extents capped by the target, and unroll limits of :func:`unroll_steps` (``max_unroll``)."""

@@ -657,7 +657,8 @@ def parser() -> argparse.ArgumentParser:
                         "the best records then get the larger limits (--refine-top)")
     s.add_argument("--refine-top", type=int, default=2,
                    help="best records per task measured again before the search with "
-                        "their padding as a kernel of its own (convolutions), and, with "
+                        "their padding moved out of the inner loop into the shared-memory "
+                        "fill (convolutions), and, with "
                         "--max-unroll, after it with each larger unroll limit (default 2; "
                         "0: none)")
     s.add_argument("--stats", help="write trials/s and the time split as JSON here (every "
