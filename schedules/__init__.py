@@ -248,7 +248,7 @@ def contraction(block) -> bool:
 
 def pads_a_contraction(sch: tvm.s_tir.Schedule, block) -> bool:
     """Whether ``block`` of ``sch`` is a :func:`padding_block` that feeds a
-    :func:`contraction`: the blocks :class:`PaddingInFill` keeps as kernels of their own."""
+    :func:`contraction`: the blocks :class:`PaddingInFill` keeps out of inner loops."""
     return padding_block(sch.get(block)) and any(contraction(sch.get(c))
                                                  for c in sch.get_consumers(block))
 
@@ -349,8 +349,11 @@ def with_padding_in_fill(mod: tvm.IRModule, trace_json):
         return None
     try:
         tvm.s_tir.schedule.Trace.apply_json_to_schedule([insts, decisions], sch)
+    except Exception:  # TVM's ScheduleError: a later step needs the padding inlined
+        return None
+    try:
         pad_in_fill(sch)
-    except Exception:  # TVM's ScheduleError: the trace does not apply with the padding kept
+    except Exception:  # the copy cannot take the padding: it stays a kernel of its own
         return [insts, decisions]
     return plain_json(sch.trace.as_json())
 
@@ -365,10 +368,11 @@ def _inline() -> ms.ScheduleRule:
 def gpu_rules(target: tvm.target.Target, max_unroll: int | None = None
               ) -> list[ms.ScheduleRule]:
     """Schedule rules for an OpenCL/CUDA-like target: padding kept out of a convolution's
-    inner loop (in the shared-memory fill) beside inlined (:class:`PaddingInFill`), inlining, split reductions
-    (:class:`SplitReduction`), cross-thread reduction, multi-level tiling with shared-memory
-    reuse (and without, for strided reads: :class:`Tiling`) and auto-binding, with thread
-    extents capped by the target, and unroll limits of :func:`unroll_steps` (``max_unroll``)."""
+    inner loop (in the shared-memory fill) beside inlined (:class:`PaddingInFill`), inlining,
+    split reductions (:class:`SplitReduction`), cross-thread reduction, multi-level tiling
+    with shared-memory reuse (and without, for strided reads: :class:`Tiling`) and
+    auto-binding, with thread extents capped by the target, and unroll limits of
+    :func:`unroll_steps` (``max_unroll``)."""
     max_threads = int(target.attrs.get("max_threads_per_block", 256))
     extents = _thread_extents(max_threads)
     return [
