@@ -563,9 +563,9 @@ def refine_padding(contexts, progress: list[TaskProgress], database: ms.Database
     moved out of the innermost loop into the copy that stages the padded operand in shared
     memory, or kept as a kernel of its own where nothing is staged
     (:func:`thomas_tune.schedules.with_padding_in_fill`: every other decision kept), and add
-    the results to ``database``; tasks without padding fed into a contraction get nothing. Run before the search, so that a padded variant that wins seeds
-    the evolutionary search from the database like any record. Arguments and result as
-    :func:`refine_unroll`'s."""
+    the results to ``database``; tasks without padding fed into a contraction get nothing.
+    Run before the search, so that a variant that wins seeds the evolutionary search from the
+    database like any record. Arguments and result as :func:`refine_unroll`'s."""
     def variants(ctx, body):
         t = with_padding_in_fill(ctx.mod, body)
         return [] if t is None else [t]
