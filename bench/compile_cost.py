@@ -155,7 +155,7 @@ def summarize(rows: list[dict], variants) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--log", required=True, help="tuning-log folder (unpacked)")
+    ap.add_argument("--log", required=True, help="tuning-log folder (packed or not)")
     ap.add_argument("--target", required=True, help="target JSON file (as 'tune --target')")
     ap.add_argument("--workloads", type=int, default=8, help="largest workloads taken")
     ap.add_argument("--records", type=int, default=5, help="records per workload (best first)")

@@ -105,14 +105,18 @@ def from_bench(log: str, bench_json: str, count: int) -> list[dict]:
     kernels.sort(key=lambda k: -k["tuned_ms"] * k.get("calls", 1))
     contents = read_log(log)
     index = {str(w[0]): i for i, (w, _) in enumerate(contents.workloads)}
+    best: dict[int, list] = {}  # workload -> its valid record of the least mean time
+    for w, body in contents.records:
+        if math.isfinite(mean_seconds(body)) and (w not in best or mean_seconds(body)
+                                                  < mean_seconds(best[w])):
+            best[w] = body
     out = []
     for k in kernels[:count]:
         w = index.get(str(k["workload"]))
-        bodies = [b for i, b in contents.records if i == w and math.isfinite(mean_seconds(b))]
-        if w is None or not bodies:
+        if w not in best:
             raise ValueError(f"kernel {k['name']} (workload {k['workload']}) has no valid "
                              f"record in {log}: give the log the bench used")
-        body = min(bodies, key=mean_seconds)
+        body = best[w]
         out.append({"workload_index": w, "workload": contents.workloads[w][0], "body": body,
                     "recorded_ms": mean_seconds(body) * 1e3, "best": True, "name": k["name"]})
     return out
@@ -138,21 +142,13 @@ def main(argv=None) -> int:
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from compile_cost import pick
 
-    from thomas_tune.tuning_log import is_packed, unpack
-
     with open(a.target) as f:
         target_json = json.load(f)
-    with tempfile.TemporaryDirectory() as tmp:
-        log = a.log
-        if is_packed(log):  # a committed log: read an unpacked copy
-            log = shutil.copytree(log, os.path.join(tmp, "log"))
-            unpack(log)
-        if a.bench:
-            picked = from_bench(log, a.bench, a.workloads)
-        else:
-            picked = pick(log, a.workloads, 1, 0)
-        jobs = [{**p, "target": target_json, "clang": clang} for p in picked]
-        print(f"ptx_mix: {len(jobs)} records of {a.log}, clang {clang}", flush=True)
+    # (read_log reads a packed log through the project's cached unpacked copy)
+    picked = from_bench(a.log, a.bench, a.workloads) if a.bench else pick(a.log, a.workloads,
+                                                                          1, 0)
+    jobs = [{**p, "target": target_json, "clang": clang} for p in picked]
+    print(f"ptx_mix: {len(jobs)} records of {a.log}, clang {clang}", flush=True)
     rows = []
     with ProcessPoolExecutor(a.workers) as pool:
         for row in pool.map(_one, jobs):

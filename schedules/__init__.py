@@ -11,6 +11,7 @@ so cross-thread reductions use plain workgroup barriers).
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 
 import tvm
@@ -49,8 +50,6 @@ def plain_json(trace_json) -> list:
     which ``json`` can write and ``Trace.apply_json_to_schedule`` reads back. Raises TypeError
     for an object that is none of these (not met in MetaSchedule's traces so far: a layout's
     ``IndexMap`` comes as a string)."""
-    import json
-
     def plain(o):
         if isinstance(o, tvm.tirx.IntImm):
             return bool(o.value) if str(o.ty) == "bool" else int(o.value)
@@ -343,7 +342,8 @@ def with_padding_in_fill(mod: tvm.IRModule, trace_json):
         except Exception:  # TVM's ScheduleError: no block of that name in the unscheduled mod
             continue
         if pads_a_contraction(sch, block):
-            insts[i] = ["Annotate", [ins[1][0], '"disable"'], [KEEP_PADDING[0]], []]
+            insts[i] = ["Annotate", [ins[1][0], json.dumps(KEEP_PADDING[1])],
+                        [KEEP_PADDING[0]], []]
             changed = True
     if not changed:
         return None
