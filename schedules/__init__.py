@@ -358,6 +358,107 @@ def with_padding_in_fill(mod: tvm.IRModule, trace_json):
     return plain_json(sch.trace.as_json())
 
 
+def _blocks(sch: tvm.s_tir.Schedule) -> list:
+    """The blocks directly under the root block of an unscheduled function, in program order."""
+    return list(sch.get_child_blocks(sch.get_sblock("root")))
+
+
+def anchor_key(mod: tvm.IRModule) -> int | None:
+    """What two kernels must share for a schedule of one to suit the other: the structural
+    hash, with buffer and variable names mapped by position, of the kernel's one
+    :func:`contraction` block and every block that feeds it (a padding, a dilation); the blocks
+    after it (bias, ReLU, a mask) are left out. A convolution with ReLU and the same one
+    without it, in the inference and the training graph, have the same key. None for a kernel
+    with no contraction or with several. Source of the hash: TVM's ``structural_hash`` with
+    ``map_free_vars=True``."""
+    import hashlib
+
+    import tvm_ffi
+
+    sch = tvm.s_tir.Schedule(mod)
+    anchors = [b for b in _blocks(sch) if contraction(sch.get(b))]
+    if len(anchors) != 1:
+        return None
+    keep, todo = [anchors[0]], [anchors[0]]
+    while todo:
+        for p in sch.get_producers(todo.pop()):
+            if not any(sch.get(p).same_as(sch.get(k)) for k in keep):
+                keep.append(p)
+                todo.append(p)
+    hashes = sorted(int(tvm_ffi.structural_hash(sch.get(b), map_free_vars=True)) for b in keep)
+    return int.from_bytes(hashlib.sha256(repr(hashes).encode()).digest()[:8], "big")
+
+
+#: instructions a transferred trace may drop with a block the target kernel lacks
+_INLINES = ("ComputeInline", "ReverseComputeInline")
+
+
+def transferred(trace_json, donor: tvm.IRModule, mod: tvm.IRModule):
+    """A trace of kernel ``donor`` (JSON form, plain or as ``Trace.as_json()`` gives it)
+    rewritten for kernel ``mod``, which has the same :func:`anchor_key` but other blocks
+    around the contraction (a ReLU fused in one and not in the other): the blocks that only
+    ``mod`` has are inlined first (``ReverseComputeInline`` after the contraction,
+    ``ComputeInline`` before it), the instructions on blocks that only ``donor`` has are
+    dropped where they are inlines, and every tile size, thread binding and unroll decision
+    is kept; the postprocessing instructions are dropped (apply the trace, then the
+    postprocessors). None when the trace does more than inline a block that ``mod`` lacks, or
+    when the result does not apply to ``mod``. The trace is a schedule of ``mod``'s own
+    computation either way: a transfer can be slow, never wrong."""
+    insts, decisions = _before_postproc(*plain_json(trace_json))
+    donor_sch = tvm.s_tir.Schedule(donor)
+    theirs = {donor_sch.get(b).name_hint for b in _blocks(donor_sch)}
+    sch = tvm.s_tir.Schedule(mod)
+    ours = _blocks(sch)
+    names = [sch.get(b).name_hint for b in ours]
+    gone = set()  # trace variables of the donor's blocks that mod lacks
+    func = "main"
+    for ins in insts:
+        if ins[0] == "GetSBlock" and len(ins[2]) >= 1 and len(ins[3]) == 1:
+            func = ins[2][1] if len(ins[2]) > 1 else func
+            if ins[2][0] not in names and ins[2][0] != "root":
+                gone.add(ins[3][0])
+    keep = []
+    for i, ins in enumerate(insts):
+        uses = {a for a in ins[1] if isinstance(a, str)} & gone
+        if ins[0] == "GetSBlock" and ins[3] and ins[3][0] in gone:
+            continue
+        if uses:
+            if ins[0] not in _INLINES:
+                return None  # the donor schedules that block: nothing to map it to
+            continue
+        keep.append(i)
+    anchors = [b for b in ours if contraction(sch.get(b))]
+    if len(anchors) != 1:
+        return None
+    after, todo = set(), [anchors[0]]
+    while todo:  # the blocks downstream of the contraction
+        for c in sch.get_consumers(todo.pop()):
+            if sch.get(c).name_hint not in after:
+                after.add(sch.get(c).name_hint)
+                todo.append(c)
+    extra = [n for n in names if n not in theirs]
+    used = {v for ins in insts for v in ins[3]}
+    prefix, fresh = [], 0
+    for name in [n for n in extra if n in after] + [n for n in reversed(extra)
+                                                     if n not in after]:
+        while f"b{fresh}t" in used:
+            fresh += 1
+        var = f"b{fresh}t"
+        used.add(var)
+        prefix += [["GetSBlock", [], [name, func], [var]],
+                   ["ReverseComputeInline" if name in after else "ComputeInline", [var], [], []]]
+    if not prefix and len(keep) == len(insts):
+        return None  # the same blocks: the donor's trace as it is, nothing to transfer
+    where = {old: len(prefix) + new for new, old in enumerate(keep)}
+    out = [prefix + [insts[i] for i in keep],
+           [[where[int(i)], d] for i, d in decisions if int(i) in where]]
+    try:
+        tvm.s_tir.schedule.Trace.apply_json_to_schedule(out, tvm.s_tir.Schedule(mod))
+    except Exception:  # TVM's ScheduleError: a step that needs the donor's structure
+        return None
+    return out
+
+
 def _inline() -> ms.ScheduleRule:
     return ms.schedule_rule.AutoInline(
         into_producer=True, into_consumer=True, inline_const_tensor=True,

@@ -618,6 +618,97 @@ def test_best_records_are_measured_with_their_padding_in_the_shared_fill(tmp_pat
         assert "meta_schedule.inline_rule" in json.dumps(bodies[before][0])
 
 
+def test_records_move_between_kernels_of_one_contraction(tmp_path, target, rng):
+    """A convolution with its bias, and the same convolution with bias and ReLU, are two
+    workloads with one contraction (schedules.anchor_key; a different convolution has another
+    key). A schedule of either rewritten for the other (schedules.transferred: the ReLU
+    inlined, or its inline dropped) builds for PoCL and matches numpy in float64 both ways.
+    Before the search, the tuner measures the best record of the one on the other
+    (tune.refine_transfer) and logs it, once: a second run measures nothing again."""
+    import json
+
+    from tvm import topi
+
+    from thomas_tune.schedules import anchor_key, postprocessed, transferred
+    from thomas_tune.tasks import Task
+    from thomas_tune.tune import rpc_runner, tune
+    from thomas_tune.tuning_log import TuningLog
+
+    n, ci, co, h = 2, 8, 16, 10
+    x = te.placeholder((n, ci, h, h), name="x")
+    w = te.placeholder((co, ci, 3, 3), name="w")
+    bias = te.placeholder((co, 1, 1), name="bias")
+    conv = topi.nn.conv2d_nchw(x, w, 1, 0, 1)
+    plain = _func(x, w, bias, topi.add(conv, bias))
+    relu = _func(x, w, bias, topi.nn.relu(topi.add(conv, bias)))
+    other = _func(x, w, bias, topi.add(topi.nn.conv2d_nchw(x, w, 1, 1, 1), bias))
+    assert anchor_key(plain) == anchor_key(relu) != anchor_key(other)
+    assert anchor_key(plain) is not None
+
+    xn, wn, bn = (rng.standard_normal(s) for s in ((n, ci, h, h), (co, ci, 3, 3), (co, 1, 1)))
+    x64, w64 = (a.astype("float32").astype("float64") for a in (xn, wn))
+    oh = h - 2
+    ref = sum(np.einsum("nchw,oc->nohw", x64[:, :, i:i + oh, j:j + oh], w64[:, :, i, j])
+              for i in range(3) for j in range(3)) + bn.astype("float32").astype("float64")
+    refs = {"plain": ref, "relu": np.maximum(ref, 0.0)}
+    mods = {"plain": plain, "relu": relu}
+
+    def ctx_of(mod):
+        return ms.TuneContext(mod=mod, target=target, space_generator=space_generator(target),
+                              task_name="conv", num_threads=1,
+                              search_strategy=ms.search_strategy.ReplayTrace())
+
+    for src, dst in (("plain", "relu"), ("relu", "plain")):
+        ctx, post = ctx_of(mods[src]), ctx_of(mods[dst])
+        post.generate_design_space()
+        ctx.pre_tuning(max_trials=8, num_trials_per_iter=8,
+                       design_spaces=ctx.generate_design_space())
+        built = 0
+        for cand in ctx.generate_measure_candidates():
+            moved = transferred(cand.sch.trace.as_json(), mods[src], mods[dst])
+            assert moved is not None
+            inlines = [ins for ins in moved[0] if ins[0] == "ReverseComputeInline"]
+            assert len(inlines) == (2 if dst == "relu" else 1)  # bias; ReLU into bias
+            sch = postprocessed(mods[dst], moved, post.space_generator.postprocs)
+            assert sch is not None
+            try:
+                lib = tvm.compile(sch.mod, target)
+            except tvm.error.InternalError as err:  # the pinned TVM's vectorizer (_sampled)
+                assert "eval_vec_" in str(err)
+                continue
+            got = _run(lib, target, [xn, wn, bn], (n, co, oh, oh))
+            np.testing.assert_allclose(got, refs[dst], rtol=1e-4,
+                                       atol=1e-4 * np.abs(ref).max())
+            built += 1
+            break
+        ctx.post_tuning()
+        assert built == 1, (src, dst)
+    assert transferred(cand.sch.trace.as_json(), relu, relu) is None  # nothing to move
+
+    flops = 2.0 * n * co * oh * oh * ci * 9
+    donor, twin = Task("conv_bias", plain, flops, {"train": 1}), Task("conv_relu", relu, flops,
+                                                                         {"infer": 1})
+    log = TuningLog(str(tmp_path / "log"))
+    with rpc.loopback(key="pocl", servers=1, lifetime=600) as addr:
+        tune([donor], target, log, rpc_runner(addr, "pocl"), trials=3, trials_per_iter=3,
+             population=16, show_progress=False, refine_top=0)
+        with open(log.record_path) as f:
+            before = sum(1 for line in f if line.strip())
+        report = tune([twin], target, log, rpc_runner(addr, "pocl"), trials=1,
+                      trials_per_iter=1, population=16, show_progress=False, refine_top=1,
+                      seed=1)
+        assert report.transferred["measured"] == 1 and report.transferred["failed"] == 0
+        with open(log.record_path) as f:
+            bodies = [json.loads(line)[1] for line in f if line.strip()]
+        # the transfer is the record right after the donor's (before the search)
+        first = bodies[before][0][0]
+        assert first[0] == ["GetSBlock", [], ["compute", "main"], [first[0][3][0]]]
+        again = tune([twin], target, log, rpc_runner(addr, "pocl"), trials=1,
+                     trials_per_iter=1, population=16, show_progress=False, refine_top=1,
+                     seed=2)
+    assert again.transferred["measured"] == 0  # measured once: the log has it
+
+
 def test_strided_data_gradient_gets_direct_tiling_that_matches_numpy(target, rng):
     """The data gradient of a stride-2 depthwise convolution reads the output gradient at
     ``(h + pad - kh) // 2``: besides the spaces that stage operands in shared memory, it gets

@@ -658,7 +658,9 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--refine-top", type=int, default=2,
                    help="best records per task measured again before the search with "
                         "their padding moved out of the inner loop into the shared-memory "
-                        "fill (convolutions), and, with "
+                        "fill (convolutions), best records of each other workload of the "
+                        "same contraction (a twin with or without a fused ReLU) measured on "
+                        "it, and, with "
                         "--max-unroll, after it with each larger unroll limit (default 2; "
                         "0: none)")
     s.add_argument("--stats", help="write trials/s and the time split as JSON here (every "

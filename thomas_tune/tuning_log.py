@@ -285,6 +285,19 @@ class TuningLog:
             self.check()
         return ms.database.JSONDatabase(self.workload_path, self.record_path, allow_missing=True)
 
+    def workloads(self) -> list[tvm.IRModule]:
+        """The kernels (one PrimFunc module each) of this log's workload file, in its order;
+        a line that does not parse is left out (:meth:`check` reports and sets it aside)."""
+        mods = []
+        if os.path.exists(self.workload_path):
+            with open(self.workload_path) as f:
+                for line in f:
+                    try:
+                        mods.append(ms.database.Workload.from_json(json.loads(line)).mod)
+                    except Exception:  # TVM's errors of a bad line; check() names them
+                        continue
+        return mods
+
     def measured(self, database: ms.Database, mod) -> set[int]:
         """Structural hashes of the schedules of ``mod`` (a task's workload) measured so far.
 
