@@ -28,7 +28,7 @@ from .schedules import (UNROLL_STEPS, anchor_key, plain_json, postprocessed, spa
                          transferred, unroll_steps, with_padding_in_fill, with_unroll,
                          within_unroll)
 from .tasks import Task
-from .tuning_log import FAILED_RUN_S, TrialErrors, TuningLog
+from .tuning_log import FAILED_RUN_S, TrialErrors, TuningLog, mean_run_seconds
 
 
 @derived_object
@@ -600,8 +600,10 @@ def refine_transfer(contexts, progress: list[TaskProgress], database: ms.Databas
     pre-activation for the backward pass; each is a workload of its own, tuned apart, and the
     searches end apart: on the H100 the best AlexNet record of ``conv1`` with ReLU took 0.225
     ms and the best without it 0.399 ms, with the same 7-loop nest to tile. Run before the
-    search, so that a transfer that wins seeds the evolutionary search like any record.
-    Arguments and result as :func:`refine_unroll`'s."""
+    search, so that a transfer that wins seeds the evolutionary search like any record. Only
+    a twin's records faster on the twin than the task's best record on the task are tried
+    (the twins' kernels differ by an element-wise epilogue). Arguments and result as
+    :func:`refine_unroll`'s."""
     keys = {}
     for mod in workloads:
         key = anchor_key(mod)
@@ -611,10 +613,14 @@ def refine_transfer(contexts, progress: list[TaskProgress], database: ms.Databas
     def candidates(c, ctx, workload):
         key = anchor_key(ctx.mod)
         own = tvm_ffi.structural_hash(ctx.mod)
+        best = database.get_top_k(workload, 1)
+        best_s = mean_run_seconds(best[0].run_secs) if best else math.inf
         for donor in keys.get(key, []) if key is not None else []:
             if tvm_ffi.structural_hash(donor) == own:
                 continue
             for rec in database.get_top_k(database.commit_workload(donor), top_k):
+                if mean_run_seconds(rec.run_secs) >= best_s:
+                    break  # best first: no faster record of this twin left to try
                 try:
                     trace_json = transferred(rec.trace.as_json(), donor, ctx.mod)
                 except TypeError:  # an object with no JSON form: no transfer
