@@ -653,24 +653,23 @@ def test_records_move_between_kernels_of_one_contraction(tmp_path, target, rng):
     refs = {"plain": ref, "relu": np.maximum(ref, 0.0)}
     mods = {"plain": plain, "relu": relu}
 
-    def ctx_of(mod):
+    def ctx_of(mod, seed=0):
         return ms.TuneContext(mod=mod, target=target, space_generator=space_generator(target),
-                              task_name="conv", num_threads=1,
+                              task_name="conv", num_threads=1, rand_state=seed,
                               search_strategy=ms.search_strategy.ReplayTrace())
 
     for src, dst in (("plain", "relu"), ("relu", "plain")):
-        ctx, post = ctx_of(mods[src]), ctx_of(mods[dst])
+        post = ctx_of(mods[dst])
         post.generate_design_space()
-        ctx.pre_tuning(max_trials=8, num_trials_per_iter=8,
-                       design_spaces=ctx.generate_design_space())
-        built = 0
-        for cand in ctx.generate_measure_candidates():
-            moved = transferred(cand.sch.trace.as_json(), mods[src], mods[dst])
+        for _ in range(8):  # a design space's first sample (decisions drawn at random)
+            sp = ctx_of(mods[src], int(rng.integers(1 << 20))).generate_design_space()[0]
+            moved = transferred(sp.trace.as_json(), mods[src], mods[dst])
             assert moved is not None
             inlines = [ins for ins in moved[0] if ins[0] == "ReverseComputeInline"]
             assert len(inlines) == (2 if dst == "relu" else 1)  # bias; ReLU into bias
             sch = postprocessed(mods[dst], moved, post.space_generator.postprocs)
-            assert sch is not None
+            if sch is None:  # a draw the GPU-code verifier rejects (as it rejects a trial)
+                continue
             try:
                 lib = tvm.compile(sch.mod, target)
             except tvm.error.InternalError as err:  # the pinned TVM's vectorizer (_sampled)
@@ -679,18 +678,17 @@ def test_records_move_between_kernels_of_one_contraction(tmp_path, target, rng):
             got = _run(lib, target, [xn, wn, bn], (n, co, oh, oh))
             np.testing.assert_allclose(got, refs[dst], rtol=1e-4,
                                        atol=1e-4 * np.abs(ref).max())
-            built += 1
             break
-        ctx.post_tuning()
-        assert built == 1, (src, dst)
-    assert transferred(cand.sch.trace.as_json(), relu, relu) is None  # nothing to move
+        else:
+            raise AssertionError(f"no transferred schedule {src} -> {dst} built")
+    assert transferred(sp.trace.as_json(), relu, relu) is None  # nothing to move
 
     flops = 2.0 * n * co * oh * oh * ci * 9
     donor, twin = Task("conv_bias", plain, flops, {"train": 1}), Task("conv_relu", relu, flops,
                                                                          {"infer": 1})
     log = TuningLog(str(tmp_path / "log"))
     with rpc.loopback(key="pocl", servers=1, lifetime=600) as addr:
-        tune([donor], target, log, rpc_runner(addr, "pocl"), trials=3, trials_per_iter=3,
+        tune([donor], target, log, rpc_runner(addr, "pocl"), trials=2, trials_per_iter=2,
              population=16, show_progress=False, refine_top=0)
         with open(log.record_path) as f:
             before = sum(1 for line in f if line.strip())
