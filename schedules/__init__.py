@@ -391,14 +391,19 @@ def anchor_key(mod: tvm.IRModule) -> int | None:
 
 #: instructions a transferred trace may drop with a block the target kernel lacks
 _INLINES = ("ComputeInline", "ReverseComputeInline")
+#: block lookups a transferred trace drops when no later instruction uses what they found
+#: (:func:`pad_in_fill` lists the root's blocks; the twin has more of them)
+_LOOKUPS = ("GetChildBlocks", "GetConsumers", "GetProducers")
 
 
 def transferred(trace_json, donor: tvm.IRModule, mod: tvm.IRModule):
     """A trace of kernel ``donor`` (JSON form, plain or as ``Trace.as_json()`` gives it)
     rewritten for kernel ``mod``, which has the same :func:`anchor_key` but other blocks
     around the contraction (a ReLU fused in one and not in the other): the blocks that only
-    ``mod`` has are inlined first (``ReverseComputeInline`` after the contraction,
-    ``ComputeInline`` before it), the instructions on blocks that only ``donor`` has are
+    ``mod`` has are inlined (before the donor's steps where they inline into blocks of the
+    donor, else after them as multi-level tiling fuses an epilogue: into the block that
+    writes the contraction's result back), the instructions on blocks that only ``donor`` has
+    are
     dropped where they are inlines, and every tile size, thread binding and unroll decision
     is kept; the postprocessing instructions are dropped (apply the trace, then the
     postprocessors). None when the trace does more than inline a block that ``mod`` lacks, or
@@ -418,7 +423,10 @@ def transferred(trace_json, donor: tvm.IRModule, mod: tvm.IRModule):
             if ins[2][0] not in names and ins[2][0] != "root":
                 gone.add(ins[3][0])
     keep = []
+    read = {a for ins in insts for a in ins[1] if isinstance(a, str)}
     for i, ins in enumerate(insts):
+        if ins[0] in _LOOKUPS and not set(ins[3]) & read:
+            continue  # a lookup nothing uses, whose count of blocks may differ in mod
         uses = {a for a in ins[1] if isinstance(a, str)} & gone
         if ins[0] == "GetSBlock" and ins[3] and ins[3][0] in gone:
             continue
@@ -436,27 +444,46 @@ def transferred(trace_json, donor: tvm.IRModule, mod: tvm.IRModule):
             if sch.get(c).name_hint not in after:
                 after.add(sch.get(c).name_hint)
                 todo.append(c)
+    direct = {sch.get(c).name_hint for c in sch.get_consumers(anchors[0])}
+    block = {sch.get(b).name_hint: b for b in ours}
+    producers = {n: {sch.get(p).name_hint for p in sch.get_producers(block[n])} for n in names}
     extra = [n for n in names if n not in theirs]
-    used = {v for ins in insts for v in ins[3]}
-    prefix, fresh = [], 0
-    for name in [n for n in extra if n in after] + [n for n in reversed(extra)
-                                                     if n not in after]:
-        while f"b{fresh}t" in used:
-            fresh += 1
-        var = f"b{fresh}t"
-        used.add(var)
-        prefix += [["GetSBlock", [], [name, func], [var]],
-                   ["ReverseComputeInline" if name in after else "ComputeInline", [var], [], []]]
-    if not prefix and len(keep) == len(insts):
+    if not extra and not gone:
         return None  # the same blocks: the donor's trace as it is, nothing to transfer
-    where = {old: len(prefix) + new for new, old in enumerate(keep)}
-    out = [prefix + [insts[i] for i in keep],
-           [[where[int(i)], d] for i, d in decisions if int(i) in where]]
-    try:
-        tvm.s_tir.schedule.Trace.apply_json_to_schedule(out, tvm.s_tir.Schedule(mod))
-    except Exception:  # TVM's ScheduleError: a step that needs the donor's structure
-        return None
-    return out
+    # two placements of the inlines, tried in turn. First, before the donor's steps: the
+    # blocks after the contraction into their producers, the blocks that only feed those into
+    # their consumers (a ReLU after a bias add). Else after them, as multi-level tiling fuses
+    # an epilogue: the epilogue's tail into its producers, last first; the blocks that read
+    # the contraction's result into their consumers; the blocks that only feed the epilogue
+    # (BatchNorm's scale from its statistics) into theirs; then what is left into the block
+    # that writes the result back (the donor's own epilogue, or its copy out of registers)
+    feeders = [("ComputeInline", n) for n in reversed(extra) if n not in after]
+    tail = [n for n in reversed(extra) if n in after and n not in direct
+            and not producers[n] & direct]
+    readers = [n for n in reversed(extra) if n in direct and sch.get_consumers(block[n])]
+    placements = [
+        ([("ReverseComputeInline", n) for n in extra if n in after] + feeders, True),
+        ([("ReverseComputeInline", n) for n in tail] + [("ComputeInline", n) for n in readers]
+         + feeders + [("ReverseComputeInline", n) for n in extra
+                      if n in after and n not in tail and n not in readers], False)]
+    used = {v for ins in insts for v in ins[3]}
+    for order, first in placements:
+        steps = []
+        for kind, name in order:
+            var = next(f"b{i}t" for i in range(len(used) + 1) if f"b{i}t" not in used)
+            used.add(var)
+            steps += [["GetSBlock", [], [name, func], [var]], [kind, [var], [], []]]
+        ahead = len(steps) if first else 0
+        where = {old: ahead + new for new, old in enumerate(keep)}
+        kept = [insts[i] for i in keep]
+        out = [steps + kept if first else kept + steps,
+               [[where[int(i)], d] for i, d in decisions if int(i) in where]]
+        try:
+            tvm.s_tir.schedule.Trace.apply_json_to_schedule(out, tvm.s_tir.Schedule(mod))
+        except Exception:  # TVM's ScheduleError: a step that needs the donor's structure
+            continue
+        return out
+    return None
 
 
 def _inline() -> ms.ScheduleRule:

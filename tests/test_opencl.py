@@ -683,6 +683,40 @@ def test_records_move_between_kernels_of_one_contraction(tmp_path, target, rng):
             raise AssertionError(f"no transferred schedule {src} -> {dst} built")
     assert transferred(sp.trace.as_json(), relu, relu) is None  # nothing to move
 
+    # the bare convolution to the same one with inference BatchNorm and ReLU6 folded in (as
+    # in MobileNet's inference graph), whose scale comes from blocks that feed the epilogue
+    # and not the convolution: these inlines go after the donor's steps
+    mean, var = te.placeholder((co,), name="mean"), te.placeholder((co,), name="var")
+    scale = te.compute((co,), lambda c: 1.0 / te.sqrt(var[c] + 1e-5), name="scale")
+    folded = te.compute(conv.shape, lambda b, c, y, z: te.min(te.max(
+        (conv[b, c, y, z] - mean[c]) * scale[c] + bias[c, 0, 0], 0.0), 6.0), name="folded")
+    bare, folded_mod = _func(x, w, conv), _func(x, w, bias, mean, var, folded)
+    assert anchor_key(bare) == anchor_key(folded_mod)
+    mn, vn = rng.standard_normal(co), rng.uniform(0.5, 2.0, co)
+    m64, v64, b64 = (a.astype("float32").astype("float64") for a in (mn, vn, bn.ravel()))
+    want = np.clip((ref - b64[None, :, None, None] - m64[None, :, None, None])
+                   / np.sqrt(v64 + 1e-5)[None, :, None, None] + b64[None, :, None, None], 0, 6)
+    post = ctx_of(folded_mod)
+    post.generate_design_space()
+    for _ in range(8):
+        sp = ctx_of(bare, int(rng.integers(1 << 20))).generate_design_space()[0]
+        moved = transferred(sp.trace.as_json(), bare, folded_mod)
+        assert moved is not None
+        sch = postprocessed(folded_mod, moved, post.space_generator.postprocs)
+        if sch is None:
+            continue
+        try:
+            lib = tvm.compile(sch.mod, target)
+        except tvm.error.InternalError as err:  # the pinned TVM's vectorizer (_sampled)
+            assert "eval_vec_" in str(err)
+            continue
+        assert lib.mod.imports[0].inspect_source().count("// Function:") == 1  # one kernel
+        got = _run(lib, target, [xn, wn, bn, mn, vn], (n, co, oh, oh))
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+        break
+    else:
+        raise AssertionError("no transferred schedule bare -> folded built")
+
     flops = 2.0 * n * co * oh * oh * ci * 9
     donor, twin = Task("conv_bias", plain, flops, {"train": 1}), Task("conv_relu", relu, flops,
                                                                          {"infer": 1})
