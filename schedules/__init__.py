@@ -363,6 +363,25 @@ def _blocks(sch: tvm.s_tir.Schedule) -> list:
     return list(sch.get_child_blocks(sch.get_sblock("root")))
 
 
+def _anchor(sch: tvm.s_tir.Schedule):
+    """The one :func:`contraction` block of an unscheduled function, or None (none, several)."""
+    anchors = [b for b in _blocks(sch) if contraction(sch.get(b))]
+    return anchors[0] if len(anchors) == 1 else None
+
+
+def _reach(sch: tvm.s_tir.Schedule, start, step) -> dict:
+    """The blocks reached from block ``start`` by repeating ``step`` (``sch.get_producers`` or
+    ``sch.get_consumers``), by name; ``start`` not included unless a step comes back to it."""
+    found, todo = {}, [start]
+    while todo:
+        for b in step(todo.pop()):
+            name = sch.get(b).name_hint
+            if name not in found:
+                found[name] = b
+                todo.append(b)
+    return found
+
+
 def anchor_key(mod: tvm.IRModule) -> int | None:
     """What two kernels must share for a schedule of one to suit the other: the structural
     hash, with buffer and variable names mapped by position, of the kernel's one
@@ -376,15 +395,10 @@ def anchor_key(mod: tvm.IRModule) -> int | None:
     import tvm_ffi
 
     sch = tvm.s_tir.Schedule(mod)
-    anchors = [b for b in _blocks(sch) if contraction(sch.get(b))]
-    if len(anchors) != 1:
+    anchor = _anchor(sch)
+    if anchor is None:
         return None
-    keep, todo = [anchors[0]], [anchors[0]]
-    while todo:
-        for p in sch.get_producers(todo.pop()):
-            if not any(sch.get(p).same_as(sch.get(k)) for k in keep):
-                keep.append(p)
-                todo.append(p)
+    keep = [anchor, *_reach(sch, anchor, sch.get_producers).values()]
     hashes = sorted(int(tvm_ffi.structural_hash(sch.get(b), map_free_vars=True)) for b in keep)
     return int.from_bytes(hashlib.sha256(repr(hashes).encode()).digest()[:8], "big")
 
@@ -403,9 +417,8 @@ def transferred(trace_json, donor: tvm.IRModule, mod: tvm.IRModule):
     ``mod`` has are inlined (before the donor's steps where they inline into blocks of the
     donor, else after them as multi-level tiling fuses an epilogue: into the block that
     writes the contraction's result back), the instructions on blocks that only ``donor`` has
-    are
-    dropped where they are inlines, and every tile size, thread binding and unroll decision
-    is kept; the postprocessing instructions are dropped (apply the trace, then the
+    are dropped where they are inlines, and every tile size, thread binding and unroll
+    decision is kept; the postprocessing instructions are dropped (apply the trace, then the
     postprocessors). None when the trace does more than inline a block that ``mod`` lacks, or
     when the result does not apply to ``mod``. The trace is a schedule of ``mod``'s own
     computation either way: a transfer can be slow, never wrong."""
@@ -435,16 +448,11 @@ def transferred(trace_json, donor: tvm.IRModule, mod: tvm.IRModule):
                 return None  # the donor schedules that block: nothing to map it to
             continue
         keep.append(i)
-    anchors = [b for b in ours if contraction(sch.get(b))]
-    if len(anchors) != 1:
+    anchor = _anchor(sch)
+    if anchor is None:
         return None
-    after, todo = set(), [anchors[0]]
-    while todo:  # the blocks downstream of the contraction
-        for c in sch.get_consumers(todo.pop()):
-            if sch.get(c).name_hint not in after:
-                after.add(sch.get(c).name_hint)
-                todo.append(c)
-    direct = {sch.get(c).name_hint for c in sch.get_consumers(anchors[0])}
+    after = set(_reach(sch, anchor, sch.get_consumers))  # downstream of the contraction
+    direct = {sch.get(c).name_hint for c in sch.get_consumers(anchor)}
     block = {sch.get(b).name_hint: b for b in ours}
     producers = {n: {sch.get(p).name_hint for p in sch.get_producers(block[n])} for n in names}
     extra = [n for n in names if n not in theirs]

@@ -658,29 +658,34 @@ def test_records_move_between_kernels_of_one_contraction(tmp_path, target, rng):
                               task_name="conv", num_threads=1, rand_state=seed,
                               search_strategy=ms.search_strategy.ReplayTrace())
 
-    for src, dst in (("plain", "relu"), ("relu", "plain")):
-        post = ctx_of(mods[dst])
+    def built_transfer(src, dst, check):
+        """The first of 8 schedules of ``src`` (a design space's first sample, decisions drawn
+        at random) whose transfer to ``dst`` builds: (sample, built module); ``check`` is
+        called on each transferred trace."""
+        post = ctx_of(dst)
         post.generate_design_space()
-        for _ in range(8):  # a design space's first sample (decisions drawn at random)
-            sp = ctx_of(mods[src], int(rng.integers(1 << 20))).generate_design_space()[0]
-            moved = transferred(sp.trace.as_json(), mods[src], mods[dst])
+        for _ in range(8):
+            sp = ctx_of(src, int(rng.integers(1 << 20))).generate_design_space()[0]
+            moved = transferred(sp.trace.as_json(), src, dst)
             assert moved is not None
-            inlines = [ins for ins in moved[0] if ins[0] == "ReverseComputeInline"]
-            assert len(inlines) == (2 if dst == "relu" else 1)  # bias; ReLU into bias
-            sch = postprocessed(mods[dst], moved, post.space_generator.postprocs)
+            check(moved)
+            sch = postprocessed(dst, moved, post.space_generator.postprocs)
             if sch is None:  # a draw the GPU-code verifier rejects (as it rejects a trial)
                 continue
             try:
-                lib = tvm.compile(sch.mod, target)
+                return sp, tvm.compile(sch.mod, target)
             except tvm.error.InternalError as err:  # the pinned TVM's vectorizer (_sampled)
                 assert "eval_vec_" in str(err)
-                continue
-            got = _run(lib, target, [xn, wn, bn], (n, co, oh, oh))
-            np.testing.assert_allclose(got, refs[dst], rtol=1e-4,
-                                       atol=1e-4 * np.abs(ref).max())
-            break
-        else:
-            raise AssertionError(f"no transferred schedule {src} -> {dst} built")
+        raise AssertionError("no transferred schedule built")
+
+    for src, dst in (("plain", "relu"), ("relu", "plain")):
+        def inlines(moved, dst=dst):
+            found = [ins for ins in moved[0] if ins[0] == "ReverseComputeInline"]
+            assert len(found) == (2 if dst == "relu" else 1)  # bias; ReLU into bias
+
+        sp, lib = built_transfer(mods[src], mods[dst], inlines)
+        got = _run(lib, target, [xn, wn, bn], (n, co, oh, oh))
+        np.testing.assert_allclose(got, refs[dst], rtol=1e-4, atol=1e-4 * np.abs(ref).max())
     assert transferred(sp.trace.as_json(), relu, relu) is None  # nothing to move
 
     # the bare convolution to the same one with inference BatchNorm and ReLU6 folded in (as
@@ -696,26 +701,10 @@ def test_records_move_between_kernels_of_one_contraction(tmp_path, target, rng):
     m64, v64, b64 = (a.astype("float32").astype("float64") for a in (mn, vn, bn.ravel()))
     want = np.clip((ref - b64[None, :, None, None] - m64[None, :, None, None])
                    / np.sqrt(v64 + 1e-5)[None, :, None, None] + b64[None, :, None, None], 0, 6)
-    post = ctx_of(folded_mod)
-    post.generate_design_space()
-    for _ in range(8):
-        sp = ctx_of(bare, int(rng.integers(1 << 20))).generate_design_space()[0]
-        moved = transferred(sp.trace.as_json(), bare, folded_mod)
-        assert moved is not None
-        sch = postprocessed(folded_mod, moved, post.space_generator.postprocs)
-        if sch is None:
-            continue
-        try:
-            lib = tvm.compile(sch.mod, target)
-        except tvm.error.InternalError as err:  # the pinned TVM's vectorizer (_sampled)
-            assert "eval_vec_" in str(err)
-            continue
-        assert lib.mod.imports[0].inspect_source().count("// Function:") == 1  # one kernel
-        got = _run(lib, target, [xn, wn, bn, mn, vn], (n, co, oh, oh))
-        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
-        break
-    else:
-        raise AssertionError("no transferred schedule bare -> folded built")
+    _, lib = built_transfer(bare, folded_mod, lambda moved: None)
+    assert lib.mod.imports[0].inspect_source().count("// Function:") == 1  # one kernel
+    got = _run(lib, target, [xn, wn, bn, mn, vn], (n, co, oh, oh))
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
 
     flops = 2.0 * n * co * oh * oh * ci * 9
     donor, twin = Task("conv_bias", plain, flops, {"train": 1}), Task("conv_relu", relu, flops,

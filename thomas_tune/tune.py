@@ -498,19 +498,18 @@ def _tune_locked(tasks, target, log, runner, trials, trials_per_iter, builder_wo
                                                  [s.measured for s in strategies])
             r = report.transferred
             if show_progress and r["measured"]:
-                print(f"schedules shared between kernels of one contraction: {r['measured']} "
-                      f"records of other workloads measured on their twins in "
-                      f"{r['seconds']:.0f} s ({r['failed']} failed); {r['better']} task(s) got "
-                      "a faster best record", file=sys.stderr, flush=True)
+                print(_refinement_line(r, "schedules shared between kernels of one "
+                                          f"contraction: {r['measured']} records of other "
+                                          "workloads measured on their twins"),
+                      file=sys.stderr, flush=True)
             report.padded = refine_padding(contexts, progress, database, target, runner,
                                            builder, refine_top, errors,
                                            [s.measured for s in strategies])
             r = report.padded
             if show_progress and r["measured"]:
-                print(f"padding out of the inner loop: {r['measured']} best records measured "
-                      f"with their padding in the shared fill in {r['seconds']:.0f} s "
-                      f"({r['failed']} failed); {r['better']} task(s) got a faster best "
-                      "record", file=sys.stderr, flush=True)
+                print(_refinement_line(r, f"padding out of the inner loop: {r['measured']} "
+                                          "best records measured with their padding in the "
+                                          "shared fill"), file=sys.stderr, flush=True)
         ms.tune_tasks(
             tasks=contexts, task_weights=weights, work_dir=log.path, max_trials_global=trials,
             num_trials_per_iter=trials_per_iter, builder=builder, runner=runner,
@@ -524,10 +523,9 @@ def _tune_locked(tasks, target, log, runner, trials, trials_per_iter, builder_wo
                                            [s.measured for s in strategies])
             if show_progress:
                 r = report.refined
-                print(f"unroll refinement: {r['measured']} candidates with unroll steps "
-                      f"{larger} measured in {r['seconds']:.0f} s ({r['failed']} failed); "
-                      f"{r['better']} task(s) got a faster best record", file=sys.stderr,
-                      flush=True)
+                print(_refinement_line(r, f"unroll refinement: {r['measured']} candidates "
+                                          f"with unroll steps {larger} measured"),
+                      file=sys.stderr, flush=True)
     finally:
         callbacks[-1].bar.close()
         builder.shutdown()
@@ -541,6 +539,13 @@ def _tune_locked(tasks, target, log, runner, trials, trials_per_iter, builder_wo
     if stats_path:
         report.write(stats_path)
     return report
+
+
+def _refinement_line(result: dict, what: str) -> str:
+    """One line on a refinement's result (:func:`_measure_variants`'s dict) after ``what``
+    (what was measured): its wall seconds, failures and tasks that got faster."""
+    return (f"{what} in {result['seconds']:.0f} s ({result['failed']} failed); "
+            f"{result['better']} task(s) got a faster best record")
 
 
 def refine_unroll(contexts, progress: list[TaskProgress], database: ms.Database, target,
@@ -610,11 +615,9 @@ def refine_transfer(contexts, progress: list[TaskProgress], database: ms.Databas
         if key is not None:
             keys.setdefault(key, []).append(mod)
 
-    def candidates(c, ctx, workload):
+    def candidates(c, ctx, workload, best_s):
         key = anchor_key(ctx.mod)
         own = tvm_ffi.structural_hash(ctx.mod)
-        best = database.get_top_k(workload, 1)
-        best_s = mean_run_seconds(best[0].run_secs) if best else math.inf
         for donor in keys.get(key, []) if key is not None else []:
             if tvm_ffi.structural_hash(donor) == own:
                 continue
@@ -635,7 +638,7 @@ def refine_transfer(contexts, progress: list[TaskProgress], database: ms.Databas
 def _own_variants(database: ms.Database, top_k: int, variants):
     """Candidates for :func:`_measure_variants`: ``variants(context, plain trace)`` of each of
     the ``top_k`` best records of the context's own workload."""
-    def candidates(c, ctx, workload):
+    def candidates(c, ctx, workload, best_s):
         for rec in database.get_top_k(workload, top_k):  # best first
             try:
                 body = plain_json(rec.trace.as_json())
@@ -648,8 +651,8 @@ def _own_variants(database: ms.Database, top_k: int, variants):
 
 def _measure_variants(contexts, progress, database, target, runner, builder, candidates,
                       errors, measured) -> dict:
-    """Candidates (``candidates(context index, context, workload)`` -> traces without
-    postprocessing) for each task, postprocessed, measured and committed: the body of
+    """Candidates (``candidates(context index, context, workload, mean run time of its best
+    record so far in s)`` -> traces without postprocessing) for each task, postprocessed, measured and committed: the body of
     :func:`refine_unroll`, :func:`refine_padding` and :func:`refine_transfer`."""
     from tvm.s_tir.meta_schedule.arg_info import ArgInfo
 
@@ -660,9 +663,8 @@ def _measure_variants(contexts, progress, database, target, runner, builder, can
         workload = database.commit_workload(ctx.mod)
         seen = measured[c] if measured is not None else None
         top = database.get_top_k(workload, 1)
-        secs = [float(x) for x in top[0].run_secs] if top and top[0].run_secs else []
-        before.append(sum(secs) / len(secs) if secs else math.inf)
-        for trace_json in candidates(c, ctx, workload):
+        before.append(mean_run_seconds(top[0].run_secs) if top else math.inf)
+        for trace_json in candidates(c, ctx, workload, before[c]):
             sch = postprocessed(ctx.mod, trace_json, ctx.space_generator.postprocs)
             if sch is None:
                 continue
