@@ -21,6 +21,7 @@ from tvm.s_tir.dlight.gpu.base import GPUScheduleRule
 from tvm.s_tir import meta_schedule as ms
 
 from .matmul_tiles import tiled_spaces
+from .skinny import skinny_spaces
 
 
 #: The maximum numbers of unrolled steps the search chooses among for a GPU kernel
@@ -723,7 +724,8 @@ def space_generator(target: tvm.target.Target, max_unroll: int | None = None
     """The design-space generator for ``target``: on CPUs MetaSchedule's own; on GPUs the
     post-order application of the rules above (unroll limits up to ``max_unroll``, see
     :func:`unroll_steps`), and beside it one space per tiling of
-    :func:`matmul_tiles.tiled_spaces` for kernels that are matmuls once regrouped."""
+    :func:`matmul_tiles.tiled_spaces` for kernels that are matmuls once regrouped and of
+    :func:`skinny.skinny_spaces` for matmuls of few rows and long sums (split-K)."""
     if target.kind.name == "llvm":
         return ms.space_generator.PostOrderApply(sch_rules="llvm", postprocs="llvm",
                                                  mutator_probs="llvm")
@@ -733,7 +735,10 @@ def space_generator(target: tvm.target.Target, max_unroll: int | None = None
     tiles = ms.space_generator.ScheduleFn(lambda sch: tiled_spaces(sch, target), sch_rules=[],
                                           postprocs=gpu_postprocs(),
                                           mutator_probs=gpu_mutators())
-    return ms.space_generator.SpaceGeneratorUnion([rules, tiles], sch_rules=[],
+    skinny = ms.space_generator.ScheduleFn(lambda sch: skinny_spaces(sch, target), sch_rules=[],
+                                           postprocs=gpu_postprocs(),
+                                           mutator_probs=gpu_mutators())
+    return ms.space_generator.SpaceGeneratorUnion([rules, tiles, skinny], sch_rules=[],
                                                   postprocs=gpu_postprocs(),
                                                   mutator_probs=gpu_mutators())
 

@@ -854,6 +854,76 @@ def test_matmul_tile_spaces_match_numpy(target, rng):
         [a, te.compute((64, 64), lambda i, j: a[i, j] + 1.0, name="b")])) is None
 
 
+def test_skinny_split_spaces_match_numpy(target, rng):
+    """A dense layer's forward pass (``x @ w.T + bias``, ReLU) and data gradient (``dy @ w``
+    times a mask) at a small batch get split-K design spaces (schedules.skinny) beside the
+    rule-based ones; the largest and smallest tilings build for PoCL and match numpy in
+    float64, the G partial sums added up and the epilogue applied by the second kernel. Many
+    rows or short sums get none."""
+    from thomas_tune.schedules import skinny
+
+    m, n, kk = 8, 256, 2048
+    x = te.placeholder((m, kk), name="x")
+    w = te.placeholder((n, kk), name="w")
+    bias = te.placeholder((n,), name="bias")
+    k = te.reduce_axis((0, kk), name="k")
+    y = te.compute((m, n), lambda i, j: te.sum(x[i, k] * w[j, k], axis=k), name="NT_matmul")
+    out = te.compute((m, n), lambda i, j: tvm.tirx.max(y[i, j] + bias[j], tvm.tirx.const(0.0, "float32")), name="relu")
+    fwd = _func(x, w, bias, out)
+    dy = te.placeholder((m, n), name="dy")
+    mask = te.placeholder((m, kk), name="mask")
+    r = te.reduce_axis((0, n), name="r")
+    dx = te.compute((m, kk), lambda i, j: te.sum(dy[i, r] * w[r, j], axis=r), name="matmul")
+    bwd = _func(dy, w, mask, te.compute((m, kk), lambda i, j: dx[i, j] * mask[i, j], name="g"))
+
+    found = skinny.find_skinny(fwd["main"])
+    assert (found.rows, found.cols, found.terms, found.b_kj) == (m, n, kk, False)
+    # the data gradient sums only n = 256 terms: no split space; with a longer sum, one
+    assert skinny.find_skinny(bwd["main"]) is None
+    xn, wn, bn = (rng.standard_normal(s) for s in ((m, kk), (n, kk), (n,)))
+    x64, w64, b64 = (a.astype("float32").astype("float64") for a in (xn, wn, bn))
+    ref = np.maximum(x64 @ w64.T + b64, 0.0)
+    ctx = ms.TuneContext(mod=fwd, target=target, space_generator=space_generator(target),
+                         task_name="dense", num_threads=1,
+                         search_strategy=ms.search_strategy.ReplayTrace())
+    spaces = ctx.generate_design_space()
+    split = skinny.splits_for(found, *skinny.target_limits(target))
+    ours = [sp for sp in spaces if "transform_layout" in str(sp.trace)]
+    assert split and len(ours) == len(split) and len(spaces) > len(ours)
+    for sp in (ours[0], ours[-1]):
+        for post in ctx.space_generator.postprocs:
+            assert post.apply(sp)
+        got = _run(sp.mod, target, [xn, wn, bn], (m, n))
+        np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max())
+
+    # the data gradient of a layer with 2048 outputs: B stored [k, j], no transposed copy
+    n2 = 2048
+    dy = te.placeholder((m, n2), name="dy")
+    w2 = te.placeholder((n2, 512), name="w")
+    r = te.reduce_axis((0, n2), name="r")
+    dx = te.compute((m, 512), lambda i, j: te.sum(dy[i, r] * w2[r, j], axis=r), name="matmul")
+    mask = te.placeholder((m, 512), name="mask")
+    bwd = _func(dy, w2, mask, te.compute((m, 512), lambda i, j: dx[i, j] * mask[i, j], name="g"))
+    found = skinny.find_skinny(bwd["main"])
+    assert (found.rows, found.cols, found.terms, found.b_kj) == (m, 512, n2, True)
+    dyn, w2n, mn = (rng.standard_normal(s) for s in ((m, n2), (n2, 512), (m, 512)))
+    ref = (dyn.astype("float32").astype("float64") @ w2n.astype("float32").astype("float64")) \
+        * mn.astype("float32").astype("float64")
+    ctx = ms.TuneContext(mod=bwd, target=target, space_generator=space_generator(target),
+                         task_name="dgrad", num_threads=1)
+    ours = skinny.skinny_spaces(tvm.s_tir.Schedule(bwd), target)
+    assert ours
+    for sp in (ours[0], ours[-1]):
+        for post in ctx.space_generator.postprocs:
+            assert post.apply(sp)
+        got = _run(sp.mod, target, [dyn, w2n, mn], (m, 512))
+        np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max())
+
+    many = te.placeholder((128, kk), name="x")
+    assert skinny.find_skinny(_func(many, w, te.compute((128, n), lambda i, j: te.sum(
+        many[i, k] * w[j, k], axis=k), name="y"))["main"]) is None
+
+
 def test_unroll_refinement_gives_the_best_records_larger_limits(tmp_path, target, rng):
     """With ``max_unroll`` 16 the search samples unroll limits of 0 or 16 only; afterwards the
     best record is measured again with 64, 512 and 1024 (``refine_unroll``), each as a record of
