@@ -52,8 +52,9 @@ MICRO_I = (4, 8)
 MICRO_J = (2, 4)
 THREADS_J = (32, 64)
 K_STEP = 32
-#: unrolled steps of the inner loops (``meta_schedule.unroll_explicit``)
-UNROLL = 512
+#: unroll limits of the inner loops (``meta_schedule.unroll_explicit``); the space starts at
+#: the last, which unrolls a step of the sum whole (32 terms x a register tile of up to 16)
+UNROLL = (64, 512)
 
 
 @dataclass(frozen=True)
@@ -235,7 +236,10 @@ def schedule(sch: tvm.s_tir.Schedule, m: Skinny, t: Split) -> None:
     # threads of a warp read consecutive words of shared memory
     sch.vectorize(jv)
     sch.decompose_reduction(rf, k0)
-    sch.annotate(root, "meta_schedule.unroll_explicit", tvm.tirx.IntImm("int32", UNROLL))
+    # (sampled, as every unroll limit the search's mutator may change)
+    n = len(UNROLL)
+    sch.annotate(root, "meta_schedule.unroll_explicit",
+                 sch.sample_categorical(list(UNROLL), [1 / n] * n, decision=n - 1))
     if g is None:
         if out is not None:
             sch.reverse_compute_inline(out)
