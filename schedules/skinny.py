@@ -231,7 +231,9 @@ def schedule(sch: tvm.s_tir.Schedule, m: Skinny, t: Split) -> None:
         sch.transform_layout(b_s, ("write", 0), lambda a, b: (b, a))
     for s in (a_s, b_s):  # the fill's loops as one, spread over the threads by the postprocessor
         sch.fuse(*sch.get_loops(s)[-2:])
-        sch.annotate(s, "meta_schedule.cooperative_fetch", tvm.tirx.IntImm("int32", 4))
+        # (a sampled value, as multi-level tiling's: a constant does not survive the trace's
+        # JSON form, which the postprocessor then rejects)
+        sch.annotate(s, "meta_schedule.cooperative_fetch", sch.sample_categorical([4], [1.0]))
     # a thread's micro_j columns are adjacent: read (and written) as one vector, so the
     # threads of a warp read consecutive words of shared memory
     sch.vectorize(jv)
