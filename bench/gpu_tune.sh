@@ -77,8 +77,10 @@ tracker_port() {
 start_services() {
   if ! pgrep -f "thomas_tune.cli rpc tracker" >/dev/null; then
     setsid nohup $PY rpc tracker --port $PORT > $TT/tracker.out 2>&1 < /dev/null &
-    sleep 3
   fi
+  # the port it took (the next free one when $PORT is in use) once it says so: a cold start of
+  # the tracker on a fresh machine takes longer than a few seconds
+  for _ in $(seq 60); do grep -aq "listening on" $TT/tracker.out 2>/dev/null && break; sleep 1; done
   tracker_port
   local have; have=$(pgrep -fc "thomas_tune.cli rpc server" || true)
   for i in $(seq $((have + 1)) ${SERVERS:-8}); do

@@ -10,7 +10,8 @@ The split spaces of :class:`SplitReduction` express the same split, but among th
 random tilings of its three-dimensional partial-sum block the search measured 35 and reached
 0.68 ms.
 
-Here each space is one fixed schedule (no random decision, as in :mod:`.matmul_tiles`):
+Here each space is one fixed schedule, as in :mod:`.matmul_tiles` (its only sampled decision is
+the unroll limit, :data:`UNROLL`):
 
 - the sum is split into ``G`` parts (``rfactor``); work-group ``(g, jb)`` computes the partial
   sums of part ``g`` for all rows and ``tile_j`` columns, so there are ``G x N / tile_j``
@@ -29,6 +30,12 @@ The tiling is the register-blocked outer product of Volkov and Demmel 2008 ("Ben
 GPUs to tune dense linear algebra"); the split of the sum across work-groups is the split-K of
 CUTLASS's GEMM documentation. Spaces are offered for sums of :data:`MIN_TERMS` or more and
 at most :data:`MAX_ROWS` rows; the tuner measures each once and keeps the best record.
+
+On the H100 (OpenCL, 2026-11-25; ``bench/results/h100_alexnet_r224_b32_*_skinny.json``), the
+first 125 trials with these spaces took AlexNet's first layer's forward pass from 0.308 to
+0.195 ms (12.4 TFLOP/s), its data gradient from 0.257 to 0.118 ms, and the second layer's
+forward pass from 0.229 to 0.093 ms; the linear layers of the batch-32 training step from 1.50
+to 0.98 ms.
 """
 
 from __future__ import annotations

@@ -923,6 +923,57 @@ def test_skinny_split_spaces_match_numpy(target, rng):
         many[i, k] * w[j, k], axis=k), name="y"))["main"]) is None
 
 
+def test_a_search_that_raises_ends_its_task_only(tmp_path, target, monkeypatch):
+    """A design space that MetaSchedule's evolutionary search cannot handle (here a
+    cooperative-fetch annotation given as a constant, which the postprocessor rejects with a
+    TypeError inside MetaSchedule's thread pool, as happened on the H100) ends the search of
+    its own task: the tuner says which task and why, on stderr and in its report, and the other
+    task is tuned and logged."""
+    from thomas_tune import tune as tune_mod
+    from thomas_tune.tasks import Task
+    from thomas_tune.tune import rpc_runner, tune
+    from thomas_tune.tuning_log import TuningLog
+
+    def matmul(name):
+        n = 64
+        a = te.placeholder((n, n), name="A")
+        b = te.placeholder((n, n), name="B")
+        k = te.reduce_axis((0, n), name="k")
+        c = te.compute((n, n), lambda i, j: te.sum(a[i, k] * b[k, j], axis=k), name=name)
+        return Task(name, _func(a, b, c), 2.0 * n ** 3, {"infer": 1})
+
+    def broken(sch):
+        if "broken" not in sch.mod["main"].script():
+            return []
+        block = sch.get_sblock("broken")
+        i, j, _ = sch.get_loops(block)
+        sch.bind(i, "blockIdx.x")
+        sch.bind(j, "threadIdx.x")
+        sch.annotate(block, "meta_schedule.cooperative_fetch", 4)  # a constant: rejected
+        return [sch]
+
+    product = tune_mod.space_generator
+
+    def with_broken_space(target, max_unroll=None):
+        gen = product(target, max_unroll)
+        return ms.space_generator.SpaceGeneratorUnion(
+            [gen, ms.space_generator.ScheduleFn(broken, sch_rules=[], postprocs=gen.postprocs,
+                                                mutator_probs=gen.mutator_probs)],
+            sch_rules=[], postprocs=gen.postprocs, mutator_probs=gen.mutator_probs)
+
+    monkeypatch.setattr(tune_mod, "space_generator", with_broken_space)
+    log = TuningLog(str(tmp_path / "log"))
+    with rpc.loopback(key="pocl", servers=1, lifetime=600) as addr:
+        report = tune([matmul("broken"), matmul("fine")], target, log,
+                      rpc_runner(addr, "pocl"), trials=8, trials_per_iter=4, population=16,
+                      show_progress=False, refine_top=0)
+    assert list(report.search_failed) == ["broken"]
+    assert "Cannot treat type `int` as type `ir.Expr`" in report.search_failed["broken"]
+    fine = {t.name: t for t in report.tasks}["fine"]
+    assert fine.trials >= 4 and fine.best_s < float("inf")
+    assert report.as_dict()["search_failed"] == report.search_failed
+
+
 def test_unroll_refinement_gives_the_best_records_larger_limits(tmp_path, target, rng):
     """With ``max_unroll`` 16 the search samples unroll limits of 0 or 16 only; afterwards the
     best record is measured again with 64, 512 and 1024 (``refine_unroll``), each as a record of

@@ -258,6 +258,8 @@ def cmd_tune(args) -> int:
                   f"{t.gflops:8.2f} GFLOP/s  ({t.errors} failed)")
             if t.errors:
                 print(f"    last failure: {error_line(t.last_error, 200)}")
+    for name, reason in report.search_failed.items():
+        print(f"  {name[:56]}: search ended early: {reason}")
     return 0
 
 

@@ -103,11 +103,18 @@ class UnrollLimitedView(ms.database.PyDatabase):
 @derived_object
 class ResumingSearch(ms.search_strategy.PySearchStrategy):
     """Evolutionary search that never proposes a schedule measured before (in this run or in the
-    tuning log it resumes). ``skipped`` counts the candidates dropped as already measured."""
+    tuning log it resumes). ``skipped`` counts the candidates dropped as already measured.
+
+    An error of the evolutionary search itself (a mutator or postprocessor that fails on a
+    design space: on the H100, a space whose cooperative-fetch annotation was a constant made
+    every later round of its task raise in MetaSchedule's thread pool, which ended the whole
+    run) ends that task's search only: ``failed`` maps its name to the error, the tuner says so
+    on stderr and in its report, and the other tasks go on."""
 
     def __init__(self, measured: set[int] | None = None, max_empty_rounds: int = 8,
                  phases: Phases | None = None, max_unroll: int | None = None,
-                 counts: dict[str, int] | None = None, **kwargs):
+                 counts: dict[str, int] | None = None, failed: dict[str, str] | None = None,
+                 **kwargs):
         self.inner = ms.search_strategy.EvolutionarySearch(**kwargs)
         self.kwargs = kwargs
         # MetaSchedule searches with a clone, whose Python object cannot be reached from the
@@ -121,6 +128,8 @@ class ResumingSearch(ms.search_strategy.PySearchStrategy):
         #: unroll limit, inherited from a record of the tuning log, was over ``max_unroll`` and
         #: was lowered to the largest allowed
         self.counts = counts if counts is not None else {"skipped": 0, "clamped": 0}
+        self.failed = failed if failed is not None else {}
+        self.task_name = None
 
     @property
     def skipped(self) -> int:
@@ -134,6 +143,7 @@ class ResumingSearch(ms.search_strategy.PySearchStrategy):
         self.inner._initialize_with_tune_context(context)
         self.postprocs = list(context.space_generator.postprocs or [])
         self.mod = context.mod
+        self.task_name = context.task_name
 
     def _clamp(self, cand):
         """``cand`` with its unroll limit lowered to ``max_unroll`` where it is over it (a
@@ -175,7 +185,14 @@ class ResumingSearch(ms.search_strategy.PySearchStrategy):
 
     def _fresh_candidates(self):
         for _ in range(self.max_empty_rounds):
-            cands = self.inner.generate_measure_candidates()
+            try:
+                cands = self.inner.generate_measure_candidates()
+            except Exception as err:  # noqa: BLE001 (TVM raises RuntimeError, TypeError, ...)
+                reason = error_line(err, 300)
+                self.failed[str(self.task_name)] = reason
+                print(f"task {self.task_name}: its search failed ({reason}); it keeps the "
+                      "records it has, the other tasks go on", file=sys.stderr, flush=True)
+                return None  # MetaSchedule ends the task
             if cands is None:
                 return None
             fresh = []
@@ -199,7 +216,7 @@ class ResumingSearch(ms.search_strategy.PySearchStrategy):
 
     def clone(self):
         return ResumingSearch(self.measured, self.max_empty_rounds, self.phases,
-                              self.max_unroll, self.counts, **self.kwargs)
+                              self.max_unroll, self.counts, self.failed, **self.kwargs)
 
 
 @dataclass
@@ -266,6 +283,8 @@ class TuneReport:
     padded: dict = field(default_factory=dict)
     #: :func:`refine_transfer`'s result (before the search, before :func:`refine_padding`)
     transferred: dict = field(default_factory=dict)
+    #: tasks whose evolutionary search raised (name -> the error): their search ended there
+    search_failed: dict = field(default_factory=dict)
 
     @property
     def trials(self) -> int:
@@ -303,6 +322,7 @@ class TuneReport:
                 "trials_per_s": self.trials_per_s, "split_s": self.time_split(),
                 "phases": self.phases, "cpu_busy": self.cpu_busy, "refined": self.refined,
                 "padded": self.padded, "transferred": self.transferred,
+                "search_failed": self.search_failed,
                 "resumed_records": self.resumed_records, "clamped": self.clamped,
                 "skipped": self.skipped,
                 "tasks": [{"name": t.name, "trials": t.trials, "errors": t.errors,
@@ -483,6 +503,7 @@ def _tune_locked(tasks, target, log, runner, trials, trials_per_iter, builder_wo
         report.cpu_busy = cpu_share()
         report.skipped = sum(s.skipped for s in strategies)
         report.clamped = sum(s.clamped for s in strategies)
+        report.search_failed = {k: v for st in strategies for k, v in st.failed.items()}
         if stats_path and now - last_write[0] >= stats_every_s:
             report.write(stats_path)
             last_write[0] = now
@@ -536,6 +557,7 @@ def _tune_locked(tasks, target, log, runner, trials, trials_per_iter, builder_wo
     report.cpu_busy = cpu_share()
     report.skipped = sum(s.skipped for s in strategies)
     report.clamped = sum(s.clamped for s in strategies)
+    report.search_failed = {k: v for st in strategies for k, v in st.failed.items()}
     if stats_path:
         report.write(stats_path)
     return report
