@@ -199,8 +199,12 @@ def splits_for(m: Skinny, max_threads: int, max_shared_bytes: int) -> list[Split
 
 
 def schedule(sch: tvm.s_tir.Schedule, m: Skinny, t: Split) -> None:
-    """Schedule ``sch`` (the kernel of ``m``) with tiling ``t``, in place. Raises TVM's
-    ScheduleError when a step does not apply."""
+    """Schedule ``sch`` (the kernel of ``m``) with tiling ``t``, in place: the partial sums
+    as the module docstring says, then (for G > 1) one thread per output adds them up and
+    computes the epilogue, the blocks after the matmul (all but the last inlined into it,
+    the last computed in the same thread); for G = 1 the epilogue is inlined into the copy of
+    the register results. Raises TVM's ScheduleError when a step does not apply (an epilogue
+    that is not element-wise, a loop that does not split)."""
     block = sch.get_sblock(m.block)
     # the epilogue: every block after the matmul but the last is inlined into its consumer
     root = sch.get_sblock("root")
@@ -256,7 +260,7 @@ def schedule(sch: tvm.s_tir.Schedule, m: Skinny, t: Split) -> None:
     # adding up the partial sums and the epilogue: one thread per output
     i2, j2, _ = sch.get_loops(block)
     fused = sch.fuse(i2, j2)
-    bx, tx2 = sch.split(fused, factors=[None, 256])
+    bx, tx2 = sch.split(fused, factors=[None, t.threads])
     sch.bind(bx, "blockIdx.x")
     sch.bind(tx2, "threadIdx.x")
     if out is not None:
