@@ -177,7 +177,8 @@ def splits_for(m: Skinny, max_threads: int, max_shared_bytes: int) -> list[Split
     """The tilings offered for ``m``: every combination of :data:`MICRO_I`, :data:`MICRO_J`
     and :data:`THREADS_J` that divides the rows and columns and fits the work-group limits,
     each with the part count G (a divisor of the sum leaving :data:`MIN_PART` terms or more, a
-    multiple of ``k_step``) nearest each of :data:`GROUP_AIMS` work-groups."""
+    multiple of ``k_step``) nearest each of :data:`GROUP_AIMS` work-groups. Empty when no tiling
+    divides the rows and columns or no G leaves whole steps (a sum of 1,030 terms)."""
     out = []
     for mi, mj, tj in product(MICRO_I, MICRO_J, THREADS_J):
         if m.rows % mi or m.cols % (tj * mj):
@@ -189,6 +190,8 @@ def splits_for(m: Skinny, max_threads: int, max_shared_bytes: int) -> list[Split
         col_groups = m.cols // s0.tile_j
         parts = [g for g in range(1, m.terms // MIN_PART + 1)
                  if m.terms % g == 0 and (m.terms // g) % s0.k_step == 0]
+        if not parts:  # no part count leaves whole steps of k_step terms
+            continue
         chosen = []
         for aim in GROUP_AIMS:
             g = min(parts, key=lambda p: abs(p * col_groups - aim))
@@ -206,10 +209,14 @@ def schedule(sch: tvm.s_tir.Schedule, m: Skinny, t: Split) -> None:
     the register results. Raises TVM's ScheduleError when a step does not apply (an epilogue
     that is not element-wise, a loop that does not split)."""
     block = sch.get_sblock(m.block)
-    # the epilogue: every block after the matmul but the last is inlined into its consumer
     root = sch.get_sblock("root")
-    after = [b for b in sch.get_child_blocks(root)
-             if sch.get(b).name_hint != m.block and sch.get(b).init is None]
+    children = sch.get_child_blocks(root)
+    at = [sch.get(b).name_hint for b in children].index(m.block)
+    # blocks that feed the matmul (a layout change of an operand) are inlined into it; of the
+    # epilogue, every block but the last is inlined into its consumer
+    for b in children[:at]:
+        sch.compute_inline(b)
+    after = list(children[at + 1:])
     for b in after[:-1]:
         sch.compute_inline(b)
     out = after[-1] if after else None

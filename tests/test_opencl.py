@@ -920,6 +920,9 @@ def test_skinny_split_spaces_match_numpy(target, rng):
     got = _run(ours[-1].mod, target, [dyn, w2n, mn], (m, 512))
     np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max())
 
+    odd = skinny.Skinny("y", rows=32, cols=4096, terms=1030, a_index=0, b_index=1, b_kj=False,
+                        loop_i=0, loop_j=1)
+    assert skinny.splits_for(odd, 256, 49152) == []  # no part of whole 32-term steps
     many = te.placeholder((128, kk), name="x")
     assert skinny.find_skinny(_func(many, w, te.compute((128, n), lambda i, j: te.sum(
         many[i, k] * w[j, k], axis=k), name="y"))["main"]) is None
