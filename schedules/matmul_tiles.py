@@ -39,14 +39,16 @@ MIN_TERMS = 32
 
 
 @dataclass(frozen=True)
-class Tile:
-    """One tiling of a matmul ``C[b, i, j] = sum_k A[b, i, k] * B[b, j, k]`` (float32)."""
+class RegisterTile:
+    """A work-group of ``threads_i x threads_j`` threads, each keeping ``micro_i x micro_j``
+    sums of a matmul's outputs in registers: a ``tile_i x tile_j`` block of outputs per
+    work-group (Volkov and Demmel 2008). :class:`Tile` and :class:`.skinny.Split` add how
+    the sum is staged and split."""
 
     threads_i: int
     threads_j: int
     micro_i: int
     micro_j: int
-    k: int
 
     @property
     def tile_i(self) -> int:
@@ -59,6 +61,14 @@ class Tile:
     @property
     def threads(self) -> int:
         return self.threads_i * self.threads_j
+
+
+@dataclass(frozen=True)
+class Tile(RegisterTile):
+    """One tiling of a matmul ``C[b, i, j] = sum_k A[b, i, k] * B[b, j, k]`` (float32), ``k``
+    terms of the sum staged per step."""
+
+    k: int
 
     def shared_bytes(self, dtype_bytes: int = 4) -> int:
         """Shared memory of the two staged slices, in bytes (with the row padding the rule

@@ -45,7 +45,7 @@ from itertools import product
 
 import tvm
 
-from .matmul_tiles import target_limits
+from .matmul_tiles import RegisterTile, target_limits
 
 #: the skinny side has at most this many rows (a batch)
 MAX_ROWS = 64
@@ -65,28 +65,17 @@ UNROLL = (64, 512)
 
 
 @dataclass(frozen=True)
-class Split:
-    """One skinny tiling: ``parts`` (G) parts of the sum, ``threads_i x threads_j`` threads per
-    work-group, ``micro_i x micro_j`` sums per thread, ``k_step`` terms staged per step."""
+class Split(RegisterTile):
+    """One skinny tiling: a :class:`.matmul_tiles.RegisterTile` whose ``tile_i`` is every row,
+    the sum cut into ``parts`` (G) parts across work-groups, ``k_step`` terms staged per
+    step."""
 
-    parts: int
-    threads_i: int
-    threads_j: int
-    micro_i: int
-    micro_j: int
+    parts: int = 1
     k_step: int = K_STEP
 
-    @property
-    def tile_j(self) -> int:
-        return self.threads_j * self.micro_j
-
-    @property
-    def threads(self) -> int:
-        return self.threads_i * self.threads_j
-
-    def shared_bytes(self, rows: int) -> int:
+    def shared_bytes(self) -> int:
         """Bytes of shared memory for the two staged slices (float32)."""
-        return (rows + self.tile_j) * self.k_step * 4
+        return (self.tile_i + self.tile_j) * self.k_step * 4
 
     def __str__(self) -> str:
         return (f"split-K {self.parts} parts, {self.threads_i}x{self.threads_j} threads, "
@@ -183,9 +172,8 @@ def splits_for(m: Skinny, max_threads: int, max_shared_bytes: int) -> list[Split
     for mi, mj, tj in product(MICRO_I, MICRO_J, THREADS_J):
         if m.rows % mi or m.cols % (tj * mj):
             continue
-        s0 = Split(1, m.rows // mi, tj, mi, mj)
-        if s0.threads > max_threads or s0.threads < 32 or \
-                s0.shared_bytes(m.rows) > max_shared_bytes:
+        s0 = Split(m.rows // mi, tj, mi, mj)
+        if s0.threads > max_threads or s0.threads < 32 or s0.shared_bytes() > max_shared_bytes:
             continue
         col_groups = m.cols // s0.tile_j
         parts = [g for g in range(1, m.terms // MIN_PART + 1)
@@ -197,7 +185,7 @@ def splits_for(m: Skinny, max_threads: int, max_shared_bytes: int) -> list[Split
             g = min(parts, key=lambda p: abs(p * col_groups - aim))
             if g not in chosen:
                 chosen.append(g)
-        out.extend(Split(g, s0.threads_i, tj, mi, mj) for g in chosen)
+        out.extend(Split(s0.threads_i, tj, mi, mj, parts=g) for g in chosen)
     return out
 
 

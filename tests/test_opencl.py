@@ -41,6 +41,18 @@ def _func(*tensors):
     return tvm.IRModule({"main": te.create_prim_func(list(tensors))})
 
 
+def _dense(m, n, k, epilogue):
+    """A dense layer's forward pass at batch ``m``: ``NT_matmul = x @ w.T`` (x: m x k, w:
+    n x k), then ``epilogue(NT_matmul[i, j], bias[j])``; returns the module and x, w, bias."""
+    x = te.placeholder((m, k), name="x")
+    w = te.placeholder((n, k), name="w")
+    bias = te.placeholder((n,), name="bias")
+    rk = te.reduce_axis((0, k), name="k")
+    mm = te.compute((m, n), lambda i, j: te.sum(x[i, rk] * w[j, rk], axis=rk), name="NT_matmul")
+    out = te.compute((m, n), lambda i, j: epilogue(mm[i, j], bias[j]), name="out")
+    return _func(x, w, bias, out), x, w, bias
+
+
 def test_elementwise(target, rng):
     a = te.placeholder((3000,), name="a")
     b = te.placeholder((3000,), name="b")
@@ -406,13 +418,7 @@ def test_matmul_with_few_outputs_gets_split_k_spaces_that_match_numpy(target, rn
     from thomas_tune.schedules import split_parts
 
     m, n, k = 32, 256, 2048
-    x = te.placeholder((m, k), name="x")
-    w = te.placeholder((n, k), name="w")
-    bias = te.placeholder((n,), name="bias")
-    rk = te.reduce_axis((0, k), name="k")
-    mm = te.compute((m, n), lambda i, j: te.sum(x[i, rk] * w[j, rk], axis=rk), name="NT_matmul")
-    y = te.compute((m, n), lambda i, j: mm[i, j] + bias[j], name="add")
-    mod = _func(x, w, bias, y)
+    mod, *_ = _dense(m, n, k, lambda v, b: v + b)
     parts = split_parts(k, m * n)
     assert parts and all(k % g == 0 and k // g >= 64 for g in parts)
     ctx = ms.TuneContext(mod=mod, target=target, space_generator=space_generator(target),
@@ -865,13 +871,8 @@ def test_skinny_split_spaces_match_numpy(target, rng):
     from thomas_tune.schedules import skinny
 
     m, n, kk = 8, 256, 2048
-    x = te.placeholder((m, kk), name="x")
-    w = te.placeholder((n, kk), name="w")
-    bias = te.placeholder((n,), name="bias")
-    k = te.reduce_axis((0, kk), name="k")
-    y = te.compute((m, n), lambda i, j: te.sum(x[i, k] * w[j, k], axis=k), name="NT_matmul")
-    out = te.compute((m, n), lambda i, j: tvm.tirx.max(y[i, j] + bias[j], tvm.tirx.const(0.0, "float32")), name="relu")
-    fwd = _func(x, w, bias, out)
+    fwd, _, w, _ = _dense(m, n, kk, lambda v, b: tvm.tirx.max(
+        v + b, tvm.tirx.const(0.0, "float32")))
     dy = te.placeholder((m, n), name="dy")
     mask = te.placeholder((m, kk), name="mask")
     r = te.reduce_axis((0, n), name="r")
@@ -924,6 +925,7 @@ def test_skinny_split_spaces_match_numpy(target, rng):
                         loop_i=0, loop_j=1)
     assert skinny.splits_for(odd, 256, 49152) == []  # no part of whole 32-term steps
     many = te.placeholder((128, kk), name="x")
+    k = te.reduce_axis((0, kk), name="k")
     assert skinny.find_skinny(_func(many, w, te.compute((128, n), lambda i, j: te.sum(
         many[i, k] * w[j, k], axis=k), name="y"))["main"]) is None
 

@@ -501,9 +501,7 @@ def _tune_locked(tasks, target, log, runner, trials, trials_per_iter, builder_wo
         now = time.perf_counter()
         report.elapsed_s, report.phases = now - t0, phases.as_dict()
         report.cpu_busy = cpu_share()
-        report.skipped = sum(s.skipped for s in strategies)
-        report.clamped = sum(s.clamped for s in strategies)
-        report.search_failed = {k: v for st in strategies for k, v in st.failed.items()}
+        _search_totals(report, strategies)
         if stats_path and now - last_write[0] >= stats_every_s:
             report.write(stats_path)
             last_write[0] = now
@@ -555,12 +553,18 @@ def _tune_locked(tasks, target, log, runner, trials, trials_per_iter, builder_wo
     report.elapsed_s = time.perf_counter() - t0
     report.phases = phases.as_dict()
     report.cpu_busy = cpu_share()
-    report.skipped = sum(s.skipped for s in strategies)
-    report.clamped = sum(s.clamped for s in strategies)
-    report.search_failed = {k: v for st in strategies for k, v in st.failed.items()}
+    _search_totals(report, strategies)
     if stats_path:
         report.write(stats_path)
     return report
+
+
+def _search_totals(report: TuneReport, strategies: list[ResumingSearch]) -> None:
+    """Copy what the tasks' search strategies counted into ``report``: candidates skipped as
+    measured, unroll limits clamped, searches that failed."""
+    report.skipped = sum(s.skipped for s in strategies)
+    report.clamped = sum(s.clamped for s in strategies)
+    report.search_failed = {k: v for s in strategies for k, v in s.failed.items()}
 
 
 def _refinement_line(result: dict, what: str) -> str:
@@ -674,8 +678,9 @@ def _own_variants(database: ms.Database, top_k: int, variants):
 def _measure_variants(contexts, progress, database, target, runner, builder, candidates,
                       errors, measured) -> dict:
     """Candidates (``candidates(context index, context, workload, mean run time of its best
-    record so far in s)`` -> traces without postprocessing) for each task, postprocessed, measured and committed: the body of
-    :func:`refine_unroll`, :func:`refine_padding` and :func:`refine_transfer`."""
+    record so far in s)`` -> traces without postprocessing) for each task, postprocessed,
+    measured and committed: the body of :func:`refine_unroll`, :func:`refine_padding` and
+    :func:`refine_transfer`."""
     from tvm.s_tir.meta_schedule.arg_info import ArgInfo
 
     t0 = time.perf_counter()
