@@ -17,7 +17,8 @@
 #           options in CC_ARGS), in the background; its output is $TT/out/JOB.compile_cost.*
 #   py      python3 with the arguments that follow, in this set-up's environment
 #   bench   'thomas-tune bench' with the arguments that follow (result JSON and PNG -> $OUT);
-#           sets up first on a fresh machine (carry .devcarry/last there)
+#           sets up first on a fresh machine (carry .devcarry/last there), and unpacks the
+#           committed log of a '--log /tmp/tt/logs/NAME' that is not there yet
 # Environment: JOBS (default: every job in bench/gpu_jobs.txt), SERVERS (8), TRIALS (20000),
 # TUNE_ARGS (options added after the job's own, which they override: e.g. "--match NAME").
 # The machine goes back 30 s after a call ends: keep calling (e.g. 'watch', under the 10-minute
@@ -173,7 +174,11 @@ case "${1:-status}" in
   setup) setup ;;
   remeasure) setup && start_services && start_remeasure && watch ;;
   compile-cost) setup && start_compile_cost ;;
-  bench) shift; setup >/dev/null || exit $?; mkdir -p $TT/bench; $PY bench --work $TT/bench "$@" --json ${OUT:-$TT}/bench.json ;;
+  bench) shift; setup >/dev/null || exit $?; mkdir -p $TT/bench
+    prev=""; for a in "$@"; do  # --log $TT/logs/NAME: unpack the committed log on a fresh machine
+      [ "$prev" = --log ] && case "$a" in $TT/logs/*) committed_log "${a#$TT/logs/}" ;; esac; prev=$a
+    done
+    $PY bench --work $TT/bench "$@" --json ${OUT:-$TT}/bench.json ;;
   py) shift; python3 -P "$@" ;;   # a script with the set-up's environment (bench/step_split.py)
   stop) pkill -f "remeasure.sh" ; pkill -f "thomas_tune.cli (tune|remeasure)" ; pkill -f "thomas_tune.cli rpc" ; status ;;
   *) echo "usage: $0 park|setup|start|status|watch|stop|bench ARGS"; exit 2 ;;

@@ -114,7 +114,7 @@ def test_optimizer_update_matches_pytorch(name, rng):
     params = [relax.Var(f"p{i}", relax.TensorType(s, "float64")) for i, s in enumerate(shapes)]
     cfg = G.OptimizerConfig(name=name, lr=0.05, weight_decay=0.01)
     opt = cfg.build().init(params)
-    mod = tvm.IRModule({"optimizer": opt.get_function()})
+    mod = G.optimizer_module(opt)
     vm = relax.VirtualMachine(compile_graph(mod, parse_target("llvm")), tvm.cpu())
     p0 = [rng.standard_normal(s) for s in shapes]
     tp = [torch.tensor(v, requires_grad=True) for v in p0]
@@ -132,3 +132,7 @@ def test_optimizer_update_matches_pytorch(name, rng):
         cur = list(cur)
     for got, ref in zip(cur, tp):
         np.testing.assert_allclose(got.numpy(), ref.detach().numpy(), rtol=1e-10, atol=1e-12)
+    if name == "momentum_sgd":  # one kernel per parameter (both results), one for the counter
+        from thomas_tune.tasks import fuse
+        kernels = [f for f in fuse(mod).functions.values() if isinstance(f, tvm.tirx.PrimFunc)]
+        assert len(kernels) == len(shapes) + 1

@@ -1044,3 +1044,34 @@ def test_unroll_refinement_gives_the_best_records_larger_limits(tmp_path, target
         assert f'"pragma_auto_unroll_max_step": {limit(rec.as_json())}' in sch.mod.script()
         got = _run(sch.mod, target, [an, bn], (n, n))
         np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+
+
+def test_dropout_masks_drawn_on_the_device_match_numpy(target, rng):
+    # draw_masks (thomas_tune.dropout) as the export compiles it (default GPU schedules) on
+    # PoCL: bit for bit the numpy reference; the drop rate is p, fresh seeds give fresh masks,
+    # two masks of one step are independent streams, and the values are those of
+    # torch.nn.functional.dropout (0 and 1 / (1 - p)).
+    from tvm import relax
+
+    from thomas_tune.build import compile_graph
+    from thomas_tune.dropout import draw_masks_function, mask_numpy
+    masks = [((400, 500), 0.5), ((200_000,), 0.2), ((7, 3, 5), 0.9)]
+    exe = compile_graph(draw_masks_function(tvm.IRModule(), masks), target, None)
+    vm = relax.VirtualMachine(exe, tvm.opencl(0))
+    draws = []
+    for _ in range(2):
+        seed = rng.integers(0, 2 ** 32, size=2, dtype=np.uint32)
+        out = [m.numpy() for m in vm["draw_masks"](tvm.runtime.tensor(seed, tvm.opencl(0)))]
+        for i, ((shape, p), got) in enumerate(zip(masks, out)):
+            np.testing.assert_array_equal(got, mask_numpy(seed, shape, p, i))
+            assert set(np.unique(got)) <= {np.float32(0), np.float32(1 / (1 - p))}
+        draws.append(out)
+    for i, (shape, p) in enumerate(masks[:2]):
+        n = int(np.prod(shape))
+        for got in (draws[0][i], draws[1][i]):
+            assert abs((got == 0).mean() - p) < 5 * np.sqrt(p * (1 - p) / n)
+        both = ((draws[0][i] == 0) & (draws[1][i] == 0)).mean()  # independent: p^2
+        assert abs(both - p * p) < 5 * np.sqrt(p * p * (1 - p * p) / n)
+    first, second = draws[0][0].ravel()[:200_000] == 0, draws[0][1] == 0
+    both = (first & second).mean()  # two streams of one seed: 0.5 * 0.2
+    assert abs(both - 0.1) < 5 * np.sqrt(0.1 * 0.9 / 200_000)

@@ -100,20 +100,35 @@ def test_head_replacement_on_import_and_checkpoint(tmp_path, rng):
 
 def test_dropout_masks_follow_pytorch_semantics(tmp_path, rng):
     # inverted dropout as torch.nn.functional.dropout: kept values scaled by 1/(1-p), the
-    # rest 0; the mask Session draws has that law, and inference ignores dropout.
+    # rest 0. The export draws a step's masks on the device (draw_masks, here on llvm) from
+    # the seed Session passes: bit for bit thomas_tune.dropout's numpy reference, a fresh
+    # mask every step; inference ignores dropout.
+    from thomas_tune.dropout import mask_numpy
     from thomas_tune.export import export
     from thomas_tune.runtime import Session
     model = build("alexnet", num_classes=4, resolution=67, width=0.1)
     export(str(tmp_path / "e"), model, random_tensors(model, rng), parse_target("llvm"),
            batch=4, trainable="last:1", progress=lambda *_: None)
     s = Session(str(tmp_path / "e"), seed=int(rng.integers(1000)))
-    (name, spec_), *_ = s.manifest["masks"].items()
-    p = spec_["p"]
-    t = torch.ones(200_000, dtype=torch.float64)
-    ref = torch.nn.functional.dropout(t, p, training=True).numpy()
-    ours = s.dropout_mask((200_000,), p)  # the draw Session.train_step makes for each mask
-    assert set(np.unique(ours)) == set(np.unique(ref))
-    sigma = np.sqrt(p * (1 - p) / 200_000)
-    assert abs((ours == 0).mean() - p) < 5 * sigma and abs((ref == 0).mean() - p) < 5 * sigma
+    specs = list(s.manifest["masks"].values())
+    assert len(specs) == 2
+    p = specs[0]["p"]
+    ref = torch.nn.functional.dropout(torch.ones(200_000, dtype=torch.float64), p,
+                                      training=True).numpy()
+    drawn = []
+    for _ in range(40):  # 40 steps of masks of 4 x 900 and 4 x 409 values
+        seed = rng.integers(0, 2 ** 32, size=2, dtype=np.uint32)
+        masks = [m.numpy() for m in s.draw_masks(seed)]
+        for i, (spec_, got) in enumerate(zip(specs, masks)):
+            assert got.shape == tuple(spec_["shape"]) and got.dtype == np.float32
+            np.testing.assert_array_equal(got, mask_numpy(seed, spec_["shape"], spec_["p"], i))
+        drawn.append(masks[0].ravel())
+    ours = np.concatenate(drawn)
+    assert set(np.unique(ours)) == set(np.unique(ref).astype(np.float32))
+    sigma = np.sqrt(p * (1 - p) / ours.size)
+    assert abs((ours == 0).mean() - p) < 5 * sigma
+    assert not np.array_equal(drawn[0], drawn[1])
+    a, b = (m.numpy() for m in (s.draw_masks()[0], s.draw_masks()[0]))  # the session's seeds
+    assert not np.array_equal(a, b)
     x = rng.standard_normal((1, 3, 67, 67)).astype("float32")
     np.testing.assert_array_equal(s.predict(x), s.predict(x))

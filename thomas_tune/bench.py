@@ -281,26 +281,30 @@ def exported_training_module(model, tg):
     fusing exactly this module."""
     from . import export as E
     from .models import spec
-    if hasattr(E, "_with_pack_functions"):
-        shapes = {p.name: p.shape for p in spec(model).params}
-        return E._with_pack_functions(tg.mod, [shapes[n] for n in tg.trainable], tg.optim_state)
-    return tg.mod
+    shapes = {p.name: p.shape for p in spec(model).params}
+    return E._with_step_functions(tg.mod, [shapes[n] for n in tg.trainable], tg.optim_state,
+                                  list(tg.masks.values()))
 
 
 def step_kernels(train_mod) -> list[Kernel]:
-    """The kernels of one training step (``train_adjoint`` + ``optimizer``) of an unfused Relax
-    training module (``graph.training_module(...).mod``), fused as the build fuses it; sorted by
-    FLOPs per step, largest first."""
+    """The kernels of one training step (``draw_masks`` where the module has it, then
+    ``train_adjoint`` and ``optimizer``) of an unfused Relax training module
+    (``graph.training_module(...).mod``, or :func:`exported_training_module`), fused as the
+    build fuses it; sorted by FLOPs per step, largest first."""
     import tvm
     import tvm_ffi
     from tvm.s_tir.analysis import estimate_tir_flops
     from tvm.s_tir.meta_schedule.arg_info import ArgInfo
 
     from .graph import ADJOINT, OPTIMIZER
+    from .manifest import DRAW_MASKS
     from .tasks import fuse
     mod = fuse(train_mod)
     calls: dict[str, int] = {}
-    for fname in (ADJOINT, OPTIMIZER):
+    names = {gv.name_hint for gv in mod.functions}
+    for fname in (DRAW_MASKS, ADJOINT, OPTIMIZER):
+        if fname not in names:
+            continue
         for k, v in _callees(mod[fname]).items():
             calls[k] = calls.get(k, 0) + v
     out = []

@@ -12,7 +12,8 @@ The libraries are linked for the target's host: this machine, or another archite
 the cross compiler of ``TVM_NDK_CC`` (``target.export_shared``); ``host_triple`` in the manifest
 says which. ``train.so`` also holds ``pack_trainable`` and ``pack_optimizer_state`` (tensors ->
 one tuple): over RPC, where tuples of tensors cannot be sent, they make the optimizer's first
-inputs on the device.
+inputs on the device; and, for a model with dropout, ``draw_masks`` (a step's seed -> its
+dropout masks, drawn on the device: :mod:`thomas_tune.dropout`).
 
 Every file is written to a temporary name and renamed, manifest last, so a folder with a
 manifest is complete.
@@ -34,6 +35,7 @@ from . import graph as G
 from tvm import relax
 
 from .build import compile_graph, tuned_database
+from .dropout import draw_masks_function
 from .manifest import (FORMAT, MANIFEST, PACK_OPTIMIZER_STATE, PACK_TRAINABLE,  # noqa: F401
                        read_manifest)
 from .models import save_checkpoint, share_mode, spec
@@ -41,11 +43,15 @@ from .target import cross_compiler, describe, export_shared, host_triple
 from .tuning_log import TuningLog
 
 
-def _with_pack_functions(mod: tvm.IRModule, trainable_shapes, optim_state) -> tvm.IRModule:
+def _with_step_functions(mod: tvm.IRModule, trainable_shapes, optim_state,
+                         masks=()) -> tvm.IRModule:
     """``mod`` plus the two packing functions: each takes tensors (the trainable parameters;
     the optimizer state) and returns copies of them as one tuple, the optimizer's input form.
     Copies (``x + 0``), because a tensor argument that arrived over RPC is only borrowed for
-    the call."""
+    the call. With ``masks`` ((shape, p) pairs of the graph's dropout masks, in order), also
+    ``draw_masks`` (:func:`thomas_tune.dropout.draw_masks_function`)."""
+    if masks:
+        mod = draw_masks_function(mod, list(masks))
     mod = mod.clone() if hasattr(mod, "clone") else mod
     specs = {PACK_TRAINABLE: [(tuple(s), "float32") for s in trainable_shapes],
              PACK_OPTIMIZER_STATE: [(tuple(a.shape), str(a.dtype)) for a in optim_state]}
@@ -104,7 +110,8 @@ def export(out_dir: str, model, tensors: dict[str, np.ndarray], target: tvm.targ
     os.makedirs(out_dir, exist_ok=True)
     tg = G.training_module(model, batch, trainable, optimizer)
     shapes = {p.name: p.shape for p in spec(model).params}
-    train_mod = _with_pack_functions(tg.mod, [shapes[n] for n in tg.trainable], tg.optim_state)
+    train_mod = _with_step_functions(tg.mod, [shapes[n] for n in tg.trainable], tg.optim_state,
+                                     list(tg.masks.values()))
     database = None
     if log is not None:
         database, slower = tuned_database(log, target)
@@ -138,7 +145,7 @@ def export(out_dir: str, model, tensors: dict[str, np.ndarray], target: tvm.targ
         "states": [p.name for p in s.states],
         "trainable": tg.trainable,
         "frozen": tg.frozen,
-        "masks": {k: {"shape": list(v[0]), "p": v[1]} for k, v in tg.masks.items()},
+        "masks": {k: {"shape": list(v[0]), "p": v[1]} for k, v in tg.masks.items()},  # in order
         "optimizer": dataclasses.asdict(tg.optimizer),
         "tuning_log": log.path if log is not None else None,
         "tuning_log_sha256": log_hash(log),

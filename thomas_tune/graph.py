@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import tvm
-from tvm import relax
+from tvm import relax, te, tirx
 from tvm.relax.training import SetupTrainer
 from tvm.relax.training import loss as rloss
 from tvm.relax.training import optimizer as ropt
@@ -50,11 +50,75 @@ class _Adam(ropt.Adam):
         return self
 
 
+def _momentum_update(p: te.Tensor, g: te.Tensor, v: te.Tensor, lr: float, momentum: float,
+                     weight_decay: float):
+    """One parameter's momentum-SGD update as one kernel with two outputs:
+    ``(p - lr * v_new, v_new)``, ``v_new = momentum * v + g + weight_decay * p``. One pass
+    reads p, g, v and writes both results: 5 tensors of traffic, where an update in two
+    kernels (``v_new``, then ``p_new`` reading ``v_new`` back) moves 6."""
+    dt = p.dtype
+
+    def v_new(*i):
+        grad = g(*i) + tirx.const(weight_decay, dt) * p(*i) if weight_decay else g(*i)
+        return tirx.const(momentum, dt) * v(*i) + grad
+
+    return te.compute(p.shape, lambda *i: (p(*i) - tirx.const(lr, dt) * v_new(*i), v_new(*i)),
+                      name="momentum_update")
+
+
+class _MomentumSGD(ropt.MomentumSGD):
+    """``relax.training.optimizer.MomentumSGD`` (no dampening, no Nesterov: PyTorch's SGD
+    with ``momentum``) whose update of each parameter is one kernel
+    (:func:`_momentum_update`), not two: the same function signature and state layout
+    ``(steps int64, v...)``, the same arithmetic in the same order."""
+
+    def get_function(self) -> relax.Function:
+        self._check_init()
+        plist = self.param_list
+        param_var = relax.Var("params", relax.TupleType([p.ty for p in plist]))
+        grad_var = relax.Var("gradients", relax.TupleType([p.ty for p in plist]))
+        state_var = relax.Var("optim_states", relax.TupleType(
+            [relax.TensorType((), "int64"), *(p.ty for p in plist)]))
+        bb = relax.BlockBuilder()
+        with bb.function(self.name, [param_var, grad_var, state_var]):
+            with bb.dataflow():
+                steps = bb.emit(relax.TupleGetItem(state_var, 0), "num_steps")
+                new_params = []
+                new_state = [bb.emit(relax.op.add(steps, relax.const(1, "int64")),
+                                     "num_steps_new")]
+                for i, param in enumerate(plist):
+                    p = bb.emit(relax.TupleGetItem(param_var, i), param.name)
+                    g = bb.emit(relax.TupleGetItem(grad_var, i), param.name + "_grad")
+                    v = bb.emit(relax.TupleGetItem(state_var, i + 1), param.name + "_v")
+                    both = bb.emit(bb.call_te(_momentum_update, p, g, v, self.lr, self.momentum,
+                                              self.weight_decay,
+                                              primfunc_name_hint="momentum_update"))
+                    new_params.append(bb.emit(relax.TupleGetItem(both, 0), param.name + "_new"))
+                    new_state.append(bb.emit(relax.TupleGetItem(both, 1), param.name + "_v_new"))
+                params_out = bb.emit_output(relax.Tuple(new_params), "params_new")
+                state_out = bb.emit_output(relax.Tuple(new_state), "optim_states_new")
+            bb.emit_func_output((params_out, state_out))
+        built = bb.get()
+        self.kernels = {gv: f for gv, f in built.functions.items()
+                        if isinstance(f, tvm.tirx.PrimFunc)}
+        return built[self.name]
+
+
+def optimizer_module(opt: ropt.Optimizer, name: str = OPTIMIZER) -> tvm.IRModule:
+    """A module of ``opt``'s function (``init`` called) under ``name``, with the kernels it
+    calls (:class:`_MomentumSGD` builds its update as kernels of its own)."""
+    mod = tvm.IRModule({name: opt.get_function().with_attr("global_symbol", name)})
+    for gv, func in getattr(opt, "kernels", {}).items():
+        mod[gv] = func
+    return mod
+
+
 @dataclass(frozen=True)
 class OptimizerConfig:
     """Optimizer of the training step: ``momentum_sgd`` or ``adam``.
 
-    ``momentum_sgd``: v = momentum * v + g + weight_decay * p; p -= lr * v (PyTorch's SGD).
+    ``momentum_sgd``: v = momentum * v + g + weight_decay * p; p -= lr * v (PyTorch's SGD),
+    one kernel per parameter (:class:`_MomentumSGD`).
     ``adam``: Kingma & Ba 2015, Algorithm 1, with ``betas`` and ``eps``.
     """
 
@@ -67,7 +131,7 @@ class OptimizerConfig:
 
     def build(self) -> ropt.Optimizer:
         if self.name == "momentum_sgd":
-            return ropt.MomentumSGD(self.lr, self.momentum, weight_decay=self.weight_decay)
+            return _MomentumSGD(self.lr, self.momentum, weight_decay=self.weight_decay)
         if self.name == "sgd":
             return ropt.SGD(self.lr, weight_decay=self.weight_decay)
         if self.name == "adam":
@@ -179,6 +243,8 @@ def training_module(model, batch: int, trainable: str | list[str] = "all",
     for gv, func in mod.functions.items():  # kernels the gradients add (depthwise backward)
         if isinstance(func, tvm.tirx.PrimFunc):
             out[gv] = func
+    for gv, func in getattr(opt, "kernels", {}).items():  # the optimizer's own kernels
+        out[gv] = func
     out = relax.transform.DeadCodeElimination([ADJOINT, OPTIMIZER, PREDICT])(out)
     return TrainingGraph(
         mod=out, model=model, batch=batch,

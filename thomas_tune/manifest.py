@@ -12,7 +12,7 @@ import json
 import os
 
 MANIFEST = "manifest.json"
-FORMAT = "thomas_tune.export/1"
+FORMAT = "thomas_tune.export/2"  # 2: dropout masks drawn on the device (draw_masks)
 
 # functions of the exported libraries (``graph`` builds them, ``runtime.Session`` calls them)
 PREDICT = "predict"
@@ -20,6 +20,7 @@ ADJOINT = "train_adjoint"
 OPTIMIZER = "optimizer"
 PACK_TRAINABLE = "pack_trainable"
 PACK_OPTIMIZER_STATE = "pack_optimizer_state"
+DRAW_MASKS = "draw_masks"
 
 
 def read_manifest(export_dir: str) -> dict:

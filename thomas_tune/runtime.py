@@ -1,7 +1,8 @@
 """Run an exported module: predict and training steps on a local device or over RPC.
 
 Parameters, states and optimizer state live on the device between steps; only the images, the
-labels, the dropout masks and the loss cross the host-device boundary in a training step. Over
+labels, the step's 8-byte dropout seed and the loss cross the host-device boundary in a training
+step (the masks are drawn on the device, :mod:`thomas_tune.dropout`). Over
 RPC (a device server of a tracker: a phone, a board, the emulated aarch64 device of the tests)
 the libraries are uploaded and loaded there; tuples of tensors cannot cross RPC, so the
 optimizer's tuples are made and kept on the device (``pack_trainable``, then the optimizer's
@@ -23,8 +24,8 @@ import numpy as np
 import tvm
 from tvm.runtime.vm import VirtualMachine
 
-from .manifest import (ADJOINT, OPTIMIZER, PACK_OPTIMIZER_STATE, PACK_TRAINABLE, PREDICT,
-                       read_manifest)
+from .manifest import (ADJOINT, DRAW_MASKS, OPTIMIZER, PACK_OPTIMIZER_STATE, PACK_TRAINABLE,
+                       PREDICT, read_manifest)
 from .models import load_checkpoint, save_checkpoint
 from .models.layers import require_compiler
 from .target import host_arch, machine_arch
@@ -101,8 +102,7 @@ class Session:
         self.batch, self.infer_batch = m["batch"], m["infer_batch"]
         self._t = {k: tvm.runtime.tensor(v, self.device) for k, v in tensors.items()}
         self._opt = self._initial_optimizer_state()
-        self._rng = np.random.default_rng(seed)
-        self._next_masks: list[np.ndarray] | None = None  # the next step's, drawn ahead
+        self._rng = np.random.default_rng(seed)  # one dropout seed per training step
         self.steps = 0
 
     # ---- helpers -----------------------------------------------------------------------------
@@ -121,20 +121,21 @@ class Session:
         opt = np.load(os.path.join(self.dir, "optim_state.npz"))
         return [tvm.runtime.tensor(opt[f"s{i}"], self.device) for i in range(len(opt.files))]
 
-    def dropout_mask(self, shape, p: float) -> np.ndarray:
-        """A fresh inverted-dropout mask, float32 of ``shape``: 0 with probability ``p``, else
-        1 / (1 - p), as ``torch.nn.functional.dropout`` scales (Srivastava et al., JMLR 2014,
-        with the scaling moved to training). Drawn from the session's seeded generator."""
-        mask = (self._rng.random(shape, dtype=np.float32) >= p).astype(np.float32)
-        mask *= np.float32(1.0 / (1.0 - p))
-        return mask
-
-    def _draw_masks(self) -> list[np.ndarray]:
-        """One step's dropout masks, in the manifest's order. :meth:`train_step` draws the
-        next step's after queueing its own kernels, so that the host draws them while the
-        device computes (the same draws, in the same order, as drawing each at its step)."""
-        return [self.dropout_mask(spec["shape"], spec["p"])
-                for spec in self.manifest["masks"].values()]
+    def draw_masks(self, seed=None) -> list:
+        """One training step's dropout masks, drawn on the device by the export's
+        ``draw_masks`` (:mod:`thomas_tune.dropout`; float32, shapes and order of the manifest's
+        ``masks``), as device tensors; [] for a model without dropout. ``seed``: uint32 array
+        of shape (2,); None draws it from the session's seeded generator, as
+        :meth:`train_step` does each step."""
+        if not self.manifest["masks"]:
+            return []
+        if seed is None:
+            seed = self._rng.integers(0, 2 ** 32, size=2, dtype=np.uint32)
+        seed = tvm.runtime.tensor(np.asarray(seed, dtype=np.uint32).reshape(2), self.device)
+        out = self._train_vm[DRAW_MASKS](seed)
+        if self.remote:
+            return [self._get_item(out, i) for i in range(len(self.manifest["masks"]))]
+        return list(out)
 
     def _step_args(self, x, y, masks: list) -> list:
         """The arguments of the training module's adjoint function, in its order: the batch's
@@ -224,14 +225,13 @@ class Session:
         """One training step on x float32 (batch, C, H, W) and y integer (batch,) labels in
         0..classes-1, as numpy arrays or as the device tensors of :meth:`upload`: returns the
         mean cross-entropy loss (float) and updates the trainable parameters, BatchNorm running
-        statistics and optimizer state on the device. Dropout masks come from the session's
-        seeded generator. Raises ValueError for inputs of the wrong shape or dtype and for
+        statistics and optimizer state on the device. Dropout masks are drawn on the device
+        (:meth:`draw_masks`) from a seed of the session's seeded generator. Raises ValueError for inputs of the wrong shape or dtype and for
         labels out of range (numpy inputs; :meth:`upload` checks device tensors)."""
         m = self.manifest
         if not (isinstance(x, tvm.runtime.Tensor) and isinstance(y, tvm.runtime.Tensor)):
             x, y = self.upload(x, y)
-        drawn, self._next_masks = self._next_masks or self._draw_masks(), None
-        args = self._step_args(x, y, [tvm.runtime.tensor(a, self.device) for a in drawn])
+        args = self._step_args(x, y, self.draw_masks())
         if self.remote:
             return self._remote_step(args)
         ret, grads = self._train_vm[ADJOINT](*args)
@@ -243,7 +243,6 @@ class Session:
                                                           self._opt)
         for name, value in zip(m["trainable"], new_params):
             self._t[name] = value
-        self._next_masks = self._draw_masks()  # on the host while the device runs this step
         self.steps += 1
         return float(loss.numpy())
 
@@ -266,7 +265,6 @@ class Session:
         self._tuples = {"params": get(res, 0), "opt": get(res, 1)}
         for i, name in enumerate(m["trainable"]):
             self._t[name] = get(self._tuples["params"], i)
-        self._next_masks = self._draw_masks()
         self.steps += 1
         return float(loss.numpy())
 
