@@ -1075,3 +1075,49 @@ def test_dropout_masks_drawn_on_the_device_match_numpy(target, rng):
     first, second = draws[0][0].ravel()[:200_000] == 0, draws[0][1] == 0
     both = (first & second).mean()  # two streams of one seed: 0.5 * 0.2
     assert abs(both - 0.1) < 5 * np.sqrt(0.1 * 0.9 / 200_000)
+
+
+def test_builder_refuses_candidates_with_large_private_arrays(target, rng):
+    # the same matmul with a 4 x 4 and a 64 x 32 register tile per work-item: the builder
+    # builds the first (which then matches numpy on PoCL) and refuses the second, naming its
+    # 8 KiB of private memory as the generated kernel declares it (runner.MAX_PRIVATE_BYTES)
+    from tvm.s_tir import meta_schedule as ms
+
+    from thomas_tune.runner import (MAX_PRIVATE_BYTES, Builder, build_candidate,
+                                    check_private_memory)
+    n = 128
+    a, b = te.placeholder((n, n), name="a"), te.placeholder((n, n), name="b")
+    k = te.reduce_axis((0, n), name="k")
+    c = te.compute((n, n), lambda i, j: te.sum(a[i, k] * b[k, j], axis=k), name="c")
+
+    def tiled(ti, tj):
+        sch = tvm.s_tir.Schedule(_func(a, b, c))
+        blk = sch.get_sblock("c")
+        i, j, kk = sch.get_loops(blk)
+        bi, ti_, ii = sch.split(i, [None, 4, ti])
+        bj, tj_, jj = sch.split(j, [None, 4, tj])
+        sch.reorder(bi, bj, ti_, tj_, kk, ii, jj)
+        sch.bind(sch.fuse(bi, bj), "blockIdx.x")
+        sch.bind(sch.fuse(ti_, tj_), "threadIdx.x")
+        sch.reverse_compute_at(sch.cache_write(blk, 0, "local"), sch.get_loops(blk)[1])
+        sch.decompose_reduction(blk, kk)
+        return sch.mod
+
+    small, huge = tiled(4, 4), tiled(64, 32)
+    assert check_private_memory(build_candidate(small, target), target) == 4 * 4 * 4
+    with pytest.raises(ValueError, match="private memory 8192 bytes per work-item"):
+        check_private_memory(build_candidate(huge, target), target)
+    assert 4 * 4 * 4 < MAX_PRIVATE_BYTES < 64 * 32 * 4
+    builder = Builder(max_workers=1)
+    try:
+        ok, refused = builder.build([ms.builder.BuilderInput(small, target),
+                                     ms.builder.BuilderInput(huge, target)])
+    finally:
+        builder.shutdown()
+    assert ok.error_msg is None, ok.error_msg
+    assert refused.artifact_path is None and "private memory 8192 bytes" in refused.error_msg
+    an, bn = rng.standard_normal((n, n)), rng.standard_normal((n, n))
+    lib = tvm.runtime.load_module(ok.artifact_path)
+    got = _run(lib, target, [an, bn], (n, n))
+    ref = an.astype("float32").astype("float64") @ bn.astype("float32").astype("float64")
+    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-4)

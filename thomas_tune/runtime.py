@@ -226,8 +226,9 @@ class Session:
         0..classes-1, as numpy arrays or as the device tensors of :meth:`upload`: returns the
         mean cross-entropy loss (float) and updates the trainable parameters, BatchNorm running
         statistics and optimizer state on the device. Dropout masks are drawn on the device
-        (:meth:`draw_masks`) from a seed of the session's seeded generator. Raises ValueError for inputs of the wrong shape or dtype and for
-        labels out of range (numpy inputs; :meth:`upload` checks device tensors)."""
+        (:meth:`draw_masks`) from a seed of the session's seeded generator. Raises ValueError
+        for inputs of the wrong shape or dtype and for labels out of range (numpy inputs;
+        :meth:`upload` checks device tensors)."""
         m = self.manifest
         if not (isinstance(x, tvm.runtime.Tensor) and isinstance(y, tvm.runtime.Tensor)):
             x, y = self.upload(x, y)
