@@ -529,8 +529,8 @@ def startup(export_dir: str, seed: int = 0) -> dict:
 def time_export(export_dir: str, steps: int, warmup: int = 2, seed: int = 0) -> dict:
     """ms per training step and per inference pass (median wall time of ``steps`` runs, after
     ``warmup``; a fresh random batch for every run, copied to the device before the step's
-    clock starts, as :func:`time_torch` does; the step's dropout masks are drawn and copied
-    inside it) of an export on this machine's device;
+    clock starts, as :func:`time_torch` does; the step's dropout masks are drawn on the
+    device inside it) of an export on this machine's device;
     kernel launches per training step on OpenCL. Returns a dict with ``train_ms``,
     ``infer_ms``, ``batch``, ``infer_batch``, ``launches_per_step`` (None off OpenCL)."""
     from .runtime import Session
