@@ -236,6 +236,11 @@ def test_pipelined_scheduler_searches_while_the_device_measures(tmp_path, small_
             split = report.time_split()
             assert split["search"] > 0 and split["build"] > 0 and 0 < split["lanes_busy"] <= 1
             assert 0 <= split["lanes_idle"] < 1 and 0 < report.cpu_busy <= 1
+            # the tuner's own time after each batch is measured, not left in the rest
+            assert split["cost_model"] > 0 and split["commit"] > 0
+            parts = sum(split[k] for k in ("search", "build", "wait_device", "refine",
+                                           "cost_model", "commit", "other"))
+            assert abs(parts - split["total"]) < 1e-6 * split["total"] + 1e-3, split
     assert max(seen[1]) == 0, seen
     assert max(seen[3]) > 0, seen
 
@@ -448,3 +453,61 @@ def test_candidates_over_the_unroll_limit_are_lowered_to_it():
     assert second.same_as(db.get_top_k(workload, 2)[1])
     again = postprocessed(mod, plain_json(second.trace.as_json()), [])
     assert tvm_ffi.structural_equal(again.mod, odd.mod)
+
+
+def test_design_spaces_are_generated_once_per_task(small_tasks):
+    """The spaces made to check a task before the run are the ones MetaSchedule's run gets:
+    the generator runs once per module, its clones included."""
+    import tvm_ffi
+    from tvm.s_tir import meta_schedule as ms
+
+    from thomas_tune.tune import OnceSpaces
+
+    calls = []
+
+    def space(sch):
+        calls.append(1)
+        return sch
+
+    task = small_tasks[0]
+    gen = OnceSpaces(ms.space_generator.ScheduleFn(space, sch_rules=[], postprocs=[],
+                                                   mutator_probs={}))
+    ctx = ms.TuneContext(mod=task.mod, target=parse_target("llvm"), space_generator=gen,
+                         task_name=task.name, num_threads=1)
+    first = ctx.generate_design_space()
+    second = ctx.clone().generate_design_space()
+    assert len(calls) == 1 and len(first) == len(second) == 1
+    assert first[0].same_as(second[0])
+    assert tvm_ffi.structural_equal(first[0].mod, task.mod)
+
+
+def test_cost_model_trains_off_the_tuning_thread():
+    """A retraining the XGBoost model asks for starts in a thread and returns at once; the
+    booster it trains predicts, and requests made while one trains are merged into one."""
+    import time
+
+    import numpy as np
+
+    from thomas_tune.runner import Phases
+    from thomas_tune.tune import cost_model
+
+    rng = np.random.default_rng()
+    phases = Phases()
+    model, trainer = cost_model(phases, threads=1)
+    inst = model._inst
+    # feature rows per candidate (one row per store) and the cost ratios MetaSchedule trains on
+    xs = [rng.random((int(rng.integers(1, 4)), 164)).astype("float32") for _ in range(256)]
+    ys = np.array([float(x[:, 0].sum()) for x in xs], dtype="float32")
+    ys /= ys.max()
+    t0 = time.perf_counter()
+    for k in (64, 128, 192, 256):  # four requests while the first trains
+        inst._train(xs=xs[:k], ys=ys[:k])
+    asked_s = time.perf_counter() - t0
+    trainer.wait()
+    trained = phases.counts["cost_model.train"]
+    assert 1 <= trained <= 2 and not trainer.errors  # the first, then the newest only
+    assert asked_s < phases.busy["cost_model.train"] / trained
+    pred = inst._predict(xs=xs[:32])
+    assert pred.shape == (32,) and np.all(np.isfinite(pred))
+    # it learned the ratio: well above chance in rank order
+    assert np.corrcoef(pred, ys[:32])[0, 1] > 0.5

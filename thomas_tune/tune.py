@@ -101,6 +101,112 @@ class UnrollLimitedView(ms.database.PyDatabase):
 
 
 @derived_object
+class OnceSpaces(ms.space_generator.PySpaceGenerator):
+    """A task's design-space generator (``inner``) that generates its spaces once per module.
+
+    The tuner generates each task's spaces before the run, to leave out a task whose rules
+    fail on its kernel (MetaSchedule would end the whole run), and MetaSchedule's task
+    scheduler generates them again when the run starts: on the H100, MobileNetV2's 120 tasks
+    spent 24 s of the tuning thread in that second generation (a py-spy profile of the
+    tuner; the README's nineteenth run). The spaces are kept from the first call and handed
+    out again for the same module (clones share them)."""
+
+    def __init__(self, inner: ms.SpaceGenerator, cache: dict | None = None):
+        self.inner = inner
+        self.sch_rules, self.postprocs = inner.sch_rules, inner.postprocs
+        self.mutator_probs = inner.mutator_probs
+        self.cache = cache if cache is not None else {}
+
+    def _initialize_with_tune_context(self, context) -> None:
+        self.inner._initialize_with_tune_context(context)
+
+    def generate_design_space(self, mod):
+        key = tvm_ffi.structural_hash(mod)
+        if key not in self.cache:
+            self.cache[key] = list(self.inner.generate_design_space(mod))
+        return self.cache[key]
+
+    def clone(self):
+        return OnceSpaces(self.inner, self.cache)
+
+
+class BackgroundTraining:
+    """Retrains an :class:`~tvm.s_tir.meta_schedule.cost_model.XGBModel` in a thread of its
+    own instead of the tuning thread.
+
+    MetaSchedule's XGBoost model extracts the features of each measured batch and, whenever
+    its data has grown by a fifth, trains a new booster from scratch on all of it (up to
+    10,000 rounds, early stopping after 50), all on the tuning thread: on the H100 that was 70
+    of 241 s of a MobileNetV2 run (the README's nineteenth run). Here the call that would
+    train starts the training in a thread and returns: the search goes on with the booster it
+    has until the new one is ready (a booster is replaced whole, so a prediction uses either).
+    One training runs at a time; a request made while one runs waits for it, and only the
+    newest waiting request is kept (it has all the data of the older ones). ``phases`` gets
+    ``cost_model.train`` (busy seconds and count of the trainings)."""
+
+    def __init__(self, model, phases: Phases):
+        import threading
+        self.inst = model._inst  # the Python object behind MetaSchedule's cost model
+        self.train = self.inst._train
+        self.phases = phases
+        self.lock = threading.Lock()
+        self.waiting = None  # (xs, ys) of the newest request not started
+        self.thread = None
+        self.errors: list[str] = []
+        self.inst._train = self.request
+
+    def request(self, xs, ys) -> None:
+        """XGBModel.update's call: train on ``xs`` (per candidate, its feature rows) and ``ys``
+        (its cost ratio) once the training in progress, if any, ends."""
+        import threading
+        with self.lock:
+            self.waiting = (xs, ys)
+            if self.thread is not None and self.thread.is_alive():
+                return
+            self.thread = threading.Thread(target=self._run, name="thomas-tune-cost-model",
+                                           daemon=True)
+            self.thread.start()
+
+    def _run(self) -> None:
+        while True:
+            with self.lock:
+                job, self.waiting = self.waiting, None
+            if job is None:
+                return
+            t0 = time.perf_counter()
+            try:
+                self.train(*job)
+            except Exception as err:  # noqa: BLE001 (keep the old booster; the search goes on)
+                self.errors.append(error_line(err, 300))
+                print(f"cost model: training failed ({self.errors[-1]}); the search goes on "
+                      "with the previous model", file=sys.stderr, flush=True)
+            self.phases.add("cost_model.train", time.perf_counter() - t0)
+
+    def wait(self, timeout_s: float | None = None) -> None:
+        """Wait for the training in progress and any waiting request (tests; the tuner does
+        not wait at its end)."""
+        while True:
+            with self.lock:
+                t = self.thread
+            if t is None or not t.is_alive():
+                return
+            t.join(timeout_s)
+            if timeout_s is not None:
+                return
+
+
+def cost_model(phases: Phases, threads: int | None = None):
+    """The tuner's cost model: MetaSchedule's XGBoost model (features: ``PerStoreFeature``;
+    Chen et al. 2018, "Learning to Optimize Tensor Programs"), retrained in the background
+    (:class:`BackgroundTraining`) on ``threads`` threads (default a quarter of this machine's
+    cores, at least 1: MetaSchedule's default took every core, beside the build processes and
+    the device servers' compilers). Returns ``(model, trainer)``."""
+    threads = threads or max(1, (os.cpu_count() or 4) // 4)
+    model = ms.cost_model.XGBModel(num_tuning_cores=threads)
+    return model, BackgroundTraining(model, phases)
+
+
+@derived_object
 class ResumingSearch(ms.search_strategy.PySearchStrategy):
     """Evolutionary search that never proposes a schedule measured before (in this run or in the
     tuning log it resumes). ``skipped`` counts the candidates dropped as already measured.
@@ -262,6 +368,32 @@ class Progress(ms.measure_callback.PyMeasureCallback):
             self.tick()
 
 
+@derived_object
+class Timed(ms.measure_callback.PyMeasureCallback):
+    """A measure callback that runs ``inner`` (any MetaSchedule measure callback) and adds its
+    wall seconds to ``phases`` under ``name``: the tuner's own time after each batch (the
+    cost model's update, the records' commit) is a figure of the time split, not a rest."""
+
+    def __init__(self, inner, name: str, phases: Phases):
+        self.inner, self.name, self.phases = inner, name, phases
+
+    def apply(self, task_scheduler, task_id, measure_candidates, builder_results,
+              runner_results) -> None:
+        t0 = time.perf_counter()
+        try:
+            self.inner.apply(task_scheduler, task_id, measure_candidates, builder_results,
+                             runner_results)
+        finally:
+            self.phases.add(self.name, time.perf_counter() - t0, wall=True)
+
+
+#: the tuning thread's phases outside search, builds and waiting for the device, in the order
+#: of :meth:`TuneReport.time_split`: ``refine`` (the refinement stages before and after the
+#: search, less their builds), ``cost_model`` (the XGBoost model's feature extraction and
+#: training after each batch), ``commit`` (records to the tuning log, failed trials, progress)
+OWN_PHASES = ("refine", "cost_model", "commit")
+
+
 @dataclass
 class TuneReport:
     """Per task: trials measured now, failures, best time; ``skipped``: duplicates not re-run."""
@@ -297,7 +429,8 @@ class TuneReport:
     def time_split(self) -> dict[str, float]:
         """Wall seconds of the run on the host's tuning thread, by phase: ``search``
         (evolutionary search), ``build`` (candidate builds), ``wait_device`` (waiting for
-        measurements), ``other`` (cost-model updates, records, callbacks: the rest); and
+        measurements), ``refine``, ``cost_model``, ``commit`` (:data:`OWN_PHASES`), ``other``
+        (the rest: the task scheduler, Python's and MetaSchedule's glue); and
         ``lanes_busy``: the share (0..1) of the device servers' time spent on trials, which
         run while the host searches and builds (:class:`thomas_tune.scheduler.PipelinedGradient`),
         and ``lanes_idle``: the share they waited with no trial queued for them (the rest is
@@ -306,10 +439,11 @@ class TuneReport:
         busy = self.phases.get("busy_s", {})
         search, build = wall.get("search", 0.0), wall.get("build", 0.0)
         wait = wall.get("wait_device", 0.0)
+        own = {k: wall.get(k, 0.0) for k in OWN_PHASES}
         lanes = max(1, int(self.phases.get("lanes", 1)))
         return {"total": self.elapsed_s, "search": search, "build": build,
-                "wait_device": wait,
-                "other": max(0.0, self.elapsed_s - search - build - wait),
+                "wait_device": wait, **own,
+                "other": max(0.0, self.elapsed_s - search - build - wait - sum(own.values())),
                 "lanes_busy": (busy.get("run.trial", 0.0) / (lanes * self.elapsed_s)
                                if self.elapsed_s > 0 else 0.0),
                 "lanes_idle": (busy.get("run.idle", 0.0) / (lanes * self.elapsed_s)
@@ -447,7 +581,8 @@ def search_context(task: Task, target, measured: set[int], population: int,
                               init_min_unmeasured=max(8, population // 4),
                               genetic_num_iters=genetic_iters)
     ctx = ms.TuneContext(
-        mod=task.mod, target=target, space_generator=space_generator(target, max_unroll),
+        mod=task.mod, target=target,
+        space_generator=OnceSpaces(space_generator(target, max_unroll)),
         search_strategy=strategy, task_name=task.name, rand_state=seed,
         num_threads=max(1, os.cpu_count() or 1))
     return ctx, strategy
@@ -506,24 +641,38 @@ def _tune_locked(tasks, target, log, runner, trials, trials_per_iter, builder_wo
             report.write(stats_path)
             last_write[0] = now
 
-    callbacks = [*ms.measure_callback.MeasureCallback.create("default"), errors,
-                 Progress(progress, trials, disable=not show_progress, tick=tick)]
+    # MetaSchedule's default callbacks: AddToDatabase, RemoveBuildArtifact, UpdateCostModel
+    callbacks = [Timed(cb, "cost_model" if "CostModel" in type(cb).__name__ else "commit",
+                       phases) for cb in ms.measure_callback.MeasureCallback.create("default")]
+    callbacks += [Timed(errors, "commit", phases),
+                  Progress(progress, trials, disable=not show_progress, tick=tick)]
+    model, _ = cost_model(phases)
     builder = Builder(max_workers=builder_workers or max(1, (os.cpu_count() or 2)),
                       timeout_s=60, phases=phases)
+    def refining(stage, *args, **kwargs) -> dict:
+        """Run one refinement stage; its wall time less its builds goes to ``refine``."""
+        t, b = time.perf_counter(), phases.as_dict()["wall_s"].get("build", 0.0)
+        try:
+            return stage(*args, **kwargs)
+        finally:
+            built = phases.as_dict()["wall_s"].get("build", 0.0) - b
+            phases.add("refine", max(0.0, time.perf_counter() - t - built), wall=True)
+
     try:
         if refine_top > 0:
-            report.transferred = refine_transfer(contexts, progress, database, target, runner,
-                                                 builder, refine_top, log.workloads(), errors,
-                                                 [s.measured for s in strategies])
+            report.transferred = refining(refine_transfer, contexts, progress, database,
+                                          target, runner, builder, refine_top,
+                                          log.workloads(), errors,
+                                          [s.measured for s in strategies])
             r = report.transferred
             if show_progress and r["measured"]:
                 print(_refinement_line(r, "schedules shared between kernels of one "
                                           f"contraction: {r['measured']} records of other "
                                           "workloads measured on their twins"),
                       file=sys.stderr, flush=True)
-            report.padded = refine_padding(contexts, progress, database, target, runner,
-                                           builder, refine_top, errors,
-                                           [s.measured for s in strategies])
+            report.padded = refining(refine_padding, contexts, progress, database, target,
+                                     runner, builder, refine_top, errors,
+                                     [s.measured for s in strategies])
             r = report.padded
             if show_progress and r["measured"]:
                 print(_refinement_line(r, f"padding out of the inner loop: {r['measured']} "
@@ -532,14 +681,14 @@ def _tune_locked(tasks, target, log, runner, trials, trials_per_iter, builder_wo
         ms.tune_tasks(
             tasks=contexts, task_weights=weights, work_dir=log.path, max_trials_global=trials,
             num_trials_per_iter=trials_per_iter, builder=builder, runner=runner,
-            database=database, cost_model="xgb", measure_callbacks=callbacks,
+            database=database, cost_model=model, measure_callbacks=callbacks,
             task_scheduler=PipelinedGradient(default_ms, max_in_flight=max_in_flight,
                                              seed=seed, phases=phases, tuned_ms=tuned_ms))
         larger = [s for s in UNROLL_STEPS if s not in unroll_steps(max_unroll)]
         if larger and refine_top > 0:
-            report.refined = refine_unroll(contexts, progress, database, target, runner,
-                                           builder, larger, refine_top, errors,
-                                           [s.measured for s in strategies])
+            report.refined = refining(refine_unroll, contexts, progress, database, target,
+                                      runner, builder, larger, refine_top, errors,
+                                      [s.measured for s in strategies])
             if show_progress:
                 r = report.refined
                 print(_refinement_line(r, f"unroll refinement: {r['measured']} candidates "
