@@ -443,7 +443,8 @@ class TuneReport:
         lanes = max(1, int(self.phases.get("lanes", 1)))
         return {"total": self.elapsed_s, "search": search, "build": build,
                 "wait_device": wait, **own,
-                "other": max(0.0, self.elapsed_s - search - build - wait - sum(own.values())),
+                "other": max(0.0, self.elapsed_s - search - build - wait
+                             - sum(own.values())),
                 "lanes_busy": (busy.get("run.trial", 0.0) / (lanes * self.elapsed_s)
                                if self.elapsed_s > 0 else 0.0),
                 "lanes_idle": (busy.get("run.idle", 0.0) / (lanes * self.elapsed_s)
