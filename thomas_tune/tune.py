@@ -182,17 +182,24 @@ class BackgroundTraining:
                       "with the previous model", file=sys.stderr, flush=True)
             self.phases.add("cost_model.train", time.perf_counter() - t0)
 
-    def wait(self, timeout_s: float | None = None) -> None:
-        """Wait for the training in progress and any waiting request (tests; the tuner does
-        not wait at its end)."""
+    def wait(self) -> None:
+        """Wait for the training in progress and any waiting request to end."""
         while True:
             with self.lock:
                 t = self.thread
             if t is None or not t.is_alive():
                 return
+            t.join()
+
+    def close(self, timeout_s: float = 60.0) -> None:
+        """At the end of a run: drop any waiting request and wait up to ``timeout_s`` seconds
+        for the training in progress (a process that exits during XGBoost's training could
+        fail in its native threads at interpreter shutdown)."""
+        with self.lock:
+            self.waiting = None
+            t = self.thread
+        if t is not None:
             t.join(timeout_s)
-            if timeout_s is not None:
-                return
 
 
 def cost_model(phases: Phases, threads: int | None = None):
@@ -647,7 +654,7 @@ def _tune_locked(tasks, target, log, runner, trials, trials_per_iter, builder_wo
                        phases) for cb in ms.measure_callback.MeasureCallback.create("default")]
     callbacks += [Timed(errors, "commit", phases),
                   Progress(progress, trials, disable=not show_progress, tick=tick)]
-    model, _ = cost_model(phases)
+    model, trainer = cost_model(phases)
     builder = Builder(max_workers=builder_workers or max(1, (os.cpu_count() or 2)),
                       timeout_s=60, phases=phases)
     def refining(stage, *args, **kwargs) -> dict:
@@ -697,6 +704,7 @@ def _tune_locked(tasks, target, log, runner, trials, trials_per_iter, builder_wo
                       file=sys.stderr, flush=True)
     finally:
         callbacks[-1].bar.close()
+        trainer.close()
         builder.shutdown()
         if hasattr(runner, "shutdown"):
             runner.shutdown()
