@@ -237,9 +237,9 @@ def test_pipelined_scheduler_searches_while_the_device_measures(tmp_path, small_
             assert split["search"] > 0 and split["build"] > 0 and 0 < split["lanes_busy"] <= 1
             assert 0 <= split["lanes_idle"] < 1 and 0 < report.cpu_busy <= 1
             # the tuner's own time after each batch is measured, not left in the rest
-            assert split["cost_model"] > 0 and split["commit"] > 0
+            assert split["cost_model"] > 0
             parts = sum(split[k] for k in ("search", "build", "wait_device", "refine",
-                                           "cost_model", "commit", "other"))
+                                           "cost_model", "other"))
             assert abs(parts - split["total"]) < 1e-6 * split["total"] + 1e-3, split
     assert max(seen[1]) == 0, seen
     assert max(seen[3]) > 0, seen
@@ -481,33 +481,24 @@ def test_design_spaces_are_generated_once_per_task(small_tasks):
     assert tvm_ffi.structural_equal(first[0].mod, task.mod)
 
 
-def test_cost_model_trains_off_the_tuning_thread():
-    """A retraining the XGBoost model asks for starts in a thread and returns at once; the
-    booster it trains predicts, and requests made while one trains are merged into one."""
-    import time
-
+def test_cost_model_trains_on_a_quarter_of_the_cores():
+    """XGBoost trains on the threads it is given (MetaSchedule's default is every core), and
+    a real training and prediction go through the timed update's model."""
     import numpy as np
 
     from thomas_tune.runner import Phases
     from thomas_tune.tune import cost_model
 
     rng = np.random.default_rng()
-    phases = Phases()
-    model, trainer = cost_model(phases, threads=1)
+    model = cost_model(Phases(), threads=1)
     inst = model._inst
+    assert inst.config.nthread == 1
+    assert cost_model(Phases())._inst.config.nthread == max(1, (os.cpu_count() or 4) // 4)
     # feature rows per candidate (one row per store) and the cost ratios MetaSchedule trains on
     xs = [rng.random((int(rng.integers(1, 4)), 164)).astype("float32") for _ in range(256)]
     ys = np.array([float(x[:, 0].sum()) for x in xs], dtype="float32")
     ys /= ys.max()
-    t0 = time.perf_counter()
-    for k in (64, 128, 192, 256):  # four requests while the first trains
-        inst._train(xs=xs[:k], ys=ys[:k])
-    asked_s = time.perf_counter() - t0
-    trainer.wait()
-    trained = phases.counts["cost_model.train"]
-    assert 1 <= trained <= 2 and not trainer.errors  # the first, then the newest only
-    assert asked_s < phases.busy["cost_model.train"] / trained
+    inst._train(xs=xs, ys=ys)
     pred = inst._predict(xs=xs[:32])
     assert pred.shape == (32,) and np.all(np.isfinite(pred))
-    # it learned the ratio: well above chance in rank order
     assert np.corrcoef(pred, ys[:32])[0, 1] > 0.5

@@ -130,87 +130,34 @@ class OnceSpaces(ms.space_generator.PySpaceGenerator):
         return OnceSpaces(self.inner, self.cache)
 
 
-class BackgroundTraining:
-    """Retrains an :class:`~tvm.s_tir.meta_schedule.cost_model.XGBModel` in a thread of its
-    own instead of the tuning thread.
-
-    MetaSchedule's XGBoost model extracts the features of each measured batch and, whenever
-    its data has grown by a fifth, trains a new booster from scratch on all of it (up to
-    10,000 rounds, early stopping after 50), all on the tuning thread: on the H100 that was 70
-    of 241 s of a MobileNetV2 run (the README's nineteenth run). Here the call that would
-    train starts the training in a thread and returns: the search goes on with the booster it
-    has until the new one is ready (a booster is replaced whole, so a prediction uses either).
-    One training runs at a time; a request made while one runs waits for it, and only the
-    newest waiting request is kept (it has all the data of the older ones). ``phases`` gets
-    ``cost_model.train`` (busy seconds and count of the trainings)."""
-
-    def __init__(self, model, phases: Phases):
-        import threading
-        self.inst = model._inst  # the Python object behind MetaSchedule's cost model
-        self.train = self.inst._train
-        self.phases = phases
-        self.lock = threading.Lock()
-        self.waiting = None  # (xs, ys) of the newest request not started
-        self.thread = None
-        self.errors: list[str] = []
-        self.inst._train = self.request
-
-    def request(self, xs, ys) -> None:
-        """XGBModel.update's call: train on ``xs`` (per candidate, its feature rows) and ``ys``
-        (its cost ratio) once the training in progress, if any, ends."""
-        import threading
-        with self.lock:
-            self.waiting = (xs, ys)
-            if self.thread is not None and self.thread.is_alive():
-                return
-            self.thread = threading.Thread(target=self._run, name="thomas-tune-cost-model",
-                                           daemon=True)
-            self.thread.start()
-
-    def _run(self) -> None:
-        while True:
-            with self.lock:
-                job, self.waiting = self.waiting, None
-            if job is None:
-                return
-            t0 = time.perf_counter()
-            try:
-                self.train(*job)
-            except Exception as err:  # noqa: BLE001 (keep the old booster; the search goes on)
-                self.errors.append(error_line(err, 300))
-                print(f"cost model: training failed ({self.errors[-1]}); the search goes on "
-                      "with the previous model", file=sys.stderr, flush=True)
-            self.phases.add("cost_model.train", time.perf_counter() - t0)
-
-    def wait(self) -> None:
-        """Wait for the training in progress and any waiting request to end."""
-        while True:
-            with self.lock:
-                t = self.thread
-            if t is None or not t.is_alive():
-                return
-            t.join()
-
-    def close(self, timeout_s: float = 60.0) -> None:
-        """At the end of a run: drop any waiting request and wait up to ``timeout_s`` seconds
-        for the training in progress (a process that exits during XGBoost's training could
-        fail in its native threads at interpreter shutdown)."""
-        with self.lock:
-            self.waiting = None
-            t = self.thread
-        if t is not None:
-            t.join(timeout_s)
-
-
 def cost_model(phases: Phases, threads: int | None = None):
     """The tuner's cost model: MetaSchedule's XGBoost model (features: ``PerStoreFeature``;
-    Chen et al. 2018, "Learning to Optimize Tensor Programs"), retrained in the background
-    (:class:`BackgroundTraining`) on ``threads`` threads (default a quarter of this machine's
-    cores, at least 1: MetaSchedule's default took every core, beside the build processes and
-    the device servers' compilers). Returns ``(model, trainer)``."""
+    Chen et al. 2018, "Learning to Optimize Tensor Programs") training on ``threads`` threads
+    (default a quarter of this machine's cores, at least 1). Its updates (feature extraction
+    after each measured batch; a new booster trained from scratch on all the run's data
+    whenever that has grown by a fifth) run on the tuning thread, and their wall seconds go to
+    ``phases`` as ``cost_model``.
+
+    MetaSchedule's default gives XGBoost every core, beside the build processes and the device
+    servers' compilers: on the H100 (16 cores, 8 build processes, 12 servers) the updates took
+    70 of 241 s of a MobileNetV2 run, and the same trainings took 9.8 s on 4 threads (README,
+    nineteenth run). Training in a background thread instead made a SIGINT during the run end
+    the process in ``std::terminate`` (``tests/test_faults.py::test_tuner_killed_and_restarted``),
+    so the updates stay on the tuning thread."""
     threads = threads or max(1, (os.cpu_count() or 4) // 4)
     model = ms.cost_model.XGBModel(num_tuning_cores=threads)
-    return model, BackgroundTraining(model, phases)
+    inst = model._inst  # the Python object behind MetaSchedule's cost model
+    update = inst.update
+
+    def timed_update(*args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return update(*args, **kwargs)
+        finally:
+            phases.add("cost_model", time.perf_counter() - t0, wall=True)
+
+    inst.update = timed_update
+    return model
 
 
 @derived_object
@@ -375,30 +322,11 @@ class Progress(ms.measure_callback.PyMeasureCallback):
             self.tick()
 
 
-@derived_object
-class Timed(ms.measure_callback.PyMeasureCallback):
-    """A measure callback that runs ``inner`` (any MetaSchedule measure callback) and adds its
-    wall seconds to ``phases`` under ``name``: the tuner's own time after each batch (the
-    cost model's update, the records' commit) is a figure of the time split, not a rest."""
-
-    def __init__(self, inner, name: str, phases: Phases):
-        self.inner, self.name, self.phases = inner, name, phases
-
-    def apply(self, task_scheduler, task_id, measure_candidates, builder_results,
-              runner_results) -> None:
-        t0 = time.perf_counter()
-        try:
-            self.inner.apply(task_scheduler, task_id, measure_candidates, builder_results,
-                             runner_results)
-        finally:
-            self.phases.add(self.name, time.perf_counter() - t0, wall=True)
-
-
 #: the tuning thread's phases outside search, builds and waiting for the device, in the order
 #: of :meth:`TuneReport.time_split`: ``refine`` (the refinement stages before and after the
-#: search, less their builds), ``cost_model`` (the XGBoost model's feature extraction and
-#: training after each batch), ``commit`` (records to the tuning log, failed trials, progress)
-OWN_PHASES = ("refine", "cost_model", "commit")
+#: search, less their builds), ``cost_model`` (the XGBoost model's update after each batch:
+#: feature extraction, and its training where that runs on the tuning thread)
+OWN_PHASES = ("refine", "cost_model")
 
 
 @dataclass
@@ -436,8 +364,8 @@ class TuneReport:
     def time_split(self) -> dict[str, float]:
         """Wall seconds of the run on the host's tuning thread, by phase: ``search``
         (evolutionary search), ``build`` (candidate builds), ``wait_device`` (waiting for
-        measurements), ``refine``, ``cost_model``, ``commit`` (:data:`OWN_PHASES`), ``other``
-        (the rest: the task scheduler, Python's and MetaSchedule's glue); and
+        measurements), ``refine``, ``cost_model`` (:data:`OWN_PHASES`), ``other`` (the rest:
+        records to the tuning log, the task scheduler, Python's and MetaSchedule's glue); and
         ``lanes_busy``: the share (0..1) of the device servers' time spent on trials, which
         run while the host searches and builds (:class:`thomas_tune.scheduler.PipelinedGradient`),
         and ``lanes_idle``: the share they waited with no trial queued for them (the rest is
@@ -649,14 +577,16 @@ def _tune_locked(tasks, target, log, runner, trials, trials_per_iter, builder_wo
             report.write(stats_path)
             last_write[0] = now
 
-    # MetaSchedule's default callbacks: AddToDatabase, RemoveBuildArtifact, UpdateCostModel
-    callbacks = [Timed(cb, "cost_model" if "CostModel" in type(cb).__name__ else "commit",
-                       phases) for cb in ms.measure_callback.MeasureCallback.create("default")]
-    callbacks += [Timed(errors, "commit", phases),
-                  Progress(progress, trials, disable=not show_progress, tick=tick)]
-    model, trainer = cost_model(phases)
+    # MetaSchedule's default callbacks (AddToDatabase, RemoveBuildArtifact, UpdateCostModel)
+    # are called from its C++ task scheduler as they are: wrapped in a Python callback, a
+    # C++ call made from Python made from C++ ended the process (std::terminate) when SIGINT
+    # arrived inside it
+    callbacks = [*ms.measure_callback.MeasureCallback.create("default"), errors,
+                 Progress(progress, trials, disable=not show_progress, tick=tick)]
+    model = cost_model(phases)
     builder = Builder(max_workers=builder_workers or max(1, (os.cpu_count() or 2)),
                       timeout_s=60, phases=phases)
+
     def refining(stage, *args, **kwargs) -> dict:
         """Run one refinement stage; its wall time less its builds goes to ``refine``."""
         t, b = time.perf_counter(), phases.as_dict()["wall_s"].get("build", 0.0)
@@ -704,7 +634,6 @@ def _tune_locked(tasks, target, log, runner, trials, trials_per_iter, builder_wo
                       file=sys.stderr, flush=True)
     finally:
         callbacks[-1].bar.close()
-        trainer.close()
         builder.shutdown()
         if hasattr(runner, "shutdown"):
             runner.shutdown()
