@@ -577,10 +577,6 @@ def _tune_locked(tasks, target, log, runner, trials, trials_per_iter, builder_wo
             report.write(stats_path)
             last_write[0] = now
 
-    # MetaSchedule's default callbacks (AddToDatabase, RemoveBuildArtifact, UpdateCostModel)
-    # are called from its C++ task scheduler as they are: wrapped in a Python callback, a
-    # C++ call made from Python made from C++ ended the process (std::terminate) when SIGINT
-    # arrived inside it
     callbacks = [*ms.measure_callback.MeasureCallback.create("default"), errors,
                  Progress(progress, trials, disable=not show_progress, tick=tick)]
     model = cost_model(phases)
@@ -589,11 +585,11 @@ def _tune_locked(tasks, target, log, runner, trials, trials_per_iter, builder_wo
 
     def refining(stage, *args, **kwargs) -> dict:
         """Run one refinement stage; its wall time less its builds goes to ``refine``."""
-        t, b = time.perf_counter(), phases.as_dict()["wall_s"].get("build", 0.0)
+        t, b = time.perf_counter(), phases.wall.get("build", 0.0)
         try:
             return stage(*args, **kwargs)
         finally:
-            built = phases.as_dict()["wall_s"].get("build", 0.0) - b
+            built = phases.wall.get("build", 0.0) - b
             phases.add("refine", max(0.0, time.perf_counter() - t - built), wall=True)
 
     try:
