@@ -340,7 +340,8 @@ def test_tuner_killed_and_restarted(tracker, rng, tmp_path):
         rpc.wait_for_key(tracker, key, timeout=60)
         for n, sig in enumerate((signal.SIGINT, signal.SIGTERM, signal.SIGKILL)):
             out = str(tmp_path / f"run{n}.out")
-            child = ctx.Process(target=_tuner, args=(argv, out))
+            stats = tmp_path / f"run{n}.stats.json"
+            child = ctx.Process(target=_tuner, args=(argv + ["--stats", str(stats)], out))
             child.start()
             before = len(kept)
             _wait(lambda: len(_complete_lines(log.record_path)) >= before + 3, 240,
@@ -364,6 +365,11 @@ def test_tuner_killed_and_restarted(tracker, rng, tmp_path):
                 assert m, text[-2000:]
                 assert int(m.group(1)) == len(lines) and m.group(2) == log.record_path
                 assert "Traceback" not in text
+                # the statistics are written at the stop too (a run this short has had no
+                # periodic write), saying what stopped it
+                report = json.loads(stats.read_text())
+                assert report["ended"] == f"stopped by {sig.name}", report["ended"]
+                assert report["elapsed_s"] > 0 and len(report["tasks"]) == 2, report
             kept = lines
         # SIGKILL leaves no stale lock; a torn line, if the kill made one, is set aside
         log.lock("checking").release()

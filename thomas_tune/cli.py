@@ -666,7 +666,8 @@ def parser() -> argparse.ArgumentParser:
                         "--max-unroll, after it with each larger unroll limit (default 2; "
                         "0: none)")
     s.add_argument("--stats", help="write trials/s and the time split as JSON here (every "
-                   "30 s while tuning, and at the end)")
+                   "30 s while tuning, and at the end, also after SIGINT or SIGTERM; its 'ended' "
+                   "says how the run ended)")
     s.add_argument("--seed", type=int, default=0)
     s.set_defaults(fn=cmd_tune)
 

@@ -10,10 +10,13 @@ schedule is already in the log before it is built, and the new run measures only
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import math
 import os
+import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -352,6 +355,9 @@ class TuneReport:
     transferred: dict = field(default_factory=dict)
     #: tasks whose evolutionary search raised (name -> the error): their search ended there
     search_failed: dict = field(default_factory=dict)
+    #: how the run ended: "running" (a write while it runs), "finished", "stopped by SIGINT" or
+    #: "stopped by SIGTERM" (the figures are those up to the stop), or "failed: " and the error
+    ended: str = "running"
 
     @property
     def trials(self) -> int:
@@ -394,7 +400,7 @@ class TuneReport:
                 "padded": self.padded, "transferred": self.transferred,
                 "search_failed": self.search_failed,
                 "resumed_records": self.resumed_records, "clamped": self.clamped,
-                "skipped": self.skipped,
+                "skipped": self.skipped, "ended": self.ended,
                 "tasks": [{"name": t.name, "trials": t.trials, "errors": t.errors,
                            "best_ms": t.best_s * 1e3 if t.best_s < math.inf else None,
                            "gflops": t.gflops} for t in self.tasks]}
@@ -470,7 +476,8 @@ def tune(tasks: list[Task], target, log: TuningLog, runner: ms.Runner, trials: i
     iterations, 2/3 of a round's time went to mutations and their cost-model scores, and a
     round took 12 s on 2 cores for 48 candidates). With ``stats_path``, the
     report (:meth:`TuneReport.as_dict`: trials/s, time split) is written there every
-    ``stats_every_s`` seconds while tuning and once at the end. Task choice and pipelining:
+    ``stats_every_s`` seconds while tuning and once at the end, also where SIGINT or SIGTERM
+    stopped the run (its ``ended`` says how the run ended). Task choice and pipelining:
     :class:`thomas_tune.scheduler.PipelinedGradient`, with up to ``max_in_flight`` batches
     measured while the next one is searched and built, and each task's gradient starting from
     its default-schedule time in ``default_s`` (``{workload key: seconds per call}``, from
@@ -592,7 +599,10 @@ def _tune_locked(tasks, target, log, runner, trials, trials_per_iter, builder_wo
             built = phases.wall.get("build", 0.0) - b
             phases.add("refine", max(0.0, time.perf_counter() - t - built), wall=True)
 
+    seen: list[int] = []
+    watching = contextlib.ExitStack()
     try:
+        watching.enter_context(signals_seen(seen))
         if refine_top > 0:
             report.transferred = refining(refine_transfer, contexts, progress, database,
                                           target, runner, builder, refine_top,
@@ -628,18 +638,52 @@ def _tune_locked(tasks, target, log, runner, trials, trials_per_iter, builder_wo
                 print(_refinement_line(r, f"unroll refinement: {r['measured']} candidates "
                                           f"with unroll steps {larger} measured"),
                       file=sys.stderr, flush=True)
+        report.ended = "finished"
+    except BaseException as err:
+        # a signal's KeyboardInterrupt can come out of MetaSchedule's C++ loop as another
+        # error (a RuntimeError with no message): the signals seen tell a stop from a failure
+        stop = seen[0] if seen else (signal.SIGINT if isinstance(err, KeyboardInterrupt)
+                                     else None)
+        report.ended = (f"stopped by {signal.Signals(stop).name}" if stop is not None
+                        else f"failed: {type(err).__name__}: {err}"[:300])
+        raise
     finally:
+        watching.close()
         callbacks[-1].bar.close()
         builder.shutdown()
         if hasattr(runner, "shutdown"):
             runner.shutdown()
-    report.elapsed_s = time.perf_counter() - t0
-    report.phases = phases.as_dict()
-    report.cpu_busy = cpu_share()
-    _search_totals(report, strategies)
-    if stats_path:
-        report.write(stats_path)
+        # the last statistics, also for a run that a signal stopped
+        report.elapsed_s = time.perf_counter() - t0
+        report.phases = phases.as_dict()
+        report.cpu_busy = cpu_share()
+        _search_totals(report, strategies)
+        if stats_path:
+            report.write(stats_path)
     return report
+
+
+@contextlib.contextmanager
+def signals_seen(seen: list[int]):
+    """While the block runs, append to ``seen`` each SIGINT or SIGTERM that reaches this
+    process's Python handler for it; the handler then runs as before. Signals whose handler is
+    not a Python function (SIGTERM's default ends the process) are left alone, as is every
+    signal when called off the main thread (only that thread can set handlers)."""
+    kept = {}
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            prev = signal.getsignal(sig)
+            if callable(prev):
+                def noting(signum, frame, prev=prev):
+                    seen.append(signum)
+                    return prev(signum, frame)
+                kept[sig] = prev
+                signal.signal(sig, noting)
+    try:
+        yield seen
+    finally:
+        for sig, prev in kept.items():
+            signal.signal(sig, prev)
 
 
 def _search_totals(report: TuneReport, strategies: list[ResumingSearch]) -> None:
