@@ -806,7 +806,8 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--top", type=int, default=8, help="tune the N largest tasks (default 8)")
     s.add_argument("--steps", type=int, default=150, help="fine-tuning steps (default 150)")
     s.add_argument("--compare-steps", type=int, default=10,
-                   help="batches timed through both the tuned and the untuned build (default 10)")
+                   help="batches timed through both the tuned and the untuned build, the two "
+                   "alternating step by step (default 10)")
     s.add_argument("--loss-window", type=int, default=20,
                    help="steps averaged for the first/last mean training loss (default 20)")
     s.add_argument("--data", default="mnist5k", help="a data set of digits (default mnist5k)")

@@ -6,7 +6,8 @@ by thomas_tune on MNIST digits 0-4 (``bench/four_levels.py``). The demo gives it
 5-class head and fine-tunes it on digits 5-9 (mnist5k, split 80/20 by class, relabelled 0-4),
 after tuning the kernels of its training step on the device (``thomas-tune tune`` over a
 loopback tracker). From the same run it reports ms per training step of the tuned build
-against the untuned build (default schedules), both timed on the same batches, and the mean
+against the untuned build (default schedules), both timed on the same batches (alternating
+step by step), and the mean
 training loss over the first and the last steps.
 """
 
@@ -144,24 +145,27 @@ def run(args, tune_fn) -> int:
     if child.returncode != 0:
         raise RuntimeError(f"compiling the untuned build failed:\n{out[-3000:]}")
 
-    # 3. the same first batches through both builds: ms per training step, side by side
+    # 3. the same first batches through both builds, side by side: the two alternate step by
+    #    step (the order swapped every batch), so that a change in the machine's load or clock
+    #    during the timing reaches both alike; ms per step is each build's median
     batches = train.batches(args.batch, np.random.default_rng(args.seed + 1))
     timing = [next(batches) for _ in range(max(1, args.compare_steps))]
-    sessions, ms = {}, {}
+    sessions = {}
     for name in ("untuned", "tuned"):
         s = sessions[name] = Session(dirs[name], seed=args.seed)
         with busy(f"[demo] building the {name} device programs (first step)"):
             s.train_step(*timing[0])
             s.sync()
-        times = []
-        for x, y in timing:
+    times: dict[str, list[float]] = {"untuned": [], "tuned": []}
+    for i, (x, y) in enumerate(timing):
+        for name in (("untuned", "tuned") if i % 2 == 0 else ("tuned", "untuned")):
+            s = sessions[name]
             t0 = time.perf_counter()
             s.train_step(x, y)
             s.sync()
-            times.append((time.perf_counter() - t0) * 1e3)
-        ms[name] = float(np.median(times))
-        if name == "untuned":
-            del sessions[name], s  # frees its device memory
+            times[name].append((time.perf_counter() - t0) * 1e3)
+    ms = {name: float(np.median(t)) for name, t in times.items()}
+    del sessions["untuned"], s  # frees the untuned build's device memory
     print(f"[demo] ms per training step over the same {len(timing)} batches (median): tuned "
           f"{ms['tuned']:.1f}, untuned {ms['untuned']:.1f} ({ms['untuned'] / ms['tuned']:.2f}x)",
           flush=True)
