@@ -6,9 +6,8 @@ by thomas_tune on MNIST digits 0-4 (``bench/four_levels.py``). The demo gives it
 5-class head and fine-tunes it on digits 5-9 (mnist5k, split 80/20 by class, relabelled 0-4),
 after tuning the kernels of its training step on the device (``thomas-tune tune`` over a
 loopback tracker). From the same run it reports ms per training step of the tuned build
-against the untuned build (default schedules), both timed on the same batches (alternating
-step by step), and the mean
-training loss over the first and the last steps.
+against the untuned build (default schedules), both timed on the same batches (the two
+alternating step by step), and the mean training loss over the first and the last steps.
 """
 
 from __future__ import annotations
