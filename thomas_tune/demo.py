@@ -164,7 +164,7 @@ def run(args, tune_fn) -> int:
             s.sync()
             times[name].append((time.perf_counter() - t0) * 1e3)
     ms = {name: float(np.median(t)) for name, t in times.items()}
-    del sessions["untuned"], s  # frees the untuned build's device memory
+    del sessions["untuned"], s  # frees the untuned build's device memory (s may be it)
     print(f"[demo] ms per training step over the same {len(timing)} batches (median): tuned "
           f"{ms['tuned']:.1f}, untuned {ms['untuned']:.1f} ({ms['untuned'] / ms['tuned']:.2f}x)",
           flush=True)

@@ -10,7 +10,6 @@ schedule is already in the log before it is built, and the new run measures only
 from __future__ import annotations
 
 import collections
-import contextlib
 import json
 import math
 import os
@@ -600,9 +599,8 @@ def _tune_locked(tasks, target, log, runner, trials, trials_per_iter, builder_wo
             phases.add("refine", max(0.0, time.perf_counter() - t - built), wall=True)
 
     seen: list[int] = []
-    watching = contextlib.ExitStack()
+    restore_handlers = note_signals(seen)
     try:
-        watching.enter_context(signals_seen(seen))
         if refine_top > 0:
             report.transferred = refining(refine_transfer, contexts, progress, database,
                                           target, runner, builder, refine_top,
@@ -645,10 +643,10 @@ def _tune_locked(tasks, target, log, runner, trials, trials_per_iter, builder_wo
         stop = seen[0] if seen else (signal.SIGINT if isinstance(err, KeyboardInterrupt)
                                      else None)
         report.ended = (f"stopped by {signal.Signals(stop).name}" if stop is not None
-                        else f"failed: {type(err).__name__}: {err}"[:300])
+                        else f"failed: {type(err).__name__}: {error_line(err, 300)}")
         raise
     finally:
-        watching.close()
+        restore_handlers()
         callbacks[-1].bar.close()
         builder.shutdown()
         if hasattr(runner, "shutdown"):
@@ -663,12 +661,12 @@ def _tune_locked(tasks, target, log, runner, trials, trials_per_iter, builder_wo
     return report
 
 
-@contextlib.contextmanager
-def signals_seen(seen: list[int]):
-    """While the block runs, append to ``seen`` each SIGINT or SIGTERM that reaches this
-    process's Python handler for it; the handler then runs as before. Signals whose handler is
-    not a Python function (SIGTERM's default ends the process) are left alone, as is every
-    signal when called off the main thread (only that thread can set handlers)."""
+def note_signals(seen: list[int]):
+    """From now on, append to ``seen`` each SIGINT or SIGTERM that reaches this process's
+    Python handler for it; the handler then runs as before. Returns the function that puts the
+    handlers back. Signals whose handler is not a Python function (SIGTERM's default ends the
+    process) are left alone, as is every signal when called off the main thread (only that
+    thread can set handlers)."""
     kept = {}
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -679,11 +677,11 @@ def signals_seen(seen: list[int]):
                     return prev(signum, frame)
                 kept[sig] = prev
                 signal.signal(sig, noting)
-    try:
-        yield seen
-    finally:
+
+    def restore() -> None:
         for sig, prev in kept.items():
             signal.signal(sig, prev)
+    return restore
 
 
 def _search_totals(report: TuneReport, strategies: list[ResumingSearch]) -> None:
