@@ -187,8 +187,13 @@ def test_farm_goes_on_when_a_device_server_dies(tracker, rng, tmp_path):
         log = _Lines()
         runner = FarmRunner(tracker, key, lanes=2, trial_timeout_s=30, repeat=2,
                             min_repeat_ms=100, wait_s=60, log=log)
+        # Both lanes open their sessions on a first batch: a lane still opening its first
+        # session (its worker process starts and imports TVM) loses no trial when its server
+        # dies, and on a loaded machine the other lane could measure the whole batch meanwhile.
+        _results(runner.run([_matmul(rng) for _ in range(2)]), 120)
+        _wait(lambda: runner.live_lanes() == 2, 60, "both lanes in session")
         futures = runner.run([_matmul(rng) for _ in range(12)])
-        _wait(lambda: sum(f.done() for f in futures) >= 3, 120, "the first trials")
+        _wait(lambda: sum(f.done() for f in futures) >= 2, 120, "the first trials")
         killed = servers[1].kill_device_process()
         results = _results(futures, 180)
         errors = [r.error_msg for r in results if r.error_msg is not None]
@@ -201,12 +206,13 @@ def test_farm_goes_on_when_a_device_server_dies(tracker, rng, tmp_path):
         # rpc server starts a new device process; the lane that lost its server comes back
         _wait(lambda: "started a new one" in servers[1].text(), 60, "the restart")
         assert not psutil.pid_exists(killed) or psutil.Process(killed).status() == "zombie"
-        _wait(lambda: _queue(tracker, key).get("free", 0) >= 1, 60, "a free server")
+        # (no wait for a free server in the tracker: both lanes keep their sessions open between
+        # batches, the lane that lost its server on the restarted one, until idle_close_s)
         again = _results(runner.run([_matmul(rng) for _ in range(4)]), 180)
         assert all(r.error_msg is None for r in again), [r.error_msg for r in again]
         _wait(lambda: "back in service" in log.text(), 30, "the lane back in service")
         print(f"farm: 1 device process killed, {len(errors)} trial lost of "
-              f"{len(results) + len(again)}")
+              f"{len(results) + len(again)} (after 2 to open the sessions)")
     finally:
         if runner is not None:
             runner.shutdown()
