@@ -40,6 +40,7 @@ from tvm.script import tirx as T
 
 from thomas_tune import cli, rpc
 from thomas_tune.runner import FarmRunner, build_candidate, export_candidate
+from thomas_tune.schedules import plain_json
 from thomas_tune.target import parse_target
 from thomas_tune.tuning_log import (LogInUse, TrialErrors, TuningLog, mean_seconds, read_errors,
                                     read_log)
@@ -376,6 +377,8 @@ def test_tuner_killed_and_restarted(tracker, rng, tmp_path):
                 report = json.loads(stats.read_text())
                 assert report["ended"] == f"stopped by {sig.name}", report["ended"]
                 assert report["elapsed_s"] > 0 and len(report["tasks"]) == 2, report
+                if n == 1:  # run 0 kept no schedule hashes (its log was empty at its start)
+                    assert report["replayed_records"] >= report["resumed_records"], report
             kept = lines
         # SIGKILL leaves no stale lock; a torn line, if the kill made one, is set aside
         log.lock("checking").release()
@@ -407,6 +410,77 @@ def test_tuner_killed_and_restarted(tracker, rng, tmp_path):
 
 
 # ---- tuning logs: damage, show, check, merge --------------------------------------------------
+def _same_records(a, b) -> None:
+    assert [float(s) for s in a.run_secs] == [float(s) for s in b.run_secs]
+    assert json.dumps(plain_json(a.trace.as_json())) == json.dumps(plain_json(b.trace.as_json()))
+
+
+def test_log_database_hands_out_what_jsondatabase_does(tmp_path, rng):
+    log = _copy_log(tmp_path / "log")
+    lazy = log.database(check=False)
+    full = ms.database.JSONDatabase(log.workload_path, log.record_path, allow_missing=False)
+    assert len(lazy) == len(full) and len(lazy.workloads) > 10
+    for w in lazy.workloads:
+        a, b = full.get_top_k(full.commit_workload(w.mod), 1 << 30), lazy.get_top_k(w, 1 << 30)
+        assert len(a) == len(b) and len(a) > 0
+        for x, y in zip(a, b):
+            _same_records(x, y)
+        q = lazy.query_tuning_record(w.mod, None, "main")
+        _same_records(q, a[0])
+        assert tvm_ffi.structural_equal(lazy.query_ir_module(w.mod, None, "main"),
+                                        full.query_ir_module(w.mod, parse_target("llvm"), "main"))
+    # a committed record is appended (one line) and sorted in; both databases read it back
+    w = lazy.workloads[int(rng.integers(len(lazy.workloads)))]
+    best = lazy.get_top_k(w, 1)[0]
+    secs = [float(s) * float(rng.uniform(0.5, 0.9)) for s in best.run_secs]
+    faster = ms.database.TuningRecord(best.trace, w, secs, best.target, best.args_info)
+    n_lines = len(open(log.record_path).readlines())
+    lazy.commit_tuning_record(faster)
+    assert len(open(log.record_path).readlines()) == n_lines + 1
+    for db in (lazy, log.database(check=False),
+               ms.database.JSONDatabase(log.workload_path, log.record_path)):
+        top = db.get_top_k(db.commit_workload(w.mod), 1)[0]
+        assert [float(s) for s in top.run_secs] == pytest.approx(secs)
+    # a new workload is appended to the workload file
+    n_workloads = len(lazy.workloads)
+    new = tvm.IRModule({"main": hanging_kernel})
+    lazy.commit_workload(new)
+    assert len(log.database(check=False).workloads) == n_workloads + 1
+    assert ms.database.JSONDatabase(log.workload_path, log.record_path).has_workload(new)
+
+
+def test_schedule_hashes_are_kept_and_match_a_full_replay(tmp_path):
+    log = _copy_log(tmp_path / "log")
+    lazy = log.database(check=False)
+    full = ms.database.JSONDatabase(log.workload_path, log.record_path)
+    first = {}
+    for w in lazy.workloads:  # as a resumed run starts: every record replayed once
+        first[w] = log.measured(lazy, w.mod)
+        old = {tvm_ffi.structural_hash(_replayed(r)) for r in
+               full.get_top_k(full.commit_workload(w.mod), 1 << 30)}
+        assert first[w] == old and first[w]
+    replayed = log.save_hashes()
+    assert replayed == sum(len(lazy.bodies(w)) for w in lazy.workloads)
+    again = TuningLog(log.path)  # the next start: the kept hashes, nothing replayed
+    db = again.database(check=False)
+    assert all(again.measured(db, w.mod) == first[w] for w in lazy.workloads)
+    assert again._replayed == 0
+    # hashes written under another TVM version, or a torn file, are not used: replayed again
+    data = json.loads(open(log.hash_path).read())
+    for text in (json.dumps({**data, "stamp": "schedule-hashes-v1 tvm 0.0"}), "{\"stamp\": "):
+        with open(log.hash_path, "w") as f:
+            f.write(text)
+        third = TuningLog(log.path)
+        assert all(third.measured(db, w.mod) == first[w] for w in lazy.workloads)
+        assert third._replayed == replayed
+
+
+def _replayed(rec):
+    sch = Schedule(rec.workload.mod)
+    rec.trace.apply_to_schedule(sch, remove_postproc=False)
+    return sch.mod
+
+
 def _copy_log(dst) -> TuningLog:
     shutil.copytree(COMMITTED_LOG, dst)
     return TuningLog(str(dst))

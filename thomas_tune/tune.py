@@ -338,6 +338,11 @@ class TuneReport:
     tasks: list[TaskProgress] = field(default_factory=list)
     skipped: int = 0
     resumed_records: int = 0
+    #: of ``resumed_records``, those replayed at the start (the others' schedule hashes were
+    #: kept in the log folder: :meth:`thomas_tune.tuning_log.TuningLog.measured`)
+    replayed_records: int = 0
+    #: seconds from the log's opening to the first search: records read and replayed, spaces
+    startup_s: float = 0.0
     #: candidates whose unroll limit was lowered to ``max_unroll`` (bred from records over it)
     clamped: int = 0
     elapsed_s: float = 0.0
@@ -398,7 +403,9 @@ class TuneReport:
                 "phases": self.phases, "cpu_busy": self.cpu_busy, "refined": self.refined,
                 "padded": self.padded, "transferred": self.transferred,
                 "search_failed": self.search_failed,
-                "resumed_records": self.resumed_records, "clamped": self.clamped,
+                "resumed_records": self.resumed_records,
+                "replayed_records": self.replayed_records, "startup_s": self.startup_s,
+                "clamped": self.clamped,
                 "skipped": self.skipped, "ended": self.ended,
                 "tasks": [{"name": t.name, "trials": t.trials, "errors": t.errors,
                            "best_ms": t.best_s * 1e3 if t.best_s < math.inf else None,
@@ -535,6 +542,7 @@ def _tune_locked(tasks, target, log, runner, trials, trials_per_iter, builder_wo
                  max_in_flight, max_unroll, refine_top, genetic_iters) -> TuneReport:
     from .scheduler import PipelinedGradient
 
+    t_open = time.perf_counter()
     database = log.database()
     report = TuneReport()
     phases = getattr(runner, "phases", None) or Phases()
@@ -561,6 +569,9 @@ def _tune_locked(tasks, target, log, runner, trials, trials_per_iter, builder_wo
         best = log.best_seconds(database, task.mod) if measured else None
         tuned_ms.append(best * 1e3 if best is not None else None)
         progress.append(TaskProgress(task.name, task.flops))
+    replayed = log.save_hashes()  # the next start replays only the records added after this
+    report.replayed_records = replayed
+    report.startup_s = time.perf_counter() - t_open
     if not contexts:
         raise ValueError("no task has a search space for this target (see the lines above)")
     report.tasks = progress

@@ -6,7 +6,8 @@ files: ``database_workload.json`` (one workload per line) and ``database_tuning_
 MetaSchedule appends one line per measured trial and closes the file after each, so a killed run
 loses at most the record in flight.
 
-Before MetaSchedule reads the files, :meth:`TuningLog.check` parses every line. A line that does
+MetaSchedule reads the files through :class:`LogDatabase`, which builds a record only when it
+hands it out. Before it does, :meth:`TuningLog.check` parses every line. A line that does
 not parse (a torn last line, a hand edit, a record whose workload is unreadable) is reported,
 moved to ``<file>.rejected`` with the reason, and left out of the file MetaSchedule reads;
 nothing is dropped silently.
@@ -44,6 +45,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 
+import tvm
 import tvm_ffi
 from tvm.ir.utils import derived_object
 from tvm.s_tir import meta_schedule as ms
@@ -56,6 +58,8 @@ RECORDS = "database_tuning_record.json"
 LOCK = ".lock"
 PACKED = ".xz"  # suffix of a packed log's files (xz, Python's lzma)
 ERRORS = "trial_errors.jsonl"
+# the structural hashes of the log's measured schedules, kept to skip replays on a resumed run
+HASHES = "schedule_hashes.json"
 # MetaSchedule records a trial without a run time (failed build or run) with this many seconds
 FAILED_RUN_S = 1e9
 
@@ -153,6 +157,245 @@ def _unpacked_copy(path: str) -> str:
     return dest
 
 
+def _hash_stamp() -> str:
+    """What a kept schedule hash depends on besides workload and trace: TVM's version (its
+    schedule primitives and structural hash)."""
+    import tvm
+    return f"schedule-hashes-v1 tvm {tvm.__version__}"
+
+
+def _plain(o):
+    """``json.dumps`` default for TVM objects in a record's JSON form (IntImm, FloatImm, maps,
+    arrays): plain Python values."""
+    import tvm
+    if isinstance(o, tvm.tirx.IntImm):
+        return bool(o.value) if str(o.ty) == "bool" else int(o.value)
+    if isinstance(o, tvm.tirx.FloatImm):
+        return float(o.value)
+    if hasattr(o, "items"):
+        return dict(o.items())
+    if hasattr(o, "__len__") and hasattr(o, "__getitem__"):
+        return list(o)
+    raise TypeError(f"{type(o).__name__} has no JSON form")
+
+
+def _dumps(obj) -> str:
+    return json.dumps(obj, default=_plain, separators=(",", ":"))
+
+
+class _Entry:
+    """One record line of a :class:`LogDatabase`: its mean run time (MetaSchedule's), whether
+    get_top_k hands it out, the line's text (parsed again when needed: the parsed traces of a
+    large log take several times the memory of its text), and the TuningRecord once built."""
+
+    __slots__ = ("mean", "seq", "valid", "line", "record")
+
+    def __init__(self, run_secs, seq: int, line: str, record=None):
+        self.mean, self.valid = _ms_mean(run_secs), _ms_valid(run_secs)
+        self.seq, self.line, self.record = seq, line, record
+
+    @property
+    def body(self) -> list:
+        return json.loads(self.line)[1]
+
+
+# MetaSchedule's stand-in run time of a trial without one (SortTuningRecordByMeanRunSecs)
+_MS_NO_TIME = 1e10
+
+
+def _ms_mean(run_secs) -> float:
+    secs = [float(s) for s in run_secs or []]
+    return sum(secs) / len(secs) if secs else _MS_NO_TIME
+
+
+def _ms_valid(run_secs) -> bool:
+    """Whether MetaSchedule's get_top_k hands the record out: some run time that is not the
+    stand-in of a failed trial."""
+    secs = [float(s) for s in run_secs or []]
+    return bool(secs) and not all(s == _MS_NO_TIME for s in secs)
+
+
+@derived_object
+class LogDatabase(ms.database.PyDatabase):
+    """A tuning log's two files as a MetaSchedule database that builds records when asked.
+
+    MetaSchedule's ``JSONDatabase`` replays every record's trace on its workload when it
+    opens the files (``TuningRecord.from_json`` applies the trace to rebuild it): 152 s for
+    the 25,354 records of the H100 AlexNet log on 2 cores, before the first trial of a
+    resumed run or the first kernel of an export. This database parses the lines as JSON
+    (about 4 s there), keeps each workload's records sorted by mean run time as
+    ``JSONDatabase`` does (ties in file order), and builds a ``TuningRecord`` only when
+    :meth:`get_top_k` hands it out (once; it is kept). What it hands out is what
+    ``JSONDatabase`` hands out: records with at least one run time that is not MetaSchedule's
+    stand-in for a failed trial (1e10 s), fastest first (checked against ``JSONDatabase`` in
+    ``tests/test_faults.py``). A committed workload or record is appended to its file as
+    ``JSONDatabase`` appends it: one line, the file closed after each.
+
+    ``workload_path``, ``record_path``: the two files (created on the first commit). Lines
+    that do not parse are skipped here; :meth:`TuningLog.check` reports them and sets them
+    aside before a log is opened. Raises what ``Workload.from_json`` raises for a workload
+    line that parses as JSON but not as TIR.
+    """
+
+    def __init__(self, workload_path: str, record_path: str):
+        import threading
+        self.workload_path, self.record_path = workload_path, record_path
+        self.workloads: list = []              # Workload objects, in file order
+        self.by_hash: dict[int, list[int]] = {}  # structural hash -> workload indices
+        self.entries: list[list[_Entry]] = []    # per workload, sorted by (mean, seq)
+        self.keys: list[str] = []                # per workload: structural hash (decimal)
+        self.count = 0
+        self.lock = threading.RLock()
+        if os.path.exists(workload_path):
+            with open(workload_path) as f:
+                for line in f:
+                    if line.strip():
+                        self._add_workload(ms.database.Workload.from_json(json.loads(line)))
+        if os.path.exists(record_path):
+            with open(record_path) as f:
+                for line in f:
+                    try:
+                        idx, body = json.loads(line)
+                        idx = int(idx)
+                        if not 0 <= idx < len(self.workloads) or not isinstance(body, list) \
+                                or len(body) < 2:
+                            continue
+                        secs = [float(x) for x in body[1]]
+                    except (ValueError, TypeError):  # check() reports such lines
+                        continue
+                    self.entries[idx].append(_Entry(secs, self.count, line))
+                    self.count += 1
+        for rows in self.entries:
+            rows.sort(key=lambda e: (e.mean, e.seq))
+
+    def _add_workload(self, workload) -> int:
+        index = len(self.workloads)
+        h = int(tvm_ffi.structural_hash(workload.mod))
+        self.workloads.append(workload)
+        self.by_hash.setdefault(h, []).append(index)
+        self.entries.append([])
+        self.keys.append(str(h))
+        return index
+
+    def _index(self, mod) -> int | None:
+        for i in self.by_hash.get(int(tvm_ffi.structural_hash(mod)), []):
+            if tvm_ffi.structural_equal(self.workloads[i].mod, mod):
+                return i
+        return None
+
+    def _index_of(self, workload) -> int | None:
+        for i, w in enumerate(self.workloads):
+            if w.same_as(workload):
+                return i
+        return self._index(workload.mod)
+
+    def _built(self, idx: int, entry: _Entry):
+        if entry.record is None:
+            entry.record = ms.database.TuningRecord.from_json(entry.body, self.workloads[idx])
+        return entry.record
+
+    def workload_key(self, workload) -> str | None:
+        """The structural hash (decimal) of a workload of this database, or None."""
+        idx = self._index_of(workload)
+        return None if idx is None else self.keys[idx]
+
+    def bodies(self, workload) -> list[list]:
+        """The JSON bodies (``[trace, run_secs, target, args_info]``) of the records of
+        ``workload`` that :meth:`get_top_k` hands out, fastest first; nothing is built."""
+        with self.lock:
+            idx = self._index_of(workload)
+            return [] if idx is None else [e.body for e in self.entries[idx] if e.valid]
+
+    def first(self, accept) -> list:
+        """Per workload (in file order) with one: its fastest record whose run times pass
+        ``accept(run_secs: list[float]) -> bool``, built; nothing else is built."""
+        out = []
+        with self.lock:
+            for idx, rows in enumerate(self.entries):
+                for e in rows:
+                    if accept([float(x) for x in e.body[1]]):  # parsed: few per workload
+                        out.append(self._built(idx, e))
+                        break
+        return out
+
+    def has_workload(self, mod) -> bool:
+        with self.lock:
+            return self._index(mod) is not None
+
+    def commit_workload(self, mod):
+        with self.lock:
+            idx = self._index(mod)
+            if idx is not None:
+                return self.workloads[idx]
+            workload = ms.database.Workload(mod)
+            with open(self.workload_path, "a") as f:
+                f.write(_dumps(workload.as_json()) + "\n")
+            self._add_workload(workload)
+            return workload
+
+    def commit_tuning_record(self, record) -> None:
+        import bisect
+        with self.lock:
+            idx = self._index_of(record.workload)
+            if idx is None:
+                self.commit_workload(record.workload.mod)
+                idx = self._index_of(record.workload)
+            body = json.loads(_dumps(record.as_json()))
+            line = _dumps([idx, body]) + "\n"
+            with open(self.record_path, "a") as f:  # closed (flushed) per record
+                f.write(line)
+            entry = _Entry(body[1], self.count, line, record)
+            self.count += 1
+            rows = self.entries[idx]
+            keys = [(e.mean, e.seq) for e in rows]
+            rows.insert(bisect.bisect_right(keys, (entry.mean, entry.seq)), entry)
+
+    def get_top_k(self, workload, top_k: int) -> list:
+        if top_k < 0:
+            raise ValueError(f"top_k {top_k} is negative")
+        with self.lock:
+            idx = self._index_of(workload)
+            if idx is None:
+                return []
+            out = []
+            for e in self.entries[idx]:
+                if len(out) >= top_k:
+                    break
+                if e.valid:
+                    out.append(self._built(idx, e))
+            return out
+
+    def get_all_tuning_records(self) -> list:
+        """Every record (each built: slow on a large log), fastest first."""
+        with self.lock:
+            rows = sorted(((e.mean, e.seq, i, e) for i, es in enumerate(self.entries)
+                           for e in es), key=lambda r: (r[0], r[1]))
+            return [self._built(i, e) for _, _, i, e in rows]
+
+    def query_tuning_record(self, mod, target, workload_name):
+        with self.lock:
+            idx = self._index(mod)
+            if idx is None:
+                return None
+            top = self.get_top_k(self.workloads[idx], 1)
+            return top[0] if top else None
+
+    def query_schedule(self, mod, target, workload_name):
+        rec = self.query_tuning_record(mod, target, workload_name)
+        if rec is None:
+            return None
+        sch = Schedule(rec.workload.mod)
+        rec.trace.apply_to_schedule(sch, remove_postproc=False)
+        return sch
+
+    def query_ir_module(self, mod, target, workload_name):
+        sch = self.query_schedule(mod, target, workload_name)
+        return None if sch is None else sch.mod
+
+    def __len__(self) -> int:
+        return self.count
+
+
 class TuningLog:
     """A tuning-log folder. ``path`` is created on first use. A packed folder (:func:`pack`) is
     read from its unpacked copy in the cache (``packed`` is True); it cannot be locked."""
@@ -163,6 +406,8 @@ class TuningLog:
         files = _unpacked_copy(path) if self.packed else path
         self.workload_path = os.path.join(files, WORKLOADS)
         self.record_path = os.path.join(files, RECORDS)
+        self._hash_cache: dict | None = None
+        self._replayed = 0
 
     def exists(self) -> bool:
         return os.path.exists(self.record_path)
@@ -279,11 +524,12 @@ class TuningLog:
         if bad_workloads or bad_records:
             _rewrite(self.record_path, good_records)
 
-    def database(self, check: bool = True) -> ms.database.JSONDatabase:
-        """MetaSchedule's JSONDatabase over this folder (after :meth:`check` unless told not to)."""
+    def database(self, check: bool = True) -> LogDatabase:
+        """This folder's records as a MetaSchedule database (:class:`LogDatabase`: records are
+        built when handed out), after :meth:`check` unless told not to."""
         if check:
             self.check()
-        return ms.database.JSONDatabase(self.workload_path, self.record_path, allow_missing=True)
+        return LogDatabase(self.workload_path, self.record_path)
 
     def workloads(self) -> list[tvm.IRModule]:
         """The kernels (one PrimFunc module each) of this log's workload file, in its order;
@@ -298,19 +544,53 @@ class TuningLog:
                         continue
         return mods
 
+    @property
+    def hash_path(self) -> str:
+        return os.path.join(self.path, HASHES)
+
     def measured(self, database: ms.Database, mod) -> set[int]:
         """Structural hashes of the schedules of ``mod`` (a task's workload) measured so far.
 
         Each record's trace is replayed on the workload; the hash of the result identifies the
         candidate as MetaSchedule's own de-duplication does. The replays run on a thread per
-        core (TVM lets go of Python's lock while it replays): a resumed run of the 8,789-record
-        AlexNet log replays them all before its first trial.
+        core (TVM lets go of Python's lock while it replays). With a :class:`LogDatabase`,
+        the hashes are kept in ``schedule_hashes.json`` in the log folder (:data:`HASHES`,
+        keyed by workload, trace and TVM version), so that a resumed run replays only the
+        records added since the last start: the 25,354 records of the H100 AlexNet log took
+        151 s to replay on 2 cores. Call :meth:`save_hashes` to write what was replayed.
         """
         from concurrent.futures import ThreadPoolExecutor
 
         if not database.has_workload(mod):
             return set()
         workload = database.commit_workload(mod)
+        if isinstance(database, LogDatabase):
+            key = database.workload_key(workload)
+            known = self._hashes().setdefault(key, {})
+            todo, out = [], set()
+            for body in database.bodies(workload):
+                tkey = hashlib.sha1(_dumps(body[0]).encode()).hexdigest()[:20]
+                if tkey in known:
+                    if known[tkey] is not None:
+                        out.add(int(known[tkey]))
+                else:
+                    todo.append((tkey, body[0]))
+
+            def replayed_json(item):
+                sch = Schedule(mod)
+                try:
+                    tvm.s_tir.schedule.Trace.apply_json_to_schedule(item[1], sch)
+                except Exception:  # a trace that no longer applies cannot be a duplicate
+                    return item[0], None
+                return item[0], tvm_ffi.structural_hash(sch.mod)
+
+            with ThreadPoolExecutor(max(1, os.cpu_count() or 1)) as pool:
+                for tkey, h in pool.map(replayed_json, todo, chunksize=16):
+                    known[tkey] = None if h is None else str(h)
+                    if h is not None:
+                        out.add(int(h))
+            self._replayed += len(todo)
+            return out
 
         def replayed(rec):
             sch = Schedule(mod)
@@ -327,6 +607,30 @@ class TuningLog:
             with ThreadPoolExecutor(max(1, os.cpu_count() or 1)) as pool:
                 hashes = list(pool.map(replayed, records, chunksize=16))
         return {h for h in hashes if h is not None}
+
+    def _hashes(self) -> dict:
+        """``{workload key: {trace key: schedule hash or None}}`` as :data:`HASHES` holds it
+        (empty when missing, unreadable, or written under another TVM version)."""
+        if self._hash_cache is None:
+            self._hash_cache = {}
+            try:
+                with open(self.hash_path) as f:
+                    data = json.load(f)
+                if isinstance(data, dict) and data.get("stamp") == _hash_stamp() \
+                        and isinstance(data.get("hashes"), dict):
+                    self._hash_cache = data["hashes"]
+            except (OSError, ValueError):  # none yet, or torn: replay again
+                pass
+        return self._hash_cache
+
+    def save_hashes(self) -> int:
+        """Write the schedule hashes replayed by :meth:`measured` (atomically) to
+        :data:`HASHES`; returns how many records were replayed since the log was opened."""
+        if self._hash_cache is not None and self._replayed and not self.packed:
+            os.makedirs(self.path, exist_ok=True)
+            _rewrite(self.hash_path, [json.dumps({"stamp": _hash_stamp(),
+                                                  "hashes": self._hash_cache})])
+        return self._replayed
 
     def best_seconds(self, database: ms.Database, mod) -> float | None:
         """Mean run time (s) of the fastest record of workload ``mod``, or None if it has none."""
