@@ -45,24 +45,28 @@ def unroll_steps(max_unroll: int | None = None) -> list[int]:
     return steps
 
 
+def json_default(o):
+    """``json.dumps``'s ``default`` for the TVM objects of a trace's or a tuning record's JSON
+    form (``as_json()``): ``IntImm`` and ``FloatImm`` as numbers, TVM maps and arrays as dicts
+    and lists. Raises TypeError for an object that is none of these (not met in MetaSchedule's
+    traces so far: a layout's ``IndexMap`` comes as a string)."""
+    if isinstance(o, tvm.tirx.IntImm):
+        return bool(o.value) if str(o.ty) == "bool" else int(o.value)
+    if isinstance(o, tvm.tirx.FloatImm):
+        return float(o.value)
+    if hasattr(o, "items"):
+        return dict(o.items())
+    if hasattr(o, "__len__") and hasattr(o, "__getitem__"):
+        return list(o)  # TVM's arrays
+    raise TypeError(f"{type(o).__name__} has no JSON form")
+
+
 def plain_json(trace_json) -> list:
     """A trace's JSON form (``Trace.as_json()``: TVM arrays holding ``IntImm`` and ``FloatImm``
     attributes; or a record's, already plain) as plain Python lists, ints, floats and strings,
     which ``json`` can write and ``Trace.apply_json_to_schedule`` reads back. Raises TypeError
-    for an object that is none of these (not met in MetaSchedule's traces so far: a layout's
-    ``IndexMap`` comes as a string)."""
-    def plain(o):
-        if isinstance(o, tvm.tirx.IntImm):
-            return bool(o.value) if str(o.ty) == "bool" else int(o.value)
-        if isinstance(o, tvm.tirx.FloatImm):
-            return float(o.value)
-        if hasattr(o, "items"):
-            return dict(o.items())
-        if hasattr(o, "__len__") and hasattr(o, "__getitem__"):
-            return list(o)  # TVM's arrays
-        raise TypeError(f"{type(o).__name__} has no JSON form")
-
-    return json.loads(json.dumps(trace_json, default=plain))
+    as :func:`json_default` does."""
+    return json.loads(json.dumps(trace_json, default=json_default))
 
 
 def _unroll_at(insts, decisions) -> tuple[int, int] | None:

@@ -32,6 +32,7 @@ packed.
 
 from __future__ import annotations
 
+import bisect
 import fcntl
 import hashlib
 import json
@@ -42,6 +43,7 @@ import re
 import socket
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -160,27 +162,13 @@ def _unpacked_copy(path: str) -> str:
 def _hash_stamp() -> str:
     """What a kept schedule hash depends on besides workload and trace: TVM's version (its
     schedule primitives and structural hash)."""
-    import tvm
     return f"schedule-hashes-v1 tvm {tvm.__version__}"
 
 
-def _plain(o):
-    """``json.dumps`` default for TVM objects in a record's JSON form (IntImm, FloatImm, maps,
-    arrays): plain Python values."""
-    import tvm
-    if isinstance(o, tvm.tirx.IntImm):
-        return bool(o.value) if str(o.ty) == "bool" else int(o.value)
-    if isinstance(o, tvm.tirx.FloatImm):
-        return float(o.value)
-    if hasattr(o, "items"):
-        return dict(o.items())
-    if hasattr(o, "__len__") and hasattr(o, "__getitem__"):
-        return list(o)
-    raise TypeError(f"{type(o).__name__} has no JSON form")
-
-
 def _dumps(obj) -> str:
-    return json.dumps(obj, default=_plain, separators=(",", ":"))
+    """One line of JSON of a workload's, trace's or record's ``as_json()`` form."""
+    from .schedules import json_default
+    return json.dumps(obj, default=json_default, separators=(",", ":"))
 
 
 class _Entry:
@@ -238,7 +226,6 @@ class LogDatabase(ms.database.PyDatabase):
     """
 
     def __init__(self, workload_path: str, record_path: str):
-        import threading
         self.workload_path, self.record_path = workload_path, record_path
         self.workloads: list = []              # Workload objects, in file order
         self.by_hash: dict[int, list[int]] = {}  # structural hash -> workload indices
@@ -334,21 +321,16 @@ class LogDatabase(ms.database.PyDatabase):
             return workload
 
     def commit_tuning_record(self, record) -> None:
-        import bisect
         with self.lock:
             idx = self._index_of(record.workload)
             if idx is None:
-                self.commit_workload(record.workload.mod)
-                idx = self._index_of(record.workload)
-            body = json.loads(_dumps(record.as_json()))
-            line = _dumps([idx, body]) + "\n"
+                idx = self._index_of(self.commit_workload(record.workload.mod))
+            line = _dumps([idx, record.as_json()]) + "\n"
             with open(self.record_path, "a") as f:  # closed (flushed) per record
                 f.write(line)
-            entry = _Entry(body[1], self.count, line, record)
+            entry = _Entry([float(s) for s in record.run_secs or []], self.count, line, record)
             self.count += 1
-            rows = self.entries[idx]
-            keys = [(e.mean, e.seq) for e in rows]
-            rows.insert(bisect.bisect_right(keys, (entry.mean, entry.seq)), entry)
+            bisect.insort(self.entries[idx], entry, key=lambda e: (e.mean, e.seq))
 
     def get_top_k(self, workload, top_k: int) -> list:
         if top_k < 0:
@@ -548,65 +530,50 @@ class TuningLog:
     def hash_path(self) -> str:
         return os.path.join(self.path, HASHES)
 
-    def measured(self, database: ms.Database, mod) -> set[int]:
-        """Structural hashes of the schedules of ``mod`` (a task's workload) measured so far.
+    def measured(self, database: LogDatabase, mod) -> set[int]:
+        """Structural hashes of the schedules of ``mod`` (a task's workload) measured so far,
+        as ``database`` (this log's :meth:`database`) holds them.
 
         Each record's trace is replayed on the workload; the hash of the result identifies the
         candidate as MetaSchedule's own de-duplication does. The replays run on a thread per
-        core (TVM lets go of Python's lock while it replays). With a :class:`LogDatabase`,
-        the hashes are kept in ``schedule_hashes.json`` in the log folder (:data:`HASHES`,
-        keyed by workload, trace and TVM version), so that a resumed run replays only the
-        records added since the last start: the 25,354 records of the H100 AlexNet log took
-        151 s to replay on 2 cores. Call :meth:`save_hashes` to write what was replayed.
+        core (TVM lets go of Python's lock while it replays). The hashes are kept in
+        ``schedule_hashes.json`` in the log folder (:data:`HASHES`, keyed by workload, trace
+        and TVM version; :meth:`save_hashes` writes them), so that a resumed run replays only
+        the records added since its last start: the 25,354 records of the H100 AlexNet log
+        took 151 s to replay on 2 cores. Raises TypeError for another kind of database.
         """
         from concurrent.futures import ThreadPoolExecutor
 
+        if not isinstance(database, LogDatabase):
+            raise TypeError(f"measured() reads a LogDatabase (TuningLog.database()), not a "
+                            f"{type(database).__name__}")
         if not database.has_workload(mod):
             return set()
         workload = database.commit_workload(mod)
-        if isinstance(database, LogDatabase):
-            key = database.workload_key(workload)
-            known = self._hashes().setdefault(key, {})
-            todo, out = [], set()
-            for body in database.bodies(workload):
-                tkey = hashlib.sha1(_dumps(body[0]).encode()).hexdigest()[:20]
-                if tkey in known:
-                    if known[tkey] is not None:
-                        out.add(int(known[tkey]))
-                else:
-                    todo.append((tkey, body[0]))
+        known = self._hashes().setdefault(database.workload_key(workload), {})
+        todo, out = [], set()
+        for body in database.bodies(workload):
+            key = hashlib.sha1(_dumps(body[0]).encode()).hexdigest()[:20]
+            if key not in known:
+                todo.append((key, body[0]))
+            elif known[key] is not None:
+                out.add(int(known[key]))
 
-            def replayed_json(item):
-                sch = Schedule(mod)
-                try:
-                    tvm.s_tir.schedule.Trace.apply_json_to_schedule(item[1], sch)
-                except Exception:  # a trace that no longer applies cannot be a duplicate
-                    return item[0], None
-                return item[0], tvm_ffi.structural_hash(sch.mod)
-
-            with ThreadPoolExecutor(max(1, os.cpu_count() or 1)) as pool:
-                for tkey, h in pool.map(replayed_json, todo, chunksize=16):
-                    known[tkey] = None if h is None else str(h)
-                    if h is not None:
-                        out.add(int(h))
-            self._replayed += len(todo)
-            return out
-
-        def replayed(rec):
+        def replayed(item):
             sch = Schedule(mod)
             try:
-                rec.trace.apply_to_schedule(sch, remove_postproc=False)
+                tvm.s_tir.schedule.Trace.apply_json_to_schedule(item[1], sch)
             except Exception:  # a trace that no longer applies cannot be a duplicate
-                return None
-            return tvm_ffi.structural_hash(sch.mod)
+                return item[0], None
+            return item[0], tvm_ffi.structural_hash(sch.mod)
 
-        records = database.get_top_k(workload, 1 << 30)
-        if len(records) < 64:
-            hashes = map(replayed, records)
-        else:
-            with ThreadPoolExecutor(max(1, os.cpu_count() or 1)) as pool:
-                hashes = list(pool.map(replayed, records, chunksize=16))
-        return {h for h in hashes if h is not None}
+        with ThreadPoolExecutor(max(1, os.cpu_count() or 1)) as pool:
+            for key, h in pool.map(replayed, todo, chunksize=16):
+                known[key] = None if h is None else str(h)
+                if h is not None:
+                    out.add(int(h))
+        self._replayed += len(todo)
+        return out
 
     def _hashes(self) -> dict:
         """``{workload key: {trace key: schedule hash or None}}`` as :data:`HASHES` holds it
