@@ -56,10 +56,10 @@ def best_records(database: ms.Database, log_path: str,
     import math
 
     from .tune import read_default_times
-    from .tuning_log import LogDatabase
+    from .tuning_log import LogDatabase, mean_run_seconds
 
     def valid(secs: list[float]) -> bool:
-        return bool(secs) and all(math.isfinite(x) and x < 1e9 for x in secs)
+        return math.isfinite(mean_run_seconds(secs))
 
     best: dict[str, tuple[float, object]] = {}
     # a LogDatabase builds each workload's fastest valid record only (building every record
@@ -67,11 +67,10 @@ def best_records(database: ms.Database, log_path: str,
     records = (database.first(valid) if isinstance(database, LogDatabase)
                else database.get_all_tuning_records())
     for rec in records:
-        secs = [float(x) for x in (rec.run_secs or [])]
-        if not valid(secs):
+        mean = mean_run_seconds(rec.run_secs or [])
+        if not math.isfinite(mean):
             continue
         key = str(tvm_ffi.structural_hash(rec.workload.mod))
-        mean = sum(secs) / len(secs)
         if key not in best or mean < best[key][0]:
             best[key] = (mean, rec)
     defaults = (read_default_times(log_path, target,
