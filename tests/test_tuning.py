@@ -10,7 +10,7 @@ from thomas_tune import graph as G
 from thomas_tune import rpc
 from thomas_tune.models import build
 from thomas_tune.target import parse_target
-from thomas_tune.tasks import extract
+from thomas_tune.tasks import extract, key, matching
 from thomas_tune.tune import rpc_runner, tune
 from thomas_tune.tuning_log import TuningLog
 
@@ -502,3 +502,17 @@ def test_cost_model_trains_on_a_quarter_of_the_cores():
     pred = inst._predict(xs=xs[:32])
     assert pred.shape == (32,) and np.all(np.isfinite(pred))
     assert np.corrcoef(pred, ys[:32])[0, 1] > 0.5
+
+
+def test_match_takes_task_names_and_workload_keys(small_tasks):
+    """``tune --match`` picks tasks by a regular expression over their names, or by their
+    workload keys matched whole: the keys a bench's kernel table gives (its kernel names come
+    from another fusion of the graph, and differ)."""
+    import re
+
+    a, b = small_tasks
+    assert matching(small_tasks, re.compile(f"^{re.escape(a.name)}$")) == [a]
+    assert matching(small_tasks, re.compile(key(b))) == [b]
+    assert matching(small_tasks, re.compile(f"^({key(a)}|{re.escape(b.name)})$")) == [a, b]
+    assert matching(small_tasks, re.compile(key(a)[:6])) == []  # part of a key: no match
+    assert key(a) != key(b) and key(a).isdigit()

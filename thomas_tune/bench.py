@@ -242,7 +242,7 @@ def measure_peaks(target, dev, refresh: bool = False, min_ms: float = 20.0) -> d
 class Kernel:
     """One PrimFunc of the training step: ``calls`` per step, FLOPs per call (TVM's estimate,
     multiply-adds count 2), ``bytes`` of its arguments per call (a lower bound of its memory
-    traffic), the workload key (:func:`thomas_tune.tune.workload_key`), its argument shapes."""
+    traffic), the workload key (:func:`thomas_tune.tasks.key`), its argument shapes."""
 
     name: str
     calls: int

@@ -198,10 +198,11 @@ def cmd_tune(args) -> int:
     everything = extract(_graphs(args, model), target)
     pool = everything
     if pattern is not None:
-        pool = [t for t in everything if pattern.search(t.name)]
+        from .tasks import matching
+        pool = matching(everything, pattern)
         if not pool:
-            raise ValueError(f"no task name matches --match {args.match!r}; 'thomas-tune tasks' "
-                             "with the same model options lists them")
+            raise ValueError(f"no task name or workload key matches --match {args.match!r}; "
+                             "'thomas-tune tasks' with the same model options lists the names")
     log = TuningLog(args.log or _default_log(args, model, args.key))
     log.require_writable()  # before minutes of default-schedule timing
     _STOP["log"] = log  # what a stop by signal reports
@@ -626,7 +627,9 @@ def parser() -> argparse.ArgumentParser:
                    help="candidates measured per task per round (default 8)")
     s.add_argument("--top", type=int, help="tune only the N tasks with the most FLOPs")
     s.add_argument("--match", help="choose among the tasks whose name matches this regular "
-                   "expression only (Python re.search; the other options select among them)")
+                   "expression (Python re.search), or whose workload key it matches whole (the "
+                   "'workload' of a bench's kernel table in JSON), only; the other options "
+                   "select among them")
     s.add_argument("--flops-share", type=float,
                    help="tune the fewest largest tasks covering this share of FLOPs")
     s.add_argument("--time-share", type=float,

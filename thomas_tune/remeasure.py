@@ -51,7 +51,7 @@ def remeasure(log: TuningLog, target, runner: ms.Runner, workload_keys: set[str]
     per repeat) into the log in place of the old.
 
     ``workload_keys``: only workloads whose key (structural hash, decimal, as
-    :func:`thomas_tune.tune.workload_key`) is in it (None: all). Records are built and run in
+    :func:`thomas_tune.tasks.key`) is in it (None: all). Records are built and run in
     batches of ``batch``; ``progress(done, total)`` is called after each. Raises
     :class:`thomas_tune.tuning_log.LogInUse` when a tuner holds the log, ValueError when the
     log has no records; lines that do not parse are set aside as :meth:`TuningLog.check` does.

@@ -7,6 +7,7 @@ database does), with the number of times the graphs call it and its FLOPs per ca
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 import tvm
@@ -89,6 +90,23 @@ def summary(tasks: list[Task], total: float | None = None) -> str:
     lines.append(f"{len(tasks)} tasks ({counts}); {sum(t.total_flops for t in tasks) / 1e9:.3f} "
                  "GFLOP per call of all graphs")
     return "\n".join(lines)
+
+
+def key(task: Task) -> str:
+    """A stable key of a task's workload: the structural hash of its TIR module, in decimal
+    (the ``workload`` of a ``thomas-tune bench`` kernel table in JSON, and of tuning records)."""
+    return str(tvm_ffi.structural_hash(task.mod))
+
+
+def matching(tasks: list[Task], pattern: re.Pattern) -> list[Task]:
+    """The tasks whose name ``pattern`` finds (``re.search``) or whose workload :func:`key` it
+    matches whole (``re.fullmatch``).
+
+    A kernel's name depends on the module it was fused in: the tuner, which fuses the
+    inference and training graphs one by one, calls AlexNet's second forward convolution
+    ``fused_conv2d1_add2`` where a bench's export calls it ``fused_conv2d1_add17``. Its key is
+    the same in both."""
+    return [t for t in tasks if pattern.search(t.name) or pattern.fullmatch(key(t))]
 
 
 def select(tasks: list[Task], top: int | None = None, flops_share: float | None = None,

@@ -30,6 +30,7 @@ from .schedules import (UNROLL_STEPS, anchor_key, plain_json, postprocessed, spa
                          transferred, unroll_steps, with_padding_in_fill, with_unroll,
                          within_unroll)
 from .tasks import Task
+from .tasks import key as workload_key
 from .tuning_log import FAILED_RUN_S, TrialErrors, TuningLog, mean_run_seconds
 
 
@@ -873,7 +874,7 @@ def measure_defaults(tasks: list[Task], target, runner, log: TuningLog | None = 
                      ) -> dict[str, float]:
     """Time every task's kernel with its default schedule (no tuning) on the runner's device.
 
-    Returns ``{workload key: seconds per call}`` (key: :func:`workload_key`); a kernel whose
+    Returns ``{workload key: seconds per call}`` (key: :func:`thomas_tune.tasks.key`); a kernel whose
     build or run fails gets ``inf``. With ``log``, results are cached in the tuning-log folder
     (``default_latency.json``, written atomically) and only missing tasks are measured; the
     cache is stamped with :func:`defaults_stamp` (TVM version and target), and each time is kept
@@ -1054,11 +1055,6 @@ def defaults_stamp(target) -> str:
     h.update(tvm.__version__.encode())
     h.update(str(target).encode())  # the target's JSON
     return h.hexdigest()
-
-
-def workload_key(task: Task) -> str:
-    """A stable key of a task's workload (structural hash of its TIR, as a decimal string)."""
-    return str(tvm_ffi.structural_hash(task.mod))
 
 
 def select_by_time(tasks: list[Task], latency: dict[str, float], time_share: float) -> list[Task]:
