@@ -649,8 +649,9 @@ def test_bad_input_is_named_with_its_fix_and_leaves_nothing(tmp_path, capsys, ex
 
 
 def test_tune_match_names_what_is_wrong(tmp_path, capsys, rng):
-    """'tune --match' with a pattern that is not a regular expression, or that no task name
-    matches, fails with the pattern and the command that lists task names; no log is made."""
+    """'tune --match' with a pattern that is not a regular expression, or that matches no task
+    name or workload key, fails with the pattern and the command that lists task names; no log
+    is made."""
     log = tmp_path / "log"
     _fails(capsys, ["tune", *TINY, "--tracker", "127.0.0.1:9", "--key", "k", "--match", "(",
                     "--log", str(log)], "--match '(' is not a regular expression")
@@ -658,7 +659,8 @@ def test_tune_match_names_what_is_wrong(tmp_path, capsys, rng):
     with rpc.loopback(key=key, servers=1, lifetime=120) as addr:
         _fails(capsys, ["tune", *TINY, "--tracker", f"{addr[0]}:{addr[1]}", "--key", key,
                         "--match", "no_such_kernel", "--log", str(log)],
-               "no task name matches --match 'no_such_kernel'", "'thomas-tune tasks'")
+               "no task name or workload key matches --match 'no_such_kernel'",
+               "'thomas-tune tasks'")
     assert not log.exists()
 
 
