@@ -54,6 +54,8 @@ def json_default(o):
         return bool(o.value) if str(o.ty) == "bool" else int(o.value)
     if isinstance(o, tvm.tirx.FloatImm):
         return float(o.value)
+    if isinstance(o, tvm.tirx.IndexMap):  # as TVM's own JSON form of a trace writes it
+        return tvm.ir.save_json(o)
     if hasattr(o, "items"):
         return dict(o.items())
     if hasattr(o, "__len__") and hasattr(o, "__getitem__"):

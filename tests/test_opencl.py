@@ -1127,3 +1127,30 @@ def test_builder_refuses_candidates_with_large_private_arrays(target, rng):
     got = _run(lib, target, [an, bn], (n, n))
     ref = an.astype("float32").astype("float64") @ bn.astype("float32").astype("float64")
     np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-4)
+
+
+def test_log_keeps_a_record_whose_trace_holds_a_layout(target, tmp_path):
+    """A skinny split-K candidate copies w transposed (``transform_layout``, whose trace holds
+    an IndexMap, where ``TuningRecord.as_json()`` raises TypeError): the tuning log commits its
+    record as one line, and a reopened log hands back a record whose trace rebuilds the same
+    kernel."""
+    import tvm_ffi
+
+    from thomas_tune.tuning_log import TuningLog
+
+    mod, *_ = _dense(32, 256, 2048, lambda v, b: v + b)
+    ctx = ms.TuneContext(mod=mod, target=target, space_generator=space_generator(target),
+                         task_name="nt", num_threads=1, rand_state=3,
+                         search_strategy=ms.search_strategy.ReplayTrace())
+    spaces = [sp for sp in ctx.generate_design_space() if "transform_layout" in str(sp.trace)]
+    ctx.pre_tuning(max_trials=8, num_trials_per_iter=8, design_spaces=spaces)
+    cand = next(c for c in ctx.generate_measure_candidates()
+                if "transform_layout" in str(c.sch.trace))
+    db = TuningLog(str(tmp_path)).database()
+    wl = db.commit_workload(mod)
+    db.commit_tuning_record(ms.database.TuningRecord(cand.sch.trace, wl, [1e-3], target))
+    again = TuningLog(str(tmp_path)).database()
+    rec = again.get_top_k(again.commit_workload(mod), 1)[0]
+    sch = tvm.s_tir.Schedule(mod)
+    rec.trace.apply_to_schedule(sch, remove_postproc=False)
+    assert tvm_ffi.structural_equal(sch.mod, cand.sch.mod)

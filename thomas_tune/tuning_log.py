@@ -49,6 +49,7 @@ from dataclasses import dataclass, field
 
 import tvm
 import tvm_ffi
+from tvm.s_tir.meta_schedule import _ffi_api as ms_ffi
 from tvm.ir.utils import derived_object
 from tvm.s_tir import meta_schedule as ms
 from tvm.s_tir.schedule import Schedule
@@ -325,7 +326,9 @@ class LogDatabase(ms.database.PyDatabase):
             idx = self._index_of(record.workload)
             if idx is None:
                 idx = self._index_of(self.commit_workload(record.workload.mod))
-            line = _dumps([idx, record.as_json()]) + "\n"
+            # (TuningRecord.as_json() stops on a trace holding an IndexMap, the layout of a
+            # transform_layout: the record's FFI form goes to json_default as it is)
+            line = _dumps([idx, ms_ffi.TuningRecordAsJSON(record)]) + "\n"
             with open(self.record_path, "a") as f:  # closed (flushed) per record
                 f.write(line)
             entry = _Entry([float(s) for s in record.run_secs or []], self.count, line, record)
