@@ -367,8 +367,8 @@ def test_tuner_killed_and_restarted(tracker, rng, tmp_path):
                 assert child.exitcode == 128 + sig, text[-2000:]
                 last = text.strip().splitlines()[-1]
                 m = re.fullmatch(rf"tuning stopped by {sig.name}: (\d+) records are safe in "
-                                 rf"(\S+) \(trials in flight are lost\); run the same command "
-                                 r"again to resume", last)
+                                 r"(\S+) \(batches in flight at the signal were measured and "
+                                 r"logged\); run the same command again to resume", last)
                 assert m, text[-2000:]
                 assert int(m.group(1)) == len(lines) and m.group(2) == log.record_path
                 assert "Traceback" not in text

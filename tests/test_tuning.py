@@ -3,6 +3,7 @@ a resumed run measures no candidate twice, a corrupt record is reported and set 
 
 import json
 import os
+import time
 
 import pytest
 
@@ -306,6 +307,39 @@ def test_the_host_joins_the_first_batch_to_finish_not_the_oldest():
         timer.cancel()
     assert joined == [1] and inst.order == [0]
     assert phases.wall["wait_device"] >= 0.09 and phases.counts["wait_device"] == 1
+
+
+def test_a_stop_ends_the_wait_for_a_batch_and_sends_no_new_one():
+    """A signal sets ``stopping`` (thomas_tune.tune): a host waiting for a batch of the device
+    stops waiting at once, and the scheduler hands MetaSchedule -1 (no new batch), which then
+    joins the batches in flight itself; no exception goes through MetaSchedule's C++ loop."""
+    import threading
+    import types
+
+    from thomas_tune.scheduler import PipelinedGradient
+
+    deadline = time.perf_counter() + 3.0
+
+    class Future:
+        def done(self) -> bool:  # back after 3 s: the stop, at 0.2 s, ends the wait first
+            return time.perf_counter() > deadline
+
+    tasks = [types.SimpleNamespace(runner_futures=[Future()], is_terminated=False,
+                                   task_weight=1.0) for _ in range(2)]
+    s = PipelinedGradient([1.0, 1.0], max_in_flight=2)
+    inst = s._inst
+    inst._outer = lambda: types.SimpleNamespace(tasks_=tasks)
+    inst._init(2)
+    inst.first_round, inst.order = [], [0, 1]  # both tasks have a batch out: the host waits
+    timer = threading.Timer(0.2, lambda: setattr(inst, "stopping", True))
+    timer.start()
+    t0 = time.perf_counter()
+    try:
+        assert s.next_task_id() == -1
+    finally:
+        timer.cancel()
+    assert 0.15 <= time.perf_counter() - t0 < 2.5 and inst.order == [0, 1]
+    assert s.next_task_id() == -1  # and stays so
 
 
 def test_resumed_tasks_start_from_their_best_record_and_skip_the_first_round():

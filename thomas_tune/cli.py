@@ -247,8 +247,8 @@ def cmd_tune(args) -> int:
             raise
         sig = _STOP["signal"]
         print(f"tuning stopped by {signal.Signals(sig).name}: {_safe_records(log)} records "
-              f"are safe in {log.record_path} (trials in flight are lost); run the same "
-              "command again to resume", file=sys.stderr, flush=True)
+              f"are safe in {log.record_path} (batches in flight at the signal were measured "
+              "and logged); run the same command again to resume", file=sys.stderr, flush=True)
         return 128 + sig
     print(f"measured {report.trials} new trials ({report.skipped} candidates already in the "
           f"log were not re-measured; {report.resumed_records} records resumed, "
@@ -832,12 +832,15 @@ def parser() -> argparse.ArgumentParser:
 _STOP: dict = {}  # the signal that stopped this process, if any; the tuning log it reports
 
 
-STOP_GRACE_S = 20.0  # after SIGINT/SIGTERM, the clean stop's time before the process exits anyway
+#: after SIGINT/SIGTERM, the clean stop's time before the process exits anyway (while tuning, the
+#: clean stop waits for the batches in flight: on the H100, up to 3 batches of 64 trials)
+STOP_GRACE_S = 60.0
 
 
 def _terminate(signum, frame):
     # SIGTERM ends the run as SIGINT does: TVM's C++ loops, which run Python's signal handlers
-    # from inside long calls, unwind on KeyboardInterrupt; main() then exits with 128 + signal.
+    # from inside long calls, unwind on KeyboardInterrupt (the tuner's own loop stops from its
+    # task scheduler instead: thomas_tune.tune); main() then exits with 128 + signal.
     # Should the clean stop not finish (a build or session stuck in native code), the process
     # exits after STOP_GRACE_S all the same: tuning records are on disk as they arrive.
     if "signal" not in _STOP:

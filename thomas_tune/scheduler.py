@@ -77,6 +77,9 @@ class PipelinedGradient(ms.task_scheduler.PyTaskScheduler):
         self.history: list[list[float]] | None = None
         self.order: list[int] = []      # task ids sent to the runner, oldest first, not joined
         self.first_round: list[int] = []  # tasks still owed their first batch, in task order
+        #: set (by a signal handler) to end the run: no new batch is sent; MetaSchedule then
+        #: joins the batches in flight and logs their results
+        self.stopping = False
 
     # ---- bookkeeping ----------------------------------------------------------------------
     def _init(self, n: int) -> None:
@@ -119,7 +122,7 @@ class PipelinedGradient(ms.task_scheduler.PyTaskScheduler):
         """Wait until at least one batch in flight has all its results, and join those that
         have (the time waited goes to ``wait_device``)."""
         t0 = time.perf_counter()
-        while not finished(self.order, tasks):
+        while not finished(self.order, tasks) and not self.stopping:
             time.sleep(POLL_S)
         if self.phases is not None:
             self.phases.add("wait_device", time.perf_counter() - t0, wall=True)
@@ -135,13 +138,17 @@ class PipelinedGradient(ms.task_scheduler.PyTaskScheduler):
 
     # ---- MetaSchedule's hook ---------------------------------------------------------------
     def next_task_id(self) -> int:
+        if self.stopping:
+            return -1
         tasks = self._outer().tasks_
         n = len(tasks)
         if self.history is None:
             self._init(n)
         self._join_finished(tasks)
-        while len(self.order) >= self.max_in_flight:  # bound the batches in flight
-            self._join_first(tasks)
+        while len(self.order) >= self.max_in_flight and not self.stopping:  # bound batches
+            self._join_first(tasks)                                            # in flight
+        if self.stopping:  # (a signal while waiting)
+            return -1
         # first, one batch of every task with no record (MetaSchedule's gradient scheduler gives
         # one to every task)
         while self.first_round:
@@ -156,6 +163,8 @@ class PipelinedGradient(ms.task_scheduler.PyTaskScheduler):
             idle = [i for i in alive if i not in self.order]
             if not idle:  # every live task has a batch out: wait for the first to finish
                 self._join_first(tasks)
+                if self.stopping:
+                    return -1
                 continue
             grads = {i: self._gradient(i, float(tasks[i].task_weight)) for i in idle}
             top = max(grads.values())

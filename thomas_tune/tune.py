@@ -611,7 +611,21 @@ def _tune_locked(tasks, target, log, runner, trials, trials_per_iter, builder_wo
             phases.add("refine", max(0.0, time.perf_counter() - t - built), wall=True)
 
     seen: list[int] = []
-    restore_handlers = note_signals(seen)
+    # While MetaSchedule's loop runs, the first SIGINT/SIGTERM stops it from the task
+    # scheduler (no new batch; those in flight are joined and logged), never by an exception
+    # raised into its C++ frames: on the H100 such an exception ended 3 of 4 stops in
+    # std::terminate, with no last statistics. A second signal, or one outside the loop, stops
+    # as before (KeyboardInterrupt); the CLI's grace timer ends a stop that hangs.
+    loop: dict = {"scheduler": None}
+
+    def stop_softly(signum: int) -> bool:
+        sched = loop["scheduler"]
+        if sched is None or len(seen) > 1:
+            return False
+        sched.stopping = True
+        return True
+
+    restore_handlers = note_signals(seen, stop_softly)
     try:
         if refine_top > 0:
             report.transferred = refining(refine_transfer, contexts, progress, database,
@@ -632,12 +646,18 @@ def _tune_locked(tasks, target, log, runner, trials, trials_per_iter, builder_wo
                 print(_refinement_line(r, f"padding out of the inner loop: {r['measured']} "
                                           "best records measured with their padding in the "
                                           "shared fill"), file=sys.stderr, flush=True)
-        ms.tune_tasks(
-            tasks=contexts, task_weights=weights, work_dir=log.path, max_trials_global=trials,
-            num_trials_per_iter=trials_per_iter, builder=builder, runner=runner,
-            database=database, cost_model=model, measure_callbacks=callbacks,
-            task_scheduler=PipelinedGradient(default_ms, max_in_flight=max_in_flight,
-                                             seed=seed, phases=phases, tuned_ms=tuned_ms))
+        loop["scheduler"] = PipelinedGradient(default_ms, max_in_flight=max_in_flight,
+                                              seed=seed, phases=phases, tuned_ms=tuned_ms)
+        try:
+            ms.tune_tasks(
+                tasks=contexts, task_weights=weights, work_dir=log.path,
+                max_trials_global=trials, num_trials_per_iter=trials_per_iter,
+                builder=builder, runner=runner, database=database, cost_model=model,
+                measure_callbacks=callbacks, task_scheduler=loop["scheduler"])
+        finally:
+            loop["scheduler"] = None
+        if seen:  # the loop ended at a signal: the run stops here
+            raise KeyboardInterrupt
         larger = [s for s in UNROLL_STEPS if s not in unroll_steps(max_unroll)]
         if larger and refine_top > 0:
             report.refined = refining(refine_unroll, contexts, progress, database, target,
@@ -673,12 +693,13 @@ def _tune_locked(tasks, target, log, runner, trials, trials_per_iter, builder_wo
     return report
 
 
-def note_signals(seen: list[int]):
+def note_signals(seen: list[int], soft=None):
     """From now on, append to ``seen`` each SIGINT or SIGTERM that reaches this process's
-    Python handler for it; the handler then runs as before. Returns the function that puts the
-    handlers back. Signals whose handler is not a Python function (SIGTERM's default ends the
-    process) are left alone, as is every signal when called off the main thread (only that
-    thread can set handlers)."""
+    Python handler for it; the handler then runs as before, except that the KeyboardInterrupt
+    it raises is dropped where ``soft(signum)`` (called first) returns True: the caller stops
+    by other means. Returns the function that puts the handlers back. Signals whose handler is
+    not a Python function (SIGTERM's default ends the process) are left alone, as is every
+    signal when called off the main thread (only that thread can set handlers)."""
     kept = {}
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -686,7 +707,12 @@ def note_signals(seen: list[int]):
             if callable(prev):
                 def noting(signum, frame, prev=prev):
                     seen.append(signum)
-                    return prev(signum, frame)
+                    quiet = soft is not None and soft(signum)
+                    try:
+                        return prev(signum, frame)
+                    except KeyboardInterrupt:
+                        if not quiet:
+                            raise
                 kept[sig] = prev
                 signal.signal(sig, noting)
 
