@@ -181,9 +181,9 @@ case "${1:-status}" in
     $PY bench --work $TT/bench "$@" --json ${OUT:-$TT}/bench.json ;;
   py) shift; python3 -P "$@" ;;   # a script with the set-up's environment (bench/step_split.py)
   stop) pkill -f "remeasure.sh" ; pkill -f "thomas_tune.cli (tune|remeasure)"
-    # the tuners write their last statistics on SIGTERM (at most the CLI's 20-s grace):
-    # wait for them before the servers go and before status packs the outputs
-    for _ in $(seq 30); do pgrep -f "thomas_tune.cli (tune|remeasure)" >/dev/null || break; sleep 1; done
+    # on SIGTERM the tuners join their batches in flight and write their last statistics (at
+    # most the CLI's 60-s grace): wait for them before the servers go and status packs outputs
+    for _ in $(seq 70); do pgrep -f "thomas_tune.cli (tune|remeasure)" >/dev/null || break; sleep 1; done
     pkill -f "thomas_tune.cli rpc" ; status ;;
   *) echo "usage: $0 park|setup|start|status|watch|stop|bench ARGS"; exit 2 ;;
 esac
