@@ -80,6 +80,27 @@ def busy(desc: str, enabled: bool = True):
         bar.close()
 
 
+def first_batches(train, args) -> list:
+    """The batches the demo runs through each build before fine-tuning (its timing):
+    ``args.compare_steps`` (at least 1) batches of ``args.batch`` images of ``train`` (a
+    :class:`thomas_tune.data.Dataset`), drawn with seed ``args.seed + 1``; a list of
+    ``(x, y)``, x float32 ``(batch, 3, H, W)``, y int64 ``(batch,)``."""
+    batches = train.batches(args.batch, np.random.default_rng(args.seed + 1))
+    return [next(batches) for _ in range(max(1, args.compare_steps))]
+
+
+def fine_tune_from(session, tensors: dict, train, test, args, show_progress: bool):
+    """The demo's fine-tuning: ``session`` (a :class:`thomas_tune.runtime.Session`) back to
+    ``tensors`` (the pretrained weights with the new head) and a fresh optimizer state, then
+    ``args.steps`` training steps with seed ``args.seed`` (:func:`thomas_tune.train.
+    fine_tune`, whose result it returns: held-out accuracy before and after, losses, ms per
+    step)."""
+    from .train import fine_tune
+    session.load_tensors(tensors)
+    return fine_tune(session, train, test, args.steps, seed=args.seed,
+                     show_progress=show_progress)
+
+
 def run(args, tune_fn) -> int:
     """The demo (see the module docstring). ``args``: the demo's options; ``tune_fn(argv)``
     runs ``thomas-tune`` with ``argv`` and returns its exit status (the CLI's ``main``)."""
@@ -89,7 +110,6 @@ def run(args, tune_fn) -> int:
     from .models import load_checkpoint, replace_head, save_checkpoint
     from .runtime import Session
     from .target import parse_target
-    from .train import fine_tune
     from .tuning_log import TuningLog
 
     t_start = time.perf_counter()
@@ -147,8 +167,7 @@ def run(args, tune_fn) -> int:
     # 3. the same first batches through both builds, side by side: the two alternate step by
     #    step (the order swapped every batch), so that a change in the machine's load or clock
     #    during the timing reaches both alike; ms per step is each build's median
-    batches = train.batches(args.batch, np.random.default_rng(args.seed + 1))
-    timing = [next(batches) for _ in range(max(1, args.compare_steps))]
+    timing = first_batches(train, args)
     sessions = {}
     for name in ("untuned", "tuned"):
         s = sessions[name] = Session(dirs[name], seed=args.seed)
@@ -171,7 +190,6 @@ def run(args, tune_fn) -> int:
 
     # 4. fine-tune from the pretrained weights with the tuned build
     s = sessions["tuned"]
-    s.load_tensors(tensors)  # back to the pretrained weights and a fresh optimizer state
     print(f"[demo] fine-tuning {args.steps} steps of batch {args.batch} (trainable "
           f"{args.trainable}) with the tuned build", flush=True)
     evaluate = s.evaluate
@@ -181,7 +199,7 @@ def run(args, tune_fn) -> int:
             return evaluate(x, y)
 
     s.evaluate = evaluate_with_progress
-    r = fine_tune(s, train, test, args.steps, seed=args.seed, show_progress=True)
+    r = fine_tune_from(s, tensors, train, test, args, show_progress=True)
     k = max(1, min(args.loss_window, len(r.losses) // 2))
     first, last = float(np.mean(r.losses[:k])), float(np.mean(r.losses[-k:]))
     print(f"[demo] held-out accuracy on digits {FINE_TUNE_DIGITS[0]}-{FINE_TUNE_DIGITS[-1]}: "

@@ -55,6 +55,7 @@ from tvm.s_tir import meta_schedule as ms
 from tvm.s_tir.schedule import Schedule
 
 from .models import share_mode
+from .schedules import json_default
 
 WORKLOADS = "database_workload.json"
 RECORDS = "database_tuning_record.json"
@@ -168,7 +169,6 @@ def _hash_stamp() -> str:
 
 def _dumps(obj) -> str:
     """One line of JSON of a workload's, trace's or record's ``as_json()`` form."""
-    from .schedules import json_default
     return json.dumps(obj, default=json_default, separators=(",", ":"))
 
 
