@@ -55,7 +55,6 @@ from tvm.s_tir import meta_schedule as ms
 from tvm.s_tir.schedule import Schedule
 
 from .models import share_mode
-from .schedules import json_default
 
 WORKLOADS = "database_workload.json"
 RECORDS = "database_tuning_record.json"
@@ -169,6 +168,9 @@ def _hash_stamp() -> str:
 
 def _dumps(obj) -> str:
     """One line of JSON of a workload's, trace's or record's ``as_json()`` form."""
+    # imported here, not with the module: the schedules import dlight, which needs TVM's
+    # compiler, and processes with the runtime alone import this module (through the CLI)
+    from .schedules import json_default
     return json.dumps(obj, default=json_default, separators=(",", ":"))
 
 
