@@ -19,9 +19,9 @@ them compared, the best tiling was 1.4x to 2.2x faster than the best of the spac
 offered before (dlight's ``Matmul`` rule with the same tile list, whose register tile read one
 operand as a 4-element gather), e.g. the fourth layer's forward convolution 0.706 ms against
 1.474; on all twelve it stayed 1.2x to 3.2x slower than the best multi-level-tiling record
-(0.366 ms there): none became a best record. Writing the im2col matrix out first (a kernel of its own, so that the tiled kernel's
-fill reads a plain matrix) made them slower again (0.746 ms there), so the cost is in the
-tiled kernel itself, not in its gather.
+(0.366 ms there): none became a best record. Writing the im2col matrix out first (a kernel
+of its own, so that the tiled kernel's fill reads a plain matrix) made them slower again
+(0.746 ms there), so the cost is in the tiled kernel itself, not in its gather.
 """
 
 from __future__ import annotations

@@ -900,8 +900,8 @@ def measure_defaults(tasks: list[Task], target, runner, log: TuningLog | None = 
                      ) -> dict[str, float]:
     """Time every task's kernel with its default schedule (no tuning) on the runner's device.
 
-    Returns ``{workload key: seconds per call}`` (key: :func:`thomas_tune.tasks.key`); a kernel whose
-    build or run fails gets ``inf``. With ``log``, results are cached in the tuning-log folder
+    Returns ``{workload key: seconds per call}`` (key: :func:`thomas_tune.tasks.key`); a
+    kernel whose build or run fails gets ``inf``. With ``log``, results are cached in the tuning-log folder
     (``default_latency.json``, written atomically) and only missing tasks are measured; the
     cache is stamped with :func:`defaults_stamp` (TVM version and target), and each time is kept
     with the key of the kernel it timed (:func:`default_schedule_key`): a cache of another
