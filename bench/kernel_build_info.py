@@ -10,6 +10,11 @@ not taken: `thomas-tune tune` measures). Reported per record:
   ``ld.shared`` (of them ``.v4``), ``ld.local`` and ``st.local`` (private arrays kept in
   memory), ``bar.sync``.
 
+With ``--time``, each record is also built a second time from TVM's source as written
+(``vload4``, :mod:`thomas_tune.opencl_source` switched off), and both builds are timed in
+this process, alternating (``time_evaluator``: 5 rounds of 20 runs each, median ms), to
+measure what the aligned vector reads of shared memory change.
+
 It answers why a kernel is slow where static counts from clang (``bench/ptx_mix.py``) cannot:
 there OpenCL's ``vload4`` stays a call. On the device tool's GPU machine (after `bash
 bench/gpu_tune.sh setup`):
@@ -46,6 +51,8 @@ def main() -> int:
     p.add_argument("--target", required=True)
     p.add_argument("--keys", required=True, help="workload keys, comma-separated")
     p.add_argument("--out", required=True)
+    p.add_argument("--time", action="store_true",
+                   help="also time each record built with and without aligned vector reads")
     args = p.parse_args()
     work = tempfile.mkdtemp(prefix="kernel-build-info-")
     # read by the OpenCL runtime at its first program build: set before anything loads it
@@ -58,7 +65,7 @@ def main() -> int:
     from tvm.s_tir import meta_schedule as ms
     from tvm.s_tir.schedule import Schedule
 
-    from thomas_tune import opencl
+    from thomas_tune import opencl, opencl_source
     from thomas_tune.runner import build_candidate
     from thomas_tune.target import parse_target
     from thomas_tune.tuning_log import mean_seconds, read_log
@@ -113,6 +120,16 @@ def main() -> int:
                "counts": {k: len(re.findall(r, ptx)) for k, r in COUNTS.items()},
                "build_log": [ln for ln in build_log.splitlines()
                              if re.search(r"registers|spill|stack|Compiling", ln)]}
+        if args.time:
+            opencl_source.ENABLED = False
+            plain = build_candidate(sch.mod, target)
+            opencl_source.ENABLED = True
+            times = {"aligned": [], "as_written": []}
+            for _ in range(5):
+                for name, m in (("aligned", lib), ("as_written", plain)):
+                    ev = m.time_evaluator("main", dev, number=20, repeat=1)
+                    times[name].append(1e3 * ev(*tensors).mean)
+            row["ms"] = {k: float(np.median(v)) for k, v in times.items()}
         rows.append(row)
         print(json.dumps(row), flush=True)
     with open(args.out, "w") as f:

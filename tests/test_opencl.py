@@ -860,6 +860,9 @@ def test_matmul_tile_spaces_match_numpy(target, rng):
         assert all(p.apply(sp) for p in ctx.space_generator.postprocs)
         got = _run(sp.mod, target, [xn, wn], (n, co, h, h))
         np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max())
+        # the register copies read shared memory as aligned float4 (thomas_tune.opencl_source)
+        source = tvm.tirx.build(sp.mod, target).imports[0].inspect_source()
+        assert "(*(__local float4*)(" in source and "aligned(16)" in source
 
     assert mt.tiles_for((1, 4096, 64, 27), 1024, 1 << 16) == []     # 27-term sums
     assert mt.tiles_for((1, 4096, 4096, 32), 1024, 1 << 16)        # a batch-32 weight gradient
@@ -868,6 +871,69 @@ def test_matmul_tile_spaces_match_numpy(target, rng):
     a = te.placeholder((64, 64), name="a")
     assert mt.matmul_extents(te.create_prim_func(
         [a, te.compute((64, 64), lambda i, j: a[i, j] + 1.0, name="b")])) is None
+
+
+def test_vector_reads_of_shared_memory_are_aligned_where_their_index_proves_it(target, rng):
+    """thomas_tune.opencl_source rewrites a ``vload4``/``vstore4`` of a ``__local`` array into
+    a float4 dereference only where the index is a proven multiple of 4 (constants, sums,
+    products, shifts, integers defined once); a loop counter, an odd offset, a name assigned
+    twice or a division keep ``vload4``. A kernel with both kinds runs on PoCL and matches
+    numpy."""
+    from thomas_tune.opencl_source import align_local_vectors, int_definitions, multiple_of
+
+    assert multiple_of("((i * 36) + (convert_int(get_local_id(1)) * 4))") == 4
+    assert multiple_of("(((x >> 2) * 144) + ((x & 3) * 4)) + 2304") == 4
+    assert multiple_of("(i << 3) - 8") == 8 and multiple_of("0") == 64
+    assert multiple_of("(i * 4) + 2") == 2 and multiple_of("(i * 8) / 2") == 1
+    assert multiple_of("(int)i * 4") == 1 and multiple_of("a ? 4 : 8") == 1  # not parsed
+    kernel = ("int a = i * 8;\nint b = j;\nb = b + 1;\nfor (int k = 0; k < 4; ++k) {\n"
+              "  int c = k * 4;\n}\nint d = (a + 4);\nint d = 8;\n")
+    assert int_definitions(kernel) == {"a": "i * 8", "c": "k * 4"}
+    assert multiple_of("a + c", int_definitions(kernel)) == 4
+    assert multiple_of("k * 4 + b", int_definitions(kernel)) == 1
+
+    src = """__kernel void main_kernel(__global float* restrict x, __global float* restrict y) {
+  __local float s[64];
+  float r[4];
+  int t = convert_int(get_local_id(0));
+  int base = t * 4;
+  vstore4(vload4(0, x + (t * 4)), 0, s + base);
+  barrier(CLK_LOCAL_MEM_FENCE);
+  vstore4(vload4(0, s + ((t * 4 + 4) & 63)), 0, r + 0);
+  float4 v = vload4(0, s + (t * 4));
+  float4 w = vload4(0, s + ((t * 4) + 2) % 60);
+  vstore4(((v * 2.0f) + w) + vload4(0, r + 0), 0, y + (t * 4));
+}
+"""
+    new, counts = align_local_vectors(src)
+    assert counts == {"aligned": 2, "kept": 2}
+    assert "__local float s[64] __attribute__((aligned(16)));" in new
+    assert "((*(__local float4*)(s + (base))) = (vload4(0, x + (t * 4))));" in new
+    assert "float4 v = (*(__local float4*)(s + ((t * 4))));" in new
+    assert "vload4(0, s + ((t * 4 + 4) & 63))" in new and "vload4(0, x + (t * 4))" in new
+
+    import pyopencl as cl
+
+    ctx = cl.Context([next(d for p in cl.get_platforms() for d in p.get_devices())])
+    queue = cl.CommandQueue(ctx)
+    xn = rng.standard_normal(64).astype("float32")
+    outs = []
+    for text in (src, new):
+        prog = cl.Program(ctx, text).build()
+        xb = cl.Buffer(ctx, cl.mem_flags.READ_ONLY | cl.mem_flags.COPY_HOST_PTR, hostbuf=xn)
+        yb = cl.Buffer(ctx, cl.mem_flags.WRITE_ONLY, 64 * 4)
+        prog.main_kernel(queue, (16,), (16,), xb, yb)
+        y = np.empty(64, "float32")
+        cl.enqueue_copy(queue, y, yb)
+        outs.append(y.astype("float64"))
+    x64, t = xn.astype("float64"), np.arange(16)
+    ref = np.empty(64)
+    for i in t:
+        v, w = x64[4 * i:4 * i + 4], x64[(4 * i + 2) % 60:(4 * i + 2) % 60 + 4]
+        r = x64[(4 * i + 4) & 63:((4 * i + 4) & 63) + 4]
+        ref[4 * i:4 * i + 4] = 2 * v + w + r
+    for y in outs:
+        np.testing.assert_allclose(y, ref, rtol=1e-6)
 
 
 def test_skinny_split_spaces_match_numpy(target, rng):

@@ -48,6 +48,12 @@ if "torch" not in _sys.modules and _os.environ.get("THOMAS_TUNE_TVM_WITH_TORCH")
 from .models.layers import compiler_available  # noqa: E402,F401
 from . import opencl as _opencl  # noqa: E402
 
+if compiler_available():
+    # OpenCL sources are compiled with aligned vector reads of shared memory
+    from . import opencl_source as _opencl_source  # noqa: E402
+
+    _opencl_source.register()
+
 try:
     _opencl.load()
 except _opencl.OpenCLUnavailable:  # reported when OpenCL is actually used
