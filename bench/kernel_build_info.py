@@ -122,8 +122,10 @@ def main() -> int:
                              if re.search(r"registers|spill|stack|Compiling", ln)]}
         if args.time:
             opencl_source.ENABLED = False
-            plain = build_candidate(sch.mod, target)
-            opencl_source.ENABLED = True
+            try:
+                plain = build_candidate(sch.mod, target)
+            finally:
+                opencl_source.ENABLED = True
             times = {"aligned": [], "as_written": []}
             for _ in range(5):
                 for name, m in (("aligned", lib), ("as_written", plain)):

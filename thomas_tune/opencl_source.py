@@ -30,13 +30,15 @@ code generator calls with each module's source.
 from __future__ import annotations
 
 import ast
+import functools
 import re
 
 #: alignment of the ``__local`` arrays (bytes): that of the widest vector rewritten (float4)
 ALIGN = 16
-#: bytes of OpenCL C's scalar types
-SCALAR_BYTES = {"float": 4, "int": 4, "uint": 4, "half": 2, "short": 2, "ushort": 2,
-                "char": 1, "uchar": 1, "double": 8, "long": 8, "ulong": 8}
+#: bytes of OpenCL C's scalar types (also what :func:`thomas_tune.runner.private_array_bytes`
+#: counts)
+SCALAR_BYTES = {"char": 1, "uchar": 1, "bool": 1, "short": 2, "ushort": 2, "half": 2, "int": 4,
+                "uint": 4, "float": 4, "long": 8, "ulong": 8, "double": 8}
 #: set False to compile the code generator's source as written (``bench/kernel_build_info.py
 #: --time`` compares both in one process)
 ENABLED = True
@@ -149,6 +151,8 @@ def _split_args(args: str) -> list[str]:
 
 
 def _rewrite_calls(src: str, arrays: dict[str, str], defs, counts: dict[str, int]) -> str:
+    """``src`` with each ``vloadN``/``vstoreN`` call, innermost first, in the form
+    :func:`_one_call` gives, where it gives one."""
     out, pos = [], 0
     while True:
         m = _VECTOR_CALL.search(src, pos)
@@ -193,29 +197,19 @@ def align_local_vectors(source: str) -> tuple[str, dict[str, int]]:
     accesses of ``__local`` arrays left as ``vloadN``/``vstoreN``: index not proven).
     Raises ValueError on unbalanced parentheses."""
     counts = {"aligned": 0, "kept": 0}
-    starts = [m.start() for m in re.finditer(r"__kernel\b", source)]
-    if not starts:
-        return source, counts
-    pieces = [source[:starts[0]]]
-    for a, b in zip(starts, starts[1:] + [len(source)]):
-        kernel = source[a:b]
+    parts = source.split("__kernel ")
+    for i, kernel in enumerate(parts[1:], 1):
         arrays = {m.group(2): m.group(1) for m in _LOCAL_ARRAY.finditer(kernel)
                   if m.group(1) in SCALAR_BYTES}
-        if arrays:
-            kernel = _LOCAL_ARRAY.sub(
-                lambda m: (f"__local {m.group(1)} {m.group(2)}[{m.group(3)}] "
-                           f"__attribute__((aligned({ALIGN})));"
-                           if m.group(2) in arrays else m.group(0)), kernel)
-            found: list[dict[str, str]] = []
-
-            def defs(kernel=kernel, found=found) -> dict[str, str]:
-                if not found:
-                    found.append(int_definitions(kernel))
-                return found[0]
-
-            kernel = _rewrite_calls(kernel, arrays, defs, counts)
-        pieces.append(kernel)
-    return "".join(pieces), counts
+        if not arrays:
+            continue
+        kernel = _LOCAL_ARRAY.sub(
+            lambda m: (f"__local {m.group(1)} {m.group(2)}[{m.group(3)}] "
+                       f"__attribute__((aligned({ALIGN})));"
+                       if m.group(2) in arrays else m.group(0)), kernel)
+        defs = functools.cache(functools.partial(int_definitions, kernel))
+        parts[i] = _rewrite_calls(kernel, arrays, defs, counts)
+    return "__kernel ".join(parts), counts
 
 
 def _postproc(code: str, _target=None) -> str:

@@ -52,6 +52,8 @@ from tvm.ir.utils import derived_object
 from tvm.s_tir import meta_schedule as ms
 from tvm.support.popen_pool import PopenPoolExecutor, PopenWorker, StatusKind
 
+from .opencl_source import SCALAR_BYTES
+
 
 # ---- phases ---------------------------------------------------------------------------------
 @dataclass
@@ -111,10 +113,8 @@ def export_candidate(rt_mod, target) -> str:
 # driver's private memory per work-item, and 263 of those had 4 KiB or more (most 16 KiB or
 # more, up to 1.2 MB). Each such failure also costs its lane a new session.
 MAX_PRIVATE_BYTES = 4096
-_CL_BYTES = {"char": 1, "uchar": 1, "bool": 1, "short": 2, "ushort": 2, "half": 2, "int": 4,
-             "uint": 4, "float": 4, "long": 8, "ulong": 8, "double": 8}
-_CL_ARRAY = re.compile(r"^\s*(?:__private\s+)?(" + "|".join(_CL_BYTES) + r")(\d*)\s+\w+\[(\d+)\];",
-                       re.M)
+_CL_ARRAY = re.compile(r"^\s*(?:__private\s+)?(" + "|".join(SCALAR_BYTES)
+                       + r")(\d*)\s+\w+\[(\d+)\];", re.M)
 
 
 def private_array_bytes(source: str) -> int:
@@ -125,7 +125,7 @@ def private_array_bytes(source: str) -> int:
         total = 0
         for scalar, lanes, count in _CL_ARRAY.findall(kernel):
             n = int(lanes) if lanes else 1
-            total += _CL_BYTES[scalar] * (4 if n == 3 else n) * int(count)
+            total += SCALAR_BYTES[scalar] * (4 if n == 3 else n) * int(count)
         most = max(most, total)
     return most
 
