@@ -49,16 +49,22 @@ from .matmul_tiles import RegisterTile, target_limits
 
 #: the skinny side has at most this many rows (a batch)
 MAX_ROWS = 64
-#: ... and each output sums at least this many terms
-MIN_TERMS = 1024
+#: ... and each output sums at least this many terms (AlexNet's last layer's data gradient
+#: sums 1,000)
+MIN_TERMS = 512
 #: each part of a split sum keeps at least this many terms
-MIN_PART = 256
+MIN_PART = 128
 #: work-groups a space aims at (one space per aim): a few per multiprocessor of a large GPU
 GROUP_AIMS = (256, 1024)
 MICRO_I = (4, 8)
 MICRO_J = (2, 4)
 THREADS_J = (32, 64)
-K_STEP = 32
+#: threads along the columns when none of :data:`THREADS_J` divides them (1,000 classes: 20,
+#: 25 or 50 columns of threads), this many at least and at most
+THREADS_J_RANGE = (16, 64)
+#: terms staged per step: the first of these that divides a part of the sum
+K_STEPS = (32, 8)
+K_STEP = K_STEPS[0]
 #: unroll limits of the inner loops (``meta_schedule.unroll_explicit``); the space starts at
 #: the last, which unrolls a step of the sum whole (32 terms x a register tile of up to 16)
 UNROLL = (64, 512)
@@ -162,30 +168,53 @@ def find_skinny(func: tvm.tirx.PrimFunc) -> Skinny | None:
                   loop_i=rows_at, loop_j=1 - rows_at)
 
 
+def _threads_j(cols: int, micro_j: int) -> list[int]:
+    """Threads along the columns for ``micro_j`` columns each: those of :data:`THREADS_J` that
+    divide ``cols``; when none does, the divisors of ``cols / micro_j`` in
+    :data:`THREADS_J_RANGE` (1,000 columns, 4 per thread: 25 and 50)."""
+    found = [t for t in THREADS_J if cols % (t * micro_j) == 0]
+    if found or cols % micro_j:
+        return found
+    lo, hi = THREADS_J_RANGE
+    return [t for t in range(lo, hi + 1) if (cols // micro_j) % t == 0]
+
+
+def _k_step(part: int) -> int | None:
+    """Terms staged per step for a part of ``part`` terms: the first of :data:`K_STEPS` that
+    divides it, or None."""
+    return next((k for k in K_STEPS if part % k == 0), None)
+
+
 def splits_for(m: Skinny, max_threads: int, max_shared_bytes: int) -> list[Split]:
     """The tilings offered for ``m``: every combination of :data:`MICRO_I`, :data:`MICRO_J`
-    and :data:`THREADS_J` that divides the rows and columns and fits the work-group limits,
-    each with the part count G (a divisor of the sum leaving :data:`MIN_PART` terms or more, a
-    multiple of ``k_step``) nearest each of :data:`GROUP_AIMS` work-groups. Empty when no tiling
-    divides the rows and columns or no G leaves whole steps (a sum of 1,030 terms)."""
+    and threads along the columns (:func:`_threads_j`) that divides the rows and columns and
+    fits the work-group limits, each with the part count G (a divisor of the sum leaving
+    :data:`MIN_PART` terms or more, a multiple of a step of :data:`K_STEPS`) nearest each of
+    :data:`GROUP_AIMS` work-groups. Empty when no tiling divides the rows and columns or no G
+    leaves whole steps (a sum of 1,030 terms)."""
     out = []
-    for mi, mj, tj in product(MICRO_I, MICRO_J, THREADS_J):
-        if m.rows % mi or m.cols % (tj * mj):
-            continue
-        s0 = Split(m.rows // mi, tj, mi, mj)
-        if s0.threads > max_threads or s0.threads < 32 or s0.shared_bytes() > max_shared_bytes:
-            continue
-        col_groups = m.cols // s0.tile_j
-        parts = [g for g in range(1, m.terms // MIN_PART + 1)
-                 if m.terms % g == 0 and (m.terms // g) % s0.k_step == 0]
-        if not parts:  # no part count leaves whole steps of k_step terms
-            continue
-        chosen = []
-        for aim in GROUP_AIMS:
-            g = min(parts, key=lambda p: abs(p * col_groups - aim))
-            if g not in chosen:
-                chosen.append(g)
-        out.extend(Split(s0.threads_i, tj, mi, mj, parts=g) for g in chosen)
+    for mi, mj in product(MICRO_I, MICRO_J):
+        for tj in _threads_j(m.cols, mj):
+            if m.rows % mi:
+                continue
+            s0 = Split(m.rows // mi, tj, mi, mj)
+            if s0.threads > max_threads or s0.threads < 32:
+                continue
+            col_groups = m.cols // s0.tile_j
+            parts = [g for g in range(1, m.terms // MIN_PART + 1)
+                     if m.terms % g == 0 and _k_step(m.terms // g)]
+            parts = [g for g in parts if Split(s0.threads_i, tj, mi, mj, parts=g,
+                                               k_step=_k_step(m.terms // g)).shared_bytes()
+                     <= max_shared_bytes]
+            if not parts:  # no part count leaves whole steps
+                continue
+            chosen = []
+            for aim in GROUP_AIMS:
+                g = min(parts, key=lambda p: abs(p * col_groups - aim))
+                if g not in chosen:
+                    chosen.append(g)
+            out.extend(Split(s0.threads_i, tj, mi, mj, parts=g, k_step=_k_step(m.terms // g))
+                       for g in chosen)
     return out
 
 

@@ -997,6 +997,27 @@ def test_skinny_split_spaces_match_numpy(target, rng):
     got = _run(ours[-1].mod, target, [dyn, w2n, mn], (m, 512))
     np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max())
 
+    # 100 columns (no 32 or 64 threads divide them) and a sum of 1,000 terms (no 32-term
+    # steps), as a classifier of 1,000 classes has: 25 or 50 threads along the columns, 8-term
+    # steps
+    m3, n3, k3 = 8, 100, 1000
+    fwd3, _, _, _ = _dense(m3, n3, k3, lambda v, b: v + b)
+    found = skinny.find_skinny(fwd3["main"])
+    odd_splits = skinny.splits_for(found, *skinny.target_limits(target))
+    assert {t.threads_j for t in odd_splits} == {25, 50} and {t.k_step for t in odd_splits} == {8}
+    xn, wn, bn = (rng.standard_normal(s) for s in ((m3, k3), (n3, k3), (n3,)))
+    ref = (xn.astype("float32").astype("float64") @ wn.astype("float32").astype("float64").T
+           + bn.astype("float32").astype("float64"))
+    ctx = ms.TuneContext(mod=fwd3, target=target, space_generator=space_generator(target),
+                         task_name="classes", num_threads=1)
+    ours = skinny.skinny_spaces(tvm.s_tir.Schedule(fwd3), target)
+    assert len(ours) == len(odd_splits)
+    for sp in (ours[0], ours[-1]):
+        for post in ctx.space_generator.postprocs:
+            assert post.apply(sp)
+        got = _run(sp.mod, target, [xn, wn, bn], (m3, n3))
+        np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max())
+
     odd = skinny.Skinny("y", rows=32, cols=4096, terms=1030, a_index=0, b_index=1, b_kj=False,
                         loop_i=0, loop_j=1)
     assert skinny.splits_for(odd, 256, 49152) == []  # no part of whole 32-term steps
