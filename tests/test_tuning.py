@@ -227,11 +227,14 @@ def test_pipelined_scheduler_searches_while_the_device_measures(tmp_path, small_
     with rpc.loopback(key="test-cpu", servers=1, lifetime=600) as addr:
         for in_flight in (1, 3):
             log = TuningLog(str(tmp_path / f"log{in_flight}"))
-            # runs of 100 ms: a batch is measured for longer than the next one takes to
-            # search and build, on a loaded machine too
-            runner = Watched(addr, "test-cpu", min_repeat_ms=100.0)
-            report = tune(small_tasks, target, log, runner, trials=12, trials_per_iter=4,
-                          show_progress=False, max_in_flight=in_flight, seed=in_flight)
+            # repeats of 160 ms, 3 per trial (max_number lets a kernel of microseconds run
+            # that long; the default caps it at 1,000 runs, 1 ms here), 6 trials per batch and
+            # a small search population: the first batch is measured (3 s and more) for longer
+            # than the second takes to search and build (2.3 s on 2 busy cores)
+            runner = Watched(addr, "test-cpu", min_repeat_ms=160.0, max_number=10**7)
+            report = tune(small_tasks, target, log, runner, trials=12, trials_per_iter=6,
+                          show_progress=False, max_in_flight=in_flight, seed=in_flight,
+                          population=16)
             assert report.trials == 12 and len(_records(log)) == 12
             seen[in_flight] = runner.pending_at_submit
             split = report.time_split()
@@ -550,3 +553,43 @@ def test_match_takes_task_names_and_workload_keys(small_tasks):
     assert matching(small_tasks, re.compile(f"^({key(a)}|{re.escape(b.name)})$")) == [a, b]
     assert matching(small_tasks, re.compile(key(a)[:6])) == []  # part of a key: no match
     assert key(a) != key(b) and key(a).isdigit()
+
+
+def test_shallow_stack_gives_the_frames_tvmscript_reads():
+    """The stack TVM's tensor intrinsics are parsed with (schedules.load_tensor_intrinsics)
+    holds the same frames as inspect.stack, and the source line of the one frame the parser
+    reads (the third); a function parsed under it in an ir_module class is still found to be in
+    the class."""
+    import inspect
+
+    import tvm
+    from tvm.script import ir as I
+    from tvm.script import tirx as T
+
+    from thomas_tune.schedules import _shallow_stack
+
+    def inner():
+        return inspect.stack(), _shallow_stack()
+
+    def outer():
+        return inner()
+
+    full, shallow = outer()
+    assert len(full) == len(shallow) > 3
+    for a, b in zip(full[1:], shallow[1:]):  # (the first is the frame that called each)
+        assert (a.frame, a.filename, a.lineno, a.function) == (b.frame, b.filename, b.lineno,
+                                                               b.function)
+    assert full[2].code_context == shallow[2].code_context is not None
+    real = inspect.stack
+    inspect.stack = _shallow_stack
+    try:
+        @I.ir_module
+        class Module:
+            @T.prim_func
+            def main(a: T.Buffer((4,), "float32"), b: T.Buffer((4,), "float32")):
+                for i in range(4):
+                    b[i] = a[i] * T.float32(2)
+    finally:
+        inspect.stack = real
+    assert inspect.stack is real and isinstance(Module, tvm.IRModule)
+    assert isinstance(Module["main"], tvm.tirx.PrimFunc)
