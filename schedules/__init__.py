@@ -141,11 +141,14 @@ def within_unroll(trace_json, allowed) -> tuple[list | None, int | None]:
     return _set_unroll(insts, decisions, found, step, allowed), found[1]
 
 
-def postprocessed(mod: tvm.IRModule, trace_json, postprocs) -> tvm.s_tir.Schedule | None:
+def postprocessed(mod: tvm.IRModule, trace_json, postprocs,
+                  seed: int | None = None) -> tvm.s_tir.Schedule | None:
     """The schedule of ``mod`` that a trace without postprocessing instructions (JSON form, as
     :func:`with_unroll` gives) and then ``postprocs`` make, its postprocessing marked so that a
-    later replay can remove it; None when a postprocessor rejects it or cannot complete it."""
-    sch = tvm.s_tir.Schedule(mod)
+    later replay can remove it; None when a postprocessor rejects it or cannot complete it.
+    Sampling instructions without a decision in the trace draw one from the schedule's random
+    state, ``seed`` (1 to 2^31 - 1; None: a random seed)."""
+    sch = tvm.s_tir.Schedule(mod, seed=seed)
     try:
         tvm.s_tir.schedule.Trace.apply_json_to_schedule(trace_json, sch)
         sch.enter_postproc()

@@ -593,3 +593,42 @@ def test_shallow_stack_gives_the_frames_tvmscript_reads():
         inspect.stack = real
     assert inspect.stack is real and isinstance(Module, tvm.IRModule)
     assert isinstance(Module["main"], tvm.tirx.PrimFunc)
+
+
+def test_a_search_proposing_only_measured_schedules_draws_fresh_ones(small_tasks):
+    """When the evolutionary search's rounds bring only schedules measured before (a task
+    resumed from a long log), ResumingSearch draws a batch at random from the task's design
+    spaces instead of ending the task: new schedules, postprocessed, none measured before."""
+    import tvm_ffi
+    from tvm.s_tir import meta_schedule as ms
+
+    from thomas_tune.schedules import plain_json
+    from thomas_tune.tune import search_context
+
+    task = small_tasks[0]
+    measured: set[int] = set()
+    ctx, strategy = search_context(task, parse_target("llvm"), measured, population=16,
+                                   genetic_iters=1, max_unroll=None, seed=0)
+    spaces = ctx.generate_design_space()
+    strategy.pre_tuning(64, 4, spaces, ms.database.MemoryDatabase(),
+                        ms.cost_model.RandomModel())
+    old = strategy.inner.generate_measure_candidates()
+    assert old
+    for c in old:  # the search's first round, as if the log held it already
+        measured.add(tvm_ffi.structural_hash(c.sch.mod))
+    before = set(measured)
+
+    class Stale:
+        """A search that proposes the same measured schedules round after round."""
+        def generate_measure_candidates(self):
+            return old
+
+    strategy.inner = Stale()
+    got = strategy.generate_measure_candidates()
+    assert got and len(got) == 4 and strategy.drawn == 4
+    hashes = {tvm_ffi.structural_hash(c.sch.mod) for c in got}
+    assert len(hashes) == 4 and not hashes & before and hashes <= measured
+    assert strategy.skipped >= strategy.max_empty_rounds * len(old)
+    for c in got:  # postprocessed as the search's own candidates are
+        insts, _ = plain_json(c.sch.trace.as_json())
+        assert "EnterPostproc" in [ins[0] for ins in insts]

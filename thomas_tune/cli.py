@@ -251,7 +251,8 @@ def cmd_tune(args) -> int:
               "and logged); run the same command again to resume", file=sys.stderr, flush=True)
         return 128 + sig
     print(f"measured {report.trials} new trials ({report.skipped} candidates already in the "
-          f"log were not re-measured; {report.resumed_records} records resumed, "
+          f"log were not re-measured, {report.drawn} drawn at random from the design spaces "
+          f"when a search proposed only measured ones; {report.resumed_records} records resumed, "
           f"{report.replayed_records} of them replayed in a start-up of "
           f"{report.startup_s:.1f} s)")
     print(f"throughput: {report.throughput_line()}")
