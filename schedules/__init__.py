@@ -92,7 +92,7 @@ def sampled_unroll(trace_json) -> tuple[int, int] | None:
     return _unroll_at(*plain_json(trace_json))
 
 
-def _before_postproc(insts, decisions) -> tuple[list, list]:
+def before_postproc(insts, decisions) -> tuple[list, list]:
     """A plain trace's instructions (each a list of its own) and decisions up to its
     postprocessing (``EnterPostproc``), which the postprocessors redo when applied again."""
     end = next((i for i, ins in enumerate(insts) if ins[0] == "EnterPostproc"), len(insts))
@@ -104,7 +104,7 @@ def _set_unroll(insts, decisions, found, step: int, choices: list[int]):
     where, current = found
     if current == step and [int(c) for c in insts[where][2][0]] == choices:
         return None
-    insts, decisions = _before_postproc(insts, decisions)
+    insts, decisions = before_postproc(insts, decisions)
     insts[where][2] = [choices, [1.0 / len(choices)] * len(choices)]
     decisions = [[i, d] for i, d in decisions if i != where]
     decisions.append([where, choices.index(step)])
@@ -338,7 +338,7 @@ def with_padding_in_fill(mod: tvm.IRModule, trace_json):
     (apply it, then the postprocessors, to get the schedule). None when the trace inlines no
     such block. The best records of the inlined spaces carry the tiling that the search took
     thousands of trials to find; this gives the padded spaces the same one."""
-    insts, decisions = _before_postproc(*plain_json(trace_json))
+    insts, decisions = before_postproc(*plain_json(trace_json))
     sch = tvm.s_tir.Schedule(mod)
     names = {}  # trace variable -> block name, for the blocks the trace looks up by name
     for ins in insts:
@@ -434,7 +434,7 @@ def transferred(trace_json, donor: tvm.IRModule, mod: tvm.IRModule):
     postprocessors). None when the trace does more than inline a block that ``mod`` lacks, or
     when the result does not apply to ``mod``. The trace is a schedule of ``mod``'s own
     computation either way: a transfer can be slow, never wrong."""
-    insts, decisions = _before_postproc(*plain_json(trace_json))
+    insts, decisions = before_postproc(*plain_json(trace_json))
     donor_sch = tvm.s_tir.Schedule(donor)
     theirs = {donor_sch.get(b).name_hint for b in _blocks(donor_sch)}
     sch = tvm.s_tir.Schedule(mod)

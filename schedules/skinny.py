@@ -195,29 +195,29 @@ def splits_for(m: Skinny, max_threads: int, max_shared_bytes: int) -> list[Split
     :data:`MIN_PART` terms or more, a multiple of a step of :data:`K_STEPS`) nearest each of
     :data:`GROUP_AIMS` work-groups. Empty when no tiling divides the rows and columns or no G
     leaves whole steps (a sum of 1,030 terms)."""
+    # part counts that leave whole steps, with their step
+    steps = {g: _k_step(m.terms // g) for g in range(1, m.terms // MIN_PART + 1)
+             if m.terms % g == 0}
+    steps = {g: k for g, k in steps.items() if k}
     out = []
     for mi, mj in product(MICRO_I, MICRO_J):
+        if m.rows % mi:
+            continue
         for tj in _threads_j(m.cols, mj):
-            if m.rows % mi:
+            threads = (m.rows // mi) * tj
+            if threads > max_threads or threads < 32:
                 continue
-            s0 = Split(m.rows // mi, tj, mi, mj)
-            if s0.threads > max_threads or s0.threads < 32:
+            fits = [Split(m.rows // mi, tj, mi, mj, parts=g, k_step=k) for g, k in steps.items()]
+            fits = [t for t in fits if t.shared_bytes() <= max_shared_bytes]
+            if not fits:  # no part count leaves whole steps that fit
                 continue
-            col_groups = m.cols // s0.tile_j
-            parts = [g for g in range(1, m.terms // MIN_PART + 1)
-                     if m.terms % g == 0 and _k_step(m.terms // g)]
-            parts = [g for g in parts if Split(s0.threads_i, tj, mi, mj, parts=g,
-                                               k_step=_k_step(m.terms // g)).shared_bytes()
-                     <= max_shared_bytes]
-            if not parts:  # no part count leaves whole steps
-                continue
+            col_groups = m.cols // fits[0].tile_j
             chosen = []
             for aim in GROUP_AIMS:
-                g = min(parts, key=lambda p: abs(p * col_groups - aim))
-                if g not in chosen:
-                    chosen.append(g)
-            out.extend(Split(s0.threads_i, tj, mi, mj, parts=g, k_step=_k_step(m.terms // g))
-                       for g in chosen)
+                t = min(fits, key=lambda t: abs(t.parts * col_groups - aim))
+                if t not in chosen:
+                    chosen.append(t)
+            out.extend(chosen)
     return out
 
 

@@ -27,10 +27,9 @@ from tvm.s_tir import meta_schedule as ms
 from tvm.ir.utils import derived_object
 
 from .runner import Builder, FarmRunner, Phases, error_line
-from .schedules import (UNROLL_STEPS, _before_postproc, anchor_key, plain_json, postprocessed,
-                         space_generator,
-                         transferred, unroll_steps, with_padding_in_fill, with_unroll,
-                         within_unroll)
+from .schedules import (UNROLL_STEPS, anchor_key, before_postproc, plain_json, postprocessed,
+                         space_generator, transferred, unroll_steps, with_padding_in_fill,
+                         with_unroll, within_unroll)
 from .tasks import Task
 from .tasks import key as workload_key
 from .tuning_log import FAILED_RUN_S, TrialErrors, TuningLog, mean_run_seconds
@@ -210,7 +209,7 @@ class ResumingSearch(ms.search_strategy.PySearchStrategy):
         self.task_name = None
         self.spaces: list = []  # the design spaces' traces, without decisions or postprocessing
         self.batch = 0
-        self.rng = random.Random(kwargs.get("seed", 0))
+        self.rng = random.Random(0)  # (seeded from the tune context's random state)
 
     @property
     def skipped(self) -> int:
@@ -225,6 +224,7 @@ class ResumingSearch(ms.search_strategy.PySearchStrategy):
         self.postprocs = list(context.space_generator.postprocs or [])
         self.mod = context.mod
         self.task_name = context.task_name
+        self.rng = random.Random(int(context.rand_state))
 
     def _clamp(self, cand):
         """``cand`` with its unroll limit lowered to ``max_unroll`` where it is over it (a
@@ -248,7 +248,7 @@ class ResumingSearch(ms.search_strategy.PySearchStrategy):
 
     @property
     def drawn(self) -> int:
-        return self.counts.get("drawn", 0)
+        return self.counts["drawn"]
 
     def pre_tuning(self, max_trials, num_trials_per_iter, design_spaces, database=None,
                    cost_model=None) -> None:
@@ -256,7 +256,7 @@ class ResumingSearch(ms.search_strategy.PySearchStrategy):
         self.spaces = []
         for space in design_spaces:
             try:
-                insts, _ = _before_postproc(*plain_json(space.trace.as_json()))
+                insts, _ = before_postproc(*plain_json(space.trace.as_json()))
             except TypeError:  # an object with no JSON form: not drawn from
                 continue
             self.spaces.append([insts, []])
@@ -310,9 +310,9 @@ class ResumingSearch(ms.search_strategy.PySearchStrategy):
         if not self.spaces or self.mod is None:
             return []
         args_info = ms.arg_info.ArgInfo.from_prim_func(self.mod["main"])
-        out = []
-        for _ in range(self.DRAW_TRIES * max(1, self.batch)):
-            if len(out) >= max(1, self.batch):
+        want, out = max(1, self.batch), []
+        for _ in range(self.DRAW_TRIES * want):
+            if len(out) >= want:
                 break
             sch = postprocessed(self.mod, self.rng.choice(self.spaces), self.postprocs,
                                 seed=self.rng.randrange(1, 1 << 30))
@@ -324,7 +324,7 @@ class ResumingSearch(ms.search_strategy.PySearchStrategy):
                 continue
             self.measured.add(h)
             out.append(ms.MeasureCandidate(sch, args_info))
-        self.counts["drawn"] = self.counts.get("drawn", 0) + len(out)
+        self.counts["drawn"] += len(out)
         return out
 
     def notify_runner_results(self, measure_candidates, results) -> None:
