@@ -24,6 +24,7 @@ from tvm.s_tir import meta_schedule as ms
 
 from .matmul_tiles import tiled_spaces
 from .skinny import skinny_spaces
+from .winograd import WinogradTransform
 
 
 #: The maximum numbers of unrolled steps the search chooses among for a GPU kernel
@@ -1048,7 +1049,7 @@ class LongGeneralReduction(_LongSums, dl.gpu.GeneralReduction):
     """dlight's ``GeneralReduction`` rule, for long sums only (see :class:`_LongSums`)."""
 
 
-GPU_RULES = (WideMatmul, LongReduction, dl.gpu.Matmul, dl.gpu.GEMV, LongRowReduction,
+GPU_RULES = (WinogradTransform, WideMatmul, LongReduction, dl.gpu.Matmul, dl.gpu.GEMV, LongRowReduction,
              LongGeneralReduction)
 
 

@@ -286,11 +286,13 @@ def exported_training_module(model, tg):
                                   list(tg.masks.values()))
 
 
-def step_kernels(train_mod) -> list[Kernel]:
+def step_kernels(train_mod, winograd=None) -> list[Kernel]:
     """The kernels of one training step (``draw_masks`` where the module has it, then
     ``train_adjoint`` and ``optimizer``) of an unfused Relax training module
     (``graph.training_module(...).mod``, or :func:`exported_training_module`), fused as the
-    build fuses it; sorted by FLOPs per step, largest first."""
+    build fuses it (``winograd``: the convolutions it computes in the Winograd form, as
+    :func:`thomas_tune.build.winograd_choice` gives them); sorted by FLOPs per step, largest
+    first."""
     import tvm
     import tvm_ffi
     from tvm.s_tir.analysis import estimate_tir_flops
@@ -299,7 +301,7 @@ def step_kernels(train_mod) -> list[Kernel]:
     from .graph import ADJOINT, OPTIMIZER
     from .manifest import DRAW_MASKS
     from .tasks import fuse
-    mod = fuse(train_mod)
+    mod = fuse(train_mod, winograd)
     calls: dict[str, int] = {}
     names = {gv.name_hint for gv in mod.functions}
     for fname in (DRAW_MASKS, ADJOINT, OPTIMIZER):
@@ -756,18 +758,39 @@ def run_bench(model, tensors, target, exports: dict, cfg: BenchConfig, log_path:
     step_bytes = sum(k.bytes * k.calls for k in kernels)
     res["step"] = {"kernels": len(kernels), "calls": sum(k.calls for k in kernels),
                    "gflop": step_flops / 1e9, "argument_gbytes": step_bytes / 1e9}
+    # the tuned build may compute some convolutions in the Winograd form: its own kernels
+    own = {variant: list(kernels) for variant in exports}
+    separate = set()
+    if log_path and "tuned" in exports:
+        from .build import tuned_build, winograd_choice
+        from .tuning_log import TuningLog
+        chosen = winograd_choice(train_mod, tuned_build(TuningLog(log_path), target)[2])
+        if chosen:
+            own["tuned"] = step_kernels(train_mod, chosen)
+            separate.add("tuned")
+            res["step"]["winograd_convolutions"] = len(chosen)
     if log_path:
-        res["step"]["tuned_kernels"] = mark_tuned(kernels, log_path, target)
+        res["step"]["tuned_kernels"] = mark_tuned(own.get("tuned", kernels), log_path, target)
+        if separate:
+            mark_tuned(kernels, log_path, target)
     for variant, folder in exports.items():
         say(f"[bench] timing {variant}: {cfg.steps} training steps and inference passes ...")
         r = time_export(folder, cfg.steps, cfg.warmup, cfg.seed)
         res["variants"][variant] = r
         if cfg.kernels:
-            time_kernels(os.path.join(folder, "train.so"), kernels, dev, variant,
+            ks = own[variant]
+            time_kernels(os.path.join(folder, "train.so"), ks, dev, variant,
                          cfg.kernel_min_ms, cfg.seed, cfg.progress)
-            r["kernel_sum_ms"] = sum(k.ms[variant] * k.calls for k in kernels
+            r["kernel_sum_ms"] = sum(k.ms[variant] * k.calls for k in ks
                                      if math.isfinite(k.ms[variant]))
-            r["kernels_failed"] = sum(1 for k in kernels if not math.isfinite(k.ms[variant]))
+            r["kernels_failed"] = sum(1 for k in ks if not math.isfinite(k.ms[variant]))
+            if variant in separate:  # one row per workload: times of shared kernels merged
+                by_key = {k.key: k for k in kernels}
+                for k in ks:
+                    if k.key in by_key:
+                        by_key[k.key].ms[variant] = k.ms[variant]
+                    else:
+                        kernels.append(k)
         if cfg.startup and kind == "opencl":
             say(f"[bench] start-up of the {variant} export: first start (empty program "
                 "cache), then second start ...")

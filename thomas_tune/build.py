@@ -13,13 +13,13 @@ from tvm.s_tir import meta_schedule as ms
 
 from .schedules import default_gpu_schedules
 from .target import is_gpu
-from .tasks import fuse
+from .tasks import choose_winograd, fuse
 
 
-def _pipeline(target: tvm.target.Target, database: ms.Database | None):
+def _pipeline(target: tvm.target.Target, database: ms.Database | None, winograd=None):
     @tvm.transform.module_pass(opt_level=0, name="ThomasTuneBuild")
     def pipeline(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
-        mod = fuse(mod)
+        mod = fuse(mod, winograd)
         if database is not None:
             before = dict(mod.functions)
             with target, database:
@@ -80,9 +80,11 @@ def best_records(database: ms.Database, log_path: str,
     return {k: rec for k, (_, rec) in best.items()}, slower
 
 
-def tuned_database(log, target: tvm.target.Target) -> tuple[ms.Database, int]:
-    """The schedules to compile with from the tuning log ``log`` (a TuningLog), and how many
-    workloads were left at their default schedule.
+def tuned_build(log, target: tvm.target.Target) -> tuple[ms.Database, int, dict[str, float]]:
+    """The schedules to compile with from the tuning log ``log`` (a TuningLog), how many
+    workloads were left at their default schedule, and each workload's time as built (ms per
+    call: its fastest record, or its default schedule's time where that is faster; keyed by
+    workload key).
 
     MetaSchedule applies each workload's fastest record. Where the log folder holds default-
     schedule times measured on the device under this target and these rules (``tune
@@ -91,10 +93,21 @@ def tuned_database(log, target: tvm.target.Target) -> tuple[ms.Database, int]:
     than the untuned one. (On the H100 a search stopped early left records of 31 ms for kernels
     whose default schedule takes 1.3 ms.) Without such times every record is used. Raises what
     :meth:`TuningLog.database` raises."""
+    import math
+
+    from .tune import read_default_times
+    from .tuning_log import mean_run_seconds
     database = log.database()
     best, slower = best_records(database, log.path, target)
+    times = {k: mean_run_seconds(rec.run_secs) * 1e3 for k, rec in best.items()}
+    if slower:
+        defaults = read_default_times(log.path, target,
+                                      {k: best[k].workload.mod for k in slower}) or {}
+        for k, secs in defaults.items():
+            if math.isfinite(secs):
+                times[k] = min(times[k], secs * 1e3)
     if not slower:
-        return database, 0
+        return database, 0, times
     kept = ms.database.MemoryDatabase()
     for key, rec in best.items():
         if key in slower:
@@ -102,14 +115,33 @@ def tuned_database(log, target: tvm.target.Target) -> tuple[ms.Database, int]:
         workload = kept.commit_workload(rec.workload.mod)
         kept.commit_tuning_record(ms.database.TuningRecord(
             rec.trace, workload, rec.run_secs, rec.target, rec.args_info))
-    return kept, len(slower)
+    return kept, len(slower), times
+
+
+def tuned_database(log, target: tvm.target.Target) -> tuple[ms.Database, int]:
+    """The first two of :func:`tuned_build`: the database to compile with and how many
+    workloads keep their default schedule."""
+    database, slower, _ = tuned_build(log, target)
+    return database, slower
+
+
+def winograd_choice(mod: tvm.IRModule, times: dict[str, float] | None) -> set:
+    """The convolutions of ``mod`` (unfused Relax) that a build computes in the Winograd form,
+    given the kernels' times as built (:func:`tuned_build`): those whose Winograd kernels,
+    all timed, take less than the timed direct kernels they replace
+    (:func:`thomas_tune.tasks.choose_winograd`). Empty without times (an untuned build)."""
+    if not times:
+        return set()
+    return choose_winograd(mod, times.get)
 
 
 def compile_graph(mod: tvm.IRModule, target: tvm.target.Target,
-                  database: ms.Database | None = None) -> relax.VMExecutable:
+                  database: ms.Database | None = None, winograd=None) -> relax.VMExecutable:
     """Compile ``mod`` (unfused Relax) for ``target``; returns a Relax VM executable.
 
     ``database``: a MetaSchedule database (the tuning log) or None for default schedules.
+    ``winograd``: the convolutions to compute in the Winograd form (a set of
+    :class:`thomas_tune.winograd.Conv`, :func:`winograd_choice`), None for none.
     """
     with tvm.transform.PassContext(opt_level=3):
-        return tvm.compile(mod, target, relax_pipeline=_pipeline(target, database))
+        return tvm.compile(mod, target, relax_pipeline=_pipeline(target, database, winograd))

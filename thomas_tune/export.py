@@ -34,7 +34,7 @@ import tvm
 from . import graph as G
 from tvm import relax
 
-from .build import compile_graph, tuned_database
+from .build import compile_graph, tuned_build, winograd_choice
 from .dropout import draw_masks_function
 from .manifest import (FORMAT, MANIFEST, PACK_OPTIMIZER_STATE, PACK_TRAINABLE,  # noqa: F401
                        read_manifest)
@@ -112,17 +112,23 @@ def export(out_dir: str, model, tensors: dict[str, np.ndarray], target: tvm.targ
     shapes = {p.name: p.shape for p in spec(model).params}
     train_mod = _with_step_functions(tg.mod, [shapes[n] for n in tg.trainable], tg.optim_state,
                                      list(tg.masks.values()))
-    database = None
+    database, times = None, None
     if log is not None:
-        database, slower = tuned_database(log, target)
+        database, slower, times = tuned_build(log, target)
         if slower:
             progress(f"{slower} workload(s) keep their default schedule: their best tuning "
                      "record is slower on the device")
+    infer_mod = G.inference_module(model, infer_batch)
+    wino_infer = winograd_choice(infer_mod, times)
+    wino_train = winograd_choice(train_mod, times)
+    if wino_infer or wino_train:
+        progress(f"Winograd form for {len(wino_infer)} inference and {len(wino_train)} training "
+                 "convolution(s): their tuned kernels are faster than the direct ones")
     t0 = time.perf_counter()
-    infer_exe = compile_graph(G.inference_module(model, infer_batch), target, database)
+    infer_exe = compile_graph(infer_mod, target, database, wino_infer)
     progress(f"compiled inference module in {time.perf_counter() - t0:.1f} s")
     t0 = time.perf_counter()
-    train_exe = compile_graph(train_mod, target, database)
+    train_exe = compile_graph(train_mod, target, database, wino_train)
     progress(f"compiled training module in {time.perf_counter() - t0:.1f} s")
     _atomic_write(os.path.join(out_dir, "inference.so"),
                   lambda p: export_shared(infer_exe, p, target))
@@ -149,6 +155,8 @@ def export(out_dir: str, model, tensors: dict[str, np.ndarray], target: tvm.targ
         "optimizer": dataclasses.asdict(tg.optimizer),
         "tuning_log": log.path if log is not None else None,
         "tuning_log_sha256": log_hash(log),
+        "winograd": {"inference": sorted(map(repr, wino_infer)),
+                     "training": sorted(map(repr, wino_train))},
         "classes": list(classes) if classes else None,
     }
     _atomic_write(os.path.join(out_dir, MANIFEST),

@@ -19,7 +19,7 @@ import tvm
 from tvm import relax
 
 from . import graph as G
-from .build import compile_graph, tuned_database
+from .build import compile_graph, tuned_build, winograd_choice
 from .models import init_params, spec
 from .tasks import extract
 from .tuning_log import TuningLog
@@ -85,7 +85,8 @@ def _rel_err(got: np.ndarray, ref: np.ndarray) -> float:
     return float(np.max(np.abs(got.astype("float64") - ref))) / scale
 
 
-def check_numbers(model, target, database, batch: int, trainable: str, seed: int) -> dict:
+def check_numbers(model, target, database, batch: int, trainable: str, seed: int,
+                  times: dict | None = None) -> dict:
     """Max relative error (max |got - ref| / max |ref|) of logits, loss and every gradient."""
     rng = np.random.default_rng(seed)
     tensors = init_params(model, seed=seed)
@@ -97,7 +98,8 @@ def check_numbers(model, target, database, batch: int, trainable: str, seed: int
     tg32 = G.training_module(model, batch, trainable)
     tg64 = G.training_module(model, batch, trainable, dtype="float64")
     dev = tvm.cpu()
-    vm32 = relax.VirtualMachine(compile_graph(tg32.mod, target, database), dev)
+    vm32 = relax.VirtualMachine(compile_graph(tg32.mod, target, database,
+                                              winograd_choice(tg32.mod, times)), dev)
     vm32_default = relax.VirtualMachine(compile_graph(tg32.mod, target, None), dev)
     vm64 = relax.VirtualMachine(compile_graph(tg64.mod, target, None), dev)
     x = rng.standard_normal(model.input_shape(batch))
@@ -148,10 +150,11 @@ def replay(model, target, log: TuningLog, batch: int = 8, infer_batch: int = 1,
     """
     if not log.exists():
         raise ValueError(f"tuning log {log.path!r} has no records; tune first or fix the path")
-    database, slower = tuned_database(log, target)  # what `export` compiles with
+    database, slower, times = tuned_build(log, target)  # what `export` compiles with
     graphs = {"infer": G.inference_module(model, infer_batch),
               "train": G.training_module(model, batch, trainable).mod}
-    tasks = extract(graphs, target)
+    chosen = {name: winograd_choice(mod, times) for name, mod in graphs.items()}
+    tasks = extract(graphs, target, chosen)  # the kernels `export` builds
     report = ReplayReport(tasks=len(tasks), flops=sum(t.total_flops for t in tasks),
                           slower=slower)
     report.tuned, report.tuned_flops = coverage(tasks, database)
@@ -160,11 +163,11 @@ def replay(model, target, log: TuningLog, batch: int = 8, infer_batch: int = 1,
         report.time_s, report.tuned_time_s = times
     if failed_minimum(report, min_flops_coverage, min_time_coverage):
         return report
-    for mod in graphs.values():
-        compile_graph(mod, target, database)
+    for name, mod in graphs.items():
+        compile_graph(mod, target, database, chosen[name])
     from .target import is_cross
     if check and target.kind.name == "llvm" and not is_cross(target):  # runs on this machine
-        report.errors = check_numbers(model, target, database, batch, trainable, seed)
+        report.errors = check_numbers(model, target, database, batch, trainable, seed, times)
         report.checked = True
     return report
 

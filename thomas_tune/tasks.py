@@ -17,13 +17,23 @@ from tvm.s_tir import meta_schedule as ms
 from tvm.s_tir.analysis import estimate_tir_flops
 
 
-def fuse(mod: tvm.IRModule) -> tvm.IRModule:
+def fuse(mod: tvm.IRModule, winograd=None) -> tvm.IRModule:
     """Legalize and fuse a Relax module: every fused PrimFunc is one kernel of the graph.
 
     A matmul by a transposed 2-D operand (a linear layer's ``x @ W^T``) becomes one kernel that
     reads ``W`` in place (``FuseTransposeMatmul``): otherwise each forward pass copies the
     transposed weight first, 302 MB of traffic per step for AlexNet's first linear layer.
+
+    ``winograd``: None (every convolution in its direct form), ``"all"`` (each convolution
+    :func:`thomas_tune.winograd.eligible` takes, in the Winograd form) or a set of
+    :class:`thomas_tune.winograd.Conv` (those convolutions only, e.g. from
+    :func:`choose_winograd`).
     """
+    if winograd:
+        from . import winograd as W
+        chosen = winograd
+        mod, _ = W.rewrite(mod, (lambda call, conv: True) if chosen == "all"
+                           else (lambda call, conv: conv in chosen))
     seq = tvm.transform.Sequential([
         relax.transform.FuseTransposeMatmul(),
         relax.transform.LegalizeOps(),
@@ -34,6 +44,75 @@ def fuse(mod: tvm.IRModule) -> tvm.IRModule:
     ])
     with tvm.transform.PassContext(opt_level=3):
         return seq(mod)
+
+
+def workload_key(func: tvm.tirx.PrimFunc) -> str:
+    """The workload key of a fused PrimFunc as MetaSchedule's task extraction and the tuning
+    log key it: the structural hash of ``{"main": func}``, in decimal."""
+    return str(tvm_ffi.structural_hash(
+        tvm.IRModule({"main": func.with_attr("global_symbol", "main")})))
+
+
+def kernel_calls(mod: tvm.IRModule) -> dict[str, int]:
+    """Workload key -> calls, summed over the Relax functions of a fused module (each
+    ``call_tir`` once; a kernel inside a loop would count once)."""
+    names: dict[str, int] = {}
+
+    def visit(e):
+        if isinstance(e, relax.Call) and getattr(e.op, "name", "").startswith("relax.call_tir") \
+                and e.args and isinstance(e.args[0], relax.GlobalVar):
+            names[e.args[0].name_hint] = names.get(e.args[0].name_hint, 0) + 1
+
+    for func in mod.functions.values():
+        if isinstance(func, relax.Function):
+            relax.analysis.post_order_visit(func, visit)
+    out: dict[str, int] = {}
+    for gv, func in mod.functions.items():
+        if isinstance(func, tvm.tirx.PrimFunc) and gv.name_hint in names:
+            k = workload_key(func)
+            out[k] = out.get(k, 0) + names[gv.name_hint]
+    return out
+
+
+def choose_winograd(mod: tvm.IRModule, kernel_ms) -> set:
+    """The convolutions of the unfused Relax module ``mod`` to compute in the Winograd form:
+    those whose Winograd kernels take less time, by ``kernel_ms``, than the direct kernels
+    they replace.
+
+    ``kernel_ms(key)``: ms per call of the workload with that key (its best tuning record, or
+    its default schedule's time), None when unknown. For each eligible convolution (grouped
+    by :class:`thomas_tune.winograd.Conv`: sites of one shape share their kernels), the
+    kernels that appear and those that go away when only it is rewritten are compared, time x
+    calls: every kernel that appears must have a time; one that goes away without a time
+    counts as free (so an untimed kernel never tips the choice towards the Winograd form).
+    Returns a set of ``Conv``, empty when no convolution qualifies (then nothing is fused
+    twice)."""
+    from . import winograd as W
+    convs = W.convolutions(mod)
+    if not convs:
+        return set()
+    base = kernel_calls(fuse(mod))
+    chosen = set()
+    for conv in sorted(convs, key=repr):
+        calls = kernel_calls(fuse(mod, {conv}))
+        added = {k: n for k, n in calls.items() if k not in base}
+        removed = {k: n for k, n in base.items() if k not in calls}
+
+        def total(kernels, unknown_is_zero: bool):
+            known = {k: kernel_ms(k) for k in kernels}
+            if not kernels or None in known.values() and not unknown_is_zero:
+                return None
+            if all(t is None for t in known.values()):
+                return None
+            return sum(t * kernels[k] for k, t in known.items() if t is not None)
+
+        # every new kernel must be timed; a kernel that goes away untimed (a bias's reshape
+        # that the Winograd form fuses into its output transform) counts as free, which can
+        # only favour the direct form
+        new, old = total(added, False), total(removed, True)
+        if new is not None and old is not None and new < old:
+            chosen.add(conv)
+    return chosen
 
 
 @dataclass
@@ -55,23 +134,44 @@ class Task:
         return self.flops * self.weight
 
 
-def extract(graphs: dict[str, tvm.IRModule], target: tvm.target.Target) -> list[Task]:
+def extract(graphs: dict[str, tvm.IRModule], target: tvm.target.Target,
+            winograd: dict | None = None) -> list[Task]:
     """Tasks of several Relax graphs (name -> unfused module), deduplicated by workload.
+
+    ``winograd``: None, for tuning: a graph with convolutions the Winograd form takes
+    (:mod:`thomas_tune.winograd`) gives the tasks of both forms, so that tuning finds what
+    each costs (a kernel both forms call is counted once); or graph name -> the set of
+    convolutions a build computes in that form (:func:`thomas_tune.build.winograd_choice`):
+    the tasks of that build only.
 
     Returns tasks sorted by total FLOPs (calls x FLOPs per call), largest first.
     """
+    from . import winograd as W
     by_key: dict[int, Task] = {}
     for graph_name, mod in graphs.items():
-        for et in ms.relax_integration.extract_tasks(fuse(mod), target):
-            key = tvm_ffi.structural_hash(et.dispatched[0])
-            task = by_key.get(key)
-            if task is None:
-                try:
-                    flops = float(estimate_tir_flops(et.dispatched[0]))
-                except Exception:  # some kernels (e.g. int64 index math) have no estimate
-                    flops = 0.0
-                task = by_key[key] = Task(et.task_name, et.dispatched[0], flops, extracted=et)
-            task.calls[graph_name] = task.calls.get(graph_name, 0) + int(et.weight)
+        if winograd is not None:
+            forms = [fuse(mod, winograd.get(graph_name))]
+        else:
+            forms = [fuse(mod)]
+            if W.convolutions(mod):
+                forms.append(fuse(mod, "all"))
+        seen: dict[int, int] = {}
+        for form in forms:
+            for et in ms.relax_integration.extract_tasks(form, target):
+                key = tvm_ffi.structural_hash(et.dispatched[0])
+                task = by_key.get(key)
+                if task is None:
+                    try:
+                        flops = float(estimate_tir_flops(et.dispatched[0]))
+                    except Exception:  # some kernels (e.g. int64 index math) have no estimate
+                        flops = 0.0
+                    task = by_key[key] = Task(et.task_name, et.dispatched[0], flops,
+                                              extracted=et)
+                # a kernel both forms call counts once
+                seen[key] = max(seen.get(key, 0), int(et.weight))
+        for key, n in seen.items():
+            task = by_key[key]
+            task.calls[graph_name] = task.calls.get(graph_name, 0) + n
     return sorted(by_key.values(), key=lambda t: -t.total_flops)
 
 
