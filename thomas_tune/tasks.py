@@ -31,9 +31,8 @@ def fuse(mod: tvm.IRModule, winograd=None) -> tvm.IRModule:
     """
     if winograd:
         from . import winograd as W
-        chosen = winograd
-        mod, _ = W.rewrite(mod, (lambda call, conv: True) if chosen == "all"
-                           else (lambda call, conv: conv in chosen))
+        mod, _ = W.rewrite(mod, (lambda call, conv: True) if winograd == "all"
+                           else (lambda call, conv: conv in winograd))
     seq = tvm.transform.Sequential([
         relax.transform.FuseTransposeMatmul(),
         relax.transform.LegalizeOps(),
@@ -98,13 +97,12 @@ def choose_winograd(mod: tvm.IRModule, kernel_ms) -> set:
         added = {k: n for k, n in calls.items() if k not in base}
         removed = {k: n for k, n in base.items() if k not in calls}
 
-        def total(kernels, unknown_is_zero: bool):
-            known = {k: kernel_ms(k) for k in kernels}
-            if not kernels or None in known.values() and not unknown_is_zero:
+        def total(kernels, untimed_free: bool):
+            times = {k: kernel_ms(k) for k in kernels}
+            timed = {k: t for k, t in times.items() if t is not None}
+            if not timed or (len(timed) < len(times) and not untimed_free):
                 return None
-            if all(t is None for t in known.values()):
-                return None
-            return sum(t * kernels[k] for k, t in known.items() if t is not None)
+            return sum(t * kernels[k] for k, t in timed.items())
 
         # every new kernel must be timed; a kernel that goes away untimed (a bias's reshape
         # that the Winograd form fuses into its output transform) counts as free, which can
