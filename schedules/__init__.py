@@ -1049,12 +1049,22 @@ class LongGeneralReduction(_LongSums, dl.gpu.GeneralReduction):
     """dlight's ``GeneralReduction`` rule, for long sums only (see :class:`_LongSums`)."""
 
 
+#: dlight's own default GPU rules, in its order (``tvm.s_tir.dlight.gpu``), with no rule of
+#: thomas_tune's: what TVM schedules an untuned kernel with. ``thomas-tune bench
+#: --stock-defaults`` builds a variant with them, to show what the rules above and tuning each
+#: add
+STOCK_RULES = (dl.gpu.Matmul, dl.gpu.GEMV, dl.gpu.Reduction, dl.gpu.GeneralReduction)
+
 GPU_RULES = (WinogradTransform, WideMatmul, LongReduction, dl.gpu.Matmul, dl.gpu.GEMV, LongRowReduction,
              LongGeneralReduction)
 
 
-def default_gpu_schedules(mod: tvm.IRModule, target: tvm.target.Target) -> tvm.IRModule:
+def default_gpu_schedules(mod: tvm.IRModule, target: tvm.target.Target,
+                          rule_classes=None) -> tvm.IRModule:
     """Give every kernel without a schedule (no tuning record) dlight's default GPU schedule.
+
+    ``rule_classes``: the rules to try first, :data:`GPU_RULES` when None (:data:`STOCK_RULES`
+    for TVM's own defaults).
 
     Rules are tried in order per kernel (:class:`WideMatmul` for matmuls with many outputs, long
     reductions split across threads, matmul, GEMV, reduction, general reduction); a rule
@@ -1070,7 +1080,8 @@ def default_gpu_schedules(mod: tvm.IRModule, target: tvm.target.Target) -> tvm.I
                 func.attrs.get("tir.is_scheduled", False):
             continue
         sch = None
-        rules = [r() for r in GPU_RULES] if not tuple_reduction(func) else []
+        rules = ([r() for r in (GPU_RULES if rule_classes is None else rule_classes)]
+                 if not tuple_reduction(func) else [])
         for rule in (*rules, dl.gpu.Fallback(), LeadingLoops()):
             try:
                 with target:

@@ -316,6 +316,32 @@ def test_long_reduction_schedule(target, rng):
     np.testing.assert_allclose(got2, ref2, rtol=1e-4, atol=1e-4 * np.abs(ref2).max())
 
 
+def test_stock_default_rules_schedule_otherwise_and_compute_the_same(target, rng):
+    """``bench --stock-defaults``' variant: the same weight-gradient kernel with TVM's own
+    default GPU rules (``STOCK_RULES``) gets another schedule than with thomas_tune's (no
+    ``LongReduction``), and both match numpy in float64."""
+    import tvm_ffi
+
+    from thomas_tune.schedules import STOCK_RULES
+
+    n = 8
+    a = te.placeholder((n, 16, 20, 20), name="a")
+    b = te.placeholder((n, 8, 20, 20), name="b")
+    rn, rh, rw = te.reduce_axis((0, n)), te.reduce_axis((0, 20)), te.reduce_axis((0, 20))
+    s = te.compute((16, 8), lambda i, j: te.sum(a[rn, i, rh, rw] * b[rn, j, rh, rw],
+                                                 axis=[rn, rh, rw]), name="s")
+    mod = tvm.IRModule({"main": te.create_prim_func([a, b, s])})
+    ours = default_gpu_schedules(mod, target)
+    stock = default_gpu_schedules(mod, target, STOCK_RULES)
+    assert not tvm_ffi.structural_equal(ours["main"], stock["main"])
+    an, bn = rng.standard_normal((n, 16, 20, 20)), rng.standard_normal((n, 8, 20, 20))
+    ref = np.einsum("nihw,njhw->ij", an.astype("float32").astype("float64"),
+                    bn.astype("float32").astype("float64"))
+    for scheduled in (ours, stock):
+        got = _run(scheduled, target, [an, bn], (16, 8))
+        np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max())
+
+
 def test_wide_matmul_gets_a_tiled_default_schedule(target, rng):
     """A fully connected layer (many outputs, long sums) gets dlight's tiled matmul by
     default: its shared-memory tiles are counted after buffer compaction (their declared

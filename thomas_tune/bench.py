@@ -682,11 +682,14 @@ def _same_export(out_dir: str, want: dict) -> bool:
 
 
 def prepare_exports(model, tensors, target, log_path: str | None, work: str, batch: int,
-                    infer_batch: int, trainable: str, optimizer, say=print) -> dict:
-    """Export the model with default schedules (``work/default``) and, with ``log_path``, with
-    the tuning log (``work/tuned``); an export already there with the same model, shapes,
-    target, trainable set, optimizer and tuning-log hash is reused. Returns variant -> folder.
-    Raises ValueError for a tuning log with no records."""
+                    infer_batch: int, trainable: str, optimizer, say=print,
+                    stock: bool = False) -> dict:
+    """Export the model with default schedules (``work/default``), with ``log_path`` with the
+    tuning log (``work/tuned``), and with ``stock`` with TVM's own default GPU rules instead of
+    thomas_tune's (``work/stock``: what TVM gives an untuned kernel); an export already there
+    with the same model, shapes, target, trainable set, optimizer, rules and tuning-log hash
+    is reused. Returns variant -> folder. Raises ValueError for a tuning log with no
+    records."""
     import dataclasses
 
     from .export import export, log_hash
@@ -701,14 +704,15 @@ def prepare_exports(model, tensors, target, log_path: str | None, work: str, bat
     # other fusion) has other kernels, so it is compiled again
     graph_key = str(tvm_ffi.structural_hash(exported_training_module(model, tg)))
     out = {}
-    for variant, lg in (("tuned", log), ("default", None)):
-        if variant == "tuned" and lg is None:
+    for variant, lg in (("tuned", log), ("default", None), ("stock", None)):
+        if variant == "tuned" and lg is None or variant == "stock" and not stock:
             continue
         folder = os.path.join(work, variant)
         want = {"arch": model.arch, "config": model.config(), "batch": batch,
                 "infer_batch": infer_batch, "target": json.loads(str(target)),
                 "trainable": tg.trainable, "optimizer": dataclasses.asdict(tg.optimizer),
-                "tuning_log_sha256": log_hash(lg)}
+                "tuning_log_sha256": log_hash(lg),
+                "default_rules": "stock" if variant == "stock" else "thomas_tune"}
         want["optimizer"] = json.loads(json.dumps(want["optimizer"]))
         marker = os.path.join(folder, GRAPH_MARKER)
         same_graph = os.path.exists(marker) and open(marker).read().strip() == graph_key
@@ -719,7 +723,7 @@ def prepare_exports(model, tensors, target, log_path: str | None, work: str, bat
             say(f"[bench] compiling the {variant} export into {folder} ...")
             export(folder, model, tensors, target, batch=batch, infer_batch=infer_batch,
                    trainable=trainable, optimizer=optimizer, log=lg,
-                   progress=lambda m: say(f"[bench]   {m}"))
+                   progress=lambda m: say(f"[bench]   {m}"), stock_defaults=variant == "stock")
             with open(marker, "w") as f:
                 f.write(graph_key + "\n")
             say(f"[bench] {variant} export done in {time.perf_counter() - t0:.0f} s")
@@ -867,7 +871,8 @@ def format_report(res: dict, top: int = 12) -> str:
             f"{_fmt(st.get('second', {}).get('total_s'), '.2f'):>11}")
     v = res["variants"]
     ratios = []
-    for a, b in (("default", "tuned"), ("torch", "tuned"), ("torch", "default")):
+    for a, b in (("default", "tuned"), ("stock", "tuned"), ("stock", "default"),
+                 ("torch", "tuned"), ("torch", "default")):
         if a in v and b in v:
             ratios.append(f"{b} vs {a}: {v[a]['train_ms'] / v[b]['train_ms']:.2f}x (training), "
                           f"{v[a]['infer_ms'] / v[b]['infer_ms']:.2f}x (inference)")
@@ -885,7 +890,7 @@ def format_report(res: dict, top: int = 12) -> str:
                          f"{s['opencl'].get('binary_loads')} from the program cache)")
     if res.get("kernels"):
         main = res["kernel_table_variant"]
-        others = [n for n in ("tuned", "default") if n in v and n != main]
+        others = [n for n in ("tuned", "default", "stock") if n in v and n != main]
         lines += ["", f"slowest kernels of the {main} training step (each timed alone on "
                   "random inputs; ms per call x calls = ms per step):"]
         h = (f"{'kernel':<44} {'calls':>5} {'ms/call':>9} {'ms/step':>8} {'GFLOP/s':>8} "

@@ -16,7 +16,8 @@ from .target import is_gpu
 from .tasks import choose_winograd, fuse
 
 
-def _pipeline(target: tvm.target.Target, database: ms.Database | None, winograd=None):
+def _pipeline(target: tvm.target.Target, database: ms.Database | None, winograd=None,
+              rule_classes=None):
     @tvm.transform.module_pass(opt_level=0, name="ThomasTuneBuild")
     def pipeline(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
         mod = fuse(mod, winograd)
@@ -31,7 +32,7 @@ def _pipeline(target: tvm.target.Target, database: ms.Database | None, winograd=
                         func, before.get(gv)):
                     mod[gv] = func.with_attr("tir.is_scheduled", True)
         if is_gpu(target):
-            mod = default_gpu_schedules(mod, target)
+            mod = default_gpu_schedules(mod, target, rule_classes)
         passes = [relax.transform.RewriteDataflowReshape(), relax.transform.ToNonDataflow(),
                   relax.transform.RemovePurityChecking(), relax.transform.CallTIRRewrite(),
                   relax.transform.StaticPlanBlockMemory(), relax.transform.LowerAllocTensor(),
@@ -136,12 +137,16 @@ def winograd_choice(mod: tvm.IRModule, times: dict[str, float] | None) -> set:
 
 
 def compile_graph(mod: tvm.IRModule, target: tvm.target.Target,
-                  database: ms.Database | None = None, winograd=None) -> relax.VMExecutable:
+                  database: ms.Database | None = None, winograd=None,
+                  rule_classes=None) -> relax.VMExecutable:
     """Compile ``mod`` (unfused Relax) for ``target``; returns a Relax VM executable.
 
     ``database``: a MetaSchedule database (the tuning log) or None for default schedules.
     ``winograd``: the convolutions to compute in the Winograd form (a set of
     :class:`thomas_tune.winograd.Conv`, :func:`winograd_choice`), None for none.
+    ``rule_classes``: the default GPU rules of kernels without a record
+    (:func:`thomas_tune.schedules.default_gpu_schedules`; None: thomas_tune's).
     """
     with tvm.transform.PassContext(opt_level=3):
-        return tvm.compile(mod, target, relax_pipeline=_pipeline(target, database, winograd))
+        return tvm.compile(mod, target, relax_pipeline=_pipeline(target, database, winograd,
+                                                                 rule_classes))

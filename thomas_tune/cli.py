@@ -510,7 +510,8 @@ def cmd_bench(args) -> int:
         target = parse_target(args.target)
         trainable, optimizer, log = args.trainable, _optimizer(args), args.log
         exports = bench.prepare_exports(model, tensors, target, log, work, args.batch,
-                                        args.infer_batch, trainable, optimizer)
+                                        args.infer_batch, trainable, optimizer,
+                                        stock=args.stock_defaults)
     cfg = bench.BenchConfig(steps=args.steps, warmup=args.warmup, kernels=args.kernels,
                             kernel_min_ms=args.kernel_min_ms, startup=not args.no_startup,
                             torch=not args.no_torch, refresh_peaks=args.refresh_peaks,
@@ -788,6 +789,10 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--no-startup", action="store_true",
                    help="skip the first/second start measurement (OpenCL)")
     s.add_argument("--no-torch", action="store_true", help="skip PyTorch eager")
+    s.add_argument("--stock-defaults", action="store_true",
+                   help="also a variant whose kernels get TVM's own default GPU schedules "
+                   "(dlight's rules) instead of thomas_tune's: what tuning gains over TVM "
+                   "untuned")
     s.add_argument("--refresh-peaks", action="store_true",
                    help="measure the device's peak FLOP/s and bandwidth again")
     s.add_argument("--json", help="result file (default WORK/bench.json)")

