@@ -86,8 +86,10 @@ def _rel_err(got: np.ndarray, ref: np.ndarray) -> float:
 
 
 def check_numbers(model, target, database, batch: int, trainable: str, seed: int,
-                  times: dict | None = None) -> dict:
-    """Max relative error (max |got - ref| / max |ref|) of logits, loss and every gradient."""
+                  winograd=None) -> dict:
+    """Max relative error (max |got - ref| / max |ref|) of logits, loss and every gradient.
+    ``winograd``: the convolutions the tuned build computes in the Winograd form
+    (:func:`thomas_tune.build.winograd_choice`)."""
     rng = np.random.default_rng(seed)
     tensors = init_params(model, seed=seed)
     for k in tensors:  # non-trivial BN statistics and biases
@@ -98,8 +100,7 @@ def check_numbers(model, target, database, batch: int, trainable: str, seed: int
     tg32 = G.training_module(model, batch, trainable)
     tg64 = G.training_module(model, batch, trainable, dtype="float64")
     dev = tvm.cpu()
-    vm32 = relax.VirtualMachine(compile_graph(tg32.mod, target, database,
-                                              winograd_choice(tg32.mod, times)), dev)
+    vm32 = relax.VirtualMachine(compile_graph(tg32.mod, target, database, winograd), dev)
     vm32_default = relax.VirtualMachine(compile_graph(tg32.mod, target, None), dev)
     vm64 = relax.VirtualMachine(compile_graph(tg64.mod, target, None), dev)
     x = rng.standard_normal(model.input_shape(batch))
@@ -150,10 +151,10 @@ def replay(model, target, log: TuningLog, batch: int = 8, infer_batch: int = 1,
     """
     if not log.exists():
         raise ValueError(f"tuning log {log.path!r} has no records; tune first or fix the path")
-    database, slower, times = tuned_build(log, target)  # what `export` compiles with
+    database, slower, kernel_ms = tuned_build(log, target)  # what `export` compiles with
     graphs = {"infer": G.inference_module(model, infer_batch),
               "train": G.training_module(model, batch, trainable).mod}
-    chosen = {name: winograd_choice(mod, times) for name, mod in graphs.items()}
+    chosen = {name: winograd_choice(mod, kernel_ms) for name, mod in graphs.items()}
     tasks = extract(graphs, target, chosen)  # the kernels `export` builds
     report = ReplayReport(tasks=len(tasks), flops=sum(t.total_flops for t in tasks),
                           slower=slower)
@@ -167,7 +168,8 @@ def replay(model, target, log: TuningLog, batch: int = 8, infer_batch: int = 1,
         compile_graph(mod, target, database, chosen[name])
     from .target import is_cross
     if check and target.kind.name == "llvm" and not is_cross(target):  # runs on this machine
-        report.errors = check_numbers(model, target, database, batch, trainable, seed, times)
+        report.errors = check_numbers(model, target, database, batch, trainable, seed,
+                                      chosen["train"])
         report.checked = True
     return report
 
