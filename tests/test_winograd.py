@@ -3,6 +3,9 @@
 gradients on PoCL against numpy in float64, the schedules MetaSchedule tunes, the choice of
 form from kernel times, and the tasks of both forms."""
 
+import dataclasses
+import json
+
 import numpy as np
 import pytest
 import tvm
@@ -144,6 +147,9 @@ def test_the_faster_form_is_chosen_from_kernel_times():
         return ms
 
     assert choose_winograd(mod, times(1.0, 0.01)) == convs
+    # as an export's manifest keeps them, and the bench reads them back
+    assert {W.Conv.from_dict(json.loads(json.dumps(dataclasses.asdict(c)))) for c in convs} \
+        == convs
     assert choose_winograd(mod, times(0.01, 1.0)) == set()
     # a Winograd kernel that was never timed: the direct form stays
     assert choose_winograd(mod, times(1.0, 0.01, missing=wino)) == set()

@@ -762,13 +762,14 @@ def run_bench(model, tensors, target, exports: dict, cfg: BenchConfig, log_path:
     step_bytes = sum(k.bytes * k.calls for k in kernels)
     res["step"] = {"kernels": len(kernels), "calls": sum(k.calls for k in kernels),
                    "gflop": step_flops / 1e9, "argument_gbytes": step_bytes / 1e9}
-    # the tuned build may compute some convolutions in the Winograd form: its own kernels
+    # the tuned build may compute some convolutions in the Winograd form (its manifest lists
+    # them): its own kernels
     own = {variant: list(kernels) for variant in exports}
     separate = set()
-    if log_path and "tuned" in exports:
-        from .build import tuned_build, winograd_choice
-        from .tuning_log import TuningLog
-        chosen = winograd_choice(train_mod, tuned_build(TuningLog(log_path), target)[2])
+    if "tuned" in exports:
+        from .winograd import Conv
+        built = read_manifest(exports["tuned"]).get("winograd") or {}
+        chosen = {Conv.from_dict(d) for d in built.get("training", [])}
         if chosen:
             own["tuned"] = step_kernels(train_mod, chosen)
             separate.add("tuned")

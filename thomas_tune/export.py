@@ -161,8 +161,9 @@ def export(out_dir: str, model, tensors: dict[str, np.ndarray], target: tvm.targ
         "tuning_log": log.path if log is not None else None,
         "tuning_log_sha256": log_hash(log),
         "default_rules": "stock" if stock_defaults else "thomas_tune",
-        "winograd": {"inference": sorted(map(repr, wino_infer)),
-                     "training": sorted(map(repr, wino_train))},
+        # the convolutions built in the Winograd form (winograd.Conv.from_dict reads them)
+        "winograd": {"inference": [dataclasses.asdict(c) for c in sorted(wino_infer, key=repr)],
+                     "training": [dataclasses.asdict(c) for c in sorted(wino_train, key=repr)]},
         "classes": list(classes) if classes else None,
     }
     _atomic_write(os.path.join(out_dir, MANIFEST),

@@ -219,6 +219,12 @@ class Conv:
     padding: tuple[int, int, int, int]
     transposed: bool = False
 
+    @classmethod
+    def from_dict(cls, d: dict) -> "Conv":
+        """The Conv of ``dataclasses.asdict(conv)`` read back from JSON (lists for tuples)."""
+        return cls(tuple(d["x_shape"]), int(d["c_out"]), int(d["r"]), tuple(d["padding"]),
+                   bool(d["transposed"]))
+
     @property
     def out_hw(self) -> tuple[int, int]:
         _, _, h, w = self.x_shape
