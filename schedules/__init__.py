@@ -1055,8 +1055,8 @@ class LongGeneralReduction(_LongSums, dl.gpu.GeneralReduction):
 #: add
 STOCK_RULES = (dl.gpu.Matmul, dl.gpu.GEMV, dl.gpu.Reduction, dl.gpu.GeneralReduction)
 
-GPU_RULES = (WinogradTransform, WideMatmul, LongReduction, dl.gpu.Matmul, dl.gpu.GEMV, LongRowReduction,
-             LongGeneralReduction)
+GPU_RULES = (WinogradTransform, WideMatmul, LongReduction, dl.gpu.Matmul, dl.gpu.GEMV,
+             LongRowReduction, LongGeneralReduction)
 
 
 def default_gpu_schedules(mod: tvm.IRModule, target: tvm.target.Target,

@@ -255,26 +255,6 @@ class Kernel:
     mod: object = field(default=None, repr=False)  # the workload (IRModule with "main")
 
 
-def _callees(func) -> dict:
-    """GlobalVar name -> number of calls in a Relax function (call_tir and direct calls)."""
-    from tvm import relax
-    counts: dict[str, int] = {}
-
-    def visit(e):
-        if isinstance(e, relax.Call):
-            gv = None
-            op_name = getattr(e.op, "name", "")
-            if op_name.startswith("relax.call_tir") and e.args:
-                gv = e.args[0]
-            elif isinstance(e.op, relax.GlobalVar):
-                gv = e.op
-            if isinstance(gv, relax.GlobalVar):
-                counts[gv.name_hint] = counts.get(gv.name_hint, 0) + 1
-
-    relax.analysis.post_order_visit(func.body, visit)
-    return counts
-
-
 def exported_training_module(model, tg):
     """The Relax module that :func:`thomas_tune.export.export` compiles into ``train.so`` for
     the training graph ``tg`` (``graph.training_module``): kernel names in the library come from
@@ -300,14 +280,14 @@ def step_kernels(train_mod, winograd=None) -> list[Kernel]:
 
     from .graph import ADJOINT, OPTIMIZER
     from .manifest import DRAW_MASKS
-    from .tasks import fuse
+    from .tasks import callees, fuse
     mod = fuse(train_mod, winograd)
     calls: dict[str, int] = {}
     names = {gv.name_hint for gv in mod.functions}
     for fname in (DRAW_MASKS, ADJOINT, OPTIMIZER):
         if fname not in names:
             continue
-        for k, v in _callees(mod[fname]).items():
+        for k, v in callees(mod[fname]).items():
             calls[k] = calls.get(k, 0) + v
     out = []
     for gv, func in mod.functions.items():

@@ -52,19 +52,32 @@ def workload_key(func: tvm.tirx.PrimFunc) -> str:
         tvm.IRModule({"main": func.with_attr("global_symbol", "main")})))
 
 
+def callees(func: relax.Function) -> dict[str, int]:
+    """GlobalVar name -> number of calls in a Relax function (call_tir and direct calls)."""
+    counts: dict[str, int] = {}
+
+    def visit(e):
+        if isinstance(e, relax.Call):
+            gv = None
+            if getattr(e.op, "name", "").startswith("relax.call_tir") and e.args:
+                gv = e.args[0]
+            elif isinstance(e.op, relax.GlobalVar):
+                gv = e.op
+            if isinstance(gv, relax.GlobalVar):
+                counts[gv.name_hint] = counts.get(gv.name_hint, 0) + 1
+
+    relax.analysis.post_order_visit(func.body, visit)
+    return counts
+
+
 def kernel_calls(mod: tvm.IRModule) -> dict[str, int]:
     """Workload key -> calls, summed over the Relax functions of a fused module (each
     ``call_tir`` once; a kernel inside a loop would count once)."""
     names: dict[str, int] = {}
-
-    def visit(e):
-        if isinstance(e, relax.Call) and getattr(e.op, "name", "").startswith("relax.call_tir") \
-                and e.args and isinstance(e.args[0], relax.GlobalVar):
-            names[e.args[0].name_hint] = names.get(e.args[0].name_hint, 0) + 1
-
     for func in mod.functions.values():
         if isinstance(func, relax.Function):
-            relax.analysis.post_order_visit(func, visit)
+            for name, n in callees(func).items():
+                names[name] = names.get(name, 0) + n
     out: dict[str, int] = {}
     for gv, func in mod.functions.items():
         if isinstance(func, tvm.tirx.PrimFunc) and gv.name_hint in names:

@@ -117,9 +117,9 @@ def transform_matrices(m: int, r: int) -> tuple[np.ndarray, np.ndarray, np.ndarr
 
     Toom-Cook over the finite points of :data:`POINTS` and infinity (the construction Lavin
     and Gray 2015 use): A^T holds the points' powers, G the filter polynomial's values at the
-    points divided by the Lagrange denominators; B^T is then solved for exactly (in rationals), and a
-    row's sign moved between G and B^T so that B^T's rows lead with a positive entry. Raises
-    ValueError for m < 1, r < 1 or alpha > 8."""
+    points divided by the Lagrange denominators; B^T is then solved for exactly (in
+    rationals), and a row's sign moved between G and B^T so that B^T's rows lead with a
+    positive entry. Raises ValueError for m < 1, r < 1 or alpha > 8."""
     return tuple(np.array([[float(v) for v in row] for row in mat])
                  for mat in exact_matrices(m, r))
 
