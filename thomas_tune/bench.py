@@ -274,13 +274,12 @@ def step_kernels(train_mod, winograd=None) -> list[Kernel]:
     :func:`thomas_tune.build.winograd_choice` gives them); sorted by FLOPs per step, largest
     first."""
     import tvm
-    import tvm_ffi
     from tvm.s_tir.analysis import estimate_tir_flops
     from tvm.s_tir.meta_schedule.arg_info import ArgInfo
 
     from .graph import ADJOINT, OPTIMIZER
     from .manifest import DRAW_MASKS
-    from .tasks import callees, fuse
+    from .tasks import callees, fuse, workload_key
     mod = fuse(train_mod, winograd)
     calls: dict[str, int] = {}
     names = {gv.name_hint for gv in mod.functions}
@@ -293,7 +292,6 @@ def step_kernels(train_mod, winograd=None) -> list[Kernel]:
     for gv, func in mod.functions.items():
         if not isinstance(func, tvm.tirx.PrimFunc) or gv.name_hint not in calls:
             continue
-        # the workload as MetaSchedule's task extraction and the tuning log key it
         wmod = tvm.IRModule({"main": func.with_attr("global_symbol", "main")})
         try:
             flops = float(estimate_tir_flops(wmod))
@@ -306,7 +304,7 @@ def step_kernels(train_mod, winograd=None) -> list[Kernel]:
             args.append((shape, dtype))
             nbytes += int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
         out.append(Kernel(gv.name_hint, calls[gv.name_hint], flops, nbytes,
-                          str(tvm_ffi.structural_hash(wmod)), args, mod=wmod))
+                          workload_key(func), args, mod=wmod))
     return sorted(out, key=lambda k: -k.flops * k.calls)
 
 
@@ -754,10 +752,10 @@ def run_bench(model, tensors, target, exports: dict, cfg: BenchConfig, log_path:
             own["tuned"] = step_kernels(train_mod, chosen)
             separate.add("tuned")
             res["step"]["winograd_convolutions"] = len(chosen)
-    if log_path:
-        res["step"]["tuned_kernels"] = mark_tuned(own.get("tuned", kernels), log_path, target)
-        if separate:
-            mark_tuned(kernels, log_path, target)
+    if log_path:  # one read of the log marks the tuned build's kernels and the common rows
+        tuned_ks = own.get("tuned", kernels)
+        mark_tuned([*kernels, *tuned_ks] if separate else kernels, log_path, target)
+        res["step"]["tuned_kernels"] = sum(k.tuned for k in tuned_ks)
     for variant, folder in exports.items():
         say(f"[bench] timing {variant}: {cfg.steps} training steps and inference passes ...")
         r = time_export(folder, cfg.steps, cfg.warmup, cfg.seed)

@@ -86,6 +86,16 @@ def kernel_calls(mod: tvm.IRModule) -> dict[str, int]:
     return out
 
 
+def _step_ms(calls: dict[str, int], kernel_ms, untimed_free: bool) -> float | None:
+    """ms per step of the kernels ``calls`` (workload key -> calls) by ``kernel_ms``; None
+    when none has a time, or when one has none and ``untimed_free`` is false."""
+    times = {k: kernel_ms(k) for k in calls}
+    timed = {k: t for k, t in times.items() if t is not None}
+    if not timed or (len(timed) < len(times) and not untimed_free):
+        return None
+    return sum(t * calls[k] for k, t in timed.items())
+
+
 def choose_winograd(mod: tvm.IRModule, kernel_ms) -> set:
     """The convolutions of the unfused Relax module ``mod`` to compute in the Winograd form:
     those whose Winograd kernels take less time, by ``kernel_ms``, than the direct kernels
@@ -109,18 +119,11 @@ def choose_winograd(mod: tvm.IRModule, kernel_ms) -> set:
         calls = kernel_calls(fuse(mod, {conv}))
         added = {k: n for k, n in calls.items() if k not in base}
         removed = {k: n for k, n in base.items() if k not in calls}
-
-        def total(kernels, untimed_free: bool):
-            times = {k: kernel_ms(k) for k in kernels}
-            timed = {k: t for k, t in times.items() if t is not None}
-            if not timed or (len(timed) < len(times) and not untimed_free):
-                return None
-            return sum(t * kernels[k] for k, t in timed.items())
-
         # every new kernel must be timed; a kernel that goes away untimed (a bias's reshape
         # that the Winograd form fuses into its output transform) counts as free, which can
         # only favour the direct form
-        new, old = total(added, False), total(removed, True)
+        new = _step_ms(added, kernel_ms, untimed_free=False)
+        old = _step_ms(removed, kernel_ms, untimed_free=True)
         if new is not None and old is not None and new < old:
             chosen.add(conv)
     return chosen
