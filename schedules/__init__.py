@@ -29,7 +29,7 @@ from .winograd import WinogradTransform
 
 #: The maximum numbers of unrolled steps the search chooses among for a GPU kernel
 #: (MetaSchedule's ``ParallelizeVectorizeUnroll``; loops are unrolled explicitly in the OpenCL C
-#: source). On the H100 (``bench/compile_cost.py``, 48 AlexNet records; README, "Eleventh run"),
+#: source). On the H100 (``experiments/compile_cost.py``, 48 AlexNet records; README, "Eleventh run"),
 #: limiting them to 64 cut TVM's build 3.2x and NVIDIA's compile 3.5x per candidate, and made
 #: kernels 1.11x slower in the geometric mean (1.20x for each workload's best record).
 UNROLL_STEPS = (0, 16, 64, 512, 1024)
@@ -301,7 +301,7 @@ class PaddingInFill(ms.schedule_rule.PyScheduleRule):
     the innermost loop, each read a load of its own behind a branch: the best AlexNet record
     for the weight gradient of ``conv2`` on the H100 (OpenCL, 1.41 ms, 16% of the FP32 peak)
     compiles to 972 FMA, 1,015 shared-memory loads and 786 branches (PTX; the same counts from
-    NVIDIA's driver and from clang's NVPTX backend, ``bench/ptx_mix.py``), and an SM issues
+    NVIDIA's driver and from clang's NVPTX backend, ``experiments/ptx_mix.py``), and an SM issues
     shared loads at a quarter of its FMA rate (32 banks of 4 bytes per clock against 128 FP32
     lanes; NVIDIA's CUDA C++ Programming Guide and H100 whitepaper).
 

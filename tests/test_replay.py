@@ -41,7 +41,7 @@ def test_replay_time_coverage_of_a_gpu_log(capsys):
     gpu_log = os.path.join(ROOT, "tuning_logs", "h100", "mobilenet_v2-w0.35-r64-c10-b8")
     args = ["replay", "--log", gpu_log, "--no-check", "--width", "0.35", "--resolution", "64",
             "--classes", "10", "--batch", "8", "--target",
-            os.path.join(ROOT, "bench", "h100_opencl.json"), "--min-flops-coverage", "0"]
+            os.path.join(ROOT, "targets", "h100_opencl.json"), "--min-flops-coverage", "0"]
     rc = cli.main(args + ["--min-time-coverage", "0.99"])
     captured = capsys.readouterr()
     assert rc == 1

@@ -437,7 +437,7 @@ def test_candidates_over_the_unroll_limit_are_lowered_to_it():
     k = te.reduce_axis((0, n), name="k")
     c = te.compute((n, n), lambda i, j: te.sum(a[i, k] * b[k, j], axis=k), name="C")
     mod = tvm.IRModule({"main": te.create_prim_func([a, b, c])})
-    target = parse_target(os.path.join(os.path.dirname(__file__), "..", "bench",
+    target = parse_target(os.path.join(os.path.dirname(__file__), "..", "targets",
                                        "h100_opencl.json"))
     strategy = ResumingSearch(max_unroll=16, population_size=16)
     ctx = ms.TuneContext(mod=mod, target=target, space_generator=space_generator(target, 16),

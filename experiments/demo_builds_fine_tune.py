@@ -3,7 +3,7 @@ same pretrained weights, seeds and batches, as the demo does (the demo's own ste
 default options, from the CLI's parser), and print the held-out accuracy and the last 20
 steps' mean loss of each: whether the two builds end in the same place.
 
-    python3 bench/demo_builds_fine_tune.py /tmp/thomas-tune-demo-XXXX untuned tuned
+    python3 experiments/demo_builds_fine_tune.py /tmp/thomas-tune-demo-XXXX untuned tuned
 """
 import sys
 

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Replay every committed GPU tuning log (tuning_logs/h100/<job>/ with records, packed or not) with
 # no device,
-# as CI does: the model options come from the job's line in bench/gpu_jobs.txt, the target from
-# bench/h100_opencl.json. Each log must compile the inference and training graphs for that
+# as CI does: the model options come from the job's line in tools/gpu_jobs.txt, the target from
+# targets/h100_opencl.json. Each log must compile the inference and training graphs for that
 # target with its records, and its compiled records must hold at least MIN_TIME (default 0.15)
 # of the untuned graphs' kernel time as measured on the H100 (default_latency.json beside the
 # records). The jobs choose tasks by measured time (--time-share), so time is what they cover;
@@ -12,7 +12,7 @@
 # parameter (2026-11-26): its records of the old two kernels no longer match (19.1% remained);
 # after a run on the device with the new kernels it holds 21.7%. No numbers are checked: the
 # target does not run here.
-#   bash bench/replay_gpu_logs.sh
+#   bash tools/replay_gpu_logs.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 status=0
@@ -22,16 +22,16 @@ while read -r name args; do
   [ -s "$log/database_tuning_record.json" ] || [ -s "$log/database_tuning_record.json.xz" ] || continue
   found=$((found + 1))
   # keep the options that say which graphs the log belongs to; drop the tuning options
-  model_args=$(python3 bench/job_options.py "$args" --model --width --resolution --classes \
+  model_args=$(python3 tools/job_options.py "$args" --model --width --resolution --classes \
     --batch --trainable)
-  echo "== $name: thomas-tune replay --log $log $model_args --target bench/h100_opencl.json"
+  echo "== $name: thomas-tune replay --log $log $model_args --target targets/h100_opencl.json"
   t0=$SECONDS
-  if thomas-tune replay --log "$log" $model_args --target bench/h100_opencl.json --no-check \
+  if thomas-tune replay --log "$log" $model_args --target targets/h100_opencl.json --no-check \
       --min-flops-coverage 0 --min-time-coverage "${MIN_TIME:-0.15}"; then
     echo "   replayed in $((SECONDS - t0)) s"
   else
     echo "   FAILED"; status=1
   fi
-done < <(grep -v '^#' bench/gpu_jobs.txt | grep -v '^\s*$')
+done < <(grep -v '^#' tools/gpu_jobs.txt | grep -v '^\s*$')
 [ "$found" -gt 0 ] || { echo "no GPU tuning log with records under tuning_logs/h100/"; exit 1; }
 exit $status

@@ -16,8 +16,8 @@ Per round it prints the wall seconds, the new candidates, the profiler's split (
 ``PickBestFromDatabase``) and the strategy's counts (``skipped``: already measured;
 ``clamped``: lowered to ``--max-unroll`` one at a time). Example (README, twelfth run):
 
-    python bench/search_cost.py --model alexnet --width 1.0 --resolution 224 --classes 1000 \\
-        --batch 32 --target bench/h100_opencl.json --log tuning_logs/h100/alexnet-w1-r224-c1000-b32 \\
+    python experiments/search_cost.py --model alexnet --width 1.0 --resolution 224 --classes 1000 \\
+        --batch 32 --target targets/h100_opencl.json --log tuning_logs/h100/alexnet-w1-r224-c1000-b32 \\
         --max-unroll 64 --population 64 --genetic-iters 1 --trials-per-iter 48
 """
 

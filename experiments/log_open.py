@@ -10,7 +10,7 @@ and, for an export, the fastest valid record of each workload (build.best_record
 JSONDatabase and through LogDatabase. Seconds of wall time on this machine's cores; the three
 start-ups must find the same schedule hashes and the exports the same records, or it fails.
 
-    python3 bench/log_open.py tuning_logs/h100/alexnet-w1-r224-c1000-b32 --json out.json
+    python3 experiments/log_open.py tuning_logs/h100/alexnet-w1-r224-c1000-b32 --json out.json
 """
 
 from __future__ import annotations

@@ -20,8 +20,8 @@ shared-memory copy, or as a kernel of its own). These are counts in the program 
 its execution; on the H100 the best AlexNet ``conv2d8`` record gave the same FMA and shared-load
 counts from NVIDIA's driver (PTX read from its program binary) as from clang.
 
-    python bench/ptx_mix.py --log tuning_logs/h100/alexnet-w1-r224-c1000-b32 \\
-        --target bench/h100_opencl.json --workloads 12 --out mix.json
+    python experiments/ptx_mix.py --log tuning_logs/h100/alexnet-w1-r224-c1000-b32 \\
+        --target targets/h100_opencl.json --workloads 12 --out mix.json
 """
 
 from __future__ import annotations

@@ -18,10 +18,10 @@ Variants: ``recorded`` (the trace as tuned); ``capN`` (each ``pragma_auto_unroll
 lowered to at most N); ``pragma`` (the same step limits, with ``pragma_unroll_explicit`` 0: TVM
 marks the loops unrolled and leaves the unrolling to the driver's compiler).
 
-Run where the OpenCL device is (the GPU machine: ``bash bench/gpu_tune.sh compile-cost``):
+Run where the OpenCL device is (the GPU machine: ``bash tools/gpu_tune.sh compile-cost``):
 
-    python bench/compile_cost.py --log tuning_logs/h100/alexnet-w1-r224-c1000-b32 \\
-        --target bench/h100_opencl.json --workloads 8 --records 5 --out cost.json
+    python experiments/compile_cost.py --log tuning_logs/h100/alexnet-w1-r224-c1000-b32 \\
+        --target targets/h100_opencl.json --workloads 8 --records 5 --out cost.json
 """
 
 from __future__ import annotations

@@ -2,9 +2,9 @@
 
 Two steps, so that the GPU machine needs only TVM's runtime (``TVM_USE_RUNTIME_LIB=1``):
 
-    python bench/opencl_device_check.py prepare DIR   # here: compile for an NVIDIA OpenCL target
-    python bench/opencl_device_check.py run DIR       # there: build the sidecar, run, compare
-    python bench/opencl_device_check.py run DIR kernels   # the kernels alone
+    python tools/opencl_device_check.py prepare DIR   # here: compile for an NVIDIA OpenCL target
+    python tools/opencl_device_check.py run DIR       # there: build the sidecar, run, compare
+    python tools/opencl_device_check.py run DIR kernels   # the kernels alone
 
 ``prepare`` compiles an element-wise, a reduction, a matmul and a conv2d kernel (the last two
 from thomas_tune's OpenCL search space: thread bindings, shared memory), and exports MobileNetV2

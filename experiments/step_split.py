@@ -1,6 +1,6 @@
 """Where a training step's wall time goes, for an export on this machine's device.
 
-    python3 bench/step_split.py EXPORT_DIR [--steps 20]
+    python3 experiments/step_split.py EXPORT_DIR [--steps 20]
 
 Times, as medians over ``--steps`` steps (ms), each part of ``Session.train_step`` alone, the
 device drained before and after each (so the parts add up to more than a pipelined step):

@@ -15,12 +15,12 @@ With ``--time``, each record is also built a second time from TVM's source as wr
 this process, alternating (``time_evaluator``: 5 rounds of 20 runs each, median ms), to
 measure what the aligned vector reads of shared memory change.
 
-It answers why a kernel is slow where static counts from clang (``bench/ptx_mix.py``) cannot:
+It answers why a kernel is slow where static counts from clang (``experiments/ptx_mix.py``) cannot:
 there OpenCL's ``vload4`` stays a call. On the device tool's GPU machine (after `bash
-bench/gpu_tune.sh setup`):
+tools/gpu_tune.sh setup`):
 
-    THOMAS_TUNE_OPENCL_PLATFORM=NVIDIA bash bench/gpu_tune.sh py bench/kernel_build_info.py \\
-        --log tuning_logs/h100/alexnet-w1-r224-c1000-b32 --target bench/h100_opencl.json \\
+    THOMAS_TUNE_OPENCL_PLATFORM=NVIDIA bash tools/gpu_tune.sh py experiments/kernel_build_info.py \\
+        --log tuning_logs/h100/alexnet-w1-r224-c1000-b32 --target targets/h100_opencl.json \\
         --keys 2642313052758211241,6379605961784904180 --out $OUT/build_info.json
 """
 

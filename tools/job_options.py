@@ -1,6 +1,6 @@
 """Print the options named after the first argument, with their values, out of a job's
-'thomas-tune tune' options (the first argument, one string as in bench/gpu_jobs.txt):
-    python3 bench/job_options.py "$args" --model --width --resolution
+'thomas-tune tune' options (the first argument, one string as in tools/gpu_jobs.txt):
+    python3 tools/job_options.py "$args" --model --width --resolution
 The other options of the job (its tuning options) are left out."""
 import shlex
 import sys

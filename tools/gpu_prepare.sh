@@ -1,16 +1,16 @@
 #!/usr/bin/env bash
 # Fill .devcarry/ (ignored by git) with what the GPU machine of the device tool lacks, in carries
 # that fit beside the work tree under the tool's 64 MiB: the pinned TVM wheel's tree in PART-sized
-# parts, .devcarry/p1, p2, ... (each parked in /tmp there by 'bench/gpu_tune.sh park'), then
+# parts, .devcarry/p1, p2, ... (each parked in /tmp there by 'tools/gpu_tune.sh park'), then
 # .devcarry/last: the cp312 wheels, the OpenCL headers and the list of parts (every part is
 # parked first; .devcarry/last rides beside the work tree).
-#   bash bench/gpu_prepare.sh            -> .devcarry/p1 .. pN, .devcarry/last
+#   bash tools/gpu_prepare.sh            -> .devcarry/p1 .. pN, .devcarry/last
 # PART (default 24m, split -b): small enough that a part fits beside the work tree (12 MB with
 # the packed GPU tuning logs, 2026-11-24): 3 parts; a park call costs a few seconds.
 # Then, with the device tool (one command each, from the repository root):
-#   carry [.devcarry/p1]: bash bench/gpu_tune.sh park      (and so on for each pK)
-#   carry [.devcarry/last]: bash bench/gpu_tune.sh start   (setup + tracker + servers + tuners)
-#   no carry:             bash bench/gpu_tune.sh status       (progress; tuning logs -> $OUT)
+#   carry [.devcarry/p1]: bash tools/gpu_tune.sh park      (and so on for each pK)
+#   carry [.devcarry/last]: bash tools/gpu_tune.sh start   (setup + tracker + servers + tuners)
+#   no carry:             bash tools/gpu_tune.sh status       (progress; tuning logs -> $OUT)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SITE=$(python3 -c "import tvm, os; print(os.path.dirname(os.path.dirname(tvm.__file__)))")

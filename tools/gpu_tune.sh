@@ -13,13 +13,13 @@
 #           its logs' best records again ('thomas-tune remeasure --defaults'), one job after
 #           another, in the background; then watch (logs come back with status)
 #   compile-cost  set up, then time TVM's build, the driver's compile and the run of records of
-#           the first job's log as recorded and with less unrolling (bench/compile_cost.py, its
+#           the first job's log as recorded and with less unrolling (experiments/compile_cost.py, its
 #           options in CC_ARGS), in the background; its output is $TT/out/JOB.compile_cost.*
 #   py      python3 with the arguments that follow, in this set-up's environment
 #   bench   'thomas-tune bench' with the arguments that follow (result JSON and PNG -> $OUT);
 #           sets up first on a fresh machine (carry .devcarry/last there), and unpacks the
 #           committed log of a '--log /tmp/tt/logs/NAME' that is not there yet
-# Environment: JOBS (default: every job in bench/gpu_jobs.txt), SERVERS (8), TRIALS (20000),
+# Environment: JOBS (default: every job in tools/gpu_jobs.txt), SERVERS (8), TRIALS (20000),
 # TUNE_ARGS (options added after the job's own, which they override: e.g. "--match NAME").
 # The machine goes back 30 s after a call ends: keep calling (e.g. 'watch', under the 10-minute
 # limit of one call) for as long as the jobs should run; a later lease resumes from the logs
@@ -43,7 +43,7 @@ PY="python3 -P -m thomas_tune.cli"   # -P: the installed copy, not ./thomas_tune
 
 setup() {
   if ! [ -e $SITE/tvm/lib/libtvm_compiler.so ]; then
-    [ -s .devcarry/last/tvm.parts ] || { echo "carry .devcarry/last (bench/gpu_prepare.sh makes it)"; exit 3; }
+    [ -s .devcarry/last/tvm.parts ] || { echo "carry .devcarry/last (tools/gpu_prepare.sh makes it)"; exit 3; }
     parts=$(cat .devcarry/last/tvm.parts)
     for part in $parts; do
       [ -s $TT/$part ] || { echo "$part is not in $TT: run 'park' with each of .devcarry/p1, p2, ... first"; exit 3; }
@@ -66,7 +66,7 @@ setup() {
 }
 
 jobs_list() {
-  grep -v '^#' bench/gpu_jobs.txt | grep -v '^\s*$' | { if [ -n "${JOBS:-}" ]; then grep -E "^(${JOBS// /|}) "; else cat; fi; }
+  grep -v '^#' tools/gpu_jobs.txt | grep -v '^\s*$' | { if [ -n "${JOBS:-}" ]; then grep -E "^(${JOBS// /|}) "; else cat; fi; }
 }
 
 # the tracker takes the next free port when $PORT is in use: read the one it listens on
@@ -122,7 +122,7 @@ start_remeasure() {
     log=$TT/logs/$name
     committed_log $name
     # the job's model, target and build options; not its tuning options
-    keep=$(python3 bench/job_options.py "$args" --model --width --resolution --classes \
+    keep=$(python3 tools/job_options.py "$args" --model --width --resolution --classes \
       --batch --trainable --target --servers --build-workers)
     echo "$PY remeasure $keep --defaults --tracker 127.0.0.1:$PORT --key $KEY --log $log > $TT/out/$name.out 2>&1" >> $script
   done
@@ -133,8 +133,8 @@ start_remeasure() {
 start_compile_cost() {
   local name; name=$(jobs_list | head -1 | cut -d' ' -f1)
   committed_log $name
-  mkdir -p $TT/out && cp bench/compile_cost.py $TT/compile_cost.py
-  setsid nohup python3 -P $TT/compile_cost.py --log $TT/logs/$name --target bench/h100_opencl.json \
+  mkdir -p $TT/out && cp experiments/compile_cost.py $TT/compile_cost.py
+  setsid nohup python3 -P $TT/compile_cost.py --log $TT/logs/$name --target targets/h100_opencl.json \
     ${CC_ARGS:-} --out $TT/out/$name.compile_cost.json > $TT/out/$name.compile_cost.txt 2>&1 < /dev/null &
   echo "compile_cost: started on $name"
 }
@@ -179,7 +179,7 @@ case "${1:-status}" in
       [ "$prev" = --log ] && case "$a" in $TT/logs/*) committed_log "${a#$TT/logs/}" ;; esac; prev=$a
     done
     $PY bench --work $TT/bench "$@" --json ${OUT:-$TT}/bench.json ;;
-  py) shift; python3 -P "$@" ;;   # a script with the set-up's environment (bench/step_split.py)
+  py) shift; python3 -P "$@" ;;   # a script with the set-up's environment (experiments/step_split.py)
   stop) pkill -f "remeasure.sh" ; pkill -f "thomas_tune.cli (tune|remeasure)"
     # on SIGTERM the tuners join their batches in flight and write their last statistics (at
     # most the CLI's 60-s grace): wait for them before the servers go and status packs outputs
