@@ -1,7 +1,8 @@
 """What one tuning candidate costs to compile, and what limiting its loop unrolling saves.
 
 On the H100 the trial rate is bound by compilation: each candidate spent 3.7 s of a device
-server's time in NVIDIA's OpenCL compiler against 0.03 s of timed runs (README, "Tenth run").
+server's time in NVIDIA's OpenCL compiler against 0.03 s of timed runs (docs/journal/h100.md,
+tenth run).
 MetaSchedule's unroll rule (``ParallelizeVectorizeUnroll``) gives each kernel a maximum of
 0, 16, 64, 512 or 1024 unrolled steps, and ``unroll_explicit`` makes TVM write the unrolled
 loop bodies out in the OpenCL C source. This script takes records of a tuning log, applies each

@@ -4,8 +4,8 @@ A tuning run alternates, per task, between a search round on the host (MetaSched
 evolutionary search: an initial population from the log's best records and random samples,
 rounds of mutation, each member scored by the XGBoost cost model, the best not yet measured
 picked) and the builds and measurements of the candidates it picked. On the H100 the search
-became the bound once compiles were cheap (README, eleventh and twelfth runs). This script
-times search rounds with no device: it builds one task of a model for a target, resumes the
+became the bound once compiles were cheap (docs/journal/h100.md, eleventh and twelfth runs).
+This script times search rounds with no device: it builds one task of a model for a target, resumes the
 task's records from a tuning log as ``thomas-tune tune`` does (``search_context``, with
 ``--max-unroll`` the log read through :class:`UnrollLimitedView`), trains the cost model on up
 to ``--train`` of those records (a run's model learns from its own trials; this stands for one
@@ -14,7 +14,8 @@ well into a run), and runs ``--rounds`` rounds under MetaSchedule's profiler.
 Per round it prints the wall seconds, the new candidates, the profiler's split (seconds:
 ``Evolve/Mutation``, ``Evolve/PredictNormalizedScore``, ``SampleInitPopulation``,
 ``PickBestFromDatabase``) and the strategy's counts (``skipped``: already measured;
-``clamped``: lowered to ``--max-unroll`` one at a time). Example (README, twelfth run):
+``clamped``: lowered to ``--max-unroll`` one at a time). Example (docs/journal/h100.md,
+twelfth run):
 
     python experiments/search_cost.py --model alexnet --width 1.0 --resolution 224 --classes 1000 \\
         --batch 32 --target targets/h100_opencl.json --log tuning_logs/h100/alexnet-w1-r224-c1000-b32 \\

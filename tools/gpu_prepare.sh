@@ -5,8 +5,8 @@
 # .devcarry/last: the cp312 wheels, the OpenCL headers and the list of parts (every part is
 # parked first; .devcarry/last rides beside the work tree).
 #   bash tools/gpu_prepare.sh            -> .devcarry/p1 .. pN, .devcarry/last
-# PART (default 24m, split -b): small enough that a part fits beside the work tree (12 MB with
-# the packed GPU tuning logs, 2026-11-24): 3 parts; a park call costs a few seconds.
+# PART (default 24m, split -b): small enough that a part fits beside the work tree with its
+# packed GPU tuning logs under the 64 MiB; a park call costs a few seconds.
 # Then, with the device tool (one command each, from the repository root):
 #   carry [.devcarry/p1]: bash tools/gpu_tune.sh park      (and so on for each pK)
 #   carry [.devcarry/last]: bash tools/gpu_tune.sh start   (setup + tracker + servers + tuners)
