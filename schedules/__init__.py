@@ -29,9 +29,10 @@ from .winograd import WinogradTransform
 
 #: The maximum numbers of unrolled steps the search chooses among for a GPU kernel
 #: (MetaSchedule's ``ParallelizeVectorizeUnroll``; loops are unrolled explicitly in the OpenCL C
-#: source). On the H100 (``experiments/compile_cost.py``, 48 AlexNet records; README, "Eleventh run"),
-#: limiting them to 64 cut TVM's build 3.2x and NVIDIA's compile 3.5x per candidate, and made
-#: kernels 1.11x slower in the geometric mean (1.20x for each workload's best record).
+#: source). On the H100 (``experiments/compile_cost.py``, 48 AlexNet records,
+#: ``bench/results/h100_alexnet_compile_cost.json``), limiting them to 64 cut TVM's build 3.2x
+#: and NVIDIA's compile 3.5x per candidate, and made kernels 1.11x slower in the geometric mean
+#: (1.20x for each workload's best record).
 UNROLL_STEPS = (0, 16, 64, 512, 1024)
 
 

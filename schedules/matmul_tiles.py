@@ -13,7 +13,7 @@ its operands read from shared memory as 4-wide vectors. Each tiling is one desig
 only random decision is the unroll limit; the evolutionary search measures each, and
 multi-level tiling keeps its own spaces beside them.
 
-What these spaces gave on the H100 (OpenCL, AlexNet at batch 32, 2026-11-26): the twelve
+What these spaces gave on the H100 (OpenCL, AlexNet at batch 32): the twelve
 hottest convolutions of the training step each got 22-41 tilings measured. On the five of
 them compared, the best tiling was 1.4x to 2.2x faster than the best of the spaces this module
 offered before (dlight's ``Matmul`` rule with the same tile list, whose register tile read one

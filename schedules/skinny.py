@@ -4,8 +4,8 @@ batch) and long sums (k, the layer's inputs).
 
 Such a kernel has too few outputs to fill a large GPU when each work-group owns a tile of them:
 AlexNet's first fully connected layer at batch 32 has 32x4096 outputs, 32 work-groups of 32x128
-outputs on the H100's 132 multiprocessors. Its best record of multi-level tiling (933 records,
-2026-11-24) ran 0.31 ms, 8 TFLOP/s, 26% of the FP32 peak; the second layer's 0.34 ms, 3 TFLOP/s.
+outputs on the H100's 132 multiprocessors. Its best multi-level-tiling record ran 0.31 ms,
+8 TFLOP/s, 26% of the FP32 peak; the second layer's 0.34 ms, 3 TFLOP/s.
 The split spaces of :class:`SplitReduction` express the same split, but among the thousands of
 random tilings of its three-dimensional partial-sum block the search measured 35 and reached
 0.68 ms.
@@ -31,14 +31,13 @@ GPUs to tune dense linear algebra"); the split of the sum across work-groups is 
 CUTLASS's GEMM documentation. Spaces are offered for sums of :data:`MIN_TERMS` or more and
 at most :data:`MAX_ROWS` rows; the tuner measures each once and keeps the best record.
 
-On the H100 (OpenCL, 2026-11-25; ``bench/results/h100_alexnet_r224_b32_*_skinny.json``), the
-first 125 trials with these spaces took AlexNet's first layer's forward pass from 0.308 to
-0.195 ms (12.4 TFLOP/s), its data gradient from 0.257 to 0.118 ms, and the second layer's
-forward pass from 0.229 to 0.093 ms; the linear layers of the batch-32 training step from 1.50
-to 0.98 ms. With threads along columns that 32 and 64 do not divide, 8-term steps and parts of
-128 terms (2026-11-26, README's twenty-fourth run), the last layer's forward pass (1,000
-columns) went from 0.039 to 0.025 ms, its data gradient (1,000 terms) from 0.056 to 0.026, and
-the second layer's data gradient, split 32 ways, from 0.124 to 0.054.
+On the H100 (OpenCL; ``bench/results/h100_alexnet_r224_b32_*_skinny.json``) these spaces took
+AlexNet's first layer's forward pass from 0.308 to 0.195 ms (12.4 TFLOP/s), its data gradient
+from 0.257 to 0.118 ms, and the second layer's forward pass from 0.229 to 0.093 ms; the linear
+layers of the batch-32 training step from 1.50 to 0.98 ms. Threads along columns that 32 and 64
+do not divide, 8-term steps and parts of 128 terms took the last layer's forward pass (1,000
+columns) from 0.039 to 0.025 ms, its data gradient (1,000 terms) from 0.056 to 0.026, and the
+second layer's data gradient, split 32 ways, from 0.124 to 0.054.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ that bound is reached or every live task has a batch out, waits for whichever ba
 first and joins it. (Joining the oldest batch instead let one slow trial in it, such as a 20 s
 OpenCL build, hold the host while the other servers ran out of trials: on the H100, with 12
 servers and 4 batches in flight, the servers were busy 60-68% of the time and the host waited
-for them 39-41% of it; joining the first to finish, 87% and 9%, README's tenth run.)
+for them 39-41% of it; joining the first to finish, 87% and 9%.)
 
 Task choice follows the same gradient as MetaSchedule's ``GradientBased``: for task i with
 best-latency history h (one entry per joined batch, ms) and weight w_i (calls per step),
