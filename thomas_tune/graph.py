@@ -10,6 +10,16 @@ backward pass stops where no trainable parameter needs it (the "fine-tune the la
 case pays only for the backward of those layers). It returns ``((loss, new_states...),
 (grads...))``. ``optimizer(params, grads, optim_state)`` returns ``(new_params, new_state)``.
 ``predict(x, params..., states...)`` is the inference graph (BatchNorm on running statistics).
+
+BatchNorm in the training step is in one of two forms (:data:`BATCHNORM_MODES`):
+
+* ``train`` (default): normalised with the batch statistics, running statistics updated
+  (Ioffe & Szegedy 2015, Algorithm 1; PyTorch's ``BatchNorm2d`` in ``train()`` mode);
+* ``frozen``: the inference form in the training step, ``gamma * (x - running_mean) /
+  sqrt(running_var + eps) + beta``, running statistics used and returned unchanged (PyTorch's
+  ``BatchNorm2d`` in ``eval()`` mode while the rest of the network trains). ``gamma`` and
+  ``beta`` stay trainable when their layer is. Asked for with a ``,frozen-bn`` suffix of the
+  trainable set (``all,frozen-bn``, ``last:2,frozen-bn``) or ``batchnorm="frozen"``.
 """
 
 from __future__ import annotations
@@ -26,6 +36,10 @@ from tvm.relax.training import optimizer as ropt
 from . import gradients  # noqa: F401  (registers the missing gradients)
 from .manifest import ADJOINT, OPTIMIZER, PREDICT  # the exported functions' names
 from .models import spec, trace
+from .models.layers import Graph
+
+BATCHNORM_MODES = ("train", "frozen")
+FROZEN_BN = "frozen-bn"  # suffix of a trainable set: "all,frozen-bn", "last:2,frozen-bn"
 
 
 class _Adam(ropt.Adam):
@@ -139,13 +153,28 @@ class OptimizerConfig:
         raise ValueError(f"unknown optimizer {self.name!r}; use momentum_sgd, sgd or adam")
 
 
+def parse_trainable(trainable: str) -> tuple[str, str]:
+    """Split a ``--trainable`` value into (parameter set, BatchNorm mode).
+
+    ``"all"`` and ``"last:K"`` train BatchNorm in its training form (``"train"``);
+    ``"all,frozen-bn"`` and ``"last:K,frozen-bn"`` keep every BatchNorm in its inference form
+    (``"frozen"``, module docstring). Raises ValueError for another suffix."""
+    base, _, suffix = str(trainable).partition(",")
+    if suffix and suffix != FROZEN_BN:
+        raise ValueError(f"--trainable {trainable!r}: the only suffix is ',{FROZEN_BN}' "
+                         f"(e.g. 'all,{FROZEN_BN}' or 'last:2,{FROZEN_BN}')")
+    return base, ("frozen" if suffix else "train")
+
+
 def select_trainable(model, trainable: str) -> list[str]:
     """Names of the trainable parameters for a ``--trainable`` value.
 
     ``all``: every parameter. ``last:K``: the parameters of the last K blocks (layers) in forward
-    order; K must be in 1..number of blocks. Raises ValueError with the valid range otherwise.
+    order; K must be in 1..number of blocks. A ``,frozen-bn`` suffix (:func:`parse_trainable`)
+    does not change the set. Raises ValueError with the valid range otherwise.
     """
     s = spec(model)
+    trainable, _ = parse_trainable(trainable)
     if trainable == "all":
         return [p.name for p in s.params]
     if trainable.startswith("last:"):
@@ -158,7 +187,34 @@ def select_trainable(model, trainable: str) -> list[str]:
                              f"{model.arch} (blocks: {', '.join(s.blocks)})")
         keep = set(s.blocks[-k:])
         return [p.name for p in s.params if p.block in keep]
-    raise ValueError(f"--trainable {trainable!r}: use 'all' or 'last:K'")
+    raise ValueError(f"--trainable {trainable!r}: use 'all' or 'last:K', optionally with "
+                     f"',{FROZEN_BN}'")
+
+
+class FrozenBatchNormGraph(Graph):
+    """A training-mode :class:`models.layers.Graph` whose BatchNorms are in inference form:
+    running statistics used, not updated (each new running statistic is the old one), dropout
+    still in its training form (masks). See the module docstring."""
+
+    def batch_norm(self, name, x, eps=1e-5, momentum=0.1):
+        self.training = False
+        try:
+            y = super().batch_norm(name, x, eps, momentum)
+        finally:
+            self.training = True
+        for k in ("running_mean", "running_var"):
+            self.new_states[f"{name}.{k}"] = self.states[f"{name}.{k}"][1]
+        return y
+
+
+def _trace_training(model, batch: int, dtype: str, batchnorm: str):
+    """``models.trace(model, batch, "train", dtype)``, with :class:`FrozenBatchNormGraph` for
+    ``batchnorm == "frozen"``."""
+    if batchnorm == "train":
+        return trace(model, batch, "train", dtype)
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType(model.input_shape(batch), dtype))
+    return bb, FrozenBatchNormGraph(bb, "train", dtype), x
 
 
 @dataclass
@@ -166,7 +222,8 @@ class TrainingGraph:
     """The Relax module of one model, batch size, trainable set and optimizer, with its layout.
 
     ``inputs`` lists the argument names of ``train_adjoint`` in order (``targets`` last, int64 of
-    shape (batch,)); ``optim_state`` the optimizer state's initial values (float32/int64 arrays).
+    shape (batch,)); ``optim_state`` the optimizer state's initial values (float32/int64 arrays);
+    ``batchnorm`` the BatchNorm form of the step (``train`` or ``frozen``, module docstring).
     """
 
     mod: tvm.IRModule
@@ -178,6 +235,7 @@ class TrainingGraph:
     masks: dict[str, tuple[tuple[int, ...], float]]
     optimizer: OptimizerConfig
     optim_state: list[np.ndarray] = field(default_factory=list)
+    batchnorm: str = "train"
 
     @property
     def params(self) -> list[str]:
@@ -201,14 +259,20 @@ def inference_module(model, batch: int, dtype: str = "float32") -> tvm.IRModule:
 
 def training_module(model, batch: int, trainable: str | list[str] = "all",
                     optimizer: OptimizerConfig | None = None,
-                    dtype: str = "float32") -> TrainingGraph:
+                    dtype: str = "float32", batchnorm: str | None = None) -> TrainingGraph:
     """Build the training graph (see the module docstring) for ``model`` at ``batch``.
 
-    ``trainable``: a ``--trainable`` string or a list of parameter names; ``dtype``: float32, or
-    float64 for reference computations. Raises ValueError when
-    no parameter is trainable or a name is unknown.
+    ``trainable``: a ``--trainable`` string (:func:`parse_trainable`) or a list of parameter
+    names; ``dtype``: float32, or float64 for reference computations; ``batchnorm``: ``train``
+    or ``frozen`` (default: the trainable string's suffix, else ``train``). With ``frozen`` the
+    adjoint still returns the running statistics after the loss, unchanged. Raises ValueError
+    when no parameter is trainable, a name is unknown, or the BatchNorm mode is unknown.
     """
     optimizer = optimizer or OptimizerConfig()
+    bn_mode = parse_trainable(trainable)[1] if isinstance(trainable, str) else "train"
+    batchnorm = batchnorm or bn_mode
+    if batchnorm not in BATCHNORM_MODES:
+        raise ValueError(f"BatchNorm mode {batchnorm!r}: use one of {BATCHNORM_MODES}")
     names = select_trainable(model, trainable) if isinstance(trainable, str) else list(trainable)
     s = spec(model, batch)
     known = {p.name for p in s.params}
@@ -217,7 +281,7 @@ def training_module(model, batch: int, trainable: str | list[str] = "all",
         raise ValueError(f"trainable parameters {unknown or names} are not parameters of "
                          f"{model.arch} (it has {len(known)}, e.g. {sorted(known)[:3]})")
     train_set = set(names)
-    bb, g, x = trace(model, batch, "train", dtype)
+    bb, g, x = _trace_training(model, batch, dtype, batchnorm)
     with bb.function("backbone"):
         with bb.dataflow():
             logits = bb.emit_output(model.forward(g, x))
@@ -251,4 +315,4 @@ def training_module(model, batch: int, trainable: str | list[str] = "all",
         trainable=[n for n in g.params if n in train_set],
         frozen=[n for n in g.params if n not in train_set],
         states=list(g.states), masks={k: (v[0], v[1]) for k, v in g.masks.items()},
-        optimizer=optimizer, optim_state=[t.numpy() for t in opt.state])
+        optimizer=optimizer, optim_state=[t.numpy() for t in opt.state], batchnorm=batchnorm)

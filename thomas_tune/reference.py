@@ -20,13 +20,16 @@ class TorchGraph:
     ``params``/``states``: name -> torch tensor (float64 for numeric references, float32 for
     desktop training); new running statistics land in ``new_states``. Dropout multiplies by
     ``masks[name + ".mask"]`` when given, else draws with ``torch.nn.functional.dropout``.
+    ``frozen_bn``: in training, BatchNorm in its inference form (running statistics used and
+    not updated), as ``BatchNorm2d.eval()`` in a network that is otherwise in ``train()``.
     """
 
-    def __init__(self, params, states, masks, training):
+    def __init__(self, params, states, masks, training, frozen_bn=False):
         import torch
         self.torch = torch
         self.F = torch.nn.functional
         self.p, self.s, self.masks, self.training = params, states, masks, training
+        self.bn_training = training and not frozen_bn
         self.new_states = {}
 
     @contextlib.contextmanager
@@ -41,7 +44,7 @@ class TorchGraph:
         rm = self.s[f"{name}.running_mean"].clone()
         rv = self.s[f"{name}.running_var"].clone()
         y = self.F.batch_norm(x, rm, rv, self.p[f"{name}.weight"], self.p[f"{name}.bias"],
-                              self.training, momentum, eps)
+                              self.bn_training, momentum, eps)
         if self.training:
             self.new_states[f"{name}.running_mean"] = rm
             self.new_states[f"{name}.running_var"] = rv
@@ -76,11 +79,14 @@ class TorchGraph:
         return self.F.dropout(x, p, training=True)
 
 
-def torch_module(model, tensors):
-    """A ``torch.nn.Module`` with the model's parameters (float32) and BatchNorm statistics
-    under their torchvision names (nested sub-modules), whose forward is the model's in the
-    module's mode (``train()``: batch statistics, running statistics updated as PyTorch does;
-    ``eval()``). Used to write ONNX files as users export them and to train on the desktop."""
+def torch_module(model, tensors, dtype="float32"):
+    """A ``torch.nn.Module`` with the model's parameters and BatchNorm statistics (``dtype``:
+    float32, or float64 for references) under their torchvision names (nested sub-modules),
+    whose forward is the model's in the module's mode (``train()``: batch statistics, running
+    statistics updated as PyTorch does; ``eval()``). Setting the module's ``frozen_bn`` to True
+    keeps every BatchNorm in its inference form while the module trains (as calling
+    ``eval()`` on each ``BatchNorm2d`` of a torchvision network does). Used to write ONNX files
+    as users export them and to train on the desktop."""
     import torch
 
     s = spec(model)
@@ -90,7 +96,7 @@ def torch_module(model, tensors):
         def forward(self, x):
             p = {n: self.get_parameter(n) for n in pnames}
             st = {n: self.get_buffer(n) for n in snames}
-            g = TorchGraph(p, st, {}, self.training)
+            g = TorchGraph(p, st, {}, self.training, self.frozen_bn)
             out = model.forward(g, x)
             if self.training:
                 with torch.no_grad():
@@ -99,6 +105,7 @@ def torch_module(model, tensors):
             return out
 
     net = Net()
+    net.frozen_bn = False
     for n in pnames + snames:
         *path, leaf = n.split(".")
         mod = net
@@ -106,7 +113,7 @@ def torch_module(model, tensors):
             if not isinstance(getattr(mod, part, None), torch.nn.Module):
                 mod.add_module(part, torch.nn.Module())
             mod = getattr(mod, part)
-        t = torch.tensor(np.asarray(tensors[n], dtype="float32"))
+        t = torch.tensor(np.asarray(tensors[n], dtype=dtype))
         if n in pnames:
             mod.register_parameter(leaf, torch.nn.Parameter(t))
         else:
