@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import contextlib
 import ipaddress
+import json
+import math
 import os
 import socket
 import sys
@@ -23,6 +25,45 @@ import time
 
 from tvm import rpc
 from tvm.rpc import tracker as rpc_tracker
+
+# The session lifetime (s) asked of a device server when none is given: long enough for a
+# first training step that builds every OpenCL program (20-42 s measured on the H100), short
+# enough that a session orphaned by a lost client frees its server within the quarter hour.
+DEFAULT_SESSION_TIMEOUT_S = 900
+
+
+def whole_seconds(seconds, what: str = "session timeout") -> int:
+    """``seconds`` (s, > 0) rounded up to whole seconds, as every TVM RPC server can parse it.
+
+    A client asks for a session lifetime by appending ``-timeout=N`` to its key
+    (``python/tvm/rpc/client.py``: ``key += f" -timeout={session_timeout}"``). TVM's C++ server
+    (``apps/cpp_rpc/rpc_server.cc``, ``GetTimeOutFromOpts``) accepts only digits
+    (``support::IsNumber``, then ``std::stoi``) and fails on ``900.0``; TVM's Java server, the
+    one in TVM's Android app (``jvm/core/.../rpc/ConnectTrackerServerProcessor.java``), parses it
+    with ``Integer.parseInt``. A timeout of 0 sends no option at all (the client skips a falsy
+    timeout), and the Java server then applies its ``HARD_TIMEOUT_DEFAULT`` of 300 s: 0 is
+    refused here, so that every session has a bound the caller stated.
+    Raises ValueError naming ``what`` for a value that is not a finite number > 0."""
+    try:
+        value = float(seconds)
+    except (TypeError, ValueError):
+        raise ValueError(f"{what} {seconds!r}: expected a number of seconds > 0") from None
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{what} {seconds!r}: expected a finite number of seconds > 0 (a "
+                         "server may replace 0, 'no bound', with a hard timeout of its own)")
+    return int(math.ceil(value))
+
+
+def request_session(tracker: tuple[str, int], key: str,
+                    session_timeout_s=DEFAULT_SESSION_TIMEOUT_S, priority: int = 1,
+                    max_retry: int = 5):
+    """A ``tvm.rpc`` session on a server of ``key`` handed out by ``tracker``, asked to last at
+    most ``session_timeout_s`` seconds (sent in whole seconds, :func:`whole_seconds`): the
+    server ends the session (and everything it holds on the device) at that age.
+    Raises ValueError for a bad timeout, RuntimeError (TVM's) when no server can be had."""
+    timeout = whole_seconds(session_timeout_s)
+    return rpc.connect_tracker(*tracker).request(key, priority=priority,
+                                                 session_timeout=timeout, max_retry=max_retry)
 
 
 def parse_address(text: str, default_port: int = 9190) -> tuple[str, int]:
@@ -126,6 +167,67 @@ def _ending_with_client(serve_loop):
     return loop
 
 
+DEVICE_INFO_FUNC = "thomas_tune.opencl.device_info"
+
+
+def opencl_device_info(name: str) -> dict:
+    """What the OpenCL driver says of the device called ``name`` (``CL_DEVICE_NAME``, as TVM's
+    ``dev.device_name`` gives it), queried with pyopencl: platform, vendor, versions,
+    ``max_work_group_size``, ``local_mem_size`` (bytes) and ``local_mem_type`` (``local``:
+    on-chip; ``global``: emulated in main memory), ``compute_units``, ``clock_mhz``,
+    ``preferred_work_group_size_multiple`` (the driver's hint for one trivial kernel: the
+    SIMD / wave width on GPUs), ``max_num_sub_groups`` and ``sub_group_sizes`` where the driver
+    reports them (OpenCL 2.1 / ``cl_intel_required_subgroup_size``), and the sub-group
+    extensions it lists. Fields the driver does not answer are absent. Raises LookupError
+    when no OpenCL device has that name, ImportError without pyopencl."""
+    import pyopencl as cl
+
+    found = [(p, d) for p in cl.get_platforms() for d in p.get_devices() if d.name == name]
+    if not found:
+        raise LookupError(f"no OpenCL device named {name!r}")
+    platform, dev = found[0]
+    info = {"platform": platform.name, "name": dev.name, "vendor": dev.vendor,
+            "version": dev.version, "driver_version": dev.driver_version}
+    fields = {"max_work_group_size": "max_work_group_size", "local_mem_size": "local_mem_size",
+              "compute_units": "max_compute_units", "clock_mhz": "max_clock_frequency",
+              "max_work_item_sizes": "max_work_item_sizes",
+              "max_num_sub_groups": "max_num_sub_groups",
+              "sub_group_sizes": "sub_group_sizes_intel"}
+    for key, attr in fields.items():
+        with contextlib.suppress(Exception):  # not every driver answers every query
+            value = getattr(dev, attr)
+            info[key] = [int(v) for v in value] if isinstance(value, (list, tuple)) else int(value)
+    with contextlib.suppress(Exception):
+        info["local_mem_type"] = {cl.device_local_mem_type.LOCAL: "local",
+                                  cl.device_local_mem_type.GLOBAL: "global"}.get(
+                                      dev.local_mem_type, str(dev.local_mem_type))
+    info["sub_group_extensions"] = sorted(e for e in dev.extensions.split()
+                                          if "subgroup" in e or "sub_group" in e)
+    with contextlib.suppress(Exception):
+        ctx = cl.Context([dev])
+        kernel = cl.Program(ctx, "__kernel void k(__global float* a) "
+                                 "{ a[get_global_id(0)] += 1.0f; }").build().k
+        info["preferred_work_group_size_multiple"] = int(kernel.get_work_group_info(
+            cl.kernel_work_group_info.PREFERRED_WORK_GROUP_SIZE_MULTIPLE, dev))
+    return info
+
+
+def register_device_info() -> None:
+    """Register :data:`DEVICE_INFO_FUNC` in this process: (device name) -> JSON of
+    :func:`opencl_device_info`, or ``{"error": ...}`` when it cannot answer (no pyopencl, no
+    such device). A client reaches it over RPC (``sess.get_function``); servers without it
+    (TVM's own ``tvm_rpc``) still give TVM's device attributes."""
+    import tvm
+
+    def device_info(name: str) -> str:
+        try:
+            return json.dumps(opencl_device_info(str(name)))
+        except Exception as err:  # pyopencl missing, or a driver that refuses a query
+            return json.dumps({"error": f"{type(err).__name__}: {err}"})
+
+    tvm.register_global_func(DEVICE_INFO_FUNC, device_info, override=True)
+
+
 def _init_device_server():
     # Runs inside the server process: importing thomas_tune registers its runtime extensions;
     # the device lock lets servers sharing a device take turns for timed runs.
@@ -133,6 +235,7 @@ def _init_device_server():
     from thomas_tune.runner import register_device_lock, register_low_priority_build
     register_device_lock()
     register_low_priority_build()
+    register_device_info()
     keep_serving_after_crashes()
 
 

@@ -8,6 +8,15 @@ the libraries are uploaded and loaded there; tuples of tensors cannot cross RPC,
 optimizer's tuples are made and kept on the device (``pack_trainable``, then the optimizer's
 own outputs) and single tensors are read from them there.
 
+Every RPC session is asked for a stated lifetime in whole seconds (``RemoteDevice``,
+``connect``): TVM's C++ server ``tvm_rpc`` accepts only digits after ``-timeout=``, and a
+server asked for no bound may apply one of its own. A run longer than that bound renews its
+session between steps (:meth:`Session.renew`): the parameters, states and optimizer state are
+read back from the device while the old session still lives, a new session is requested,
+the libraries are uploaded and loaded again and the state is uploaded; the training goes on
+from the same numbers (a server ends a session's process, and all it held, at the bound, so
+nothing on the device outlives it).
+
 Nothing here needs TVM's compiler: a process started with ``TVM_USE_RUNTIME_LIB=1`` (TVM loads
 only ``libtvm_runtime.so``, no ``tvm.relax``) imports this module in about half the time and
 runs :class:`Session` the same (the exported functions run in TVM's Relax VM,
@@ -17,6 +26,8 @@ RuntimeError there.
 
 from __future__ import annotations
 
+import gc
+import math
 import os
 import time
 
@@ -43,6 +54,41 @@ def device_for(target_kind: str, session=None, index: int = 0):
     return (session or tvm).device(dev_type, index)
 
 
+class RemoteDevice:
+    """Device servers of one tracker key, reached in sessions of a stated lifetime.
+
+    ``session_timeout_s``: the lifetime asked of each session (whole seconds, rounded up:
+    :func:`thomas_tune.rpc.whole_seconds`); the server ends the session at that age.
+    ``wait_s``: how long :meth:`open` waits for a free server of ``key`` (s).
+    :meth:`remaining_s` counts from just before the request, so it never overstates what the
+    server's own clock leaves. Raises ValueError for a bad timeout."""
+
+    def __init__(self, tracker: tuple[str, int], key: str, session_timeout_s=None,
+                 wait_s: float = 60.0):
+        from .rpc import DEFAULT_SESSION_TIMEOUT_S, whole_seconds
+        self.tracker, self.key, self.wait_s = tuple(tracker), key, wait_s
+        self.session_timeout_s = whole_seconds(session_timeout_s or DEFAULT_SESSION_TIMEOUT_S)
+        self.opened_at: float | None = None
+        self.opens = 0
+
+    def open(self):
+        """A new ``tvm.rpc`` session on a free server of the key (waiting up to ``wait_s``).
+        Raises TimeoutError naming the key when none is free."""
+        from .rpc import request_session, wait_for_key
+        wait_for_key(self.tracker, self.key, timeout=self.wait_s)
+        started = time.monotonic()
+        session = request_session(self.tracker, self.key, self.session_timeout_s)
+        self.opened_at = started
+        self.opens += 1
+        return session
+
+    def remaining_s(self) -> float:
+        """Seconds left of the current session's lifetime (0 before the first :meth:`open`)."""
+        if self.opened_at is None:
+            return 0.0
+        return self.session_timeout_s - (time.monotonic() - self.opened_at)
+
+
 class Session:
     """An exported model loaded on a device.
 
@@ -52,19 +98,32 @@ class Session:
     the trainable parameters, BatchNorm running statistics and optimizer state in place.
     Raises ValueError for inputs of the wrong shape or dtype.
 
-    ``rpc_session``: a ``tvm.rpc`` session of a device server (``connect(tracker, key)``): the
-    libraries are uploaded and run there. Without it the export runs on this machine; an
-    export linked for another architecture (``host_triple`` in the manifest) raises ValueError
-    saying so, as does a device server that cannot load the libraries. ``classes``: class
-    names (the checkpoint's), or None.
+    ``remote``: a :class:`RemoteDevice`: the libraries are uploaded to and run on a device
+    server of its key, in sessions of its stated lifetime; the session is renewed between
+    calls before it could end during one (:meth:`renew`, with no state lost). ``rpc_session``:
+    one ``tvm.rpc`` session to run on instead (``connect(tracker, key)``), never renewed.
+    Without either the export runs on this machine; an export linked for another
+    architecture (``host_triple`` in the manifest) raises ValueError saying so, as does a
+    device server that cannot load the libraries. ``classes``: class names (the
+    checkpoint's), or None. ``renewals``: one dict per renewal (``step``, ``download_s``,
+    ``reopen_s``: the new session, libraries and state, ``state_bytes``).
     """
 
-    def __init__(self, export_dir: str, device=None, rpc_session=None, seed: int = 0):
+    def __init__(self, export_dir: str, device=None, rpc_session=None, seed: int = 0,
+                 remote: RemoteDevice | None = None):
         self.dir = export_dir
         self.manifest = m = read_manifest(export_dir)
         self.model, tensors, self.classes = load_checkpoint(os.path.join(export_dir, "params.npz"))
         self.classes = self.classes or m.get("classes")
-        kind = m["target"]["kind"]
+        self._remote_device = remote
+        self.renewals: list[dict] = []
+        self._longest_call_s = 0.0  # the longest call that was not its session's first
+        self._first_call_s = 0.0  # the last session's first call (OpenCL programs built there)
+        self._calls = 0  # calls made in the current session
+        self._transfer_s = 0.0  # the last move of the state between sessions (or first load)
+        t0 = time.perf_counter()
+        if remote is not None:
+            rpc_session = remote.open()
         triple = m.get("host_triple")
         self.remote = rpc_session is not None
         if not self.remote and triple and host_arch(triple) != machine_arch():
@@ -72,38 +131,133 @@ class Session:
                              f"this machine is {machine_arch()}: run it on that device with "
                              "--tracker HOST:PORT --key KEY, or export it again for this "
                              "machine (without --host)")
-        self.device = device or device_for(kind, rpc_session)
-        load = rpc_session.load_module if rpc_session is not None else tvm.runtime.load_module
+        self._explicit_device = device
         self._tuples = {}
         if rpc_session is not None:
-            vms = {}
-            for name in ("inference.so", "train.so"):
-                rpc_session.upload(os.path.join(export_dir, name))
-                try:  # a library of another architecture loads as a module with no functions
-                    vms[name] = VirtualMachine(load(name), self.device)
-                except Exception as err:  # TVM raises its own error types
-                    raise ValueError(f"the device server could not load {name} of {export_dir}"
-                                     f" (linked for {triple or 'an unknown host'}): "
-                                     f"{_first_line(err)}; export it for the device's "
-                                     "architecture (--host android-aarch64 for a phone, "
-                                     "linux-aarch64 for an aarch64 board)") from err
-            self._train_vm, self._infer_vm = vms["train.so"], vms["inference.so"]
-            self._get_item = rpc_session.get_function("ffi.ArrayGetItem")
-            try:
-                self._train_vm[PACK_TRAINABLE]
-            except AttributeError as err:
-                raise ValueError(f"{export_dir} has no {PACK_TRAINABLE} function, which "
-                                 "training over RPC needs: export it again") from err
+            self._load_remote(rpc_session)
         else:
-            self._train_vm = VirtualMachine(load(os.path.join(export_dir, "train.so")),
-                                            self.device)
-            self._infer_vm = VirtualMachine(load(os.path.join(export_dir, "inference.so")),
-                                            self.device)
+            self.device = device or device_for(m["target"]["kind"])
+            self._train_vm = VirtualMachine(
+                tvm.runtime.load_module(os.path.join(export_dir, "train.so")), self.device)
+            self._infer_vm = VirtualMachine(
+                tvm.runtime.load_module(os.path.join(export_dir, "inference.so")), self.device)
         self.batch, self.infer_batch = m["batch"], m["infer_batch"]
         self._t = {k: tvm.runtime.tensor(v, self.device) for k, v in tensors.items()}
         self._opt = self._initial_optimizer_state()
         self._rng = np.random.default_rng(seed)  # one dropout seed per training step
         self.steps = 0
+        self._transfer_s = time.perf_counter() - t0
+        if remote is not None:
+            self._check_room()
+
+    def _load_remote(self, rpc_session) -> None:
+        """Upload the two libraries to ``rpc_session``'s server and load them there."""
+        m, export_dir = self.manifest, self.dir
+        triple = m.get("host_triple")
+        self._rpc = rpc_session
+        self.device = self._explicit_device or device_for(m["target"]["kind"], rpc_session)
+        vms = {}
+        for name in ("inference.so", "train.so"):
+            rpc_session.upload(os.path.join(export_dir, name))
+            try:  # a library of another architecture loads as a module with no functions
+                vms[name] = VirtualMachine(rpc_session.load_module(name), self.device)
+            except Exception as err:  # TVM raises its own error types
+                raise ValueError(f"the device server could not load {name} of {export_dir}"
+                                 f" (linked for {triple or 'an unknown host'}): "
+                                 f"{_first_line(err)}; export it for the device's "
+                                 "architecture (--host android-aarch64 for a phone, "
+                                 "linux-aarch64 for an aarch64 board)") from err
+        self._train_vm, self._infer_vm = vms["train.so"], vms["inference.so"]
+        self._get_item = rpc_session.get_function("ffi.ArrayGetItem")
+        try:
+            self._train_vm[PACK_TRAINABLE]
+        except AttributeError as err:
+            raise ValueError(f"{export_dir} has no {PACK_TRAINABLE} function, which "
+                             "training over RPC needs: export it again") from err
+
+    # ---- session lifetime ----------------------------------------------------------------------
+    def _margin_s(self) -> float:
+        """Seconds a session must still have before a call is started in it: two of the
+        longest calls seen so far (a session's first call, which builds the OpenCL programs,
+        counted apart and only before a session's first call), plus the last move of the state
+        between sessions (what reading it back takes, at most), plus 1 s."""
+        first = self._first_call_s if self._calls == 0 else 0.0
+        return first + 2.0 * self._longest_call_s + self._transfer_s + 1.0
+
+    def _check_room(self) -> None:
+        left, need = self._remote_device.remaining_s(), self._margin_s()
+        if left < need:
+            bound = self._remote_device.session_timeout_s
+            raise ValueError(f"a session of {bound} s leaves {max(left, 0):.1f} s after "
+                             f"loading {self.dir}, less than the next call needs "
+                             f"({need:.1f} s: its first call {self._first_call_s:.1f} s, the "
+                             f"longest {self._longest_call_s:.1f} s, moving the state "
+                             f"{self._transfer_s:.1f} s): give --session-timeout "
+                             f"{math.ceil(4 * (bound - left + need))} or more")
+
+    def _renew_due(self) -> bool:
+        return (self._remote_device is not None
+                and self._remote_device.remaining_s() < self._margin_s())
+
+    def _timed(self, fn, *args):
+        """``fn(*args)``, its wall time kept as the longest call when it is; a remote call
+        that fails once the session's bound is reached says so."""
+        t0 = time.perf_counter()
+        try:
+            out = fn(*args)
+            self._calls += 1
+        except Exception as err:  # TVM raises its own error types
+            if self._remote_device is not None and self._remote_device.remaining_s() <= 1.0:
+                bound = self._remote_device.session_timeout_s
+                raise RuntimeError(
+                    f"the device server ended the session at its {bound} s bound during a "
+                    f"call of {time.perf_counter() - t0:.1f} s (step {self.steps}); the state "
+                    f"on the device is lost: give a longer --session-timeout "
+                    f"({_first_line(err)})") from err
+            raise
+        took = time.perf_counter() - t0
+        if self._calls == 1:
+            self._first_call_s = took
+        else:
+            self._longest_call_s = max(self._longest_call_s, took)
+        return out
+
+    def _optimizer_state_numpy(self) -> list[np.ndarray]:
+        if "opt" in self._tuples:
+            return [self._get_item(self._tuples["opt"], i).numpy()
+                    for i in range(len(self._opt))]
+        return [a.numpy() for a in self._opt]
+
+    def renew(self) -> dict:
+        """Move to a new session of the same key: read the parameters, states and optimizer
+        state back from the device, end the old session, request a new one, upload and load
+        the libraries and upload the state. Training goes on from the same numbers (the
+        dropout seeds come from this side). Returns the renewal's record (also appended to
+        :attr:`renewals`). Raises ValueError without a :class:`RemoteDevice`, or when the new
+        session leaves no room for a step."""
+        if self._remote_device is None:
+            raise ValueError("renew: this session was not opened from a RemoteDevice (pass "
+                             "remote=RemoteDevice(tracker, key, session_timeout_s))")
+        t0 = time.perf_counter()
+        tensors = {k: v.numpy() for k, v in self._t.items()}
+        opt = self._optimizer_state_numpy()
+        t1 = time.perf_counter()
+        # every handle into the old session goes, so that its server is free for the new one
+        self._t, self._opt, self._tuples = {}, [], {}
+        # (a remote device keeps its session alive: client.py sets dev._rpc_sess)
+        self._train_vm = self._infer_vm = self._get_item = self._rpc = self.device = None
+        gc.collect()
+        self._load_remote(self._remote_device.open())
+        self._t = {k: tvm.runtime.tensor(v, self.device) for k, v in tensors.items()}
+        self._opt = [tvm.runtime.tensor(a, self.device) for a in opt]
+        t2 = time.perf_counter()
+        self._calls, self._transfer_s = 0, t2 - t0
+        record = {"step": self.steps, "download_s": t1 - t0, "reopen_s": t2 - t1,
+                  "state_bytes": int(sum(a.nbytes for a in tensors.values())
+                                     + sum(a.nbytes for a in opt))}
+        self.renewals.append(record)
+        self._check_room()
+        return record
 
     # ---- helpers -----------------------------------------------------------------------------
     def _check_x(self, x: np.ndarray, batch: int) -> np.ndarray:
@@ -181,29 +335,36 @@ class Session:
         """Current parameters and states as float32 numpy arrays."""
         return {k: v.numpy() for k, v in self._t.items()}
 
-    def _predict_chunks(self, vm, batch, x):
+    def _predict_chunks(self, which: str, batch, x):
+        """Logits of ``x`` by the ``predict`` of the VM attribute ``which`` (``_infer_vm`` or
+        ``_train_vm``), chunk by chunk; a due session renewal happens between chunks."""
         x = np.asarray(x, dtype="float32")
         out = []
-        params = self._ordered(self.manifest["params"]) + self._ordered(self.manifest["states"])
         for i in range(0, len(x), batch):
             chunk = x[i:i + batch]
             n = len(chunk)
             if n < batch:
                 chunk = np.concatenate([chunk, np.repeat(chunk[-1:], batch - n, axis=0)])
             self._check_x(chunk, batch)
-            logits = vm[PREDICT](tvm.runtime.tensor(chunk, self.device), *params)
-            out.append(logits.numpy()[:n])
+            if self._renew_due():
+                self.renew()
+            params = (self._ordered(self.manifest["params"])
+                      + self._ordered(self.manifest["states"]))
+            vm = getattr(self, which)
+            logits = self._timed(lambda: vm[PREDICT](tvm.runtime.tensor(chunk, self.device),
+                                                     *params).numpy())
+            out.append(logits[:n])
         return np.concatenate(out) if out else np.zeros((0, self.model.num_classes), "float32")
 
     def predict(self, x: np.ndarray) -> np.ndarray:
         """Logits with the inference module (its compiled batch, usually 1)."""
-        return self._predict_chunks(self._infer_vm, self.infer_batch, x)
+        return self._predict_chunks("_infer_vm", self.infer_batch, x)
 
     def evaluate(self, x: np.ndarray, y: np.ndarray) -> float:
         """Top-1 accuracy in [0, 1] on (x, y), with the training module's predict (same batch)."""
         if len(x) == 0:
             raise ValueError("evaluate: empty data set")
-        logits = self._predict_chunks(self._train_vm, self.batch, x)
+        logits = self._predict_chunks("_train_vm", self.batch, x)
         return float(np.mean(np.argmax(logits, axis=1) == np.asarray(y)))
 
     def upload(self, x: np.ndarray, y: np.ndarray) -> tuple:
@@ -230,11 +391,16 @@ class Session:
         for inputs of the wrong shape or dtype and for labels out of range (numpy inputs;
         :meth:`upload` checks device tensors)."""
         m = self.manifest
+        if self._renew_due():  # between steps: the batch is read back if it is on the device
+            if isinstance(x, tvm.runtime.Tensor):
+                x, y = x.numpy(), y.numpy()
+            self.renew()
         if not (isinstance(x, tvm.runtime.Tensor) and isinstance(y, tvm.runtime.Tensor)):
             x, y = self.upload(x, y)
-        args = self._step_args(x, y, self.draw_masks())
         if self.remote:
-            return self._remote_step(args)
+            return self._timed(lambda: self._remote_step(
+                self._step_args(x, y, self.draw_masks())))
+        args = self._step_args(x, y, self.draw_masks())
         ret, grads = self._train_vm[ADJOINT](*args)
         loss = ret[0] if m["states"] else ret
         if m["states"]:
@@ -285,14 +451,17 @@ def time_steps(session: Session, x: np.ndarray, y: np.ndarray, steps: int) -> fl
     return float(np.median(times))
 
 
-def connect(tracker: tuple[str, int], key: str, timeout: float = 60.0):
+def connect(tracker: tuple[str, int], key: str, timeout: float = 60.0,
+            session_timeout_s=None):
     """A session on a free device server of ``key`` (``tvm.rpc``), waiting up to ``timeout``
-    seconds for one. Raises TimeoutError naming the key and the keys the tracker knows."""
-    from tvm import rpc as tvm_rpc
-
-    from .rpc import wait_for_key
+    seconds for one, asked to last at most ``session_timeout_s`` seconds (whole seconds;
+    default :data:`thomas_tune.rpc.DEFAULT_SESSION_TIMEOUT_S`). For runs that may outlast it,
+    give :class:`Session` a :class:`RemoteDevice` instead: it renews the session.
+    Raises TimeoutError naming the key and the keys the tracker knows; ValueError for a bad
+    ``session_timeout_s``."""
+    from .rpc import DEFAULT_SESSION_TIMEOUT_S, request_session, wait_for_key
     wait_for_key(tracker, key, timeout=timeout)
-    return tvm_rpc.connect_tracker(*tracker).request(key, session_timeout=0)
+    return request_session(tracker, key, session_timeout_s or DEFAULT_SESSION_TIMEOUT_S)
 
 
 def check_device(tracker: tuple[str, int], key: str, target: tvm.target.Target,

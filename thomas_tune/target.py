@@ -50,7 +50,8 @@ def _host_spec(host) -> dict | None:
 def parse_target(text: str | dict | tvm.target.Target, host=None) -> tvm.target.Target:
     """Build a target from ``llvm``, ``opencl``, ``opencl:N`` (built from what this machine's
     OpenCL device N reports: work-group size, local memory), a tag (``qcom/adreno-opencl``),
-    JSON, or a ``.json`` file holding JSON.
+    JSON, or a ``.json`` file holding JSON. ``opencl:remote`` (the limits of a device server)
+    needs a server or a tuning log: :func:`resolve_target` reads it.
 
     A GPU target gets an ``llvm`` host. ``host`` (``--host``; or a ``"host"`` key of the JSON
     dict): where the host code runs, a name of ``HOSTS`` (``android-aarch64``,
@@ -71,6 +72,10 @@ def parse_target(text: str | dict | tvm.target.Target, host=None) -> tvm.target.
                     text = f.read().strip()
             except OSError as err:
                 raise ValueError(f"target file {text!r}: {err.strerror}") from err
+        if is_remote(text):
+            raise ValueError(f"target {text!r} is read from a device server: tune and export "
+                             "take it with --tracker HOST:PORT --key KEY (export also with "
+                             f"--log of a tuning run that recorded {DEVICE_FILE})")
         if text.startswith("opencl:") and text[7:].isdigit():
             from .opencl import target_for  # limits as this machine's OpenCL device reports
             return target_for(int(text[7:]))
@@ -217,3 +222,150 @@ def export_shared(module, path: str, target: tvm.target.Target) -> None:
     from tvm.support import ndk
     os.environ[CROSS_CC_ENV] = cc
     module.export_library(path, fcompile=ndk.create_shared)
+
+
+# ---- the device's own limits, read from a device server over RPC ----------------------------
+REMOTE = "remote"  # ``--target opencl:remote``
+DEVICE_FILE = "device.json"  # in a tuning-log folder: the device the log was tuned on
+# MetaSchedule's thread-extent choices stop at 1024 work-items, as for ``opencl:N``
+# (:func:`thomas_tune.opencl.target_for`): PoCL reports 4096 work-items per work-group.
+MAX_THREADS_CAP = 1024
+
+
+def is_remote(text) -> bool:
+    """True for ``KIND:remote`` (e.g. ``opencl:remote``): a target read from a device server."""
+    return isinstance(text, str) and text.strip().endswith(":" + REMOTE)
+
+
+def device_limits(session, kind: str = "opencl", index: int = 0) -> dict:
+    """The limits a device server's runtime reports for its device ``kind``/``index``, read
+    over the RPC ``session`` with TVM's device attributes (``src/runtime/rpc/rpc_device_api.cc``
+    forwards ``GetAttr`` to the server's device API: TVM's OpenCL runtime,
+    ``src/backend/opencl/runtime/opencl_device_api.cc``, or thomas_tune's sidecar):
+    ``max_threads_per_block`` (``CL_DEVICE_MAX_WORK_GROUP_SIZE``, work-items),
+    ``max_shared_memory_per_block`` (``CL_DEVICE_LOCAL_MEM_SIZE``, bytes), ``warp_size``
+    (TVM's OpenCL runtimes report 1, or ``TVM_OPENCL_WARP_SIZE`` from the server's
+    environment), ``device_name``, ``compute_version``, ``multi_processor_count``,
+    ``max_clock_rate_khz``, ``total_global_memory`` (bytes) where answered; and ``opencl``:
+    the driver's own answers (sub-group sizes, local-memory type...) from
+    :func:`thomas_tune.rpc.opencl_device_info` on servers that register it (thomas_tune's),
+    else absent. Raises ValueError when the server has no such device."""
+    from .rpc import DEVICE_INFO_FUNC
+    dev = session.device(kind, index)
+    if not dev.exist:
+        raise ValueError(f"the device server has no {kind} device {index}: start it with an "
+                         f"OpenCL runtime (TVM built with USE_OPENCL=ON, or thomas-tune rpc "
+                         f"server --target opencl) and a driver that lists a device")
+    limits = {"kind": kind, "index": index,
+              "max_threads_per_block": int(dev.max_threads_per_block),
+              "max_shared_memory_per_block": int(dev.max_shared_memory_per_block),
+              "warp_size": int(dev.warp_size)}
+    extra = {"device_name": "device_name", "compute_version": "compute_version",
+             "multi_processor_count": "multi_processor_count",
+             "max_clock_rate_khz": "max_clock_rate", "total_global_memory": "total_global_memory"}
+    for key, attr in extra.items():
+        try:
+            value = getattr(dev, attr)
+        except Exception:  # an attribute the server's runtime does not answer
+            continue
+        if value is not None:
+            limits[key] = value if isinstance(value, str) else int(value)
+    try:
+        info = session.get_function(DEVICE_INFO_FUNC)
+    except Exception:  # TVM's own tvm_rpc: TVM's attributes only
+        info = None
+    if info is not None and "device_name" in limits:
+        limits["opencl"] = json.loads(str(info(limits["device_name"])))
+    return limits
+
+
+def read_device_limits(tracker: tuple[str, int], key: str, kind: str = "opencl",
+                       wait_s: float = 60.0, session_timeout_s: int = 120) -> dict:
+    """:func:`device_limits` of a device server of ``key`` on ``tracker``, in one session of
+    at most ``session_timeout_s`` s (whole seconds), waiting up to ``wait_s`` s for a free
+    server; adds ``key``. Raises TimeoutError when none is free, ValueError as
+    :func:`device_limits`."""
+    from .rpc import request_session, wait_for_key
+    wait_for_key(tracker, key, timeout=wait_s)
+    session = request_session(tracker, key, session_timeout_s)
+    try:
+        return {"key": key, **device_limits(session, kind)}
+    finally:
+        del session
+
+
+def target_from_limits(limits: dict, host=None) -> tvm.target.Target:
+    """An OpenCL target whose ``max_threads_per_block`` / ``max_num_threads`` (capped at
+    :data:`MAX_THREADS_CAP`), ``max_shared_memory_per_block`` and ``thread_warp_size`` are a
+    device's (:func:`device_limits`), with the host of ``host`` (``--host``) or this machine.
+    ``device`` is ``adreno`` or ``mali`` when the device's name says so, else ``generic``.
+    Raises ValueError for limits of another kind or with a non-positive value."""
+    if limits.get("kind") != "opencl":
+        raise ValueError(f"device limits of kind {limits.get('kind')!r}: only opencl devices "
+                         "have a remote target here")
+    names = ("max_threads_per_block", "max_shared_memory_per_block", "warp_size")
+    bad = [n for n in names if not isinstance(limits.get(n), int) or limits[n] <= 0]
+    if bad:
+        raise ValueError(f"device limits {limits}: {', '.join(bad)} missing or not > 0")
+    name = str(limits.get("device_name", "")).lower()
+    device = "adreno" if "adreno" in name else "mali" if "mali" in name else "generic"
+    threads = min(limits["max_threads_per_block"], MAX_THREADS_CAP)
+    spec = {"kind": "opencl", "device": device, "max_threads_per_block": threads,
+            "max_num_threads": threads,
+            "max_shared_memory_per_block": limits["max_shared_memory_per_block"],
+            "thread_warp_size": limits["warp_size"]}
+    return tvm.target.Target(spec, host=_host_spec(host) or HOST)
+
+
+def write_device_file(folder: str, limits: dict) -> str:
+    """Write ``limits`` (:func:`device_limits`) as ``folder``/:data:`DEVICE_FILE` (a tuning-log
+    folder: the device its records were measured on), atomically; returns the path."""
+    import tempfile
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, DEVICE_FILE)
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=folder)
+    with os.fdopen(fd, "w") as f:
+        json.dump(limits, f, indent=1)
+    os.replace(tmp, path)
+    return path
+
+
+def read_device_file(folder: str) -> dict | None:
+    """The limits :func:`write_device_file` recorded in ``folder``, or None when it holds none.
+    Raises ValueError for a file that is not a JSON object."""
+    path = os.path.join(folder, DEVICE_FILE)
+    if not os.path.exists(path):
+        return None
+    try:
+        with open(path) as f:
+            limits = json.load(f)
+    except (OSError, json.JSONDecodeError) as err:
+        raise ValueError(f"{path}: not readable as JSON ({err}); delete it and tune again "
+                         "with --target opencl:remote") from err
+    if not isinstance(limits, dict):
+        raise ValueError(f"{path}: expected a JSON object of device limits")
+    return limits
+
+
+def resolve_target(text, host=None, tracker: tuple[str, int] | None = None,
+                   key: str | None = None, log_dir: str | None = None,
+                   wait_s: float = 60.0) -> tuple[tvm.target.Target, dict | None]:
+    """``--target`` as :func:`parse_target` reads it, except ``opencl:remote``: the limits of
+    the device server of ``key`` on ``tracker`` (:func:`read_device_limits`) when both are
+    given, else the limits recorded in the tuning log ``log_dir`` (:data:`DEVICE_FILE`), made
+    into a target by :func:`target_from_limits`. Returns (target, limits or None).
+    Raises ValueError naming the fix when neither a server nor a recorded device is at hand."""
+    if not is_remote(text):
+        return parse_target(text, host), None
+    kind = text.strip()[: -len(REMOTE) - 1]
+    if kind != "opencl":
+        raise ValueError(f"target {text!r}: only opencl:remote is read from a device server")
+    if tracker is not None and key:
+        limits = read_device_limits(tracker, key, kind, wait_s=wait_s)
+    else:
+        limits = read_device_file(log_dir) if log_dir else None
+        if limits is None:
+            raise ValueError(f"target {text!r} is read from a device server: give --tracker "
+                             "HOST:PORT and --key KEY, or --log of a tuning run made with "
+                             f"--target {text} (its {DEVICE_FILE} records the device)")
+    return target_from_limits(limits, host), limits
