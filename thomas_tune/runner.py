@@ -228,7 +228,9 @@ def _lane_open(tracker_host: str, tracker_port: int, key: str, session_timeout_s
     from tvm import rpc
     _lane_close()
     client = rpc.connect_tracker(tracker_host, tracker_port)
-    sess = client.request(key, priority=priority, session_timeout=session_timeout_s, max_retry=1)
+    from .rpc import whole_seconds  # tvm_rpc and TVM's Java server parse whole seconds only
+    sess = client.request(key, priority=priority, session_timeout=whole_seconds(session_timeout_s),
+                          max_retry=1)
     _LANE.update(session=sess, args={}, locked=None, n=0)
     try:
         _LANE["lock"] = sess.get_function("thomas_tune.device_lock")
@@ -583,7 +585,8 @@ class FarmRunner(ms.runner.PyRunner):
         self.max_number, self.wait_s, self.priority = max_number, wait_s, priority
         self.compile_timeout_s = compile_timeout_s
         self.lanes: list[_Lane] = []
-        self.session_timeout_s = max(session_timeout_s, 2 * self.trial_limit_s)
+        from .rpc import whole_seconds  # sent as -timeout=N: tvm_rpc rejects "900.0"
+        self.session_timeout_s = whole_seconds(max(session_timeout_s, 2 * self.trial_limit_s))
         self.idle_close_s = idle_close_s
         self.open_slice_s = min(10.0, wait_s)
         self.phases = phases or Phases()
