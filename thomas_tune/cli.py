@@ -62,20 +62,24 @@ def _remote_args(p) -> None:
     g.add_argument("--key", help="device key of the server (e.g. galaxy-s8)")
     g.add_argument("--wait", type=float, default=60,
                    help="seconds to wait for a free server (default 60)")
+    g.add_argument("--session-timeout", type=float, default=None,
+                   help="seconds each RPC session may last, sent in whole seconds (default "
+                        "900); a longer run renews its session between steps, state kept")
 
 
 def _session(args, checkpoint: str | None = None, seed: int = 0):
     """The export of ``--export`` loaded here, or on a device server of ``--tracker``/``--key``;
     started from ``checkpoint``'s weights (and class names) when given."""
-    from .runtime import Session, connect
-    rpc_session = None
+    from .runtime import RemoteDevice, Session
+    remote = None
     if args.tracker or args.key:
         if not (args.tracker and args.key):
             raise ValueError("--tracker and --key go together: the tracker's HOST:PORT and "
                              "the device key of the server to run on")
         from .rpc import parse_address
-        rpc_session = connect(parse_address(args.tracker), args.key, timeout=args.wait)
-    session = Session(args.export, rpc_session=rpc_session, seed=seed)
+        remote = RemoteDevice(parse_address(args.tracker), args.key, args.session_timeout,
+                              wait_s=args.wait)
+    session = Session(args.export, remote=remote, seed=seed)
     if checkpoint:
         session.load_checkpoint(checkpoint)
     return session
@@ -171,9 +175,10 @@ def cmd_tune(args) -> int:
     from .tune import rpc_runner, tune, workload_key
     from .tuning_log import TuningLog
     from .runtime import check_device
-    from .target import cross_compiler
+    from .target import cross_compiler, resolve_target, write_device_file
     model, _, _ = _model(args)
-    target = parse_target(args.target, args.host)
+    target, device = resolve_target(args.target, args.host, rpc.parse_address(args.tracker),
+                                    args.key, wait_s=args.wait)  # opencl:remote: the server's
     cross_compiler(target)  # a missing or wrong cross compiler fails before any work
     try:
         pattern = re.compile(args.match) if args.match else None
@@ -205,6 +210,8 @@ def cmd_tune(args) -> int:
                              "'thomas-tune tasks' with the same model options lists the names")
     log = TuningLog(args.log or _default_log(args, model, args.key))
     log.require_writable()  # before minutes of default-schedule timing
+    if device is not None:  # the limits the log's records were measured under
+        write_device_file(log.path, device)
     _STOP["log"] = log  # what a stop by signal reports
     runner = rpc_runner(tracker, args.key, servers=args.servers or free,
                         trial_timeout_s=args.trial_timeout,
@@ -324,16 +331,21 @@ def _export_model(args, out: str) -> dict:
     """Compile the model of the model options (with ``--log``'s schedules) into ``out``; the
     export's manifest. Raises ValueError for a tuning log with no records."""
     from .export import export
-    from .target import parse_target
+    from .rpc import parse_address
+    from .target import resolve_target
     from .tuning_log import TuningLog
     model, tensors, classes = _model(args)
     log = TuningLog(args.log) if args.log else None
     if log is not None and not log.exists():
         raise ValueError(f"tuning log {args.log!r} has no records; tune first, or drop --log "
                          "to export with default schedules")
-    return export(out, model, tensors, parse_target(args.target, args.host), batch=args.batch,
+    tracker = getattr(args, "tracker", None)  # opencl:remote: the server's or the log's
+    target, device = resolve_target(args.target, args.host, tracker and parse_address(tracker),
+                                    getattr(args, "key", None), args.log,
+                                    wait_s=getattr(args, "wait", 60))
+    return export(out, model, tensors, target, batch=args.batch,
                   infer_batch=args.infer_batch, trainable=args.trainable,
-                  optimizer=_optimizer(args), log=log, classes=classes)
+                  optimizer=_optimizer(args), log=log, classes=classes, device=device)
 
 
 def cmd_export(args) -> int:
@@ -704,6 +716,9 @@ def parser() -> argparse.ArgumentParser:
     _target_arg(s)
     s.add_argument("--log", help="tuning-log folder (none: default schedules)")
     s.add_argument("--out", required=True, help="export folder")
+    s.add_argument("--tracker", help="with --target opencl:remote: the tracker HOST:PORT of "
+                   "the device server to read the limits from (else --log's device.json)")
+    s.add_argument("--key", help="with --target opencl:remote: that server's device key")
     s.set_defaults(fn=cmd_export)
 
     s = sub.add_parser("replay", help="compile from a tuning log with no device and check it")

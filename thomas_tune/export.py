@@ -98,12 +98,14 @@ def _atomic_write(path: str, write) -> None:
 def export(out_dir: str, model, tensors: dict[str, np.ndarray], target: tvm.target.Target,
            batch: int = 8, infer_batch: int = 1, trainable: str = "all",
            optimizer: G.OptimizerConfig | None = None, log: TuningLog | None = None,
-           classes: list[str] | None = None, progress=print,
+           classes: list[str] | None = None, progress=print, device: dict | None = None,
            stock_defaults: bool = False) -> dict:
     """Compile and write the export folder (see the module docstring); returns the manifest.
 
     ``tensors``: parameters and states (float32, shapes of ``models.spec``). ``batch``: images
     per training step. ``classes``: class names (kept in ``params.npz`` and the manifest).
+    ``device``: the device limits the target was made from (``--target opencl:remote``:
+    :func:`thomas_tune.target.device_limits`), kept in the manifest as ``device``.
     ``stock_defaults``: kernels without a tuning record get TVM's own default GPU rules
     (``schedules.STOCK_RULES``), not thomas_tune's (a baseline for ``bench``).
     The libraries are linked for the target's host (``target.export_shared``). Raises
@@ -165,6 +167,7 @@ def export(out_dir: str, model, tensors: dict[str, np.ndarray], target: tvm.targ
         "winograd": {"inference": [dataclasses.asdict(c) for c in sorted(wino_infer, key=repr)],
                      "training": [dataclasses.asdict(c) for c in sorted(wino_train, key=repr)]},
         "classes": list(classes) if classes else None,
+        "device": device,  # the limits read from the device server, or None
     }
     _atomic_write(os.path.join(out_dir, MANIFEST),
                   lambda p: open(p, "w").write(json.dumps(manifest, indent=1)))
