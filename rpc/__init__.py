@@ -2,8 +2,9 @@
 
 A device server registers with the tracker under a *device key* (e.g. ``pocl-cpu``, ``h100``,
 ``galaxy-s8``); the tuner asks the tracker for a server of that key for each measurement. A
-phone running TVM's Android RPC app registers with the same tracker by entering its address and
-key in the app. Everything binds to 127.0.0.1 unless told otherwise.
+phone runs TVM's C++ server ``tvm_rpc``, registered with the same tracker over ``adb reverse``
+(``rpc/android_server.sh``, docs/android.md). Every session is asked for a lifetime in whole
+seconds (:func:`request_session`). Everything binds to 127.0.0.1 unless told otherwise.
 
 TVM RPC has no authentication and no encryption: whoever reaches a device server's port can
 upload and run code on that device, and whoever reaches the tracker can take its servers.
