@@ -54,6 +54,11 @@ def device_for(target_kind: str, session=None, index: int = 0):
     return (session or tvm).device(dev_type, index)
 
 
+class SessionExpired(TimeoutError):
+    """A device server ended a session at its bound before a call (or the read-back of the
+    state for a renewal) was done: what the session held on the device is lost."""
+
+
 class RemoteDevice:
     """Device servers of one tracker key, reached in sessions of a stated lifetime.
 
@@ -100,7 +105,8 @@ class Session:
 
     ``remote``: a :class:`RemoteDevice`: the libraries are uploaded to and run on a device
     server of its key, in sessions of its stated lifetime; the session is renewed between
-    calls before it could end during one (:meth:`renew`, with no state lost). ``rpc_session``:
+    calls before it could end during one (:meth:`renew`, with no state lost); a call cut by the
+    bound all the same raises :class:`SessionExpired` (a TimeoutError). ``rpc_session``:
     one ``tvm.rpc`` session to run on instead (``connect(tracker, key)``), never renewed.
     Without either the export runs on this machine; an export linked for another
     architecture (``host_triple`` in the manifest) raises ValueError saying so, as does a
@@ -207,13 +213,7 @@ class Session:
             out = fn(*args)
             self._calls += 1
         except Exception as err:  # TVM raises its own error types
-            if self._remote_device is not None and self._remote_device.remaining_s() <= 1.0:
-                bound = self._remote_device.session_timeout_s
-                raise RuntimeError(
-                    f"the device server ended the session at its {bound} s bound during a "
-                    f"call of {time.perf_counter() - t0:.1f} s (step {self.steps}); the state "
-                    f"on the device is lost: give a longer --session-timeout "
-                    f"({_first_line(err)})") from err
+            self._raise_if_expired(err, f"a call of {time.perf_counter() - t0:.1f} s")
             raise
         took = time.perf_counter() - t0
         if self._calls == 1:
@@ -221,6 +221,17 @@ class Session:
         else:
             self._longest_call_s = max(self._longest_call_s, took)
         return out
+
+    def _raise_if_expired(self, err: Exception, during: str) -> None:
+        """Raise :class:`SessionExpired` for ``err`` when the session's bound has come."""
+        if self._remote_device is not None and self._remote_device.remaining_s() <= 1.0:
+            bound = self._remote_device.session_timeout_s
+            first = (f"; a session's first call, which builds the OpenCL programs, took "
+                     f"{self._first_call_s:.1f} s" if self._first_call_s else "")
+            raise SessionExpired(
+                f"the device server ended the session at its {bound} s bound during {during} "
+                f"(step {self.steps}{first}); the state on the device is lost: give a longer "
+                f"--session-timeout ({_first_line(err)})") from err
 
     def _optimizer_state_numpy(self) -> list[np.ndarray]:
         if "opt" in self._tuples:
@@ -234,13 +245,18 @@ class Session:
         the libraries and upload the state. Training goes on from the same numbers (the
         dropout seeds come from this side). Returns the renewal's record (also appended to
         :attr:`renewals`). Raises ValueError without a :class:`RemoteDevice`, or when the new
-        session leaves no room for a step."""
+        session leaves no room for a step; :class:`SessionExpired` when the old session ended
+        before its state was read back."""
         if self._remote_device is None:
             raise ValueError("renew: this session was not opened from a RemoteDevice (pass "
                              "remote=RemoteDevice(tracker, key, session_timeout_s))")
         t0 = time.perf_counter()
-        tensors = {k: v.numpy() for k, v in self._t.items()}
-        opt = self._optimizer_state_numpy()
+        try:
+            tensors = {k: v.numpy() for k, v in self._t.items()}
+            opt = self._optimizer_state_numpy()
+        except Exception as err:  # TVM raises its own error types
+            self._raise_if_expired(err, "the read-back of the state for a renewal")
+            raise
         t1 = time.perf_counter()
         # every handle into the old session goes, so that its server is free for the new one
         self._t, self._opt, self._tuples = {}, [], {}
