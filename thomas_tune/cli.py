@@ -434,6 +434,8 @@ def cmd_train(args) -> int:
     print(f"accuracy before {100 * r.acc_before:.1f}%  after {100 * r.acc_after:.1f}%  "
           f"({r.steps} steps, loss {r.losses[0]:.3f} -> {r.losses[-1]:.3f}, "
           f"{r.ms_per_step:.1f} ms per training step)")
+    if session.renewals:  # sessions of --session-timeout s, renewed with the state kept
+        print(f"{len(session.renewals)} session renewal(s) on the device server")
     if args.save:
         session.save(args.save)
         print(f"saved checkpoint {args.save}")
