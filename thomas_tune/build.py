@@ -81,7 +81,8 @@ def best_records(database: ms.Database, log_path: str,
     return {k: rec for k, (_, rec) in best.items()}, slower
 
 
-def tuned_build(log, target: tvm.target.Target) -> tuple[ms.Database, int, dict[str, float]]:
+def tuned_build(log, target: tvm.target.Target, exclude: set[str] = frozenset()
+                ) -> tuple[ms.Database, int, dict[str, float]]:
     """The schedules to compile with from the tuning log ``log`` (a TuningLog), how many
     workloads were left at their default schedule, and each workload's time as built (ms per
     call: its fastest record, or its default schedule's time where that is faster; keyed by
@@ -91,9 +92,12 @@ def tuned_build(log, target: tvm.target.Target) -> tuple[ms.Database, int, dict[
     schedule times measured on the device under this target and these rules (``tune
     --time-share`` writes them), a workload whose fastest record is slower than its default
     schedule keeps the default (:func:`best_records`): a tuned build never runs a kernel slower
-    than the untuned one. (On the H100 a search stopped early left records of 31 ms for kernels
-    whose default schedule takes 1.3 ms.) Without such times every record is used. Raises what
-    :meth:`TuningLog.database` raises."""
+    than the untuned one. (A search stopped early can leave records many times slower than the
+    default schedule.) Without such times every record is used. The workloads of
+    ``exclude`` (workload keys: records found to compute wrong numbers,
+    :func:`thomas_tune.record_check.checked_build`) keep their default schedule too, and their
+    time as built is the default's where known. Raises what :meth:`TuningLog.database`
+    raises."""
     import math
 
     from .tune import read_default_times
@@ -101,17 +105,20 @@ def tuned_build(log, target: tvm.target.Target) -> tuple[ms.Database, int, dict[
     database = log.database()
     best, slower = best_records(database, log.path, target)
     times = {k: mean_run_seconds(rec.run_secs) * 1e3 for k, rec in best.items()}
-    if slower:
+    left_out = slower | (set(exclude) & set(best))
+    if left_out:
         defaults = read_default_times(log.path, target,
-                                      {k: best[k].workload.mod for k in slower}) or {}
+                                      {k: best[k].workload.mod for k in left_out}) or {}
+        for k in set(exclude) & set(best):  # a wrong record's time means nothing
+            del times[k]
         for k, secs in defaults.items():
             if math.isfinite(secs):
-                times[k] = min(times[k], secs * 1e3)
-    if not slower:
+                times[k] = min(times.get(k, math.inf), secs * 1e3)
+    if not left_out:
         return database, 0, times
     kept = ms.database.MemoryDatabase()
     for key, rec in best.items():
-        if key in slower:
+        if key in left_out:
             continue
         workload = kept.commit_workload(rec.workload.mod)
         kept.commit_tuning_record(ms.database.TuningRecord(

@@ -36,7 +36,8 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--batch", type=int, default=8, help="images per training step (default 8)")
     g.add_argument("--infer-batch", type=int, default=1, help="batch of the inference module")
     g.add_argument("--trainable", default="all",
-                   help="'all' or 'last:K' (the last K layers train, the rest are frozen)")
+                   help="'all' or 'last:K' (the last K layers train, the rest are frozen); "
+                        "',frozen-bn' after either keeps every BatchNorm in inference form")
     g.add_argument("--from-scratch", action="store_true",
                    help="fresh random weights even if --checkpoint is given (all trainable)")
     g.add_argument("--optimizer", default="momentum_sgd", choices=["momentum_sgd", "sgd", "adam"])
@@ -379,6 +380,16 @@ def cmd_replay(args) -> int:
     ok = why is None
     if not ok:
         print(f"FAIL: {why}", file=sys.stderr)
+    if report.records_checked is not None:
+        print(f"{report.records_checked} applied tuning record(s) checked against their "
+              f"default schedule on this machine's device: {len(report.records_wrong)} wrong")
+        if report.records_wrong:
+            ok = False
+            print(f"FAIL: {len(report.records_wrong)} record(s) compute wrong numbers; 'thomas-tune "
+                  "log check --records' with the same model options sets them aside",
+                  file=sys.stderr)
+    elif not args.no_check:
+        print(f"tuning records not checked: {report.records_unchecked}")
     if report.checked:
         e = report.errors
         # tuned gradients may be no worse than 10x the default schedules' float32 error
@@ -391,7 +402,8 @@ def cmd_replay(args) -> int:
                   f"({'ok' if good else 'FAIL'}, tolerance {tol[k]:.1e})")
         print(f"(float32 with default schedules: gradients {e['gradients_default_schedules']:.2e})")
     else:
-        print("numbers not checked: the target does not run on this machine")
+        print("float64 check of the whole graphs not run: it runs llvm targets of this "
+              "machine only")
     return 0 if ok else 1
 
 
@@ -409,9 +421,25 @@ def _export_for_train(args) -> str:
     return out
 
 
+def _warn_identity_batchnorms(session, args) -> None:
+    """Say so when the weights hold uncalibrated BatchNorms of a fused ONNX import and the
+    step trains BatchNorm in its training form (or may: an export does not record it)."""
+    from .graph import parse_trainable
+    from .models.onnx_import import identity_batchnorms
+    fused = identity_batchnorms(session.model, session.tensors())
+    if not fused or (not args.export_given and parse_trainable(args.trainable)[1] == "frozen"):
+        return
+    print(f"warning: {len(fused)} BatchNorm layers are the identity of a fused ONNX import: "
+          "in training form they discard each channel's learned scale and shift; import with "
+          "--calibrate DATA, or train with --trainable all,frozen-bn"
+          + (" (ignore this if the export was made so)" if args.export_given else ""),
+          file=sys.stderr)
+
+
 def cmd_train(args) -> int:
     from .train import fine_tune
     checkpoint = args.checkpoint if args.export else None  # else compiled in below
+    args.export_given = bool(args.export)
     if not args.export:
         args.export = _export_for_train(args)
     session = _session(args, checkpoint, seed=args.seed)
@@ -425,6 +453,7 @@ def cmd_train(args) -> int:
     # the labels are the data's class indices: its names go with the weights it trains
     session.classes = [str(c) for c in data.classes] + [str(i) for i in
                                                         range(len(data.classes), n)]
+    _warn_identity_batchnorms(session, args)
     train, test = data.split(args.test_fraction, seed=args.seed)
     print(f"data {data.source}: {len(train.y)} training / {len(test.y)} held-out images, "
           f"{len(data.classes)} classes; {len(session.manifest['trainable'])} trainable "
@@ -555,14 +584,34 @@ def cmd_import_onnx(args) -> int:
     model, tensors, report = import_onnx(args.onnx, args.model, width=args.width,
                                          resolution=args.resolution, num_classes=args.classes,
                                          seed=args.seed)
+    cal = None
+    if args.calibrate and report.fused_batchnorms:
+        from .data import load
+        from .models.onnx_import import calibrate_batchnorms
+        images = load(args.calibrate, model.resolution, limit=args.calibrate_images,
+                      seed=args.seed).x[:args.calibrate_images]
+        tensors, cal = calibrate_batchnorms(model, tensors, images, report.fused_batchnorms)
     save_checkpoint(args.out, model, tensors)
     print(f"imported {report.layers} layers of {args.onnx} into {model.arch} "
           f"(width {model.width:g}, {model.resolution}x{model.resolution}, "
           f"{model.num_classes} classes) -> {args.out}")
-    if report.fused_batchnorms:
-        print(f"  {len(report.fused_batchnorms)} BatchNorm layers were fused into their "
-              "convolutions in the file: imported as identity BatchNorms (same inference "
-              "output; training re-estimates their statistics)")
+    n_fused = len(report.fused_batchnorms)
+    if cal is not None:
+        print(f"  {n_fused} BatchNorm layers were fused into their convolutions in the file: "
+              f"calibrated on {cal.images} images of {args.calibrate} (scale, shift and "
+              "running statistics from the per-channel mean and variance of each layer's "
+              "input; inference output unchanged, max relative change "
+              f"{cal.logits_change:.1e}): training-form BatchNorm starts from the imported "
+              "network")
+    elif n_fused:
+        print(f"  {n_fused} BatchNorm layers were fused into their convolutions in the file: "
+              "imported as identity BatchNorms (same inference output). Training them in "
+              "training form discards each channel's learned scale and shift: import with "
+              "--calibrate DATA (images like those the network was trained on), or train "
+              "with --trainable all,frozen-bn (or last:K,frozen-bn)")
+    elif args.calibrate:
+        print("  no BatchNorm was fused in the file (statistics imported): nothing to "
+              "calibrate")
     if report.replaced_head:
         print(f"  classifier head {report.replaced_head} replaced: {report.onnx_classes} -> "
               f"{model.num_classes} classes, freshly initialised")
@@ -736,7 +785,10 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--grad-tolerance", type=float, default=1e-3,
                    help="max relative gradient error vs float64, or 10x that of the default "
                         "schedules in float32 if larger (default 1e-3)")
-    s.add_argument("--no-check", action="store_true", help="skip the numeric check")
+    s.add_argument("--no-check", action="store_true",
+                   help="skip the numeric checks: each applied record against its default "
+                        "schedule on this machine's device, and the float64 check of the "
+                        "graphs (llvm targets)")
     s.set_defaults(fn=cmd_replay)
 
     for name, fn, hlp in (("train", cmd_train, "fine-tune on data: an export, or a model "
@@ -778,6 +830,11 @@ def parser() -> argparse.ArgumentParser:
                    help="classes (default: the file's; another number replaces the head)")
     s.add_argument("--seed", type=int, default=0, help="seed of a replaced head")
     s.add_argument("--out", required=True, help="checkpoint .npz to write")
+    s.add_argument("--calibrate", metavar="DATA", help="image folder or shipped data set: "
+                   "recover the scale, shift and statistics of BatchNorms fused in the file "
+                   "from these images (like those the network was trained on)")
+    s.add_argument("--calibrate-images", type=int, default=512,
+                   help="images of --calibrate to use (default 512)")
     s.set_defaults(fn=cmd_import_onnx)
 
     s = sub.add_parser("memory", help="bytes a training step needs, by trainable set")

@@ -34,7 +34,8 @@ import tvm
 from . import graph as G
 from tvm import relax
 
-from .build import compile_graph, tuned_build, winograd_choice
+from .build import compile_graph
+from .record_check import checked_build
 from .dropout import draw_masks_function
 from .manifest import (FORMAT, MANIFEST, PACK_OPTIMIZER_STATE, PACK_TRAINABLE,  # noqa: F401
                        read_manifest)
@@ -99,7 +100,7 @@ def export(out_dir: str, model, tensors: dict[str, np.ndarray], target: tvm.targ
            batch: int = 8, infer_batch: int = 1, trainable: str = "all",
            optimizer: G.OptimizerConfig | None = None, log: TuningLog | None = None,
            classes: list[str] | None = None, progress=print, device: dict | None = None,
-           stock_defaults: bool = False) -> dict:
+           stock_defaults: bool = False, check_records: bool = True) -> dict:
     """Compile and write the export folder (see the module docstring); returns the manifest.
 
     ``tensors``: parameters and states (float32, shapes of ``models.spec``). ``batch``: images
@@ -108,6 +109,10 @@ def export(out_dir: str, model, tensors: dict[str, np.ndarray], target: tvm.targ
     :func:`thomas_tune.target.device_limits`), kept in the manifest as ``device``.
     ``stock_defaults``: kernels without a tuning record get TVM's own default GPU rules
     (``schedules.STOCK_RULES``), not thomas_tune's (a baseline for ``bench``).
+    ``check_records``: each tuning record the build applies is first run on this machine's
+    device and compared with its default schedule; a wrong one is left out with a message
+    (:func:`thomas_tune.record_check.checked_build`; the manifest's ``record_check`` says
+    how many were checked, which were left out and why, or why none could be checked).
     The libraries are linked for the target's host (``target.export_shared``). Raises
     ValueError for a bad trainable set or optimizer, and for a foreign host without a working
     cross compiler (before compiling anything).
@@ -118,15 +123,18 @@ def export(out_dir: str, model, tensors: dict[str, np.ndarray], target: tvm.targ
     shapes = {p.name: p.shape for p in spec(model).params}
     train_mod = _with_step_functions(tg.mod, [shapes[n] for n in tg.trainable], tg.optim_state,
                                      list(tg.masks.values()))
-    database, times = None, None
-    if log is not None:
-        database, slower, times = tuned_build(log, target)
-        if slower:
-            progress(f"{slower} workload(s) keep their default schedule: their best tuning "
-                     "record is slower on the device")
     infer_mod = G.inference_module(model, infer_batch)
-    wino_infer = winograd_choice(infer_mod, times)
-    wino_train = winograd_choice(train_mod, times)
+    database, wino_infer, wino_train = None, set(), set()
+    checks = {"checked": None, "wrong": {}, "unchecked": "no tuning log"}
+    if log is not None:
+        built = checked_build(log, target, {"infer": infer_mod, "train": train_mod},
+                              check=check_records, say=progress)
+        database = built["database"]
+        wino_infer, wino_train = built["winograd"]["infer"], built["winograd"]["train"]
+        checks = {k: built[k] for k in ("checked", "wrong", "unchecked")}
+        if built["slower"]:
+            progress(f"{built['slower']} workload(s) keep their default schedule: their best "
+                     "tuning record is slower on the device")
     if wino_infer or wino_train:
         progress(f"Winograd form for {len(wino_infer)} inference and {len(wino_train)} training "
                  "convolution(s): their tuned kernels are faster than the direct ones")
@@ -163,6 +171,7 @@ def export(out_dir: str, model, tensors: dict[str, np.ndarray], target: tvm.targ
         "tuning_log": log.path if log is not None else None,
         "tuning_log_sha256": log_hash(log),
         "default_rules": "stock" if stock_defaults else "thomas_tune",
+        "record_check": checks,
         # the convolutions built in the Winograd form (winograd.Conv.from_dict reads them)
         "winograd": {"inference": [dataclasses.asdict(c) for c in sorted(wino_infer, key=repr)],
                      "training": [dataclasses.asdict(c) for c in sorted(wino_train, key=repr)]},

@@ -7,7 +7,9 @@ the logs of several devices or runs.
 * ``check LOG --model ...``: the same lines checked and bad ones set aside (``*.rejected``), then
   the model's tasks matched against the log: tuned tasks, share of FLOPs covered, records for
   other targets, workloads that belong to no task of the model. Exit status 1 when a line was
-  bad or no task of the model is tuned.
+  bad or no task of the model is tuned. With ``--records``, every record a build of the model
+  applies is run on this machine's device against its default schedule and wrong ones are set
+  aside (:func:`thomas_tune.record_check.set_aside_wrong`).
 * ``merge SRC... --out DEST``: every distinct record of the sources, once, in ``DEST``.
 """
 
@@ -90,6 +92,12 @@ def cmd_check(args) -> int:
         print("records measured for other targets: "
               + ", ".join(f"{v} {k}" for k, v in sorted(other.items())))
     ok = not report.rejected and n > 0
+    if args.records:
+        from .record_check import set_aside_wrong
+        aside = set_aside_wrong(log, target, _graphs(args, model))
+        print(f"records: every record a build of this model applies was run on this machine's "
+              f"device against its default schedule; {aside} wrong record(s) set aside "
+              f"({log.record_path}.rejected)")
     if n == 0:
         print(f"FAIL: no task of this model has a record; tune it first ('thomas-tune tune' with "
               f"the same model options and --log {args.log})")
@@ -143,6 +151,10 @@ def add_parser(sub, model_args, target_arg) -> None:
     t.add_argument("log", help="tuning-log folder")
     model_args(t)
     target_arg(t)
+    t.add_argument("--records", action="store_true",
+                   help="also run each record a build of the model applies on this machine's "
+                        "device against its default schedule, and set wrong ones aside until "
+                        "every applied record is right (unpacked logs only)")
     t.set_defaults(fn=cmd_check)
     t = lsub.add_parser("merge", help="merge logs of several devices or runs")
     t.add_argument("logs", nargs="+", help="tuning-log folders to merge")

@@ -5,9 +5,11 @@ holds default-schedule times measured on the device (``default_latency.json``), 
 graphs' kernel time (calls x default time), whose workload has a tuning record that is
 compiled (a valid record faster than the default schedule). Logs tuned by time share
 (``tune --time-share``) are judged by the time: on a small network the slowest kernels are
-rarely the ones with the most FLOPs. The numeric check runs (on this machine's CPU, so only for
-``llvm`` targets) the tuned float32 inference and training graphs against the same graphs built
-in float64 with default schedules, on fresh random inputs and parameters.
+rarely the ones with the most FLOPs. The numeric checks: every tuning record the build applies
+runs once on this machine's device (PoCL's CPU device for GPU targets) against its default
+schedule (:mod:`thomas_tune.record_check`); and, on ``llvm`` targets of this machine, the
+tuned float32 inference and training graphs run against the same graphs built in float64 with
+default schedules, on fresh random inputs and parameters.
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ import tvm
 from tvm import relax
 
 from . import graph as G
-from .build import compile_graph, tuned_build, winograd_choice
+from .build import compile_graph
+from .record_check import checked_build
 from .models import init_params, spec
 from .tasks import extract
 from .tuning_log import TuningLog
@@ -36,6 +39,12 @@ class ReplayReport:
     slower: int = 0  # workloads whose best record lost to the default schedule (not applied)
     time_s: float | None = None  # untuned kernel time of the graphs (s), None: not measured
     tuned_time_s: float = 0.0  # of it, the time of tasks with a compiled record (s)
+    #: applied records run on this machine's device against their default schedule
+    #: (:mod:`thomas_tune.record_check`): how many, the wrong ones (workload key -> reason,
+    #: left out of the build) and, where none could be run, why
+    records_checked: int | None = None
+    records_wrong: dict[str, str] = field(default_factory=dict)
+    records_unchecked: str | None = None
 
     @property
     def task_coverage(self) -> float:
@@ -139,8 +148,14 @@ def check_numbers(model, target, database, batch: int, trainable: str, seed: int
 
 def replay(model, target, log: TuningLog, batch: int = 8, infer_batch: int = 1,
            trainable: str = "all", check: bool = True, seed: int = 0,
-           min_flops_coverage: float = 0.0, min_time_coverage: float = 0.0) -> ReplayReport:
+           min_flops_coverage: float = 0.0, min_time_coverage: float = 0.0,
+           say=print) -> ReplayReport:
     """Compile ``model``'s inference and training graphs with ``log``; see the module docstring.
+
+    ``check``: each applied record is first run on this machine's device against its default
+    schedule (:func:`thomas_tune.record_check.checked_build`; wrong ones are left out and
+    listed in the report), and on llvm targets of this machine the compiled graphs are
+    compared with float64 (:func:`check_numbers`). ``say`` gets the check's messages.
 
     When the log's FLOP coverage is below ``min_flops_coverage`` (0..1), or its time coverage
     below ``min_time_coverage`` (0..1; a log without default-schedule times has none and fails
@@ -151,13 +166,15 @@ def replay(model, target, log: TuningLog, batch: int = 8, infer_batch: int = 1,
     """
     if not log.exists():
         raise ValueError(f"tuning log {log.path!r} has no records; tune first or fix the path")
-    database, slower, kernel_ms = tuned_build(log, target)  # what `export` compiles with
     graphs = {"infer": G.inference_module(model, infer_batch),
               "train": G.training_module(model, batch, trainable).mod}
-    chosen = {name: winograd_choice(mod, kernel_ms) for name, mod in graphs.items()}
+    # what `export` compiles with: every applied record checked on this machine's device
+    built = checked_build(log, target, graphs, check=check, say=say)
+    database, slower, chosen = built["database"], built["slower"], built["winograd"]
     tasks = extract(graphs, target, chosen)  # the kernels `export` builds
     report = ReplayReport(tasks=len(tasks), flops=sum(t.total_flops for t in tasks),
-                          slower=slower)
+                          slower=slower, records_checked=built["checked"],
+                          records_wrong=built["wrong"], records_unchecked=built["unchecked"])
     report.tuned, report.tuned_flops = coverage(tasks, database)
     times = time_coverage(tasks, database, log.path, target)
     if times is not None:

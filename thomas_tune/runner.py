@@ -219,6 +219,8 @@ class Builder(ms.builder.PyBuilder):
 
 # ---- runner: code that runs inside a lane's worker process ----------------------------------
 MAX_TRIAL_DEVICE_S = 0.5  # timed device seconds per trial, beyond the warm-up run
+#: tasks whose checked inputs and reference outputs a lane keeps on its device at once
+REFERENCES_PER_SESSION = 4
 _LANE: dict = {}
 
 
@@ -283,14 +285,33 @@ def _alloc(sess, dev, args_info):
     return args
 
 
-def _lane_prepare(artifact: str, device_type: str, args_info) -> dict:
+def _lane_load(artifact: str, name: str, dev):
+    """(worker) Upload ``artifact`` as ``name`` to the lane's session, load it and have the
+    driver compile its OpenCL programs (where the server offers it). Returns the module."""
+    sess = _LANE["session"]
+    sess.upload(artifact, name)
+    mod = sess.load_module(name)
+    build = _LANE.get("build")
+    if build is not None:
+        build(mod, dev.index)
+    return mod
+
+
+def _lane_prepare(artifact: str, device_type: str, args_info, ref: tuple | None = None) -> dict:
     """(worker) Upload and load one candidate on the lane's session and have the driver
-    compile its OpenCL programs (outside the device lock; no device work).
+    compile its OpenCL programs (outside the device lock; no device work); likewise the
+    reference kernel of ``ref`` (:meth:`thomas_tune.kernel_check.Reference.wire`) the first
+    time the session sees its task.
 
     Returns ``{name: s}`` of the phases; raises on any failure. The candidate waits in the
     worker for :func:`_lane_time`."""
     sess = _LANE["session"]
     t = {}
+    if ref is not None and ref[1] is not None and ref[0] not in _LANE.setdefault("ref_libs", {}):
+        t0 = time.perf_counter()
+        dev = sess.device(device_type, 0)
+        _LANE["ref_libs"][ref[0]] = _lane_load(ref[1], f"ref-{ref[0]}.so", dev)
+        t["run.reference_load"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     name = f"c{_LANE['n']}.so"
     _LANE["n"] += 1
@@ -320,12 +341,55 @@ def _lane_lock() -> float:
     return time.perf_counter() - t0
 
 
-def _lane_time(repeat: int, min_repeat_ms: float, max_number: int) -> dict:
-    """(worker) Make the arguments of the candidate of :func:`_lane_prepare` (random, cached
-    per argument shapes for the session) and time it, under the device lock of
-    :func:`_lane_lock` (released here), then remove its file from the server.
+def _lane_reference(ref: tuple, dev) -> dict:
+    """(worker) The checked inputs and reference outputs of task ``ref`` (a
+    :meth:`Reference.wire` tuple) on the lane's session, made once per session (the
+    :data:`REFERENCES_PER_SESSION` most recent tasks are kept on the device): the inputs
+    uploaded, the reference kernel (the task's default schedule) loaded and run on them there,
+    its outputs copied back. A reference without a built default schedule is computed on this
+    host with the llvm build of the workload."""
+    import tvm
 
-    Returns ``{"costs": [s, ...], "phases": {name: s}}``; raises on any failure."""
+    from . import kernel_check as kc
+    key, artifact, workload_json, spec, seed = ref
+    refs = _LANE.setdefault("refs", collections.OrderedDict())
+    if key in refs:
+        refs.move_to_end(key)
+        return refs[key]
+    func = tvm.ir.load_json(workload_json)
+    if artifact is not None:
+        libs = _LANE.setdefault("ref_libs", {})
+        if key not in libs:
+            libs[key] = _lane_load(artifact, f"ref-{key}.so", dev)
+        lib = libs[key]
+        args, expected = kc.reference_outputs(lib["main"], dev, func, seed, spec)
+    else:
+        host = tvm.cpu(0)
+        lib = tvm.compile(tvm.IRModule({"main": func}), target="llvm")
+        local, expected = kc.reference_outputs(lib["main"], host, func, seed, spec)
+        inputs = [a.numpy() for a in local.args]
+        args = kc.DeviceArgs(inputs, spec, dev)
+    refs[key] = {"args": args, "expected": expected, "tol": spec.tol}
+    while len(refs) > REFERENCES_PER_SESSION:
+        refs.popitem(last=False)
+    return refs[key]
+
+
+def _lane_time(repeat: int, min_repeat_ms: float, max_number: int,
+               ref: tuple | None = None) -> dict:
+    """(worker) Check and time the candidate of :func:`_lane_prepare`, under the device lock
+    of :func:`_lane_lock` (released here), then remove its file from the server.
+
+    With ``ref`` (:meth:`Reference.wire`), the candidate first runs once on the task's checked
+    inputs (:func:`_lane_reference`) with its outputs poisoned, and its outputs are compared
+    with the reference's (:func:`thomas_tune.kernel_check.compare`); a wrong result is
+    returned as ``{"wrong": reason}`` and not timed (the session's references are dropped: an
+    out-of-range write may have changed them). Without ``ref`` the arguments are random
+    (cached per argument shapes for the session) and nothing is checked.
+
+    Returns ``{"costs": [s, ...], "number": runs per repeat, "phases": {name: s}}``, or
+    ``{"wrong": reason, "phases": ...}``; raises on any other failure."""
+    from . import kernel_check as kc
     name, mod, dev, args_info = _LANE.pop("candidate")
     sess = _LANE["session"]
     t = {}
@@ -334,33 +398,52 @@ def _lane_time(repeat: int, min_repeat_ms: float, max_number: int) -> dict:
         # on the device, which must not overlap another server's timed run. (What made small
         # kernels' times noisy on the H100 was CPU contention, not this: see COMPILE_NICE.)
         t2 = time.perf_counter()
-        key = repr(args_info)
-        args = _LANE["args"].get(key)
-        if args is None:
-            args = _LANE["args"][key] = _alloc(sess, dev, args_info)
-        t3 = time.perf_counter()
-        t["run.alloc"] = t3 - t2
-        warm = mod.time_evaluator(mod.entry_name, dev, number=1, repeat=1)(*args).mean
-        number = max(1, min(max_number, math.ceil(min_repeat_ms * 1e-3 / max(warm, 1e-9))))
-        # A slow candidate (often 100x the best) is timed less: its device time per trial
-        # stays near MAX_TRIAL_DEVICE_S, so servers sharing the device lock never wait long.
-        reps = max(1, min(repeat, int(MAX_TRIAL_DEVICE_S / max(warm * number, 1e-9))))
-        if warm >= MAX_TRIAL_DEVICE_S:
-            costs = [warm]
+        out = {"phases": t}
+        if ref is not None:
+            entry = _lane_reference(ref, dev)
+            t3 = time.perf_counter()
+            t["run.reference"] = t3 - t2
+            got = kc.run_checked(mod[mod.entry_name], dev, entry["args"])
+            out["wrong"] = kc.compare(got, entry["expected"], entry["tol"])
+            t["run.check"] = time.perf_counter() - t3
+            args = entry["args"].args
         else:
-            res = mod.time_evaluator(mod.entry_name, dev, number=number, repeat=reps)(*args)
-            costs = [float(c) for c in res.results]
-        t4 = time.perf_counter()
-        t["run.time"] = t4 - t3
+            key = repr(args_info)
+            args = _LANE["args"].get(key)
+            if args is None:
+                args = _LANE["args"][key] = _alloc(sess, dev, args_info)
+            t["run.alloc"] = time.perf_counter() - t2
+        t3 = time.perf_counter()
+        if out.get("wrong") is None:
+            out.update(_timed(mod, dev, args, repeat, min_repeat_ms, max_number))
+        else:
+            _LANE.pop("refs", None)
+        t["run.time"] = time.perf_counter() - t3
     finally:
         if _LANE.pop("locked", False):
             _LANE["lock"](0)
+    t4 = time.perf_counter()
     try:
         sess.get_function("tvm.rpc.server.remove")(name)
     except Exception:  # leftovers are removed with the session's folder anyway
         pass
     t["run.remove"] = time.perf_counter() - t4
-    return {"costs": costs, "phases": t, "number": number}
+    return out
+
+
+def _timed(mod, dev, args, repeat: int, min_repeat_ms: float, max_number: int) -> dict:
+    """(worker) Time ``mod``'s entry function on ``args``: one warm-up run sizes the runs per
+    repeat to about ``min_repeat_ms``. Returns ``{"costs": [s per run, one per repeat],
+    "number": runs per repeat}``."""
+    warm = mod.time_evaluator(mod.entry_name, dev, number=1, repeat=1)(*args).mean
+    number = max(1, min(max_number, math.ceil(min_repeat_ms * 1e-3 / max(warm, 1e-9))))
+    # A slow candidate (often 100x the best) is timed less: its device time per trial
+    # stays near MAX_TRIAL_DEVICE_S, so servers sharing the device lock never wait long.
+    reps = max(1, min(repeat, int(MAX_TRIAL_DEVICE_S / max(warm * number, 1e-9))))
+    if warm >= MAX_TRIAL_DEVICE_S:
+        return {"costs": [warm], "number": 1}
+    res = mod.time_evaluator(mod.entry_name, dev, number=number, repeat=reps)(*args)
+    return {"costs": [float(c) for c in res.results], "number": number}
 
 
 # ---- runner ---------------------------------------------------------------------------------
@@ -489,7 +572,8 @@ class _Lane(threading.Thread):
                     item = f.queue.popleft()
             if item is None:
                 continue
-            inp, fut = item
+            inp, fut, ref = item
+            wire = ref.wire() if ref is not None else None
             t0 = time.perf_counter()
             # Three calls, each under its own limit: the driver's program build
             # (compile_timeout_s), the wait for the device lock (other lanes' timed runs, each
@@ -497,18 +581,23 @@ class _Lane(threading.Thread):
             step = "compile"
             try:
                 phases = self._call(_lane_prepare, (str(inp.artifact_path), str(inp.device_type),
-                                                    tuple(a.as_json() for a in inp.args_info)),
+                                                    tuple(a.as_json() for a in inp.args_info),
+                                                    wire),
                                     timeout=f.compile_timeout_s)
                 step = "lock"
                 phases["run.lock_wait"] = self._call(_lane_lock, (), timeout=f.lock_timeout_s)
                 step = "time"
-                out = self._call(_lane_time, (f.repeat, f.min_repeat_ms, f.max_number),
+                out = self._call(_lane_time, (f.repeat, f.min_repeat_ms, f.max_number, wire),
                                  timeout=f.trial_timeout_s)
                 phases.update(out["phases"])
                 for k, v in phases.items():
                     f.phases.add(k, v)
                 f.phases.add("run.trial", time.perf_counter() - t0)
-                fut.set(out["costs"], None)
+                if out.get("wrong") is not None:
+                    f.phases.add("run.wrong", 1.0)
+                    fut.set(None, out["wrong"])
+                else:
+                    fut.set(out["costs"], None)
             except TimeoutError:
                 f.phases.add("run.trial", time.perf_counter() - t0)
                 self._drop()
@@ -592,8 +681,17 @@ class FarmRunner(ms.runner.PyRunner):
         self.phases = phases or Phases()
         self.log = log
         self.queue: collections.deque = collections.deque()
+        self._expected = None  # the reference of the next run() call (expect())
         self.cond = threading.Condition()
         self.stopped = False
+
+    def expect(self, reference) -> None:
+        """The candidates of the next :meth:`run` call are kernels of the task of
+        ``reference`` (a :class:`thomas_tune.kernel_check.Reference`): each is run once on
+        the reference's inputs and compared with its outputs before it is timed, and a wrong
+        one is a failed trial ("wrong result: ..."). None: the next call's candidates are
+        timed unchecked (the default schedules themselves, the references)."""
+        self._expected = reference
 
     def say(self, text: str) -> None:
         if self.log is not None:
@@ -623,7 +721,7 @@ class FarmRunner(ms.runner.PyRunner):
         with self.cond:
             dropped = list(self.queue)
             self.queue.clear()
-        for inp, fut in dropped:
+        for _, fut, _ in dropped:
             fut.set(None, f"no device server of key {self.key!r} on tracker "
                           f"{self.tracker[0]}:{self.tracker[1]} for {self.wait_s:g} s")
         if dropped:
@@ -655,10 +753,11 @@ class FarmRunner(ms.runner.PyRunner):
             self._start_lanes()
         futures = []
         batch = _Batch(self.phases, len(runner_inputs))
+        ref, self._expected = self._expected, None
         with self.cond:
             for inp in runner_inputs:
                 fut = _Future(batch)
-                self.queue.append((inp, fut))
+                self.queue.append((inp, fut, ref))
                 futures.append(fut)
             self.cond.notify_all()
         return futures
@@ -670,7 +769,7 @@ class FarmRunner(ms.runner.PyRunner):
             left = list(self.queue)
             self.queue.clear()
             self.cond.notify_all()
-        for _, fut in left:
+        for _, fut, _ in left:
             fut.set(None, "cancelled: the runner was shut down")
         for lane in self.lanes:
             lane.join(timeout=5)

@@ -61,12 +61,16 @@ class PipelinedGradient(ms.task_scheduler.PyTaskScheduler):
     yet joined (1 gives MetaSchedule's order: search, build, measure, repeat).
     ``phases``: a :class:`thomas_tune.runner.Phases` that gets ``wait_device``: wall seconds
     the host spent waiting for a batch to finish, and the number of such waits.
+    ``on_task``: called with each task id the scheduler hands out, before MetaSchedule
+    searches, builds and measures that task's batch (the tuner tells its runner which
+    task's reference the batch's candidates are checked against).
     """
 
     def __init__(self, default_ms: list[float | None] | None = None, alpha: float = 0.2,
                  window: int = 3, max_in_flight: int = 3, seed: int = 0, phases=None,
-                 tuned_ms: list[float | None] | None = None):
+                 tuned_ms: list[float | None] | None = None, on_task=None):
         super().__init__()
+        self.on_task = on_task
         if max_in_flight < 1:
             raise ValueError(f"max_in_flight must be at least 1, got {max_in_flight}")
         self.default_ms = list(default_ms or [])
@@ -136,6 +140,12 @@ class PipelinedGradient(ms.task_scheduler.PyTaskScheduler):
         back = (h[-1 - w] - best) / w if len(h) > w and math.isfinite(h[-1 - w]) else 0.0
         return weight * (self.alpha * back + (1 - self.alpha) * best / len(h))
 
+    def _hand_out(self, task_id: int) -> int:
+        self.order.append(task_id)
+        if self.on_task is not None:
+            self.on_task(task_id)
+        return task_id
+
     # ---- MetaSchedule's hook ---------------------------------------------------------------
     def next_task_id(self) -> int:
         if self.stopping:
@@ -154,8 +164,7 @@ class PipelinedGradient(ms.task_scheduler.PyTaskScheduler):
         while self.first_round:
             task_id = self.first_round.pop()
             if not tasks[task_id].is_terminated:
-                self.order.append(task_id)
-                return task_id
+                return self._hand_out(task_id)
         while True:
             alive = [i for i in range(n) if not tasks[i].is_terminated]
             if not alive:
@@ -170,5 +179,4 @@ class PipelinedGradient(ms.task_scheduler.PyTaskScheduler):
             top = max(grads.values())
             best = [i for i, g in grads.items() if g == top]
             task_id = best[0] if len(best) == 1 else self.rng.choice(best)
-            self.order.append(task_id)
-            return task_id
+            return self._hand_out(task_id)

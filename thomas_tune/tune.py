@@ -14,6 +14,7 @@ import json
 import math
 import os
 import random
+import shutil
 import signal
 import sys
 import threading
@@ -26,6 +27,7 @@ from tqdm import tqdm
 from tvm.s_tir import meta_schedule as ms
 from tvm.ir.utils import derived_object
 
+from .kernel_check import build_references, default_kernel
 from .runner import Builder, FarmRunner, Phases, error_line
 from .schedules import (UNROLL_STEPS, anchor_key, before_postproc, plain_json, postprocessed,
                          space_generator, transferred, unroll_steps, with_padding_in_fill,
@@ -381,8 +383,9 @@ class Progress(ms.measure_callback.PyMeasureCallback):
 #: the tuning thread's phases outside search, builds and waiting for the device, in the order
 #: of :meth:`TuneReport.time_split`: ``refine`` (the refinement stages before and after the
 #: search, less their builds), ``cost_model`` (the XGBoost model's update after each batch:
-#: feature extraction, and its training where that runs on the tuning thread)
-OWN_PHASES = ("refine", "cost_model")
+#: feature extraction, and its training where that runs on the tuning thread), ``references``
+#: (building each task's default schedule, the reference its candidates are checked against)
+OWN_PHASES = ("refine", "cost_model", "references")
 
 
 @dataclass
@@ -425,6 +428,11 @@ class TuneReport:
         return sum(t.trials for t in self.tasks)
 
     @property
+    def wrong(self) -> int:
+        """Trials whose outputs differed from their task's reference (not timed)."""
+        return int(self.phases.get("counts", {}).get("run.wrong", 0))
+
+    @property
     def trials_per_s(self) -> float:
         return self.trials / self.elapsed_s if self.elapsed_s > 0 else 0.0
 
@@ -464,6 +472,7 @@ class TuneReport:
                 "replayed_records": self.replayed_records, "startup_s": self.startup_s,
                 "clamped": self.clamped,
                 "skipped": self.skipped, "drawn": self.drawn, "ended": self.ended,
+                "wrong": self.wrong,
                 "tasks": [{"name": t.name, "trials": t.trials, "errors": t.errors,
                            "best_ms": t.best_s * 1e3 if t.best_s < math.inf else None,
                            "gflops": t.gflops} for t in self.tasks]}
@@ -490,7 +499,8 @@ class TuneReport:
         inner = ", ".join(f"{k.split('.', 1)[1]} {v:.1f}" for k, v in sorted(busy.items())
                           if k.startswith("run.") and k not in ("run.trial", "run.idle"))
         return (f"{self.trials} trials in {split['total']:.0f} s = {self.trials_per_s:.2f} "
-                f"trials/s; {parts}; per-trial device-side seconds summed: {inner}")
+                f"trials/s, {self.wrong} with a wrong result (not timed); {parts}; "
+                f"per-trial device-side seconds summed: {inner}")
 
 
 def cpu_jiffies() -> tuple[int, int] | None:
@@ -656,6 +666,11 @@ def _tune_locked(tasks, target, log, runner, trials, trials_per_iter, builder_wo
     model = cost_model(phases)
     builder = Builder(max_workers=builder_workers or max(1, (os.cpu_count() or 2)),
                       timeout_s=60, phases=phases)
+    # each task's default schedule, built once: the reference every candidate's outputs
+    # are compared with on the device before its time enters the log (kernel_check)
+    t_ref = time.perf_counter()
+    references, ref_paths = build_references([c.mod for c in contexts], target, builder, seed)
+    phases.add("references", time.perf_counter() - t_ref, wall=True)
 
     def refining(stage, *args, **kwargs) -> dict:
         """Run one refinement stage; its wall time less its builds goes to ``refine``."""
@@ -687,7 +702,7 @@ def _tune_locked(tasks, target, log, runner, trials, trials_per_iter, builder_wo
             report.transferred = refining(refine_transfer, contexts, progress, database,
                                           target, runner, builder, refine_top,
                                           log.workloads(), errors,
-                                          [s.measured for s in strategies])
+                                          [s.measured for s in strategies], references)
             r = report.transferred
             if show_progress and r["measured"]:
                 print(_refinement_line(r, "schedules shared between kernels of one "
@@ -696,14 +711,15 @@ def _tune_locked(tasks, target, log, runner, trials, trials_per_iter, builder_wo
                       file=sys.stderr, flush=True)
             report.padded = refining(refine_padding, contexts, progress, database, target,
                                      runner, builder, refine_top, errors,
-                                     [s.measured for s in strategies])
+                                     [s.measured for s in strategies], references)
             r = report.padded
             if show_progress and r["measured"]:
                 print(_refinement_line(r, f"padding out of the inner loop: {r['measured']} "
                                           "best records measured with their padding in the "
                                           "shared fill"), file=sys.stderr, flush=True)
         loop["scheduler"] = PipelinedGradient(default_ms, max_in_flight=max_in_flight,
-                                              seed=seed, phases=phases, tuned_ms=tuned_ms)
+                                              seed=seed, phases=phases, tuned_ms=tuned_ms,
+                                              on_task=lambda i: runner.expect(references[i]))
         try:
             ms.tune_tasks(
                 tasks=contexts, task_weights=weights, work_dir=log.path,
@@ -718,7 +734,7 @@ def _tune_locked(tasks, target, log, runner, trials, trials_per_iter, builder_wo
         if larger and refine_top > 0:
             report.refined = refining(refine_unroll, contexts, progress, database, target,
                                       runner, builder, larger, refine_top, errors,
-                                      [s.measured for s in strategies])
+                                      [s.measured for s in strategies], references)
             if show_progress:
                 r = report.refined
                 print(_refinement_line(r, f"unroll refinement: {r['measured']} candidates "
@@ -737,6 +753,8 @@ def _tune_locked(tasks, target, log, runner, trials, trials_per_iter, builder_wo
         restore_handlers()
         callbacks[-1].bar.close()
         builder.shutdown()
+        for path in ref_paths:
+            shutil.rmtree(os.path.dirname(path), ignore_errors=True)
         if hasattr(runner, "shutdown"):
             runner.shutdown()
         # the last statistics, also for a run that a signal stopped
@@ -797,7 +815,7 @@ def _refinement_line(result: dict, what: str) -> str:
 def refine_unroll(contexts, progress: list[TaskProgress], database: ms.Database, target,
                   runner, builder: Builder, steps: list[int], top_k: int,
                   errors: TrialErrors | None = None,
-                  measured: list[set[int]] | None = None) -> dict:
+                  measured: list[set[int]] | None = None, references=None) -> dict:
     """Measure the ``top_k`` best records of each task of ``contexts`` again with each unroll
     limit of ``steps`` (:func:`thomas_tune.schedules.with_unroll`; the task's postprocessors
     are applied, a candidate they reject is left out), and add the results to ``database``.
@@ -808,7 +826,9 @@ def refine_unroll(contexts, progress: list[TaskProgress], database: ms.Database,
     or this run: ``measured``, per context, the structural hashes of its measured schedules,
     which gets the new ones) are skipped. Failed ones are committed as MetaSchedule commits a
     failed trial (run time :data:`~thomas_tune.tuning_log.FAILED_RUN_S`) and their reasons go
-    to ``errors``.
+    to ``errors``. ``references`` (per context, its
+    :class:`~thomas_tune.kernel_check.Reference`): each candidate's outputs are checked
+    against its task's before it is timed (:func:`measure_kernels`).
     ``progress`` (per context) gets the trials, errors and best times. Returns ``{"measured",
     "failed", "better", "seconds"}``: candidates measured, failed, tasks whose best record
     got faster, wall seconds."""
@@ -816,12 +836,13 @@ def refine_unroll(contexts, progress: list[TaskProgress], database: ms.Database,
         return [t for t in (with_unroll(body, step) for step in steps) if t is not None]
 
     return _measure_variants(contexts, progress, database, target, runner, builder,
-                             _own_variants(database, top_k, variants), errors, measured)
+                             _own_variants(database, top_k, variants), errors, measured,
+                             references)
 
 
 def refine_padding(contexts, progress: list[TaskProgress], database: ms.Database, target,
                    runner, builder: Builder, top_k: int, errors: TrialErrors | None = None,
-                   measured: list[set[int]] | None = None) -> dict:
+                   measured: list[set[int]] | None = None, references=None) -> dict:
     """Measure the ``top_k`` best records of each task of ``contexts`` again with their padding
     moved out of the innermost loop into the copy that stages the padded operand in shared
     memory, or kept as a kernel of its own where nothing is staged
@@ -834,13 +855,14 @@ def refine_padding(contexts, progress: list[TaskProgress], database: ms.Database
         return [] if t is None else [t]
 
     return _measure_variants(contexts, progress, database, target, runner, builder,
-                             _own_variants(database, top_k, variants), errors, measured)
+                             _own_variants(database, top_k, variants), errors, measured,
+                             references)
 
 
 def refine_transfer(contexts, progress: list[TaskProgress], database: ms.Database, target,
                     runner, builder: Builder, top_k: int, workloads: list[tvm.IRModule],
                     errors: TrialErrors | None = None,
-                    measured: list[set[int]] | None = None) -> dict:
+                    measured: list[set[int]] | None = None, references=None) -> dict:
     """Measure the ``top_k`` best records of every other workload of ``workloads`` (the tuning
     log's, :meth:`~thomas_tune.tuning_log.TuningLog.workloads`) that shares a task's
     contraction (:func:`thomas_tune.schedules.anchor_key`) on that task, rewritten for its
@@ -878,7 +900,7 @@ def refine_transfer(contexts, progress: list[TaskProgress], database: ms.Databas
                     yield trace_json
 
     return _measure_variants(contexts, progress, database, target, runner, builder,
-                             candidates, errors, measured)
+                             candidates, errors, measured, references)
 
 
 def _own_variants(database: ms.Database, top_k: int, variants):
@@ -896,7 +918,7 @@ def _own_variants(database: ms.Database, top_k: int, variants):
 
 
 def _measure_variants(contexts, progress, database, target, runner, builder, candidates,
-                      errors, measured) -> dict:
+                      errors, measured, references=None) -> dict:
     """Candidates (``candidates(context index, context, workload, mean run time of its best
     record so far in s)`` -> traces without postprocessing) for each task, postprocessed,
     measured and committed: the body of :func:`refine_unroll`, :func:`refine_padding` and
@@ -927,7 +949,9 @@ def _measure_variants(contexts, progress, database, target, runner, builder, can
         return out
     after = list(before)
     for (c, workload, trace), mod, (secs, why) in zip(
-            owners, mods, measure_kernels(mods, target, runner, builder)):
+            owners, mods, measure_kernels(
+                mods, target, runner, builder,
+                [references[c] for c, _, _ in owners] if references else None)):
         p = progress[c]
         p.trials += 1
         out["measured"] += 1
@@ -990,7 +1014,7 @@ def measure_defaults(tasks: list[Task], target, runner, log: TuningLog | None = 
     if todo:
         mods = []
         for k, t in todo:
-            mods.append(_default_kernel(t.mod, target))
+            mods.append(default_kernel(t.mod, target))
             schedules[k] = str(tvm_ffi.structural_hash(mods[-1]["main"]))
         builder = Builder(max_workers=builder_workers, timeout_s=120)
         try:
@@ -1020,12 +1044,16 @@ def measure_defaults(tasks: list[Task], target, runner, log: TuningLog | None = 
     return {k: (math.inf if v is None else v) for k, v in known.items()}
 
 
-def measure_kernels(mods: list[tvm.IRModule], target, runner, builder: Builder
+def measure_kernels(mods: list[tvm.IRModule], target, runner, builder: Builder,
+                    references: list | None = None
                     ) -> list[tuple[list[float] | None, str | None]]:
     """Build each module of ``mods`` (one kernel, function ``main``) for ``target`` with
     ``builder`` and time it on ``runner``'s device. Per module, in order: (run seconds, one
     per repeat; None) or (None; the error of the build or the run, one line). Build artifacts
-    are removed."""
+    are removed. ``references``: per module, the
+    :class:`~thomas_tune.kernel_check.Reference` of its task, whose outputs it must reproduce
+    before it is timed (:meth:`thomas_tune.runner.FarmRunner.expect`; "wrong result: ..."
+    otherwise), or None for a module timed unchecked (a default schedule)."""
     import shutil
 
     from tvm.s_tir.meta_schedule.arg_info import ArgInfo
@@ -1042,9 +1070,19 @@ def measure_kernels(mods: list[tvm.IRModule], target, runner, builder: Builder
         inputs.append(ms.runner.RunnerInput(b.artifact_path, device_kind(target),
                                             ArgInfo.from_prim_func(m["main"])))
         owners.append(i)
+    refs = references or [None] * len(mods)
+    futures: dict[int, object] = {}
+    groups: dict[int, list[int]] = {}  # one runner call per reference (per task)
+    for n, i in enumerate(owners):
+        groups.setdefault(id(refs[i]), []).append(n)
     try:
-        for i, fut in zip(owners, runner.run(inputs) if inputs else []):
-            r = fut.result()
+        for members in groups.values():
+            if hasattr(runner, "expect"):
+                runner.expect(refs[owners[members[0]]])
+            for n, fut in zip(members, runner.run([inputs[n] for n in members])):
+                futures[n] = fut
+        for n, i in enumerate(owners):
+            r = futures[n].result()
             secs = [float(x) for x in (r.run_secs or [])]
             if r.error_msg is None and secs and max(secs) < FAILED_RUN_S:
                 out[i] = (secs, None)
@@ -1111,20 +1149,11 @@ def read_default_times(log_path: str, target,
     return None if cache is None else _valid_times(cache, workloads, target)
 
 
-def _default_kernel(mod: tvm.IRModule, target) -> tvm.IRModule:
-    """Workload ``mod``'s function alone in a module, with the default GPU schedules
-    (:func:`thomas_tune.schedules.default_gpu_schedules`) on GPU targets, as it is on CPU
-    targets: the kernel that a default-schedule time is measured on."""
-    from .schedules import default_gpu_schedules
-    from .target import is_gpu
-    one = tvm.IRModule({"main": mod["main"]})
-    return default_gpu_schedules(one, target) if is_gpu(target) else one
-
-
 def default_schedule_key(mod: tvm.IRModule, target) -> str:
     """What a default-schedule time was measured on: the structural hash (decimal) of the
-    kernel that :func:`_default_kernel` makes of workload ``mod`` for ``target``."""
-    return str(tvm_ffi.structural_hash(_default_kernel(mod, target)["main"]))
+    kernel that :func:`~thomas_tune.kernel_check.default_kernel` makes of workload ``mod`` for
+    ``target``."""
+    return str(tvm_ffi.structural_hash(default_kernel(mod, target)["main"]))
 
 
 def defaults_stamp(target) -> str:

@@ -174,6 +174,12 @@ def _dumps(obj) -> str:
     return json.dumps(obj, default=json_default, separators=(",", ":"))
 
 
+def trace_json(record) -> str:
+    """A tuning record's trace as one line of JSON, as the record's line in a tuning log
+    holds it (``_dumps`` of the line's parsed trace gives the same text)."""
+    return _dumps(ms_ffi.TuningRecordAsJSON(record)[0])
+
+
 class _Entry:
     """One record line of a :class:`LogDatabase`: its mean run time (MetaSchedule's), whether
     get_top_k hands it out, the line's text (parsed again when needed: the parsed traces of a

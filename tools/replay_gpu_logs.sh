@@ -24,7 +24,7 @@ while read -r name args; do
     --batch --trainable)
   echo "== $name: thomas-tune replay --log $log $model_args --target targets/h100_opencl.json"
   t0=$SECONDS
-  if thomas-tune replay --log "$log" $model_args --target targets/h100_opencl.json --no-check \
+  if thomas-tune replay --log "$log" $model_args --target targets/h100_opencl.json \
       --min-flops-coverage 0 --min-time-coverage "${MIN_TIME:-0.15}"; then
     echo "   replayed in $((SECONDS - t0)) s"
   else

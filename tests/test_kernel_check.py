@@ -1,0 +1,193 @@
+"""Kernels that compute wrong numbers are caught: by the tuner before their time enters the
+log, and by export and replay before a build applies their record (real kernels on PoCL, a
+real tracker and device server on 127.0.0.1)."""
+
+import os
+
+import numpy as np
+import pytest
+import tvm
+from tvm import te
+from tvm.script import tirx as T
+
+from thomas_tune import kernel_check as kc
+from thomas_tune import opencl, rpc
+
+if os.environ.get("THOMAS_TUNE_REQUIRE_OPENCL") and not opencl.available():
+    opencl.load()
+    raise RuntimeError("THOMAS_TUNE_REQUIRE_OPENCL is set but no OpenCL device is visible")
+pytestmark = pytest.mark.skipif(not opencl.available(),
+                                reason="no OpenCL device (install pocl-opencl-icd)")
+
+N = 64
+
+
+@pytest.fixture(scope="module")
+def target():
+    return opencl.target_for(0)
+
+
+def _matmul() -> tvm.IRModule:
+    a = te.placeholder((N, N), name="A")
+    b = te.placeholder((N, N), name="B")
+    k = te.reduce_axis((0, N), name="k")
+    c = te.compute((N, N), lambda i, j: te.sum(a[i, k] * b[k, j], axis=k), name="C")
+    return tvm.IRModule({"main": te.create_prim_func([a, b, c])})
+
+
+# Hand-written schedules of the matmul above: one right, three wrong in the ways a tuner can
+# meet. Each is a complete OpenCL kernel with the workload's signature.
+@T.prim_func
+def _right(A: T.Buffer((64, 64), "float32"), B: T.Buffer((64, 64), "float32"),
+           C: T.Buffer((64, 64), "float32")):
+    T.func_attr({"global_symbol": "main", "tirx.noalias": True})
+    for i in T.thread_binding(64, thread="blockIdx.x"):
+        for j in T.thread_binding(64, thread="threadIdx.x"):
+            C[i, j] = T.float32(0)
+            for k in range(64):
+                C[i, j] = C[i, j] + A[i, k] * B[k, j]
+
+
+@T.prim_func
+def _writes_nothing(A: T.Buffer((64, 64), "float32"), B: T.Buffer((64, 64), "float32"),
+                    C: T.Buffer((64, 64), "float32")):
+    # the store's guard is never true: the build launches no kernel at all
+    T.func_attr({"global_symbol": "main", "tirx.noalias": True})
+    for i in T.thread_binding(64, thread="blockIdx.x"):
+        for j in T.thread_binding(64, thread="threadIdx.x"):
+            if i > 64:
+                C[i, j] = A[i, j] * B[i, j]
+
+
+@T.prim_func
+def _writes_zeros(A: T.Buffer((64, 64), "float32"), B: T.Buffer((64, 64), "float32"),
+                  C: T.Buffer((64, 64), "float32")):
+    T.func_attr({"global_symbol": "main", "tirx.noalias": True})
+    for i in T.thread_binding(64, thread="blockIdx.x"):
+        for j in T.thread_binding(64, thread="threadIdx.x"):
+            C[i, j] = T.float32(0)
+
+
+@T.prim_func
+def _racing(A: T.Buffer((64, 64), "float32"), B: T.Buffer((64, 64), "float32"),
+            C: T.Buffer((64, 64), "float32")):
+    # the reduction bound to threads with no combine: every work-item of a group writes the
+    # same row, unsynchronised, its own single term; whichever lands last is kept
+    T.func_attr({"global_symbol": "main", "tirx.noalias": True})
+    for i in T.thread_binding(64, thread="blockIdx.x"):
+        for k in T.thread_binding(64, thread="threadIdx.x"):
+            for j in range(64):
+                C[i, j] = A[i, k] * B[k, j]
+
+
+WRONG = {"writes nothing": _writes_nothing, "writes zeros": _writes_zeros, "races": _racing}
+
+
+def _relu6_mask_task(target):
+    """The elementwise ReLU6 gradient of a small MobileNetV2's training step (``where`` over the
+    mask ``0 < x < 6``), and a schedule of it that vectorizes the ``where`` by 4: TVM's OpenCL
+    code generator then converts the vector comparison (-1 for true in OpenCL C) to an integer
+    and tests it against 0, so every element takes the ``else`` value."""
+    from thomas_tune import graph as G
+    from thomas_tune.models import build
+    from thomas_tune.tasks import extract
+    model = build("mobilenet_v2", num_classes=5, resolution=32, width=0.35)
+    tasks = extract({"train": G.training_module(model, 4, "all").mod}, target)
+    task = next(t for t in tasks if t.name.startswith("fused_greater") and "where" in t.name)
+    sch = tvm.s_tir.Schedule(task.mod)
+    blocks = sch.get_child_blocks(sch.get_sblock("root"))
+    for b in blocks[:-1]:
+        sch.compute_inline(b)
+    fused = sch.fuse(*sch.get_loops(blocks[-1]))
+    bx, tx, vec = sch.split(fused, [None, 32, 4])
+    sch.bind(bx, "blockIdx.x")
+    sch.bind(tx, "threadIdx.x")
+    sch.vectorize(vec)
+    return model, task, sch
+
+
+def test_tolerance_grows_with_the_sums_and_stays_far_below_a_wrong_result():
+    assert kc.tolerance(1) == kc.tolerance(0) == 2e-5
+    assert kc.tolerance(1000) < kc.tolerance(100_000) < kc.tolerance(400_000) < 3e-3
+
+
+def test_check_spec_names_the_outputs_the_in_place_updates_and_the_sum_length():
+    spec = kc.check_spec(_matmul()["main"])
+    assert spec.written == (2,) and spec.updated == () and spec.terms == N
+
+
+def test_compare_catches_nan_zeros_and_far_values_and_passes_rounding(rng):
+    ref = {2: rng.standard_normal((8, 8)).astype("float32")}
+    assert kc.compare({2: ref[2] * (1 + 1e-6)}, ref, 1e-5) is None
+    assert "max rel err 1 " in kc.compare({2: np.full((8, 8), np.nan, "float32")}, ref, 1e-5)
+    assert kc.compare({2: np.zeros((8, 8), "float32")}, ref, 1e-5).startswith("wrong result")
+    half = ref[2].copy()
+    half[0, 0] += 1.0
+    assert "at output 2" in kc.compare({2: half}, ref, 1e-5)
+
+
+def test_tuner_runner_rejects_wrong_candidates_and_times_the_right_one(target):
+    from thomas_tune.runner import Builder
+    from thomas_tune.tune import measure_kernels, rpc_runner
+    workload = _matmul()
+    _, task, vectorized = _relu6_mask_task(target)
+    mods = [tvm.IRModule({"main": _right})] + [tvm.IRModule({"main": f}) for f in WRONG.values()]
+    mods.append(vectorized.mod)
+    builder = Builder(max_workers=2, timeout_s=120)
+    try:
+        refs, paths = kc.build_references([workload, task.mod], target, builder)
+        with rpc.loopback(key="pocl-check", servers=1, lifetime=300) as addr:
+            runner = rpc_runner(addr, "pocl-check", wait_s=30)
+            try:
+                results = measure_kernels(mods, target, runner, builder,
+                                          [refs[0]] * 4 + [refs[1]])
+            finally:
+                runner.shutdown()
+    finally:
+        builder.shutdown()
+    (secs, why), *wrong = results
+    assert why is None and secs and all(s > 0 for s in secs)
+    for name, (secs, why) in zip([*WRONG, "vectorized where"], wrong):
+        assert secs is None, f"{name}: timed {secs}"
+        assert why.startswith("wrong result: max rel err"), f"{name}: {why}"
+
+
+def test_export_leaves_out_a_wrong_record_and_the_step_check_sees_the_difference(tmp_path,
+                                                                               target, rng):
+    """A tuning log whose record for the ReLU6 gradient is the vectorized ``where``: export
+    leaves it out and says so in the manifest, and the step's loss and every gradient then
+    agree with PyTorch in float64 (:mod:`thomas_tune.step_check`); the same export unchecked
+    computes wrong gradients, which the step check reports by name; replay fails on the log."""
+    pytest.importorskip("torch")
+    from tvm.s_tir import meta_schedule as ms
+    from tvm.s_tir.meta_schedule.arg_info import ArgInfo
+
+    from thomas_tune.export import export
+    from thomas_tune.models import init_params
+    from thomas_tune.replay import replay
+    from thomas_tune.step_check import check_export
+    from thomas_tune.tasks import key
+    from thomas_tune.tuning_log import TuningLog
+    model, task, sch = _relu6_mask_task(target)
+    os.makedirs(tmp_path / "log")
+    log = TuningLog(str(tmp_path / "log"))
+    database = log.database(check=False)
+    workload = database.commit_workload(task.mod)
+    database.commit_tuning_record(ms.database.TuningRecord(
+        sch.trace, workload, [1e-7], target, ArgInfo.from_prim_func(task.mod["main"])))
+    params = init_params(model, seed=1)
+    quiet = dict(batch=4, trainable="all", progress=lambda *_: None)
+    checked = export(str(tmp_path / "checked"), model, params, target, log=log, **quiet)
+    assert set(checked["record_check"]["wrong"]) == {key(task)}
+    assert checked["record_check"]["wrong"][key(task)].startswith("wrong result")
+    seed = int(rng.integers(1 << 30))
+    right = check_export(str(tmp_path / "checked"), seed=seed)
+    assert right.ok, right.line()
+    export(str(tmp_path / "unchecked"), model, params, target, log=log, check_records=False,
+           **quiet)
+    wrong = check_export(str(tmp_path / "unchecked"), seed=seed)
+    assert not wrong.ok and wrong.failing, wrong.line()
+    assert wrong.errors[wrong.failing[0]] > 0.9, wrong.line()  # a gradient about 1 off
+    assert wrong.line().startswith("WRONG") and wrong.failing[0] in wrong.line()
+    report = replay(model, target, log, batch=4, say=lambda *_: None)
+    assert set(report.records_wrong) == {key(task)} and report.records_checked >= 1

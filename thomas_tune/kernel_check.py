@@ -1,0 +1,286 @@
+"""Does a scheduled kernel compute what its workload says? Outputs compared with a reference.
+
+A schedule changes loop order, tiling, thread binding and memory scopes, never the numbers
+(up to the order of float32 sums). A wrong schedule (a race on shared memory, a bound check
+that is missing, a launch that runs nothing, an out-of-range write) is usually *faster* than a
+right one, so a tuner that only times candidates prefers it. Every candidate the tuner
+measures, and every record ``export`` and ``replay`` apply, is therefore run once on random
+inputs and its outputs compared with the task's **default schedule** run on the same inputs on
+the same device (:func:`default_kernel`):
+
+* inputs are drawn on the host (:func:`random_inputs`: standard normal floats, integer
+  tensors of 0s and 1s, in range for every gather of the graphs), never zeros;
+* every output the kernel must write is filled with NaN before the run (:data:`POISON`), so a
+  kernel that writes nothing, or part of its output, leaves NaN where the reference has a
+  number; an argument that is read *and* written (an in-place update) is restored to its
+  input value instead;
+* the comparison (:func:`compare`) is ``max |got - ref| / max |ref|`` over the finite
+  reference elements, per output, against a float32 tolerance that grows with the length of
+  the kernel's reductions (:func:`tolerance`); a non-finite value where the reference is
+  finite is an error of 1.
+
+The check's cost is one extra run of the candidate and one copy of its outputs to the host
+per trial; the reference is computed once per task and input set.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import tvm
+
+#: what outputs hold before the checked run: a kernel that does not write an element leaves it
+POISON = float("nan")
+
+#: float32 unit roundoff, 2^-24 (IEEE 754-2008 binary32)
+U32 = 2.0 ** -24
+
+
+@dataclass(frozen=True)
+class CheckSpec:
+    """What to compare for one workload (a TIR function of ``n`` parameters).
+
+    ``written``: indices of the parameters some block writes (the outputs); ``updated``: those
+    of ``written`` that a block also reads (updated in place: restored before each run, not
+    poisoned); ``terms``: the longest chain of summed terms, the product of the reduction
+    extents of each reducing block, summed over blocks (1 without a reduction)."""
+
+    written: tuple[int, ...]
+    updated: tuple[int, ...]
+    terms: int
+
+    @property
+    def tol(self) -> float:
+        return tolerance(self.terms)
+
+
+def tolerance(terms: int) -> float:
+    """The largest ``max |got - ref| / max |ref|`` accepted between two float32 evaluations of
+    a kernel that sums ``terms`` terms per output in different orders.
+
+    The rounding error of a float32 sum of n terms grows like ``sqrt(n) * u`` for terms of
+    random sign (Higham, "Accuracy and Stability of Numerical Algorithms", 2nd ed., section
+    4.2, the probabilistic bound) and at worst like ``n * u``. The tolerance is
+    ``64 * sqrt(n) * u`` (u = 2^-24) with a floor of 2e-5, the room element-wise functions
+    (exp, rsqrt) take on OpenCL devices (OpenCL C 3.0 spec, section 7.4: up to 4 ulp):
+    5e-5 for 1,000 terms, 2.4e-3 for 400,000 terms (MobileNetV2's first weight gradient at
+    batch 32). A kernel that writes nothing, zeros or the wrong elements is off by about 1.
+    """
+    return max(2e-5, 64.0 * math.sqrt(max(1, terms)) * U32)
+
+
+def check_spec(func: tvm.tirx.PrimFunc) -> CheckSpec:
+    """The :class:`CheckSpec` of a workload in block form (as task extraction gives it).
+    Raises ValueError for a function none of whose parameters is written."""
+    sch = tvm.s_tir.Schedule(tvm.IRModule({"main": func}))
+    index = [(p, i) for i, p in enumerate(func.params)]  # a tensor parameter is its buffer
+    written, read, terms = set(), set(), 0
+
+    def walk(block_rv):
+        nonlocal terms
+        block = sch.get(block_rv)
+        for region in block.writes:
+            for buf, i in index:
+                if region.source.same_as(buf):
+                    written.add(i)
+        for region in block.reads:
+            for buf, i in index:
+                if region.source.same_as(buf):
+                    read.add(i)
+        n = 1
+        reduces = False
+        for iv in block.iter_vars:
+            if iv.iter_type == tvm.tirx.IterVar.CommReduce:
+                reduces = True
+                ext = iv.dom.extent
+                n *= int(ext) if isinstance(ext, tvm.tirx.IntImm) else 1
+        if reduces:
+            terms += n
+        for child in sch.get_child_blocks(block_rv):
+            walk(child)
+
+    walk(sch.get_sblock("root"))
+    if not written:
+        raise ValueError(f"kernel {func.attrs['global_symbol'] if func.attrs else ''}: no "
+                         "parameter is written; nothing to check")
+    return CheckSpec(tuple(sorted(written)), tuple(sorted(written & read)), max(1, terms))
+
+
+def arg_shapes(func: tvm.tirx.PrimFunc) -> list[tuple[tuple[int, ...], str]]:
+    """(shape, dtype) of each parameter of ``func``. Raises ValueError for a parameter that is
+    not a tensor of static shape (no kernel of the graphs has one)."""
+    out = []
+    for p in func.params:
+        try:
+            shape = tuple(int(s) for s in p.shape)
+        except (AttributeError, TypeError) as err:
+            raise ValueError(f"parameter {p} of the kernel is not a tensor of static "
+                             "shape") from err
+        out.append((shape, str(p.dtype)))
+    return out
+
+
+def random_inputs(shapes: list[tuple[tuple[int, ...], str]], seed: int,
+                  positive: bool = False) -> list[np.ndarray]:
+    """One array per (shape, dtype): floats standard normal (``positive``: uniform in [0.5,
+    1.5), for kernels whose reference is not finite on signed inputs, such as a square root of
+    a variance), integers and booleans 0 or 1 (in range for every gather and label of the
+    graphs). Seeded: the same ``seed`` gives the same arrays."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for shape, dtype in shapes:
+        if dtype.startswith(("int", "uint")) or dtype == "bool":
+            out.append(rng.integers(0, 2, shape).astype(dtype))
+        elif positive:
+            out.append(rng.uniform(0.5, 1.5, shape).astype(dtype))
+        else:
+            out.append(rng.standard_normal(shape).astype(dtype))
+    return out
+
+
+def compare(got: dict[int, np.ndarray], ref: dict[int, np.ndarray], tol: float) -> str | None:
+    """None when every output of ``got`` (argument index -> array) agrees with ``ref`` within
+    ``tol`` (``max |got - ref| / max |ref|`` over the elements where ``ref`` is finite; a
+    non-finite ``got`` there counts as an error of 1, and so does an output whose reference
+    is 0 everywhere while ``got`` is not); else the reason, ``"wrong result: max rel err X at
+    output Y (tolerance T)"``, naming the worst output by argument index."""
+    worst, where = 0.0, None
+    for i, r in ref.items():
+        g = got[i]
+        r64 = r.astype("float64", copy=False)
+        g64 = g.astype("float64", copy=False)
+        finite = np.isfinite(r64)
+        if not finite.any():
+            continue
+        rf, gf = r64[finite], g64[finite]
+        if not np.isfinite(gf).all():
+            err = 1.0
+        else:
+            scale = float(np.max(np.abs(rf)))
+            diff = float(np.max(np.abs(gf - rf))) if rf.size else 0.0
+            err = diff / scale if scale > 0 else (1.0 if diff > 0 else 0.0)
+        if err > worst:
+            worst, where = err, i
+    if worst > tol:
+        return f"wrong result: max rel err {worst:.3g} at output {where} (tolerance {tol:.2g})"
+    return None
+
+
+def finite_share(ref: dict[int, np.ndarray]) -> float:
+    """The smallest share (0..1) of finite elements over the outputs of ``ref``."""
+    shares = [float(np.isfinite(r).mean()) if r.size else 1.0 for r in ref.values()]
+    return min(shares, default=1.0)
+
+
+def default_kernel(mod: tvm.IRModule, target) -> tvm.IRModule:
+    """Workload ``mod``'s function alone in a module (function ``main``), with the default GPU
+    schedules (:func:`thomas_tune.schedules.default_gpu_schedules`) on GPU targets and as it
+    is on CPU targets: the kernel of an untuned build, the reference of every check and the
+    kernel a default-schedule time is measured on."""
+    from .schedules import default_gpu_schedules
+    from .target import is_gpu
+    one = tvm.IRModule({"main": mod["main"]})
+    return default_gpu_schedules(one, target) if is_gpu(target) else one
+
+
+def record_kernel(record) -> tvm.IRModule:
+    """The kernel a tuning record's schedule makes of its workload (module with ``main``), as
+    a build applies it (the trace with its postprocessing)."""
+    sch = tvm.s_tir.Schedule(record.workload.mod)
+    record.trace.apply_to_schedule(sch, remove_postproc=False)
+    return sch.mod
+
+
+# ---- running on a device (local, or a session's) ----------------------------------------------
+class DeviceArgs:
+    """The arguments of one kernel on ``dev`` (a local device, or one of an RPC session):
+    ``inputs`` (host arrays) uploaded once; :meth:`reset` puts the written arguments back to
+    :data:`POISON` (or, for arguments updated in place, to their input) on the device, with
+    device-side copies, before each checked run; :meth:`outputs` copies the written
+    arguments back to the host."""
+
+    def __init__(self, inputs: list[np.ndarray], spec: CheckSpec, dev):
+        self.spec = spec
+        self.args = [tvm.runtime.tensor(a, dev) for a in inputs]
+        self.initial = {}
+        for i in spec.written:
+            fill = inputs[i] if i in spec.updated else np.full_like(inputs[i], POISON) \
+                if np.issubdtype(inputs[i].dtype, np.floating) else \
+                np.full_like(inputs[i], np.iinfo(inputs[i].dtype).max
+                             if np.issubdtype(inputs[i].dtype, np.integer) else 1)
+            self.initial[i] = tvm.runtime.tensor(fill, dev)
+
+    def reset(self) -> None:
+        for i, src in self.initial.items():
+            self.args[i].copyfrom(src)
+
+    def outputs(self) -> dict[int, np.ndarray]:
+        return {i: self.args[i].numpy() for i in self.spec.written}
+
+
+def run_checked(fn, dev, args: DeviceArgs) -> dict[int, np.ndarray]:
+    """Run kernel ``fn`` (a packed function of the kernel's module) once on ``args`` after
+    :meth:`DeviceArgs.reset`; returns its outputs on the host."""
+    args.reset()
+    fn(*args.args)
+    dev.sync()
+    return args.outputs()
+
+
+def reference_outputs(fn, dev, func: tvm.tirx.PrimFunc, seed: int, spec: CheckSpec | None = None
+                      ) -> tuple[DeviceArgs, dict[int, np.ndarray]]:
+    """Inputs for workload ``func`` on ``dev`` and the outputs of the reference kernel ``fn``
+    (its default schedule, built for that device) on them. Inputs are standard normal; where
+    that leaves over half of an output non-finite (a square root of a random variance), they
+    are drawn again positive (:func:`random_inputs`)."""
+    spec = spec or check_spec(func)
+    shapes = arg_shapes(func)
+    for positive in (False, True):
+        args = DeviceArgs(random_inputs(shapes, seed, positive), spec, dev)
+        ref = run_checked(fn, dev, args)
+        if finite_share(ref) >= 0.5:
+            break
+    return args, ref
+
+
+# ---- references of a tuning run -------------------------------------------------------------
+@dataclass(frozen=True)
+class Reference:
+    """What a device server needs to check the candidates of one task: ``key`` (the workload
+    key), ``artifact`` (the task's default-schedule kernel built as a shared library for the
+    target, or None to compute the reference on the host with llvm), ``workload_json`` (the
+    workload's function, ``tvm.ir.save_json``), its :class:`CheckSpec` and the input seed."""
+
+    key: str
+    artifact: str | None
+    workload_json: str
+    spec: CheckSpec
+    seed: int = 0
+
+    def wire(self) -> tuple:
+        """The plain tuple a measuring worker process receives."""
+        return (self.key, self.artifact, self.workload_json, self.spec, self.seed)
+
+
+def build_references(mods: list[tvm.IRModule], target, builder, seed: int = 0
+                     ) -> tuple[list[Reference], list[str]]:
+    """One :class:`Reference` per workload of ``mods`` (one function ``main`` each): its
+    default-schedule kernel built with ``builder`` (a MetaSchedule builder, e.g.
+    :class:`thomas_tune.runner.Builder`) for ``target``. Where that build fails, the
+    reference is computed on the measuring host with llvm instead. Returns the references and
+    the artifact paths to remove once the run is over."""
+    from tvm.s_tir import meta_schedule as ms
+
+    from .tasks import workload_key
+    built = builder.build([ms.builder.BuilderInput(default_kernel(m, target), target)
+                           for m in mods])
+    refs, paths = [], []
+    for mod, b in zip(mods, built):
+        artifact = None if b.error_msg is not None else str(b.artifact_path)
+        if artifact is not None:
+            paths.append(artifact)
+        refs.append(Reference(workload_key(mod["main"]), artifact, tvm.ir.save_json(mod["main"]),
+                              check_spec(mod["main"]), seed))
+    return refs, paths
