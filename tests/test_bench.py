@@ -202,6 +202,9 @@ def test_bench_verb_on_an_export(small_export, tmp_path, capsys):
     res = json.loads(out.read_text())
     v = res["variants"]["default"]
     assert v["train_ms"] > 0 and v["infer_ms"] > 0 and v["kernels_failed"] == 0
+    # timed only after its loss and every gradient were checked against PyTorch float64
+    check = res["checks"]["default"]
+    assert check["ok"] and check["worst"][1] < 1e-2 and len(check["errors"]) == 16, check
     assert 0 < v["share_of_peak_flops"] < 1.5 and res["peaks"]["gflops"] > 0
     assert len(res["kernels"]) == res["step"]["kernels"]
     text = capsys.readouterr().out

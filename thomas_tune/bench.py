@@ -564,7 +564,8 @@ def torch_device() -> str | None:
 
 def time_torch(model, tensors, trainable: list[str], optimizer, batch: int, infer_batch: int,
                steps: int, warmup: int = 2, seed: int = 0) -> dict:
-    """PyTorch eager float32 (TF32 off) on :func:`torch_device`: the same architecture
+    """PyTorch eager float32 (TF32 off) on :func:`torch_device`, with ``cudnn.benchmark`` off
+    and on (CUDA; the faster is reported, both are kept): the same architecture
     (:func:`thomas_tune.reference.torch_module`), batch, trainable set (others frozen) and
     optimizer (momentum SGD, SGD or Adam with the same settings). ms per training step (forward,
     cross-entropy, backward, optimizer step) and per inference pass (``eval()``, no grad):
@@ -612,9 +613,17 @@ def time_torch(model, tensors, trainable: list[str], optimizer, batch: int, infe
         return time.perf_counter() - t0
 
     net.train()
-    for _ in range(warmup):
-        step()
-    times = [step() for _ in range(steps)]
+    by_setting = {}
+    # cudnn.benchmark picks convolution algorithms by timing them; which setting is faster
+    # depends on the network: both are timed and the faster one is reported
+    for bench_algos in ((False, True) if dev.type == "cuda" else (False,)):
+        torch.backends.cudnn.benchmark = bench_algos
+        for _ in range(warmup):
+            step()
+        by_setting[bench_algos] = [step() for _ in range(steps)]
+    faster = min(by_setting, key=lambda k: np.median(by_setting[k]))
+    torch.backends.cudnn.benchmark = faster
+    times = by_setting[faster]
     net.eval()
     itimes = []
     with torch.no_grad():
@@ -629,7 +638,10 @@ def time_torch(model, tensors, trainable: list[str], optimizer, batch: int, infe
     name = torch.cuda.get_device_name(0) if dev.type == "cuda" else "cpu"
     return {"train_ms": float(np.median(times)) * 1e3, "infer_ms": float(np.median(itimes)) * 1e3,
             "batch": batch, "infer_batch": infer_batch, "launches_per_step": None,
-            "device": f"torch {torch.__version__} {dev_name} ({name})"}
+            "device": f"torch {torch.__version__} {dev_name} ({name})",
+            "cudnn_benchmark": faster if dev.type == "cuda" else None,
+            "train_ms_by_cudnn_benchmark": {str(k): float(np.median(v)) * 1e3
+                                            for k, v in by_setting.items()}}
 
 
 # ---- the whole bench -------------------------------------------------------------------------
@@ -637,7 +649,9 @@ def time_torch(model, tensors, trainable: list[str], optimizer, batch: int, infe
 class BenchConfig:
     """What to run: steps (timed runs per measurement), warm-up runs, kernels (rows of the
     kernel table; 0 skips per-kernel timing), kernel_min_ms (length of one timed repeat of a
-    kernel), startup (first/second start), torch (PyTorch eager), refresh_peaks, seed."""
+    kernel), startup (first/second start), torch (PyTorch eager), refresh_peaks, seed, check
+    (each build's loss and gradients against PyTorch before it is timed; a wrong build is not
+    timed)."""
 
     steps: int = 20
     warmup: int = 2
@@ -648,6 +662,7 @@ class BenchConfig:
     refresh_peaks: bool = False
     seed: int = 0
     progress: bool = True
+    check: bool = True
 
 
 def _same_export(out_dir: str, want: dict) -> bool:
@@ -709,6 +724,48 @@ def prepare_exports(model, tensors, target, log_path: str | None, work: str, bat
     return out
 
 
+def check_variants(exports: dict, seed: int, say=print) -> dict:
+    """Each export's training step checked against PyTorch in float64
+    (:func:`thomas_tune.step_check.check_export`, on one batch drawn from ``seed``): the
+    default-schedule build first, whose errors bound the others'. Returns variant ->
+    :class:`~thomas_tune.step_check.StepCheck`; says one line per variant. Without PyTorch,
+    says so and returns nothing checked."""
+    from .step_check import check_export
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        say("[bench] PyTorch is not installed: the builds' numbers are not checked")
+        return {}
+    out = {}
+    order = sorted(exports, key=lambda v: v != "default")
+    for variant in order:
+        yard = out.get("default") if variant != "default" else None
+        out[variant] = c = check_export(exports[variant], seed, yardstick=yard)
+        say(f"[bench] numbers of {variant} against PyTorch float64: {c.line()}")
+    if exports:  # PyTorch's own float32 step on the same batch: how far float32 rounding goes
+        out["torch_float32"] = c = torch_float32_check(next(iter(exports.values())), seed)
+        say(f"[bench] PyTorch's float32 step against its float64 step: {c.line()}")
+    return out
+
+
+def torch_float32_check(export_dir: str, seed: int):
+    """PyTorch's own float32 step (TF32 off) compared with its float64 step on the batch of
+    :func:`thomas_tune.step_check.check_export`: the rounding float32 alone brings to this
+    network and batch (a :class:`~thomas_tune.step_check.StepCheck`, judged as an untuned
+    build)."""
+    import os
+
+    from .manifest import read_manifest
+    from .models import load_checkpoint
+    from .step_check import batch, compare_step, torch_step
+    m = read_manifest(export_dir)
+    model, tensors, _ = load_checkpoint(os.path.join(export_dir, "params.npz"))
+    x, y = batch(model, m["batch"], seed)
+    ref = torch_step(model, tensors, m["trainable"], x, y)
+    got = torch_step(model, tensors, m["trainable"], x, y, dtype="float32")
+    return compare_step(*got, *ref)
+
+
 def run_bench(model, tensors, target, exports: dict, cfg: BenchConfig, log_path: str | None,
               trainable: str, optimizer, say=print) -> dict:
     """Measure every variant of ``exports`` (variant -> export folder), PyTorch eager, peaks,
@@ -756,7 +813,12 @@ def run_bench(model, tensors, target, exports: dict, cfg: BenchConfig, log_path:
         tuned_ks = own.get("tuned", kernels)
         mark_tuned([*kernels, *tuned_ks] if separate else kernels, log_path, target)
         res["step"]["tuned_kernels"] = sum(k.tuned for k in tuned_ks)
+    checks = check_variants(exports, cfg.seed, say) if cfg.check else {}
+    res["checks"] = {k: c.as_dict() for k, c in checks.items()}
     for variant, folder in exports.items():
+        if variant in checks and not checks[variant].ok:
+            say(f"[bench] {variant}: not timed, its numbers are wrong")
+            continue
         say(f"[bench] timing {variant}: {cfg.steps} training steps and inference passes ...")
         r = time_export(folder, cfg.steps, cfg.warmup, cfg.seed)
         res["variants"][variant] = r
@@ -839,6 +901,12 @@ def format_report(res: dict, top: int = 12) -> str:
            f"{'%peak FLOP':>10} {'%peak BW':>9} {'launches':>8} {'kernels ms':>10} "
            f"{'1st start s':>11} {'2nd start s':>11}")
     lines.append(hdr)
+    for name, c in res.get("checks", {}).items():
+        if not c["ok"] and name != "torch_float32":
+            worst = ", ".join(f"{n} {c['errors'][n]:.1e}" for n in c["failing"][:6])
+            lines.append(f"{name:<9} WRONG, not timed: loss {c['loss']:.6f} (PyTorch "
+                         f"{c['loss_ref']:.6f}); {len(c['failing'])} gradient(s) over their "
+                         f"bound: {worst}")
     for name, r in res["variants"].items():
         st = r.get("startup") or {}
         lines.append(
@@ -857,6 +925,11 @@ def format_report(res: dict, top: int = 12) -> str:
                           f"{v[a]['infer_ms'] / v[b]['infer_ms']:.2f}x (inference)")
     if ratios:
         lines += ["", "speed-up (>1: the first named is faster): " + "; ".join(ratios)]
+    for name, c in res.get("checks", {}).items():
+        if c["ok"]:
+            lines.append(f"numbers of {name}: loss {c['loss']:.6f} (PyTorch float64 "
+                         f"{c['loss_ref']:.6f}), worst gradient {c['worst'][0]} "
+                         f"{c['worst'][1]:.1e}")
     for name, r in v.items():
         st = r.get("startup")
         if st:

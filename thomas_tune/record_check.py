@@ -112,34 +112,64 @@ def check_records(tasks, database, target, seed: int = 0, progress=None) -> dict
     reason ("wrong result: ...", or the build or run error)}``. Raises
     :class:`CheckUnavailable` when no device here runs the target. ``progress(done, total)``
     is called after each record."""
-    from .runner import build_candidate, error_line
     from .tasks import key as workload_key
     dev, device_name = local_device(target)
     cached = _read_cache()
-    todo = []
+    out: dict[str, str | None] = {}
+    todo = []  # (key, record id, task, record) of records not checked on this device before
     for t in tasks:
         rec = database.query_tuning_record(t.mod, target, "main")
-        if rec is not None:
-            todo.append((t, rec))
-    out: dict[str, str | None] = {}
-    for n, (t, rec) in enumerate(todo):
-        key = workload_key(t)
-        rid = record_id(rec, target, device_name)
+        if rec is None:
+            continue
+        key, rid = workload_key(t), record_id(rec, target, device_name)
         if rid in cached:
             out[key] = cached[rid]
         else:
-            try:
-                spec = kc.check_spec(t.mod["main"])
-                ref = build_candidate(kc.default_kernel(t.mod, target), target)
-                args, expected = kc.reference_outputs(ref["main"], dev, t.mod["main"], seed, spec)
-                lib = build_candidate(kc.record_kernel(rec), target)
-                got = kc.run_checked(lib["main"], dev, args)
-                out[key] = kc.compare(got, expected, spec.tol)
-            except Exception as err:  # TVM's build and run errors: the record is not applied
-                out[key] = f"check failed: {error_line(err, 200)}"
-            _append_cache(rid, out[key])
+            todo.append((key, rid, t, rec))
+    for (key, rid, _, _), why in zip(todo, _run_checks([(t, rec) for _, _, t, rec in todo],
+                                                       target, dev, seed, progress)):
+        out[key] = why
+        _append_cache(rid, why)
+    return out
+
+
+def _run_checks(items, target, dev, seed: int = 0, progress=None) -> list[str | None]:
+    """Check each (task, record) of ``items`` on ``dev``: None (right) or the reason. Both
+    kernels of every record are built at once, on every core; then they run one after
+    another."""
+    import shutil
+
+    from tvm.s_tir import meta_schedule as ms
+
+    from .runner import Builder, error_line
+    if not items:
+        return []
+    builder = Builder(max_workers=os.cpu_count() or 1, timeout_s=600)
+    try:
+        built = builder.build([ms.builder.BuilderInput(m, target) for t, rec in items
+                               for m in (kc.default_kernel(t.mod, target), kc.record_kernel(rec))])
+    finally:
+        builder.shutdown()
+    out: list[str | None] = []
+    for n, (t, _) in enumerate(items):
+        ref_b, rec_b = built[2 * n], built[2 * n + 1]
+        try:
+            for b in (ref_b, rec_b):
+                if b.error_msg is not None:
+                    raise RuntimeError(error_line(b.error_msg, 200))
+            spec = kc.check_spec(t.mod["main"])
+            ref = tvm.runtime.load_module(str(ref_b.artifact_path))
+            args, expected = kc.reference_outputs(ref["main"], dev, t.mod["main"], seed, spec)
+            lib = tvm.runtime.load_module(str(rec_b.artifact_path))
+            out.append(kc.compare(kc.run_checked(lib["main"], dev, args), expected, spec.tol))
+        except Exception as err:  # TVM's build and run errors: the record is not applied
+            out.append(f"check failed: {error_line(err, 200)}")
+        finally:
+            for b in (ref_b, rec_b):
+                if b.artifact_path is not None:
+                    shutil.rmtree(os.path.dirname(str(b.artifact_path)), ignore_errors=True)
         if progress is not None:
-            progress(n + 1, len(todo))
+            progress(n + 1, len(items))
     return out
 
 
@@ -190,63 +220,90 @@ def checked_build(log, target, graphs: dict[str, tvm.IRModule], check: bool = Tr
 
 
 
-def set_aside_wrong(log, target, graphs: dict[str, tvm.IRModule], say=print) -> int:
+def set_aside_wrong(log, target, graphs: dict[str, tvm.IRModule], say=print,
+                    batch: int = 8) -> int:
     """Check the records a build of ``graphs`` applies from ``log`` (an unpacked
     :class:`~thomas_tune.tuning_log.TuningLog`) and move each wrong one to
-    ``database_tuning_record.json.rejected`` with its reason; again, until every applied record
-    is right (the next-fastest record of a workload is checked in its turn). Returns the
-    number of records set aside. Raises ValueError for a packed log ('thomas-tune log unpack'
-    first) and :class:`CheckUnavailable` when no device here runs the target."""
-    from tvm.s_tir import meta_schedule as ms
+    ``database_tuning_record.json.rejected`` with its reason. For a workload whose applied
+    record is wrong, its next-fastest records are checked, ``batch`` at a time, until a right
+    one is found (or none is left); then the build's tasks are taken again (leaving a record out
+    can change the Winograd choice) until every applied record is right. Returns the number of
+    records set aside. Raises ValueError for a packed log ('thomas-tune log unpack' first) and
+    :class:`CheckUnavailable` when no device here runs the target."""
+    import math
 
     from .build import tuned_build, winograd_choice
     from .tasks import extract
     from .tasks import key as workload_key
-    from .tuning_log import _dumps, _rewrite, trace_json
+    from .tuning_log import mean_run_seconds
     log.require_writable()
+    dev, _ = local_device(target)
     total = 0
     while True:
         database, _, kernel_ms = tuned_build(log, target)
         chosen = {name: winograd_choice(mod, kernel_ms) for name, mod in graphs.items()}
         tasks = extract(graphs, target, chosen)
         results = check_records(tasks, database, target)
-        wrong = {k: why for k, why in results.items() if why is not None}
-        if not wrong:
+        wrong_tasks = [t for t in tasks if results.get(workload_key(t)) is not None]
+        if not wrong_tasks:
             return total
-        # the applied record of each wrong workload: its trace and run times, as in the file
-        applied = {}
-        for t in tasks:
+        aside: dict[str, list[tuple[list[float], str]]] = {}  # key -> (run times, reason)
+        every = log.database(check=False)  # all records (the build's holds the best ones)
+        for t in wrong_tasks:
             k = workload_key(t)
-            if k in wrong:
-                rec = database.query_tuning_record(t.mod, target, "main")
-                applied[k] = (trace_json(rec),
-                              [float(x) for x in rec.run_secs], t.name)
-        with open(log.workload_path) as f:
-            wl_keys = [str(tvm_ffi.structural_hash(ms.database.Workload.from_json(
-                json.loads(line)).mod)) if line.strip() else None for line in f]
-        with open(log.record_path) as f:
-            lines = f.readlines()
-        kept, aside = [], []
-        for i, line in enumerate(lines):
-            try:
-                w, body = json.loads(line)
-            except ValueError:
-                kept.append(line)
-                continue
+            workload = every.commit_workload(t.mod)
+            recs = [r for r in every.get_top_k(workload, 1 << 20)
+                    if math.isfinite(mean_run_seconds(r.run_secs or []))]
+            found = []
+            for start in range(0, len(recs), batch):
+                chunk = recs[start:start + batch]
+                whys = _run_checks([(t, r) for r in chunk], target, dev)
+                for r, why in zip(chunk, whys):
+                    if why is None:
+                        break
+                    found.append(([float(x) for x in r.run_secs], why))
+                else:
+                    continue
+                break
+            aside[k] = found
+            right = "a right record remains" if len(found) < len(recs) else \
+                "no right record: the kernel keeps its default schedule"
+            say(f"{t.name}: {len(found)} wrong record(s) set aside, {right}; "
+                f"{found[0][1] if found else ''}")
+        total += _move_aside(log, aside)
+
+
+def _move_aside(log, aside: dict[str, list[tuple[list[float], str]]]) -> int:
+    """Move the record lines of ``aside`` (workload key -> [(run times, reason)]: a line is
+    found by its workload and its run times, read back exactly as written) to
+    ``database_tuning_record.json.rejected`` with the reason. Returns the lines moved. Raises
+    RuntimeError when none is found."""
+    from tvm.s_tir import meta_schedule as ms
+
+    from .tuning_log import _rewrite
+    with open(log.workload_path) as f:
+        wl_keys = [str(tvm_ffi.structural_hash(ms.database.Workload.from_json(
+            json.loads(line)).mod)) if line.strip() else None for line in f]
+    with open(log.record_path) as f:
+        lines = f.readlines()
+    wanted = {(k, tuple(secs)): why for k, found in aside.items() for secs, why in found}
+    kept, moved = [], []
+    for i, line in enumerate(lines):
+        try:
+            w, body = json.loads(line)
             k = wl_keys[w] if 0 <= w < len(wl_keys) else None
-            if k in applied and _dumps(body[0]) == applied[k][0] and \
-                    [float(x) for x in body[1]] == applied[k][1]:
-                aside.append((i, line, wrong[k]))
-            else:
-                kept.append(line)
-        if not aside:
-            raise RuntimeError("the wrong records were not found in "
-                               f"{log.record_path}: " + ", ".join(a[2] for a in applied.values()))
-        with open(log.record_path + ".rejected", "a") as f:
-            for i, line, why in aside:
-                f.write(json.dumps({"line": i + 1, "reason": why, "text": line.rstrip("\n")})
-                        + "\n")
-        _rewrite(log.record_path, kept)
-        for k, (_, secs, name) in applied.items():
-            say(f"{name}: record of {1e3 * sum(secs) / len(secs):.4f} ms set aside: {wrong[k]}")
-        total += len(aside)
+            why = wanted.get((k, tuple(float(x) for x in body[1])))
+        except (ValueError, TypeError, IndexError):
+            why = None
+        if why is None:
+            kept.append(line)
+        else:
+            moved.append((i, line, why))
+    if not moved:
+        raise RuntimeError(f"the wrong records were not found in {log.record_path}")
+    with open(log.record_path + ".rejected", "a") as f:
+        for i, line, why in moved:
+            f.write(json.dumps({"line": i + 1, "reason": why, "text": line.rstrip("\n")})
+                    + "\n")
+    _rewrite(log.record_path, kept)
+    return len(moved)

@@ -537,7 +537,7 @@ def tune(tasks: list[Task], target, log: TuningLog, runner: ms.Runner, trials: i
          population: int = 128, show_progress: bool = True, stats_path: str | None = None,
          stats_every_s: float = 30.0, default_s: dict[str, float] | None = None,
          max_in_flight: int = 3, max_unroll: int | None = None,
-         refine_top: int = 2, genetic_iters: int = 2) -> TuneReport:
+         refine_top: int = 2, genetic_iters: int = 2, check: bool = True) -> TuneReport:
     """Tune ``tasks`` for ``target`` with ``trials`` measurements in all, appending to ``log``.
 
     The gradient task scheduler (Zheng et al. 2020, "Ansor", section 6) spends the budget where
@@ -564,6 +564,11 @@ def tune(tasks: list[Task], target, log: TuningLog, runner: ms.Runner, trials: i
     an empty task list or a budget smaller than one round over the tasks, and
     :class:`thomas_tune.tuning_log.LogInUse` when another tuner holds ``log``. Failed trials
     are appended with their reason to ``trial_errors.jsonl`` in the log folder.
+
+    ``check``: every candidate's outputs are compared on the device with its task's default
+    schedule on the same inputs before its time enters the log (:mod:`thomas_tune.kernel_check`;
+    a wrong one is a failed trial "wrong result: ..."). False only to measure what the check
+    costs: unchecked candidates can put wrong kernels into the log.
     """
     if not tasks:
         raise ValueError("no task to tune")
@@ -580,7 +585,7 @@ def tune(tasks: list[Task], target, log: TuningLog, runner: ms.Runner, trials: i
         return _tune_locked(tasks, target, log, runner, trials, trials_per_iter,
                             builder_workers, seed, population, show_progress, stats_path,
                             stats_every_s, default_s or {}, max_in_flight, max_unroll,
-                            refine_top, genetic_iters)
+                            refine_top, genetic_iters, check)
 
 
 def search_context(task: Task, target, measured: set[int], population: int,
@@ -606,7 +611,7 @@ def search_context(task: Task, target, measured: set[int], population: int,
 
 def _tune_locked(tasks, target, log, runner, trials, trials_per_iter, builder_workers, seed,
                  population, show_progress, stats_path, stats_every_s, default_s,
-                 max_in_flight, max_unroll, refine_top, genetic_iters) -> TuneReport:
+                 max_in_flight, max_unroll, refine_top, genetic_iters, check) -> TuneReport:
     from .scheduler import PipelinedGradient
 
     t_open = time.perf_counter()
@@ -669,7 +674,8 @@ def _tune_locked(tasks, target, log, runner, trials, trials_per_iter, builder_wo
     # each task's default schedule, built once: the reference every candidate's outputs
     # are compared with on the device before its time enters the log (kernel_check)
     t_ref = time.perf_counter()
-    references, ref_paths = build_references([c.mod for c in contexts], target, builder, seed)
+    references, ref_paths = (build_references([c.mod for c in contexts], target, builder, seed)
+                             if check else ([None] * len(contexts), []))
     phases.add("references", time.perf_counter() - t_ref, wall=True)
 
     def refining(stage, *args, **kwargs) -> dict:

@@ -1,0 +1,69 @@
+"""What checking every candidate's outputs costs the tuner: trials/s with and without.
+
+Tunes the same tasks twice from empty tuning logs, with the same seed and budget, over a
+loopback tracker and device servers of this machine's OpenCL device: once with the check
+(``tune(check=True)``, the product's behaviour) and once without. Prints one JSON line per run
+(trials, seconds, trials/s, wrong results, the device-side seconds of the check and of the
+references) and the ratio.
+
+    python3 experiments/check_cost.py [--model mobilenet_v2] [--width 0.35] [--resolution 64]
+        [--batch 8] [--top 6] [--trials 48] [--servers 2] [--target JSON]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="mobilenet_v2")
+    p.add_argument("--width", type=float, default=0.35)
+    p.add_argument("--resolution", type=int, default=64)
+    p.add_argument("--classes", type=int, default=10)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--top", type=int, default=6, help="the largest tasks of the training step")
+    p.add_argument("--trials", type=int, default=48)
+    p.add_argument("--servers", type=int, default=2)
+    p.add_argument("--target", help="target JSON file (default: this machine's OpenCL device)")
+    args = p.parse_args()
+
+    from thomas_tune import graph as G
+    from thomas_tune import opencl, rpc
+    from thomas_tune.models import build
+    from thomas_tune.target import parse_target
+    from thomas_tune.tasks import extract
+    from thomas_tune.tune import rpc_runner, tune
+    from thomas_tune.tuning_log import TuningLog
+    target = parse_target(args.target) if args.target else opencl.target_for(0)
+    model = build(args.model, num_classes=args.classes, resolution=args.resolution,
+                  width=args.width)
+    graph = G.training_module(model, args.batch, "all").mod
+    tasks = sorted(extract({"train": graph}, target), key=lambda t: -t.total_flops)[:args.top]
+    runs = {}
+    with rpc.loopback(key="check-cost", servers=args.servers, lifetime=3600) as addr:
+        for check in (True, False):
+            folder = tempfile.mkdtemp(prefix="thomas-tune-check-cost-")
+            log = TuningLog(os.path.join(folder, "log"))
+            report = tune(tasks, target, log, rpc_runner(addr, "check-cost"), args.trials,
+                          trials_per_iter=8, population=32, show_progress=False, check=check,
+                          refine_top=0)
+            busy = report.phases.get("busy_s", {})
+            runs[check] = row = {
+                "check": check, "trials": report.trials, "seconds": round(report.elapsed_s, 1),
+                "trials_per_s": round(report.trials_per_s, 4), "wrong": report.wrong,
+                "device_check_s": round(busy.get("run.check", 0.0), 2),
+                "device_reference_s": round(busy.get("run.reference", 0.0)
+                                            + busy.get("run.reference_load", 0.0), 2),
+                "host_references_s": round(report.phases.get("wall_s", {}).get("references",
+                                                                              0.0), 1)}
+            print(json.dumps(row), flush=True)
+    print(json.dumps({"trials_per_s_ratio_checked_to_unchecked":
+                      round(runs[True]["trials_per_s"] / runs[False]["trials_per_s"], 3)}))
+
+
+if __name__ == "__main__":
+    main()
