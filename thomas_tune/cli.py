@@ -588,8 +588,9 @@ def cmd_import_onnx(args) -> int:
     if args.calibrate and report.fused_batchnorms:
         from .data import load
         from .models.onnx_import import calibrate_batchnorms
-        images = load(args.calibrate, model.resolution, limit=args.calibrate_images,
-                      seed=args.seed).x[:args.calibrate_images]
+        import numpy as np
+        x = load(args.calibrate, model.resolution, limit=args.calibrate_images, seed=args.seed).x
+        images = x[np.random.default_rng(args.seed).permutation(len(x))[:args.calibrate_images]]
         tensors, cal = calibrate_batchnorms(model, tensors, images, report.fused_batchnorms)
     save_checkpoint(args.out, model, tensors)
     print(f"imported {report.layers} layers of {args.onnx} into {model.arch} "
