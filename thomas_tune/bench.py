@@ -562,10 +562,35 @@ def torch_device() -> str | None:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def torchvision_module(model, tensors):
+    """torchvision's own network of ``model`` (MobileNetV2 and AlexNet) with its weights, in
+    ``eval()`` mode, or None where torchvision is not installed or has no such network (the
+    model's parameter names are torchvision's: the state dict loads as it is)."""
+    try:
+        import torch
+        import torchvision
+    except ImportError:
+        return None
+    if model.arch == "mobilenet_v2":
+        net = torchvision.models.mobilenet_v2(num_classes=model.num_classes,
+                                              width_mult=model.width)
+    elif model.arch == "alexnet" and model.width == 1.0:
+        net = torchvision.models.alexnet(num_classes=model.num_classes)
+    else:
+        return None
+    state = {k: torch.tensor(np.asarray(v, "float32")) for k, v in tensors.items()}
+    missing, unexpected = net.load_state_dict(state, strict=False)
+    if unexpected or any(not k.endswith("num_batches_tracked") for k in missing):
+        return None
+    return net.eval()
+
+
 def time_torch(model, tensors, trainable: list[str], optimizer, batch: int, infer_batch: int,
-               steps: int, warmup: int = 2, seed: int = 0) -> dict:
+               steps: int, warmup: int = 2, seed: int = 0, use_torchvision: bool = True) -> dict:
     """PyTorch eager float32 (TF32 off) on :func:`torch_device`, with ``cudnn.benchmark`` off
-    and on (CUDA; the faster is reported, both are kept): the same architecture
+    and on (CUDA; the faster is reported, both are kept): torchvision's network where
+    torchvision has it (:func:`torchvision_module`; ``use_torchvision``), else the same
+    architecture
     (:func:`thomas_tune.reference.torch_module`), batch, trainable set (others frozen) and
     optimizer (momentum SGD, SGD or Adam with the same settings). ms per training step (forward,
     cross-entropy, backward, optimizer step) and per inference pass (``eval()``, no grad):
@@ -580,7 +605,9 @@ def time_torch(model, tensors, trainable: list[str], optimizer, batch: int, infe
     torch.backends.cudnn.allow_tf32 = False
     torch.manual_seed(seed)
     dev = torch.device(dev_name)
-    net = torch_module(model, tensors).to(dev)
+    net = torchvision_module(model, tensors) if use_torchvision else None
+    impl = "torchvision" if net is not None else "thomas_tune.reference"
+    net = (net if net is not None else torch_module(model, tensors)).to(dev)
     train = set(trainable)
     params = []
     for name, p in net.named_parameters():
@@ -638,7 +665,8 @@ def time_torch(model, tensors, trainable: list[str], optimizer, batch: int, infe
     name = torch.cuda.get_device_name(0) if dev.type == "cuda" else "cpu"
     return {"train_ms": float(np.median(times)) * 1e3, "infer_ms": float(np.median(itimes)) * 1e3,
             "batch": batch, "infer_batch": infer_batch, "launches_per_step": None,
-            "device": f"torch {torch.__version__} {dev_name} ({name})",
+            "device": f"torch {torch.__version__} {dev_name} ({name}), {impl}",
+            "implementation": impl,
             "cudnn_benchmark": faster if dev.type == "cuda" else None,
             "train_ms_by_cudnn_benchmark": {str(k): float(np.median(v)) * 1e3
                                             for k, v in by_setting.items()}}
