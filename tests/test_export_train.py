@@ -97,6 +97,31 @@ def test_shipped_mnist_is_real_and_balanced():
     assert d.x.std() > 0.5  # real images, not constants
 
 
+def test_train_out_leaves_an_export_that_infers_with_the_fine_tuned_weights(tmp_path, rng,
+                                                                            capsys):
+    """``train --out E --save ck.npz`` then ``infer --export E IMAGE``: E holds the fine-tuned
+    weights (those of ck.npz, not the initial ones) and the data's class names."""
+    _write_images(tmp_path / "data", ["cat", "dog", "eel"], 6, rng)
+    out, ck = tmp_path / "E", tmp_path / "ck.npz"
+    assert cli.main(["train", "--model", "mobilenet_v2", "--width", "0.35", "--resolution",
+                     "32", "--classes", "3", "--batch", "4", "--trainable", "last:2",
+                     "--data", str(tmp_path / "data"), "--steps", "3", "--lr", "0.1",
+                     "--out", str(out), "--save", str(ck), "--quiet"]) == 0
+    _, saved, _ = load_checkpoint(str(ck))
+    _, in_export, classes = load_checkpoint(str(out / "params.npz"))
+    assert classes == ["cat", "dog", "eel"]
+    changed = [k for k in saved if not np.array_equal(saved[k], init_params(
+        build("mobilenet_v2", num_classes=3, resolution=32, width=0.35), seed=0)[k])]
+    assert changed, "training changed no weight"
+    for k in saved:
+        np.testing.assert_array_equal(in_export[k], saved[k])
+    capsys.readouterr()
+    image = tmp_path / "data" / "dog" / "0.png"
+    assert cli.main(["infer", "--export", str(out), str(image)]) == 0
+    printed = capsys.readouterr().out
+    assert printed.startswith(f"{image}: ") and printed.split(": ")[1].split(" ")[0] in classes
+
+
 def test_cli_errors(capsys):
     assert cli.main(["tasks", "--target", "no-such-kind"]) == 2
     assert "target" in capsys.readouterr().err

@@ -468,6 +468,10 @@ def cmd_train(args) -> int:
     if args.save:
         session.save(args.save)
         print(f"saved checkpoint {args.save}")
+    if args.out and not args.export_given:  # the export this run compiled: keep it trained
+        session.save(os.path.join(args.export, "params.npz"))
+        print(f"{args.export} holds the fine-tuned weights and class names: 'thomas-tune infer "
+              f"--export {args.export} IMAGE' classifies with them")
     return 0
 
 
@@ -802,7 +806,8 @@ def parser() -> argparse.ArgumentParser:
             _model_args(s)
             _target_arg(s)
             s.add_argument("--log", help="tuning log for that compile (default: none)")
-            s.add_argument("--out", help="folder for that compile (default: a temp folder)")
+            s.add_argument("--out", help="folder for that compile (default: a temp folder); "
+                           "after training it holds the fine-tuned weights and class names")
         else:
             s.add_argument("--export", required=True, help="export folder")
             s.add_argument("--checkpoint", help="weights (and class names) to classify with, "
