@@ -19,6 +19,26 @@ thread (``TVM_NUM_THREADS=1``, in a child process). For each: held-out accuracy,
 step (median wall time), accuracy against steps. Peak training-step memory per mode comes from
 ``thomas_tune.memory``. Writes ``four_levels.json``, ``four_levels.md`` and
 ``four_levels.png`` into ``--out``.
+
+    python bench/four_levels.py --imported [--arch mobilenet_v2 mobilenet_v1] [--seeds 3]
+
+The imported-network path (``--imported``): the network is pretrained in *PyTorch* on digits
+0-4 (float32, momentum SGD with a cosine-decayed learning rate), exported with
+``torch.onnx.export`` as users export it, BatchNorm fused into the convolutions (the
+exporter's default) and kept (``optimize=False``), imported with ``import-onnx`` (the fused
+file with ``--calibrate`` on the fine-tuning images, as a user with only their own images
+would; ``--calibrate-on pretrain`` uses images of the pretraining digits), and then:
+
+* level 1: held-out accuracy on digits 0-4 of the imported network, and after 10 training
+  steps at learning rate 0 (only BatchNorm running statistics move), beside PyTorch doing the
+  same;
+* levels 2 and 3: fine-tuning the last K layers and every layer on digits 5-9 with a new head,
+  beside PyTorch fine-tuning the original network with the same recipe, head, batches and
+  dropout masks (``--seeds`` seeds each; untuned llvm build on every core);
+* with ``--frozen-bn``, levels 2 and 3 also with every BatchNorm frozen in inference form on
+  both sides (``--trainable all,frozen-bn``; ``BatchNorm2d.eval()`` in PyTorch).
+
+Writes ``imported.json`` and ``imported.md`` into ``--out``.
 """
 
 from __future__ import annotations
@@ -118,10 +138,248 @@ def serial_main(argv):
     json.dump(r, open(out, "w"))
 
 
+# ---- the imported-network path (--imported) ---------------------------------------------------
+IMPORTED_WIDTH = {"mobilenet_v2": 0.35, "mobilenet_v1": 0.25}
+LR0_STEPS = 10
+
+
+def _torch_pretrain(model, train, steps, seed, batch=16, lr=0.02):
+    """PyTorch float32 from scratch on ``train``: momentum SGD 0.9, learning rate ``lr``
+    decayed to 0 on a cosine (so the BatchNorm statistics settle on the final weights)."""
+    import torch
+    from thomas_tune.models import init_params
+    from thomas_tune.reference import torch_module
+    torch.manual_seed(seed)
+    net = torch_module(model, init_params(model, seed=seed)).train()
+    opt = torch.optim.SGD(net.parameters(), lr=lr, momentum=0.9)
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, steps)
+    batches = train.batches(batch, np.random.default_rng(seed))
+    for _ in range(steps):
+        x, y = next(batches)
+        loss = torch.nn.functional.cross_entropy(net(torch.tensor(x)), torch.tensor(y))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        sched.step()
+    return {k: v.detach().numpy().copy()
+            for k, v in list(net.named_parameters()) + list(net.named_buffers())}
+
+
+class TorchFineTune:
+    """PyTorch float32 training of ``tensors`` with the recipe of the exports (momentum SGD,
+    ``OPT``), the trainable set ``trainable`` (the rest frozen, BatchNorm in training form
+    everywhere unless ``frozen_bn``), and the dropout masks a :class:`Session` of ``seed``
+    draws (``thomas_tune.dropout.mask_numpy``, bit for bit)."""
+
+    def __init__(self, model, tensors, trainable, seed, lr=OPT["lr"], frozen_bn=False):
+        import torch
+        from thomas_tune.models import spec
+        self.torch, self.model, self.frozen_bn = torch, model, frozen_bn
+        s = spec(model, BATCH)
+        names = {q.name for q in s.params}
+        self.p = {k: torch.tensor(np.asarray(v, "float32"), requires_grad=k in trainable)
+                  for k, v in tensors.items() if k in names}
+        self.st = {k: torch.tensor(np.asarray(v, "float32")) for k, v in tensors.items()
+                   if k not in names}
+        self.masks = list(s.masks.items())
+        self.opt = torch.optim.SGD([self.p[n] for n in trainable], lr=lr,
+                                   momentum=OPT["momentum"]) if trainable else None
+        self._rng = np.random.default_rng(seed)
+
+    def step(self, x, y):
+        from thomas_tune.dropout import mask_numpy
+        from thomas_tune.reference import TorchGraph
+        torch = self.torch
+        masks = {}
+        if self.masks:
+            seed = self._rng.integers(0, 2 ** 32, size=2, dtype=np.uint32)
+            masks = {k: torch.tensor(mask_numpy(seed, shape, p, i))
+                     for i, (k, (shape, p)) in enumerate(self.masks)}
+        g = TorchGraph(self.p, self.st, masks, True, self.frozen_bn)
+        loss = torch.nn.functional.cross_entropy(self.model.forward(g, torch.tensor(x)),
+                                                 torch.tensor(y))
+        if self.opt is not None:
+            self.opt.zero_grad()
+            loss.backward()
+            self.opt.step()
+        self.st.update({k: v.detach() for k, v in g.new_states.items()})
+        return float(loss.detach())
+
+    def evaluate(self, data):
+        from thomas_tune.reference import TorchGraph
+        with self.torch.no_grad():
+            g = TorchGraph(self.p, self.st, {}, False)
+            pred = self.model.forward(g, self.torch.tensor(data.x)).argmax(1).numpy()
+        return float(np.mean(pred == data.y))
+
+
+def _torch_run(model, tensors, trainable, train, test, steps, seed, lr=OPT["lr"],
+               frozen_bn=False):
+    """:func:`thomas_tune.train.fine_tune`'s loop (same batches) in PyTorch."""
+    t = TorchFineTune(model, tensors, trainable, seed, lr, frozen_bn)
+    before = t.evaluate(test)
+    batches = train.batches(BATCH, np.random.default_rng(seed))
+    losses = [t.step(*next(batches)) for _ in range(steps)]
+    return {"acc_before": before, "acc_after": t.evaluate(test), "losses": losses}
+
+
+def _tt_run(export_dir, tensors, train, test, steps, seed):
+    from thomas_tune.runtime import Session
+    from thomas_tune.train import fine_tune
+    s = Session(export_dir, seed=seed)
+    s.load_tensors(tensors)
+    r = fine_tune(s, train, test, steps, seed=seed, show_progress=False)
+    return {"acc_before": r.acc_before, "acc_after": r.acc_after, "losses": r.losses,
+            "ms_per_step": r.ms_per_step}
+
+
+def imported_main(args):
+    """The imported-network path (module docstring)."""
+    import warnings
+
+    import torch
+    from thomas_tune.graph import OptimizerConfig, select_trainable
+    from thomas_tune.models import build, replace_head
+    from thomas_tune.models.onnx_import import calibrate_batchnorms, import_onnx
+    from thomas_tune.reference import torch_module
+
+    t_start = time.perf_counter()
+    work = args.work or tempfile.mkdtemp(prefix="four-levels-imported-")
+    os.makedirs(args.out, exist_ok=True)
+    pre_train, pre_test = _data([0, 1, 2, 3, 4], LIMIT, args.seed)
+    ft_train, ft_test = _data([5, 6, 7, 8, 9], LIMIT, args.seed)
+    levels = {f"level2_last{args.last}": f"last:{args.last}", "level3_all": "all"}
+    if args.frozen_bn:
+        levels.update({f"level2_last{args.last}_frozen_bn": f"last:{args.last},frozen-bn",
+                       "level3_all_frozen_bn": "all,frozen-bn"})
+    results = {"config": {"resolution": CONFIG["resolution"], "batch": BATCH,
+                          "optimizer": "momentum_sgd", **OPT, "steps": args.steps,
+                          "seeds": args.seeds, "pretrain_steps": args.pretrain_steps,
+                          "calibrate_on": args.calibrate_on, "lr0_steps": LR0_STEPS,
+                          "train_images": len(ft_train.y), "held_out_images": len(ft_test.y)},
+               "archs": {}}
+    for arch in args.arch:
+        width = IMPORTED_WIDTH[arch]
+        model = build(arch, num_classes=5, resolution=CONFIG["resolution"], width=width)
+        tag = f"{arch}-w{width:g}-r{CONFIG['resolution']}"
+        pre_path = os.path.join(work, f"{tag}-torch-mnist0to4.npz")
+        if not os.path.exists(pre_path):
+            print(f"{arch}: pretraining in PyTorch on digits 0-4 ({args.pretrain_steps} steps)",
+                  flush=True)
+            np.savez(pre_path, **_torch_pretrain(model, pre_train, args.pretrain_steps,
+                                                 args.seed))
+        original = dict(np.load(pre_path))
+        res = {"width": width, "pytorch_accuracy_digits_0to4": _torch_run(
+            model, original, [], pre_train, pre_test, 0, args.seed)["acc_before"], "forms": {}}
+        files = {"fused": os.path.join(work, f"{tag}-fused.onnx"),
+                 "kept": os.path.join(work, f"{tag}-kept.onnx")}
+        net = torch_module(model, original)
+        for form, path in files.items():
+            if not os.path.exists(path):
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    torch.onnx.export(net, (torch.randn(1, *model.input_shape(1)[1:]),), path,
+                                      dynamo=True, optimize=form == "fused", verbose=False)
+        print(f"{arch}: exports (untuned llvm, all cores)", flush=True)
+        fresh = {k: np.asarray(v, "float32") for k, v in original.items()}
+        exports = {tr: _export(os.path.join(work, f"{tag}-{tr.replace(':', '').replace(',', '-')}"),
+                               model, fresh, tr, False) for tr in levels.values()}
+        lr0_dir = os.path.join(work, f"{tag}-lr0")
+        if not os.path.exists(os.path.join(lr0_dir, "manifest.json")):
+            from thomas_tune.export import export
+            from thomas_tune.target import parse_target
+            export(lr0_dir, model, fresh, parse_target("llvm"), batch=BATCH, trainable="last:1",
+                   optimizer=OptimizerConfig(lr=0.0, momentum=OPT["momentum"]),
+                   progress=lambda m: None)
+        for form, path in files.items():
+            _, tensors, report = import_onnx(path, arch, width=width)
+            row = {"fused_batchnorms": len(report.fused_batchnorms)}
+            if report.fused_batchnorms:
+                pool = (pre_train if args.calibrate_on == "pretrain" else ft_train).x
+                images = pool[np.random.default_rng(args.seed).permutation(len(pool))[:512]]
+                tensors, cal = calibrate_batchnorms(model, tensors, images,
+                                                    report.fused_batchnorms)
+                row["calibration"] = {"images": cal.images, "logits_change": cal.logits_change}
+            # level 1 and learning rate 0 on the pretraining task
+            r = _tt_run(lr0_dir, tensors, pre_train, pre_test, LR0_STEPS, args.seed)
+            p = _torch_run(model, original, select_trainable(model, "last:1"), pre_train,
+                           pre_test, LR0_STEPS, args.seed, lr=0.0)
+            row["level1"] = {"thomas_tune": r, "pytorch": p}
+            print(f"{arch} {form}: imported {100 * r['acc_before']:.1f}% on digits 0-4, after "
+                  f"{LR0_STEPS} steps at lr 0 {100 * r['acc_after']:.1f}% (PyTorch "
+                  f"{100 * p['acc_before']:.1f}% -> {100 * p['acc_after']:.1f}%)", flush=True)
+            for name, trainable in levels.items():
+                runs = []
+                for seed in range(args.seed, args.seed + args.seeds):
+                    _, ours0 = replace_head(model, tensors, 5, seed=seed + 1)
+                    head = {k: v for k, v in ours0.items() if k not in tensors
+                            or not np.array_equal(v, tensors[k])}
+                    theirs0 = {**original, **head}
+                    r = _tt_run(exports[trainable], ours0, ft_train, ft_test, args.steps, seed)
+                    p = _torch_run(model, theirs0, select_trainable(model, trainable), ft_train,
+                                   ft_test, args.steps, seed,
+                                   frozen_bn=trainable.endswith("frozen-bn"))
+                    runs.append({"seed": seed, "thomas_tune": r, "pytorch": p})
+                    print(f"  {name} seed {seed}: {100 * r['acc_after']:.1f}% (first loss "
+                          f"{r['losses'][0]:.6f}) vs PyTorch {100 * p['acc_after']:.1f}% "
+                          f"({p['losses'][0]:.6f})", flush=True)
+                row[name] = {"trainable": trainable, "runs": runs,
+                             "thomas_tune_mean": float(np.mean(
+                                 [u["thomas_tune"]["acc_after"] for u in runs])),
+                             "pytorch_mean": float(np.mean([u["pytorch"]["acc_after"]
+                                                            for u in runs]))}
+            res["forms"][form] = row
+        results["archs"][arch] = res
+    results["wall_s"] = time.perf_counter() - t_start
+    _write_imported(results, args)
+
+
+def _write_imported(results, args):
+    with open(os.path.join(args.out, "imported.json"), "w") as f:
+        json.dump(results, f, indent=1)
+    cfg = results["config"]
+    lines = [f"PyTorch-pretrained networks ({cfg['resolution']}x{cfg['resolution']}, digits 0-4) "
+             "exported to ONNX, imported, fine-tuned on digits 5-9 (new head): batch "
+             f"{cfg['batch']}, momentum SGD lr {cfg['lr']}, {cfg['steps']} steps, mean of "
+             f"{cfg['seeds']} seeds; the same network, recipe, head, batches and dropout masks "
+             f"in PyTorch (float32). Fused files calibrated on 512 images of the "
+             f"{'pretraining' if cfg['calibrate_on'] == 'pretrain' else 'fine-tuning'} "
+             "digits.", "",
+             "| network | BatchNorm in file | level | thomas_tune | PyTorch | difference | "
+             "first loss thomas_tune / PyTorch (largest relative difference) |",
+             "|---|---|---|---|---|---|---|"]
+    for arch, res in results["archs"].items():
+        for form, row in res["forms"].items():
+            l1 = row["level1"]
+            lines.append(
+                f"| {arch} w{res['width']:g} | {form} | level 1, {cfg['lr0_steps']} steps lr 0 | "
+                f"{100 * l1['thomas_tune']['acc_before']:.1f}% -> "
+                f"{100 * l1['thomas_tune']['acc_after']:.1f}% | "
+                f"{100 * l1['pytorch']['acc_before']:.1f}% -> "
+                f"{100 * l1['pytorch']['acc_after']:.1f}% | | |")
+            for name, lv in row.items():
+                if not name.startswith("level") or name == "level1":
+                    continue
+                first = np.mean([u["thomas_tune"]["losses"][0] for u in lv["runs"]])
+                first_t = np.mean([u["pytorch"]["losses"][0] for u in lv["runs"]])
+                rel = max(abs(u["thomas_tune"]["losses"][0] - u["pytorch"]["losses"][0])
+                          / u["pytorch"]["losses"][0] for u in lv["runs"])
+                lines.append(
+                    f"| {arch} w{res['width']:g} | {form} | {name} ({lv['trainable']}) | "
+                    f"{100 * lv['thomas_tune_mean']:.1f}% | {100 * lv['pytorch_mean']:.1f}% | "
+                    f"{100 * (lv['thomas_tune_mean'] - lv['pytorch_mean']):+.1f} | "
+                    f"{first:.6f} / {first_t:.6f} ({rel:.1e}) |")
+    lines += ["", f"Wall time: {results['wall_s'] / 60:.1f} min."]
+    with open(os.path.join(args.out, "imported.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--steps", type=int, default=300, help="training steps per level")
-    ap.add_argument("--pretrain-steps", type=int, default=800)
+    ap.add_argument("--steps", type=int,
+                    help="training steps per level (default 300; 150 with --imported)")
+    ap.add_argument("--pretrain-steps", type=int, help="default 800; 400 with --imported")
     ap.add_argument("--last", type=int, default=2, help="K of level 2 (last:K)")
     ap.add_argument("--eval-every", type=int, default=50)
     ap.add_argument("--seed", type=int, default=0)
@@ -130,7 +388,23 @@ def main():
     ap.add_argument("--work", help="folder for the exports (default: a temp folder)")
     ap.add_argument("--replot", action="store_true",
                     help="only rewrite the table and plot from --out/four_levels.json")
+    ap.add_argument("--imported", action="store_true",
+                    help="the imported-network path: pretrained in PyTorch, ONNX, import-onnx, "
+                         "levels 1-3 beside PyTorch (module docstring)")
+    ap.add_argument("--arch", nargs="+", default=["mobilenet_v2", "mobilenet_v1"],
+                    choices=sorted(IMPORTED_WIDTH), help="networks of --imported")
+    ap.add_argument("--seeds", type=int, default=3, help="fine-tuning seeds of --imported")
+    ap.add_argument("--calibrate-on", choices=["finetune", "pretrain"], default="finetune",
+                    help="images that calibrate a fused file in --imported (default: the "
+                         "fine-tuning digits, the images a user has)")
+    ap.add_argument("--frozen-bn", action="store_true",
+                    help="--imported also fine-tunes with every BatchNorm frozen")
     args = ap.parse_args()
+    args.steps = args.steps or (150 if args.imported else 300)
+    args.pretrain_steps = args.pretrain_steps or (400 if args.imported else 800)
+    if args.imported:
+        imported_main(args)
+        return
     if args.replot:
         _write(json.load(open(os.path.join(args.out, "four_levels.json"))), args)
         return

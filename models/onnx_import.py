@@ -40,6 +40,8 @@ train in the parametrisation ``W'``, where gradient steps on a channel differ fr
 
 from __future__ import annotations
 
+import functools
+import json
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -372,14 +374,25 @@ def _statistics_module(model, batch: int, names: list[str]):
     return bb.get(), counts
 
 
+@functools.lru_cache(maxsize=4)
+def _compiled_statistics(arch: str, config: str, batch: int, names: tuple[str, ...]):
+    """:func:`_statistics_module` of the model ``build(arch, **json.loads(config))`` compiled
+    for this machine's CPU (llvm), and its counts; the last few kept."""
+    import tvm
+    mod, counts = _statistics_module(build(arch, **json.loads(config)), batch, list(names))
+    return tvm.compile(mod, tvm.target.Target({"kind": "llvm"})), counts
+
+
 def calibrate_batchnorms(model, tensors: dict[str, np.ndarray], images: np.ndarray,
                          names: list[str] | None = None, batch: int = 32):
     """Recover the scale, shift and running statistics of BatchNorms fused in an ONNX file
     (module docstring) from the per-channel statistics of their inputs over ``images``.
 
     ``tensors``: the model's parameters and states (float32, e.g. :func:`import_onnx`'s);
-    ``images``: float32 (N, 3, R, R), normalised as ``thomas_tune.data`` does, N >= 1 (images
-    like those the network was trained on recover the original BatchNorms best); ``names``:
+    ``images``: float32 (N, 3, R, R), normalised as ``thomas_tune.data`` does, N >= 1: a
+    representative sample (drawn at random, not the first images of a set sorted by class;
+    images like those the network was trained on recover the original BatchNorms best, a
+    few hundred suffice); ``names``:
     the BatchNorm layers to set (default: :func:`identity_batchnorms`); ``batch``: images per
     run of the statistics module (compiled for this machine's CPU, llvm). The statistics are
     the inference forward's, per batch, pooled in float64 (Chan, Golub & LeVeque 1979); N is
@@ -416,8 +429,8 @@ def calibrate_batchnorms(model, tensors: dict[str, np.ndarray], images: np.ndarr
     used = len(images) // batch * batch
     s = spec(model)
     order = [q.name for q in s.params + s.states]
-    mod, counts = _statistics_module(model, batch, names)
-    exe = tvm.compile(mod, tvm.target.Target({"kind": "llvm"}))
+    exe, counts = _compiled_statistics(model.arch, json.dumps(model.config(), sort_keys=True),
+                                       batch, tuple(names))
     vm = relax.VirtualMachine(exe, tvm.cpu())
 
     def run(t, x):
