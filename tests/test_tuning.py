@@ -566,7 +566,7 @@ def test_shallow_stack_gives_the_frames_tvmscript_reads():
     from tvm.script import ir as I
     from tvm.script import tirx as T
 
-    from thomas_tune.schedules import _shallow_stack
+    from thomas_tune.schedules.intrinsics import _shallow_stack
 
     def inner():
         return inspect.stack(), _shallow_stack()

@@ -1,0 +1,280 @@
+"""Default GPU schedules of untuned kernels: dlight's rules with thomas_tune's gated ones first."""
+
+from __future__ import annotations
+
+import contextlib
+
+import tvm
+from tvm.s_tir import dlight as dl
+from tvm.s_tir.dlight.gpu.base import GPUScheduleRule
+
+from .blocks import tuple_reduction
+from .winograd import WinogradTransform
+
+
+class LongReduction(GPUScheduleRule):
+    """Default GPU schedule for kernels with few outputs and long sums (threads split the sum).
+
+    The weight gradients of a training step are such kernels: a 1x1 convolution's weight
+    gradient has C_out*C_in outputs, each a sum over batch x height x width (96*16 outputs of
+    401,408 terms in MobileNetV2's second block at batch 32), a depthwise layer's has C*KH*KW.
+    Mapping one output to one thread, as the generic rules do, leaves the GPU nearly idle and
+    each thread runs a sum of 10^5 terms. Here each output gets a work-group: the reduction
+    loops are fused, split across ``max_threads_per_block`` threads and combined by TVM's
+    cross-thread reduction (partial sums, then a tree in local memory). Applies when every
+    reduction block sums at least ``min_terms`` terms per output and has at most
+    ``max_outputs`` outputs; other blocks of the kernel get the fallback mapping.
+    """
+
+    def __init__(self, min_terms: int = 2048, max_outputs: int = 1 << 18):
+        self.min_terms, self.max_outputs = min_terms, max_outputs
+
+    @staticmethod
+    def _extent(sch, loops) -> int | None:
+        n = 1
+        for loop in loops:
+            ext = sch.get(loop).extent
+            if not isinstance(ext, tvm.tirx.IntImm):
+                return None
+            n *= int(ext)
+        return n
+
+    def apply(self, func, target, _):
+        from tvm.s_tir.dlight.analysis import normalize_prim_func
+        from tvm.s_tir.dlight.base import try_inline
+
+        if not isinstance(func, tvm.tirx.PrimFunc) or not self.is_target_available(target):
+            return None
+        threads = int(target.attrs.get("max_threads_per_block", 256))
+        sch = tvm.s_tir.Schedule(func)
+        infos = normalize_prim_func(sch)
+        if infos is None:
+            return None
+        infos = try_inline(sch, infos)
+        plan = []
+        for info in infos:
+            kinds = info.dom_kind()
+            block = info.block_rv
+            loops = sch.get_loops(block)
+            s_loops = [lp for lp, k in zip(loops, kinds) if k == "S"]
+            r_loops = [lp for lp, k in zip(loops, kinds) if k == "R"]
+            if any(k not in "SR" for k in kinds):
+                return None
+            plan.append((block, s_loops, r_loops))
+        reductions = [p for p in plan if p[2]]
+        if not reductions:
+            return None
+        for _, s_loops, r_loops in reductions:
+            outputs, terms = self._extent(sch, s_loops), self._extent(sch, r_loops)
+            if outputs is None or terms is None or terms < self.min_terms \
+                    or outputs > self.max_outputs:
+                return None
+        for block, s_loops, r_loops in plan:
+            if not s_loops:
+                s_loops = [sch.add_unit_loop(block)]
+            sch.reorder(*s_loops, *r_loops)
+            if r_loops:  # a work-group per output, its threads split the sum
+                sch.bind(sch.fuse(*s_loops), "blockIdx.x")
+                _, tx = sch.split(sch.fuse(*r_loops), factors=[None, threads])
+                sch.bind(tx, "threadIdx.x")
+            else:
+                _spread(sch, s_loops, threads)
+        return sch
+
+
+def _spread(sch, loops, threads: int) -> None:
+    """Fuse ``loops`` and spread them over work-groups of ``threads`` work-items."""
+    bx, tx = sch.split(sch.fuse(*loops), factors=[None, threads])
+    sch.bind(bx, "blockIdx.x")
+    sch.bind(tx, "threadIdx.x")
+
+
+class LeadingLoops(GPUScheduleRule):
+    """Last-resort GPU schedule: per block, the leading loops of constant extent that run over
+    its spatial axes are fused and spread over work-groups of ``max_threads_per_block``; the
+    rest runs inside each thread. It takes kernels the other rules refuse, such as adaptive
+    pooling whose window bounds depend on the output index."""
+
+    def apply(self, func, target, _):
+        if not isinstance(func, tvm.tirx.PrimFunc) or not self.is_target_available(target):
+            return None
+        threads = int(target.attrs.get("max_threads_per_block", 256))
+        sch = tvm.s_tir.Schedule(func)
+        root = sch.get_sblock("root")
+        for block in sch.get_child_blocks(root):
+            loops = sch.get_loops(block)
+            n_spatial = sum(1 for iv in sch.get(block).iter_vars
+                            if iv.iter_type == tvm.tirx.IterVar.DataPar)
+            lead = []
+            for loop in loops[:n_spatial]:
+                if not isinstance(sch.get(loop).extent, tvm.tirx.IntImm):
+                    break
+                lead.append(loop)
+            _spread(sch, lead or [sch.add_unit_loop(block)], threads)
+        return sch
+
+
+def shared_bytes(func: tvm.tirx.PrimFunc, target: tvm.target.Target | None = None) -> int:
+    """Bytes of shared (work-group local) memory a scheduled kernel allocates, static shapes.
+
+    Counted after buffer compaction, as the kernel is built: a schedule declares its shared
+    staging buffers at the full shape of the tensor they tile (a 4096x9216 weight for a 32x8
+    tile of it) and ``CompactBufferAllocation`` shrinks them to the region each work-group
+    touches. Counting the declared shapes rejected every tiled matmul schedule of dlight
+    (152 MB "staged" for AlexNet's first fully connected layer, 2 KiB in fact)."""
+    import tvm_ffi
+    from tvm.s_tir import transform as st
+
+    lower = tvm.ir.transform.Sequential([
+        st.LowerCrossThreadReduction(), st.LowerInitBlock(),
+        st.PlanAndUpdateBufferAllocationLocation(), st.ConvertBlocksToOpaque(),
+        st.CompactBufferAllocation()])
+    mod = tvm.IRModule({"main": func})
+    try:
+        with target if target is not None else contextlib.nullcontext():
+            mod = lower(mod)
+    except Exception:  # a schedule the passes refuse is counted as declared
+        pass
+    total = 0
+
+    def visit(block) -> None:
+        nonlocal total
+        for buf in block.alloc_buffers:
+            if buf.scope() == "shared":
+                n = 1
+                for d in buf.shape:
+                    n *= int(d) if isinstance(d, tvm.tirx.IntImm) else 1 << 30
+                total += n * tvm.DataType(buf.dtype).bits // 8
+
+    tvm_ffi.structural_walk(mod["main"].body, [(tvm.s_tir.SBlock, visit)], order="post")
+    return total
+
+
+def reduction_shape(func: tvm.tirx.PrimFunc) -> tuple[int, int] | None:
+    """(outputs, terms per output) of the largest reduction block of ``func``, or None when it
+    has none or its extents are not constant."""
+    from tvm.s_tir.dlight.analysis import normalize_prim_func
+
+    sch = tvm.s_tir.Schedule(func)
+    infos = normalize_prim_func(sch)
+    if infos is None:
+        return None
+    best = None
+    for info in infos:
+        kinds = info.dom_kind()
+        if "R" not in kinds:
+            continue
+        loops = sch.get_loops(info.block_rv)
+        out = terms = 1
+        for lp, k in zip(loops, kinds):
+            ext = sch.get(lp).extent
+            if not isinstance(ext, tvm.tirx.IntImm):
+                return None
+            if k == "S":
+                out *= int(ext)
+            elif k == "R":
+                terms *= int(ext)
+        if best is None or out * terms > best[0] * best[1]:
+            best = (out, terms)
+    return best
+
+
+class _SizeGate:
+    """Mixin: the rule applies only to kernels whose largest reduction
+    (:func:`reduction_shape`) has at least ``min_outputs`` outputs and sums at least
+    ``min_terms`` terms per output."""
+
+    min_outputs = 1
+    min_terms = 1
+
+    def apply(self, func, target, tunable):
+        if not isinstance(func, tvm.tirx.PrimFunc):
+            return None
+        shape = reduction_shape(func)
+        if shape is None or shape[0] < self.min_outputs or shape[1] < self.min_terms:
+            return None
+        return super().apply(func, target, tunable)
+
+
+class WideMatmul(_SizeGate, dl.gpu.Matmul):
+    """dlight's tiled matmul (shared-memory tiles, a register tile per thread) for matmuls with
+    long sums (at least ``min_terms`` terms) and at least ``min_outputs`` outputs: enough 32x32
+    tiles to give every compute unit work. Fully connected layers are such (32x4096 outputs
+    for AlexNet's first at batch 32, a sum of 9,216 terms each): :class:`LongReduction` would
+    give each output a work-group of its own whose threads read a column of the weight matrix
+    (238 GFLOP/s on the H100, 10 ms per step). Matmuls with few outputs and long sums (weight
+    gradients) stay with :class:`LongReduction`, which splits the sum; those with short sums
+    (most 1x1 convolutions) keep the thread-per-output fallback."""
+
+    min_outputs = 1 << 16
+    min_terms = 2048
+
+
+class _LongSums(_SizeGate):
+    """Mixin: the rule applies only to kernels whose reduction sums at least ``min_terms``
+    terms per output. dlight's reduction rules give each output (or row) a work-group whose
+    threads split the sum; for the short sums of convolutions (27 terms for a 3x3x3 filter,
+    9 for a depthwise one) that leaves most threads idle where one thread per output does the
+    whole sum."""
+
+    min_terms = 256
+
+
+class LongRowReduction(_LongSums, dl.gpu.Reduction):
+    """dlight's ``Reduction`` rule, for long sums only (see :class:`_LongSums`)."""
+
+
+class LongGeneralReduction(_LongSums, dl.gpu.GeneralReduction):
+    """dlight's ``GeneralReduction`` rule, for long sums only (see :class:`_LongSums`)."""
+
+
+#: dlight's own default GPU rules, in its order (``tvm.s_tir.dlight.gpu``), with no rule of
+#: thomas_tune's: what TVM schedules an untuned kernel with. ``thomas-tune bench
+#: --stock-defaults`` builds a variant with them, to show what the rules above and tuning each
+#: add
+STOCK_RULES = (dl.gpu.Matmul, dl.gpu.GEMV, dl.gpu.Reduction, dl.gpu.GeneralReduction)
+
+
+GPU_RULES = (WinogradTransform, WideMatmul, LongReduction, dl.gpu.Matmul, dl.gpu.GEMV,
+             LongRowReduction, LongGeneralReduction)
+
+
+def default_gpu_schedules(mod: tvm.IRModule, target: tvm.target.Target,
+                          rule_classes=None) -> tvm.IRModule:
+    """Give every kernel without a schedule (no tuning record) dlight's default GPU schedule.
+
+    ``rule_classes``: the rules to try first, :data:`GPU_RULES` when None (:data:`STOCK_RULES`
+    for TVM's own defaults).
+
+    Rules are tried in order per kernel (:class:`WideMatmul` for matmuls with many outputs, long
+    reductions split across threads, matmul, GEMV, reduction, general reduction); a rule
+    that does not match, or fails on an unusual backward kernel (some dlight rules assert on
+    them in this TVM), is skipped, as is a schedule that stages more in shared memory than the
+    target allows; then ``Fallback`` (thread-bound loops), and :class:`LeadingLoops` last.
+    Kernels with a tuple reduction (:func:`tuple_reduction`) go straight to those two.
+    """
+    out = tvm.IRModule(mod.functions, attrs=mod.attrs)
+    smem = int(target.attrs.get("max_shared_memory_per_block", 16384))
+    for gv, func in mod.functions.items():
+        if not isinstance(func, tvm.tirx.PrimFunc) or func.attrs is not None and \
+                func.attrs.get("tir.is_scheduled", False):
+            continue
+        sch = None
+        rules = ([r() for r in (GPU_RULES if rule_classes is None else rule_classes)]
+                 if not tuple_reduction(func) else [])
+        for rule in (*rules, dl.gpu.Fallback(), LeadingLoops()):
+            try:
+                with target:
+                    sch = rule.apply(func, target, False)
+            except Exception:  # a rule that cannot handle this kernel: try the next
+                sch = None
+            if isinstance(sch, list):
+                sch = sch[0] if sch else None
+            if sch is not None and shared_bytes(sch.mod["main"], target) > smem:
+                sch = None  # (dlight stages whole tensors of some backward kernels in shared)
+            if sch is not None:
+                break
+        if sch is None:
+            raise ValueError(f"no GPU schedule for kernel {gv.name_hint}")
+        out[gv] = sch.mod["main"].with_attr("tir.is_scheduled", True)
+    return out
