@@ -36,7 +36,7 @@ def main() -> None:
     from thomas_tune.models import build
     from thomas_tune.target import parse_target
     from thomas_tune.tasks import extract
-    from thomas_tune.tune import rpc_runner, tune
+    from thomas_tune.tuning import rpc_runner, tune
     from thomas_tune.tuning_log import TuningLog
     target = parse_target(args.target) if args.target else opencl.target_for(0)
     model = build(args.model, num_classes=args.classes, resolution=args.resolution,
@@ -48,7 +48,7 @@ def main() -> None:
         for check in (True, False):
             folder = tempfile.mkdtemp(prefix="thomas-tune-check-cost-")
             log = TuningLog(os.path.join(folder, "log"))
-            report = tune(tasks, target, log, rpc_runner(addr, "check-cost"), args.trials,
+            report = tune(tasks, target, log, rpc_runner(addr, "check-cost"), trials=args.trials,
                           trials_per_iter=8, population=32, show_progress=False, check=check,
                           refine_top=0)
             busy = report.phases.get("busy_s", {})

@@ -191,7 +191,7 @@ def test_tuning_session_with_an_opencl_server(tmp_path, target):
     from thomas_tune import graph as G
     from thomas_tune.models import build
     from thomas_tune.tasks import extract
-    from thomas_tune.tune import rpc_runner, tune
+    from thomas_tune.tuning import rpc_runner, tune
     from thomas_tune.tuning_log import TuningLog
     model = build("mobilenet_v2", num_classes=5, resolution=32, width=0.35)
     tasks = [t for t in extract({"infer": G.inference_module(model, 1)}, target) if t.flops > 0]
@@ -608,7 +608,7 @@ def test_best_records_are_measured_with_their_padding_in_the_shared_fill(tmp_pat
 
     from thomas_tune.schedules import plain_json, postprocessed, with_padding_in_fill
     from thomas_tune.tasks import Task
-    from thomas_tune.tune import rpc_runner, tune
+    from thomas_tune.tuning import rpc_runner, tune
     from thomas_tune.tuning_log import TuningLog
 
     n, ci, co, h = 2, 8, 16, 12
@@ -679,7 +679,7 @@ def test_records_move_between_kernels_of_one_contraction(tmp_path, target, rng):
 
     from thomas_tune.schedules import anchor_key, postprocessed, transferred
     from thomas_tune.tasks import Task
-    from thomas_tune.tune import rpc_runner, tune
+    from thomas_tune.tuning import rpc_runner, tune
     from thomas_tune.tuning_log import TuningLog
 
     n, ci, co, h = 2, 8, 16, 10
@@ -1067,9 +1067,9 @@ def test_a_search_that_raises_ends_its_task_only(tmp_path, target, monkeypatch):
     TypeError inside MetaSchedule's thread pool, as happened on the H100) ends the search of
     its own task: the tuner says which task and why, on stderr and in its report, and the other
     task is tuned and logged."""
-    from thomas_tune import tune as tune_mod
+    from thomas_tune.tuning import search as tune_mod
     from thomas_tune.tasks import Task
-    from thomas_tune.tune import rpc_runner, tune
+    from thomas_tune.tuning import rpc_runner, tune
     from thomas_tune.tuning_log import TuningLog
 
     def matmul(name):
@@ -1121,7 +1121,7 @@ def test_unroll_refinement_gives_the_best_records_larger_limits(tmp_path, target
 
     from thomas_tune.schedules import with_unroll
     from thomas_tune.tasks import Task
-    from thomas_tune.tune import rpc_runner, tune
+    from thomas_tune.tuning import rpc_runner, tune
     from thomas_tune.tuning_log import TuningLog
 
     n = 64

@@ -12,7 +12,7 @@ from thomas_tune import rpc
 from thomas_tune.models import build
 from thomas_tune.target import parse_target
 from thomas_tune.tasks import extract, key, matching
-from thomas_tune.tune import rpc_runner, tune
+from thomas_tune.tuning import rpc_runner, tune
 from thomas_tune.tuning_log import TuningLog
 
 
@@ -74,8 +74,9 @@ def test_default_times_are_cached_per_schedule_rules(tmp_path, small_tasks, caps
     """``tune --time-share`` ranks tasks by their default-schedule times, cached in the log
     folder: a second call measures nothing; a kernel the rules now make differently is
     measured again, and no time of a cache of another TVM or target is used."""
-    from thomas_tune.tune import (DEFAULT_LATENCY, defaults_stamp, measure_defaults,
-                                  read_default_times, workload_key)
+    from thomas_tune.tuning import (DEFAULT_LATENCY, defaults_stamp, measure_defaults,
+                                    read_default_times)
+    from thomas_tune.tasks import key as workload_key
     target = parse_target("llvm")
     log = TuningLog(str(tmp_path / "log"))
     with rpc.loopback(key="test-cpu", servers=1, lifetime=300) as addr:
@@ -119,8 +120,8 @@ def test_records_slower_than_the_default_schedule_are_not_compiled(tmp_path, sma
     """``export`` and ``replay`` compile with :func:`tuned_database`: a workload whose best
     record lost to its default schedule on the device keeps the default."""
     from thomas_tune.build import tuned_database
-    from thomas_tune.tune import (DEFAULT_LATENCY, default_schedule_key, defaults_stamp,
-                                  workload_key)
+    from thomas_tune.tuning import DEFAULT_LATENCY, default_schedule_key, defaults_stamp
+    from thomas_tune.tasks import key as workload_key
     target = parse_target("llvm")
     log = TuningLog(str(tmp_path / "log"))
     with rpc.loopback(key="test-cpu", servers=1, lifetime=300) as addr:
@@ -252,7 +253,7 @@ def test_pipelined_scheduler_searches_while_the_device_measures(tmp_path, small_
 def test_gradient_starts_from_the_default_schedule_time():
     """The task with the most default-schedule time x calls is tuned first after the first
     round; a task whose record beats its default less than another's gains ranks lower."""
-    from thomas_tune.scheduler import PipelinedGradient
+    from thomas_tune.tuning.task_scheduler import PipelinedGradient
     s = PipelinedGradient([2.0, 0.5, None], window=2)
     s._init(3)
     assert s.history == [[2.0], [0.5], []]
@@ -276,7 +277,7 @@ def test_the_host_joins_the_first_batch_to_finish_not_the_oldest():
     import types
 
     from thomas_tune.runner import Phases
-    from thomas_tune.scheduler import PipelinedGradient, finished
+    from thomas_tune.tuning.task_scheduler import PipelinedGradient, finished
 
     class Future:
         def __init__(self, done: bool):
@@ -313,13 +314,13 @@ def test_the_host_joins_the_first_batch_to_finish_not_the_oldest():
 
 
 def test_a_stop_ends_the_wait_for_a_batch_and_sends_no_new_one():
-    """A signal sets ``stopping`` (thomas_tune.tune): a host waiting for a batch of the device
+    """A signal sets ``stopping`` (thomas_tune.tuning): a host waiting for a batch of the device
     stops waiting at once, and the scheduler hands MetaSchedule -1 (no new batch), which then
     joins the batches in flight itself; no exception goes through MetaSchedule's C++ loop."""
     import threading
     import types
 
-    from thomas_tune.scheduler import PipelinedGradient
+    from thomas_tune.tuning.task_scheduler import PipelinedGradient
 
     deadline = time.perf_counter() + 3.0
 
@@ -349,7 +350,7 @@ def test_resumed_tasks_start_from_their_best_record_and_skip_the_first_round():
     """A task with records in the resumed tuning log starts from its best record (or its
     default, where that is faster) and is not owed a first-round batch; only tasks never
     measured get one, in task order."""
-    from thomas_tune.scheduler import PipelinedGradient
+    from thomas_tune.tuning.task_scheduler import PipelinedGradient
     s = PipelinedGradient([2.0, 0.5, None, 1.0, None], tuned_ms=[None, 0.3, 0.8, 1.5, None])
     s._init(5)
     assert s.history == [[2.0], [0.5, 0.3], [0.8], [1.0, 1.0], []]
@@ -374,7 +375,8 @@ def test_remeasure_replaces_noisy_times_in_place(tmp_path, small_tasks):
     through the device server and its new time replaces the old; every other line of the log
     stays as it was, and the log still parses."""
     from thomas_tune.remeasure import remeasure
-    from thomas_tune.tune import measure_defaults, workload_key
+    from thomas_tune.tuning import measure_defaults
+    from thomas_tune.tasks import key as workload_key
     target = parse_target("llvm")
     log = TuningLog(str(tmp_path / "log"))
     with rpc.loopback(key="test-cpu", servers=1, lifetime=600) as addr:
@@ -429,7 +431,7 @@ def test_candidates_over_the_unroll_limit_are_lowered_to_it():
                                        space_generator, with_unroll)
     import tvm_ffi
 
-    from thomas_tune.tune import ResumingSearch, UnrollLimitedView
+    from thomas_tune.tuning import ResumingSearch, UnrollLimitedView
 
     n = 64
     a = te.placeholder((n, n), name="A")
@@ -498,7 +500,7 @@ def test_design_spaces_are_generated_once_per_task(small_tasks):
     import tvm_ffi
     from tvm.s_tir import meta_schedule as ms
 
-    from thomas_tune.tune import OnceSpaces
+    from thomas_tune.tuning import OnceSpaces
 
     calls = []
 
@@ -524,7 +526,7 @@ def test_cost_model_trains_on_a_quarter_of_the_cores():
     import numpy as np
 
     from thomas_tune.runner import Phases
-    from thomas_tune.tune import cost_model
+    from thomas_tune.tuning import cost_model
 
     rng = np.random.default_rng()
     model = cost_model(Phases(), threads=1)
@@ -603,7 +605,7 @@ def test_a_search_proposing_only_measured_schedules_draws_fresh_ones(small_tasks
     from tvm.s_tir import meta_schedule as ms
 
     from thomas_tune.schedules import plain_json
-    from thomas_tune.tune import search_context
+    from thomas_tune.tuning import search_context
 
     task = small_tasks[0]
     measured: set[int] = set()

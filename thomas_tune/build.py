@@ -50,13 +50,13 @@ def best_records(database: ms.Database, log_path: str,
     :meth:`TuningLog.database` opens it): its fastest valid record, keyed by workload key
     (structural hash, decimal); and the keys whose fastest record is slower than the default
     schedule as measured on the device under this target and these rules
-    (``default_latency.json`` in ``log_path``, :func:`thomas_tune.tune.read_default_times`:
+    (``default_latency.json`` in ``log_path``, :func:`thomas_tune.tuning.read_default_times`:
     only times of the kernels the default rules make today; empty without one or without
     ``target``). Failed trials (MetaSchedule stores 1e10 s) are
     no records."""
     import math
 
-    from .tune import read_default_times
+    from .tuning.defaults import read_default_times
     from .tuning_log import LogDatabase, mean_run_seconds
 
     def valid(secs: list[float]) -> bool:
@@ -100,7 +100,7 @@ def tuned_build(log, target: tvm.target.Target, exclude: set[str] = frozenset()
     raises."""
     import math
 
-    from .tune import read_default_times
+    from .tuning.defaults import read_default_times
     from .tuning_log import mean_run_seconds
     database = log.database()
     best, slower = best_records(database, log.path, target)

@@ -172,11 +172,15 @@ def cmd_tune(args) -> int:
     import math
 
     from .runner import error_line
-    from .schedules import UNROLL_STEPS, unroll_steps
-    from .tune import rpc_runner, tune, workload_key
+    from .tuning.driver import TuneOptions, rpc_runner, tune
     from .tuning_log import TuningLog
     from .runtime import check_device
     from .target import cross_compiler, resolve_target, write_device_file
+    options = TuneOptions(  # its checks fail here, before the tracker is contacted
+        trials=args.trials, trials_per_iter=args.trials_per_iter, seed=args.seed,
+        population=args.population, builder_workers=args.build_workers, stats_path=args.stats,
+        max_in_flight=args.in_flight, max_unroll=args.max_unroll, refine_top=args.refine_top,
+        genetic_iters=args.genetic_iters)
     model, _, _ = _model(args)
     target, device = resolve_target(args.target, args.host, rpc.parse_address(args.tracker),
                                     args.key, wait_s=args.wait)  # opencl:remote: the server's
@@ -185,18 +189,6 @@ def cmd_tune(args) -> int:
         pattern = re.compile(args.match) if args.match else None
     except re.error as err:
         raise ValueError(f"--match {args.match!r} is not a regular expression ({err})") from None
-    try:
-        unroll_steps(args.max_unroll)
-    except ValueError:
-        raise ValueError(f"--max-unroll {args.max_unroll} leaves the search fewer than two "
-                         f"unroll limits; give {UNROLL_STEPS[1]} or more (e.g. 64), or leave it "
-                         "out for all") from None
-    if args.genetic_iters < 1:
-        raise ValueError(f"--genetic-iters {args.genetic_iters} leaves the search no mutation; "
-                         "give 1 or more (default 2)")
-    if args.refine_top < 0:
-        raise ValueError(f"--refine-top {args.refine_top} is negative; give 0 (no refinement) "
-                         "or more")
     tracker = rpc.parse_address(args.tracker)
     rpc.wait_for_key(tracker, args.key, timeout=args.wait)
     check_device(tracker, args.key, target, timeout=args.wait)  # loads code linked here
@@ -220,7 +212,7 @@ def cmd_tune(args) -> int:
                         min_repeat_ms=args.min_repeat_ms)
     latency = None
     if args.time_share:
-        from .tune import kernel_time_s, measure_defaults, select_by_time
+        from .tuning.defaults import kernel_time_s, measure_defaults, select_by_time
         t0 = time.perf_counter()
         latency = measure_defaults(everything, target, runner, log,
                                    builder_workers=args.build_workers)
@@ -234,7 +226,7 @@ def cmd_tune(args) -> int:
         if args.top:
             tasks = tasks[:args.top]
     else:
-        from .tune import measure_defaults
+        from .tuning.defaults import measure_defaults
         tasks = select(pool, top=args.top, flops_share=args.flops_share)
         # the tuned tasks' default schedules, timed once (cached in the log, as --time-share
         # does for every kernel): the baseline a record must beat to be compiled by export
@@ -244,12 +236,7 @@ def cmd_tune(args) -> int:
     print(f"tuning {len(tasks)} tasks, {args.trials} trials, on {lanes} server(s) of key "
           f"{args.key!r}; tuning log {log.path}", flush=True)
     try:
-        report = tune(tasks, target, log, runner, args.trials,
-                      trials_per_iter=args.trials_per_iter, seed=args.seed,
-                      population=args.population, builder_workers=args.build_workers,
-                      stats_path=args.stats, default_s=latency,
-                      max_in_flight=args.in_flight, max_unroll=args.max_unroll,
-                      refine_top=args.refine_top, genetic_iters=args.genetic_iters)
+        report = tune(tasks, target, log, runner, options, default_s=latency)
     except BaseException:
         if "signal" not in _STOP:  # stopped by SIGINT/SIGTERM: one line, not a traceback
             raise
@@ -284,8 +271,8 @@ def cmd_remeasure(args) -> int:
     from .runtime import check_device
     from .target import parse_target
     from .tasks import extract
-    from .tune import (kernel_time_s, measure_defaults, read_default_times, rpc_runner,
-                       workload_key)
+    from .tuning.defaults import kernel_time_s, measure_defaults, read_default_times
+    from .tuning.driver import rpc_runner
     from .tuning_log import TuningLog
     model, _, _ = _model(args)
     target = parse_target(args.target, args.host)
@@ -926,7 +913,7 @@ STOP_GRACE_S = 60.0
 def _terminate(signum, frame):
     # SIGTERM ends the run as SIGINT does: TVM's C++ loops, which run Python's signal handlers
     # from inside long calls, unwind on KeyboardInterrupt (the tuner's own loop stops from its
-    # task scheduler instead: thomas_tune.tune); main() then exits with 128 + signal.
+    # task scheduler instead: thomas_tune.tuning); main() then exits with 128 + signal.
     # Should the clean stop not finish (a build or session stuck in native code), the process
     # exits after STOP_GRACE_S all the same: tuning records are on disk as they arrive.
     if "signal" not in _STOP:

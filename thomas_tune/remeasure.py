@@ -22,7 +22,7 @@ from tvm.s_tir import meta_schedule as ms
 from tvm.s_tir.schedule import Schedule
 
 from .runner import Builder
-from .tune import measure_kernels
+from .tuning.defaults import measure_kernels
 from .tuning_log import TuningLog, _rewrite, mean_seconds
 
 

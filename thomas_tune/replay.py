@@ -78,10 +78,11 @@ def coverage(tasks, database) -> tuple[int, float]:
 def time_coverage(tasks, database, log_path: str, target) -> tuple[float, float] | None:
     """(untuned kernel time, of it the time of tasks with a record in ``database``), in seconds
     per run of every graph once (calls x default-schedule time from ``default_latency.json`` in
-    ``log_path``, :func:`thomas_tune.tune.read_default_times`); None when the folder has no
+    ``log_path``, :func:`thomas_tune.tuning.read_default_times`); None when the folder has no
     times for ``target``. Tasks without a valid time (failed, or measured on another kernel)
     count in neither."""
-    from .tune import kernel_time_s, read_default_times, workload_key
+    from .tuning.defaults import kernel_time_s, read_default_times
+    from .tasks import key as workload_key
     times = read_default_times(log_path, target, {workload_key(t): t.mod for t in tasks})
     if not times:
         return None

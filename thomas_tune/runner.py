@@ -748,7 +748,7 @@ class FarmRunner(ms.runner.PyRunner):
     def run(self, runner_inputs):
         if self.stopped:
             raise RuntimeError("this runner was shut down (tune() shuts its runner down when "
-                               "it ends); make a new one, e.g. with thomas_tune.tune.rpc_runner")
+                               "it ends); make a new one, e.g. with thomas_tune.tuning.rpc_runner")
         if not self.lanes:
             self._start_lanes()
         futures = []

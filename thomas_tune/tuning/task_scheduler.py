@@ -31,7 +31,6 @@ import time
 from tvm.ir.utils import derived_object
 from tvm.s_tir import meta_schedule as ms
 
-
 #: seconds between looks at the batches in flight while the host waits for one to finish
 POLL_S = 0.01
 

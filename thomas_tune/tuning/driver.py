@@ -1,0 +1,345 @@
+"""The tuning driver: :func:`tune`, MetaSchedule's loop over tasks, set by :class:`TuneOptions`."""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import signal
+import sys
+import threading
+import time
+from dataclasses import dataclass
+
+from tvm.s_tir import meta_schedule as ms
+
+from ..kernel_check import build_references
+from ..runner import Builder, FarmRunner, Phases, error_line
+from ..schedules import UNROLL_STEPS, unroll_steps
+from ..tasks import Task
+from ..tasks import key as workload_key
+from ..tuning_log import TrialErrors, TuningLog
+from .refine import refine_padding, refine_transfer, refine_unroll, refinement_line
+from .report import Progress, TaskProgress, TuneReport, cpu_jiffies
+from .search import ResumingSearch, cost_model, search_context
+from .task_scheduler import PipelinedGradient
+
+
+def rpc_runner(tracker: tuple[str, int], key: str, servers: int | None = None,
+               trial_timeout_s: float = 20.0, compile_timeout_s: float = 30.0, repeat: int = 3,
+               min_repeat_ms: float = 2.0, wait_s: float = 60.0, **kwargs) -> FarmRunner:
+    """The runner over device servers of ``key`` on ``tracker`` (see
+    :class:`thomas_tune.runner.FarmRunner`): ``servers`` measure in parallel (default: those
+    free at the start), each trial is ``repeat`` repeats of about ``min_repeat_ms`` ms, a trial
+    whose timed runs take over ``trial_timeout_s`` s, or whose OpenCL build on the device takes
+    over ``compile_timeout_s`` s, is recorded as an error, and trials wait at most ``wait_s`` s
+    when no server of the key can be had."""
+    return FarmRunner(tracker, key, lanes=servers, trial_timeout_s=trial_timeout_s,
+                      compile_timeout_s=compile_timeout_s,
+                      repeat=repeat, min_repeat_ms=min_repeat_ms, wait_s=wait_s, **kwargs)
+
+
+@dataclass(frozen=True)
+class TuneOptions:
+    """How :func:`tune` searches: the settings of one run, checked once when made.
+
+    ``trials``: measurements in all (MetaSchedule's ``max_trials_global``), at least one per
+    task (:func:`tune` checks that against its tasks); ``trials_per_iter``: candidates per
+    batch; ``builder_workers``: build processes (None: one per core); ``seed``: the search's
+    random state (task ``i`` gets ``seed + i``); ``population`` and ``genetic_iters``: the
+    evolutionary search's size and rounds of mutation per batch; ``show_progress``: the
+    progress bar and refinement lines on stderr; ``stats_path``, ``stats_every_s``: where
+    and how often the report is written while tuning; ``max_in_flight``: batches measured
+    while the next is searched and built; ``max_unroll``: the largest unroll limit searched
+    (:func:`thomas_tune.schedules.unroll_steps`; None: all); ``refine_top``: best records per
+    task measured again in the refinement passes (0: none); ``check``: every candidate's outputs
+    are compared on the device with its task's default schedule on the same inputs before its
+    time enters the log (:mod:`thomas_tune.kernel_check`; a wrong one is a failed trial "wrong
+    result: ..."), False only to measure what the check costs: unchecked candidates can put
+    wrong kernels into the log. Raises ValueError naming the ``thomas-tune tune`` option and its
+    fix for a value the search cannot run with.
+    """
+
+    trials: int
+    trials_per_iter: int = 8
+    builder_workers: int | None = None
+    seed: int = 0
+    population: int = 128
+    show_progress: bool = True
+    stats_path: str | None = None
+    stats_every_s: float = 30.0
+    max_in_flight: int = 3
+    max_unroll: int | None = None
+    refine_top: int = 2
+    genetic_iters: int = 2
+    check: bool = True
+
+    def __post_init__(self) -> None:
+        try:
+            unroll_steps(self.max_unroll)
+        except ValueError:
+            raise ValueError(f"--max-unroll {self.max_unroll} leaves the search fewer than two "
+                             f"unroll limits; give {UNROLL_STEPS[1]} or more (e.g. 64), or "
+                             "leave it out for all") from None
+        if self.refine_top < 0:
+            raise ValueError(f"--refine-top {self.refine_top} is negative; give 0 (no "
+                             "refinement) or more")
+        if self.genetic_iters < 1:
+            raise ValueError(f"--genetic-iters {self.genetic_iters} leaves the search no "
+                             "mutation; give 1 or more (default 2)")
+        if self.population < 2:
+            raise ValueError(f"--population {self.population}: the search needs at least 2 "
+                             "members")
+
+
+def tune(tasks: list[Task], target, log: TuningLog, runner: ms.Runner,
+         options: TuneOptions | None = None, *, default_s: dict[str, float] | None = None,
+         **settings) -> TuneReport:
+    """Tune ``tasks`` for ``target`` with ``options.trials`` measurements in all, appending to
+    ``log``. ``options``: a :class:`TuneOptions`, or its fields given by name as ``settings``
+    (``tune(..., trials=8, population=16)``); the names below are its fields.
+
+    The gradient task scheduler (Zheng et al. 2020, "Ansor", section 6) spends the budget where
+    it shortens the graph's total time most (weights are the call counts). ``population``: the
+    evolutionary search's population per round (MetaSchedule's default is 512, sized for large
+    hosts; each member is scored by the cost model on this machine) and ``genetic_iters`` its
+    rounds of mutation per batch (MetaSchedule's default is 4): the search's host time per
+    batch grows with their product (on AlexNet's slowest convolution with population 96 and 2
+    iterations, 2/3 of a round's time went to mutations and their cost-model scores, and a
+    round took 12 s on 2 cores for 48 candidates). With ``stats_path``, the
+    report (:meth:`TuneReport.as_dict`: trials/s, time split) is written there every
+    ``stats_every_s`` seconds while tuning and once at the end, also where SIGINT or SIGTERM
+    stopped the run (its ``ended`` says how the run ended). Task choice and pipelining:
+    :class:`.task_scheduler.PipelinedGradient`, with up to ``max_in_flight`` batches
+    measured while the next one is searched and built, and each task's gradient starting from
+    its default-schedule time in ``default_s`` (``{workload key: seconds per call}``, from
+    :func:`.defaults.measure_defaults`) where known, and from its best record where ``log`` has one
+    (such a task gets no first-round batch). ``max_unroll`` limits the unrolled steps the
+    search chooses among (:func:`thomas_tune.schedules.unroll_steps`; None: all of
+    :data:`~thomas_tune.schedules.UNROLL_STEPS`): candidates build and compile faster. Where it
+    leaves larger steps out, the ``refine_top`` best records of each task are measured again
+    with each larger step after the search (:func:`refine_unroll`; these trials come on top of
+    ``trials``). Raises ValueError for options the search cannot run with (:class:`TuneOptions`),
+    an empty task list or a budget smaller than one round over the tasks, and
+    :class:`thomas_tune.tuning_log.LogInUse` when another tuner holds ``log``. Failed trials
+    are appended with their reason to ``trial_errors.jsonl`` in the log folder.
+    """
+    options = _options(options, settings)
+    if not tasks:
+        raise ValueError("no task to tune")
+    if options.trials < len(tasks):
+        raise ValueError(f"--trials {options.trials} is below one trial per task ({len(tasks)} "
+                         "tasks); raise --trials or tune fewer tasks (--top)")
+    with log.lock("tuning"):  # one tuner per log: a second one is refused (LogInUse)
+        return _tune_locked(tasks, target, log, runner, options, default_s or {})
+
+
+def _options(options: TuneOptions | None, settings: dict) -> TuneOptions:
+    """``options``, or the :class:`TuneOptions` made of ``settings`` (its fields by name).
+    Raises TypeError when both are given, or ``options`` is not a :class:`TuneOptions`."""
+    if options is not None and settings:
+        raise TypeError(f"give tune() options or settings ({', '.join(settings)}), not both")
+    if options is not None and not isinstance(options, TuneOptions):
+        raise TypeError(f"tune()'s options are a TuneOptions, not {type(options).__name__}; "
+                        "give trials and the other settings by name (trials=...)")
+    return options if options is not None else TuneOptions(**settings)
+
+
+def _tune_locked(tasks: list[Task], target, log: TuningLog, runner: ms.Runner,
+                 opt: TuneOptions, default_s: dict[str, float]) -> TuneReport:
+    t_open = time.perf_counter()
+    database = log.database()
+    report = TuneReport()
+    phases = getattr(runner, "phases", None) or Phases()
+    contexts, weights, progress, default_ms, tuned_ms = [], [], [], [], []
+    strategies = []  # per context: the search strategy made here (shares state with its clone)
+    errors = TrialErrors(log, [t.name for t in tasks])
+    for i, task in enumerate(tasks):
+        measured = log.measured(database, task.mod)
+        report.resumed_records += len(measured)
+        ctx, strategy = search_context(task, target, measured, opt.population,
+                                       opt.genetic_iters, opt.max_unroll, opt.seed + i, phases)
+        ctx = ctx.clone()
+        try:  # a rule that fails on this kernel would otherwise stop the whole run
+            ctx.generate_design_space()
+        except Exception as err:  # TVM's ScheduleError and friends
+            print(f"task {task.name}: no search space ({error_line(err, 200)}); it keeps its "
+                  "default schedule", file=sys.stderr, flush=True)
+            continue
+        contexts.append(ctx)
+        strategies.append(strategy)
+        weights.append(float(task.weight))
+        d = default_s.get(workload_key(task))
+        default_ms.append(d * 1e3 if d is not None and math.isfinite(d) else None)
+        best = log.best_seconds(database, task.mod) if measured else None
+        tuned_ms.append(best * 1e3 if best is not None else None)
+        progress.append(TaskProgress(task.name, task.flops))
+    replayed = log.save_hashes()  # the next start replays only the records added after this
+    report.replayed_records = replayed
+    report.startup_s = time.perf_counter() - t_open
+    if not contexts:
+        raise ValueError("no task has a search space for this target (see the lines above)")
+    report.tasks = progress
+    t0 = time.perf_counter()
+    last_write = [t0]
+    cpu0 = cpu_jiffies()
+
+    def cpu_share() -> float | None:
+        now = cpu_jiffies()
+        if cpu0 is None or now is None or now[1] <= cpu0[1]:
+            return None
+        return (now[0] - cpu0[0]) / (now[1] - cpu0[1])
+
+    def tick() -> None:
+        now = time.perf_counter()
+        report.elapsed_s, report.phases = now - t0, phases.as_dict()
+        report.cpu_busy = cpu_share()
+        _search_totals(report, strategies)
+        if opt.stats_path and now - last_write[0] >= opt.stats_every_s:
+            report.write(opt.stats_path)
+            last_write[0] = now
+
+    callbacks = [*ms.measure_callback.MeasureCallback.create("default"), errors,
+                 Progress(progress, opt.trials, disable=not opt.show_progress, tick=tick)]
+    model = cost_model(phases)
+    builder = Builder(max_workers=opt.builder_workers or max(1, (os.cpu_count() or 2)),
+                      timeout_s=60, phases=phases)
+    # each task's default schedule, built once: the reference every candidate's outputs
+    # are compared with on the device before its time enters the log (kernel_check)
+    t_ref = time.perf_counter()
+    references, ref_paths = (build_references([c.mod for c in contexts], target, builder,
+                                              opt.seed)
+                             if opt.check else ([None] * len(contexts), []))
+    phases.add("references", time.perf_counter() - t_ref, wall=True)
+
+    def refining(stage, *args, **kwargs) -> dict:
+        """Run one refinement stage; its wall time less its builds goes to ``refine``."""
+        t, b = time.perf_counter(), phases.wall.get("build", 0.0)
+        try:
+            return stage(*args, **kwargs)
+        finally:
+            built = phases.wall.get("build", 0.0) - b
+            phases.add("refine", max(0.0, time.perf_counter() - t - built), wall=True)
+
+    seen: list[int] = []
+    # While MetaSchedule's loop runs, the first SIGINT/SIGTERM stops it from the task
+    # scheduler (no new batch; those in flight are joined and logged), never by an exception
+    # raised into its C++ frames: on the H100 such an exception ended 3 of 4 stops in
+    # std::terminate, with no last statistics. A second signal, or one outside the loop, stops
+    # as before (KeyboardInterrupt); the CLI's grace timer ends a stop that hangs.
+    loop: dict = {"scheduler": None}
+
+    def stop_softly(signum: int) -> bool:
+        sched = loop["scheduler"]
+        if sched is None or len(seen) > 1:
+            return False
+        sched.stopping = True
+        return True
+
+    restore_handlers = note_signals(seen, stop_softly)
+    try:
+        if opt.refine_top > 0:
+            report.transferred = refining(refine_transfer, contexts, progress, database,
+                                          target, runner, builder, opt.refine_top,
+                                          log.workloads(), errors,
+                                          [s.measured for s in strategies], references)
+            r = report.transferred
+            if opt.show_progress and r["measured"]:
+                print(refinement_line(r, "schedules shared between kernels of one "
+                                          f"contraction: {r['measured']} records of other "
+                                          "workloads measured on their twins"),
+                      file=sys.stderr, flush=True)
+            report.padded = refining(refine_padding, contexts, progress, database, target,
+                                     runner, builder, opt.refine_top, errors,
+                                     [s.measured for s in strategies], references)
+            r = report.padded
+            if opt.show_progress and r["measured"]:
+                print(refinement_line(r, f"padding out of the inner loop: {r['measured']} "
+                                          "best records measured with their padding in the "
+                                          "shared fill"), file=sys.stderr, flush=True)
+        loop["scheduler"] = PipelinedGradient(default_ms, max_in_flight=opt.max_in_flight,
+                                              seed=opt.seed, phases=phases, tuned_ms=tuned_ms,
+                                              on_task=lambda i: runner.expect(references[i]))
+        try:
+            ms.tune_tasks(
+                tasks=contexts, task_weights=weights, work_dir=log.path,
+                max_trials_global=opt.trials, num_trials_per_iter=opt.trials_per_iter,
+                builder=builder, runner=runner, database=database, cost_model=model,
+                measure_callbacks=callbacks, task_scheduler=loop["scheduler"])
+        finally:
+            loop["scheduler"] = None
+        if seen:  # the loop ended at a signal: the run stops here
+            raise KeyboardInterrupt
+        larger = [s for s in UNROLL_STEPS if s not in unroll_steps(opt.max_unroll)]
+        if larger and opt.refine_top > 0:
+            report.refined = refining(refine_unroll, contexts, progress, database, target,
+                                      runner, builder, larger, opt.refine_top, errors,
+                                      [s.measured for s in strategies], references)
+            if opt.show_progress:
+                r = report.refined
+                print(refinement_line(r, f"unroll refinement: {r['measured']} candidates "
+                                          f"with unroll steps {larger} measured"),
+                      file=sys.stderr, flush=True)
+        report.ended = "finished"
+    except BaseException as err:
+        # a signal's KeyboardInterrupt can come out of MetaSchedule's C++ loop as another
+        # error (a RuntimeError with no message): the signals seen tell a stop from a failure
+        stop = seen[0] if seen else (signal.SIGINT if isinstance(err, KeyboardInterrupt)
+                                     else None)
+        report.ended = (f"stopped by {signal.Signals(stop).name}" if stop is not None
+                        else f"failed: {type(err).__name__}: {error_line(err, 300)}")
+        raise
+    finally:
+        restore_handlers()
+        callbacks[-1].bar.close()
+        builder.shutdown()
+        for path in ref_paths:
+            shutil.rmtree(os.path.dirname(path), ignore_errors=True)
+        if hasattr(runner, "shutdown"):
+            runner.shutdown()
+        # the last statistics, also for a run that a signal stopped
+        report.elapsed_s = time.perf_counter() - t0
+        report.phases = phases.as_dict()
+        report.cpu_busy = cpu_share()
+        _search_totals(report, strategies)
+        if opt.stats_path:
+            report.write(opt.stats_path)
+    return report
+
+
+def note_signals(seen: list[int], soft=None):
+    """From now on, append to ``seen`` each SIGINT or SIGTERM that reaches this process's
+    Python handler for it; the handler then runs as before, except that the KeyboardInterrupt
+    it raises is dropped where ``soft(signum)`` (called first) returns True: the caller stops
+    by other means. Returns the function that puts the handlers back. Signals whose handler is
+    not a Python function (SIGTERM's default ends the process) are left alone, as is every
+    signal when called off the main thread (only that thread can set handlers)."""
+    kept = {}
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            prev = signal.getsignal(sig)
+            if callable(prev):
+                def noting(signum, frame, prev=prev):
+                    seen.append(signum)
+                    quiet = soft is not None and soft(signum)
+                    try:
+                        return prev(signum, frame)
+                    except KeyboardInterrupt:
+                        if not quiet:
+                            raise
+                kept[sig] = prev
+                signal.signal(sig, noting)
+
+    def restore() -> None:
+        for sig, prev in kept.items():
+            signal.signal(sig, prev)
+    return restore
+
+
+def _search_totals(report: TuneReport, strategies: list[ResumingSearch]) -> None:
+    """Copy what the tasks' search strategies counted into ``report``: candidates skipped as
+    measured, drawn at random, unroll limits clamped, searches that failed."""
+    report.skipped = sum(s.skipped for s in strategies)
+    report.drawn = sum(s.drawn for s in strategies)
+    report.clamped = sum(s.clamped for s in strategies)
+    report.search_failed = {k: v for s in strategies for k, v in s.failed.items()}
