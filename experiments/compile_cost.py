@@ -63,7 +63,7 @@ def _build(job):
     from tvm.s_tir import meta_schedule as ms
     from tvm.s_tir.schedule import Schedule
 
-    from thomas_tune.runner import build_candidate, export_candidate
+    from thomas_tune.measure.builder import build_candidate, export_candidate
     from thomas_tune.target import parse_target
 
     target = parse_target(job["target"])

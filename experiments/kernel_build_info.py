@@ -66,7 +66,7 @@ def main() -> int:
     from tvm.s_tir.schedule import Schedule
 
     from thomas_tune import opencl, opencl_source
-    from thomas_tune.runner import build_candidate
+    from thomas_tune.measure.builder import build_candidate
     from thomas_tune.target import parse_target
     from thomas_tune.tuning_log import mean_seconds, read_log
 

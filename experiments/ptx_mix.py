@@ -62,7 +62,7 @@ def _one(job) -> dict:
     from tvm.s_tir import meta_schedule as ms
     from tvm.s_tir.schedule import Schedule
 
-    from thomas_tune.runner import build_candidate
+    from thomas_tune.measure.builder import build_candidate
     from thomas_tune.schedules import plain_json, postprocessed, space_generator
     from thomas_tune.schedules import with_padding_in_fill
     from thomas_tune.target import parse_target

@@ -233,7 +233,7 @@ def _init_device_server():
     # Runs inside the server process: importing thomas_tune registers its runtime extensions;
     # the device lock lets servers sharing a device take turns for timed runs.
     import thomas_tune  # noqa: F401
-    from thomas_tune.runner import register_device_lock, register_low_priority_build
+    from thomas_tune.measure.priority import register_device_lock, register_low_priority_build
     register_device_lock()
     register_low_priority_build()
     register_device_info()

@@ -39,7 +39,8 @@ from tvm.s_tir.schedule import Schedule
 from tvm.script import tirx as T
 
 from thomas_tune import cli, rpc
-from thomas_tune.runner import FarmRunner, build_candidate, export_candidate
+from thomas_tune.measure.builder import build_candidate, export_candidate
+from thomas_tune.measure.runner import FarmRunner
 from thomas_tune.schedules import plain_json
 from thomas_tune.target import parse_target
 from thomas_tune.tuning_log import (LogInUse, TrialErrors, TuningLog, mean_seconds, read_errors,

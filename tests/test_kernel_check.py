@@ -127,7 +127,7 @@ def test_compare_catches_nan_zeros_and_far_values_and_passes_rounding(rng):
 
 
 def test_tuner_runner_rejects_wrong_candidates_and_times_the_right_one(target):
-    from thomas_tune.runner import Builder
+    from thomas_tune.measure.builder import Builder
     from thomas_tune.tuning import measure_kernels, rpc_runner
     workload = _matmul()
     _, task, vectorized = _relu6_mask_task(target)

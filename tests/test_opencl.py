@@ -832,8 +832,8 @@ def test_low_priority_build_compiles_at_raised_niceness(target):
 
     import tvm_ffi
 
-    from thomas_tune.runner import (COMPILE_NICE, on_low_priority_thread,
-                                    register_low_priority_build)
+    from thomas_tune.measure.priority import (COMPILE_NICE, on_low_priority_thread,
+                                              register_low_priority_build)
     base = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
     niceness = on_low_priority_thread(
         lambda: os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
@@ -1214,8 +1214,8 @@ def test_builder_refuses_candidates_with_large_private_arrays(target, rng):
     # 8 KiB of private memory as the generated kernel declares it (runner.MAX_PRIVATE_BYTES)
     from tvm.s_tir import meta_schedule as ms
 
-    from thomas_tune.runner import (MAX_PRIVATE_BYTES, Builder, build_candidate,
-                                    check_private_memory)
+    from thomas_tune.measure.builder import (MAX_PRIVATE_BYTES, Builder, build_candidate,
+                                             check_private_memory)
     n = 128
     a, b = te.placeholder((n, n), name="a"), te.placeholder((n, n), name="b")
     k = te.reduce_axis((0, n), name="k")

@@ -25,7 +25,7 @@ import tvm
 from thomas_tune import opencl, rpc
 from thomas_tune.export import export
 from thomas_tune.models import build, init_params
-from thomas_tune.runner import FarmRunner, _lane_close, _lane_open
+from thomas_tune.measure.runner import FarmRunner, _lane_close, _lane_open
 from thomas_tune.runtime import RemoteDevice, Session, connect
 from thomas_tune.target import (DEVICE_FILE, parse_target, read_device_limits, resolve_target,
                                 target_from_limits, write_device_file)

@@ -178,7 +178,7 @@ def test_index_arguments_are_measured_in_range():
     from tvm.s_tir.meta_schedule.arg_info import ArgInfo
     from tvm.s_tir.meta_schedule.runner import RunnerInput
 
-    from thomas_tune.runner import Builder
+    from thomas_tune.measure.builder import Builder
     table = te.placeholder((2,), name="table")
     idx = te.placeholder((4096,), dtype="int64", name="idx")
     out = te.compute((4096,), lambda i: table[idx[i]] * 2.0, name="out")
@@ -206,7 +206,7 @@ def test_pipelined_scheduler_searches_while_the_device_measures(tmp_path, small_
     """With ``max_in_flight`` 3, batches are sent to the runner while earlier ones are still
     being measured (the host searches and builds meanwhile); with 1, never. Both runs spend
     the budget exactly, and every trial ends up in the log."""
-    from thomas_tune.runner import FarmRunner
+    from thomas_tune.measure.runner import FarmRunner
 
     class Watched(FarmRunner._cls):
         """The product's runner, noting at each batch how many earlier trials are unfinished."""
@@ -276,7 +276,7 @@ def test_the_host_joins_the_first_batch_to_finish_not_the_oldest():
     import threading
     import types
 
-    from thomas_tune.runner import Phases
+    from thomas_tune.measure.phases import Phases
     from thomas_tune.tuning.task_scheduler import PipelinedGradient, finished
 
     class Future:
@@ -361,7 +361,8 @@ def test_resumed_tasks_start_from_their_best_record_and_skip_the_first_round():
 
 def test_builder_processes_run_at_raised_niceness():
     """Candidate builds leave the CPU to timed runs on a machine that does both."""
-    from thomas_tune.runner import COMPILE_NICE, Builder
+    from thomas_tune.measure.builder import Builder
+    from thomas_tune.measure.priority import COMPILE_NICE
     builder = Builder(max_workers=1)
     try:
         worker = builder._get_pool().submit(os.getpriority, os.PRIO_PROCESS, 0).result()
@@ -525,7 +526,7 @@ def test_cost_model_trains_on_a_quarter_of_the_cores():
     a real training and prediction go through the timed update's model."""
     import numpy as np
 
-    from thomas_tune.runner import Phases
+    from thomas_tune.measure.phases import Phases
     from thomas_tune.tuning import cost_model
 
     rng = np.random.default_rng()

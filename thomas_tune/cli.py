@@ -171,7 +171,7 @@ def cmd_tune(args) -> int:
     from .tasks import extract, select, summary
     import math
 
-    from .runner import error_line
+    from .measure.runner import error_line
     from .tuning.driver import TuneOptions, rpc_runner, tune
     from .tuning_log import TuningLog
     from .runtime import check_device
@@ -272,6 +272,7 @@ def cmd_remeasure(args) -> int:
     from .target import parse_target
     from .tasks import extract
     from .tuning.defaults import kernel_time_s, measure_defaults, read_default_times
+    from .tasks import key as workload_key
     from .tuning.driver import rpc_runner
     from .tuning_log import TuningLog
     model, _, _ = _model(args)

@@ -268,7 +268,7 @@ def build_references(mods: list[tvm.IRModule], target, builder, seed: int = 0
                      ) -> tuple[list[Reference], list[str]]:
     """One :class:`Reference` per workload of ``mods`` (one function ``main`` each): its
     default-schedule kernel built with ``builder`` (a MetaSchedule builder, e.g.
-    :class:`thomas_tune.runner.Builder`) for ``target``. Where that build fails, the
+    :class:`thomas_tune.measure.builder.Builder`) for ``target``. Where that build fails, the
     reference is computed on the measuring host with llvm instead. Returns the references and
     the artifact paths to remove once the run is over."""
     from tvm.s_tir import meta_schedule as ms

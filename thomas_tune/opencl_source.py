@@ -35,7 +35,8 @@ import re
 
 #: alignment of the ``__local`` arrays (bytes): that of the widest vector rewritten (float4)
 ALIGN = 16
-#: bytes of OpenCL C's scalar types (also what :func:`thomas_tune.runner.private_array_bytes`
+#: bytes of OpenCL C's scalar types (also what
+#: :func:`thomas_tune.measure.builder.private_array_bytes`
 #: counts)
 SCALAR_BYTES = {"char": 1, "uchar": 1, "bool": 1, "short": 2, "ushort": 2, "half": 2, "int": 4,
                 "uint": 4, "float": 4, "long": 8, "ulong": 8, "double": 8}

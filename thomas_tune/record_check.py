@@ -141,7 +141,8 @@ def _run_checks(items, target, dev, seed: int = 0, progress=None) -> list[str | 
 
     from tvm.s_tir import meta_schedule as ms
 
-    from .runner import Builder, error_line
+    from .measure.builder import Builder
+    from .measure.runner import error_line
     if not items:
         return []
     builder = Builder(max_workers=os.cpu_count() or 1, timeout_s=600)

@@ -21,7 +21,7 @@ import tvm_ffi
 from tvm.s_tir import meta_schedule as ms
 from tvm.s_tir.schedule import Schedule
 
-from .runner import Builder
+from .measure.builder import Builder
 from .tuning.defaults import measure_kernels
 from .tuning_log import TuningLog, _rewrite, mean_seconds
 

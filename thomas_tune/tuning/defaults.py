@@ -14,7 +14,8 @@ import tvm_ffi
 from tvm.s_tir import meta_schedule as ms
 
 from ..kernel_check import default_kernel
-from ..runner import Builder, error_line
+from ..measure.builder import Builder
+from ..measure.runner import error_line
 from ..tasks import Task
 from ..tasks import key as workload_key
 from ..tuning_log import FAILED_RUN_S, TuningLog
@@ -28,8 +29,8 @@ def measure_defaults(tasks: list[Task], target, runner, log: TuningLog | None = 
     """Time every task's kernel with its default schedule (no tuning) on the runner's device.
 
     Returns ``{workload key: seconds per call}`` (key: :func:`thomas_tune.tasks.key`); a
-    kernel whose build or run fails gets ``inf``. With ``log``, results are cached in the
-    tuning-log folder (``default_latency.json``, written atomically) and only missing tasks are measured; the
+    kernel whose build or run fails gets ``inf``. With ``log``, results are cached in the tuning-log
+    folder (``default_latency.json``, written atomically) and only missing tasks are measured; the
     cache is stamped with :func:`defaults_stamp` (TVM version and target), and each time is kept
     with the key of the kernel it timed (:func:`default_schedule_key`): a cache of another
     stamp, or a kernel that the rules now make differently, is measured again, not reused. These
@@ -97,7 +98,7 @@ def measure_kernels(mods: list[tvm.IRModule], target, runner, builder: Builder,
     per repeat; None) or (None; the error of the build or the run, one line). Build artifacts
     are removed. ``references``: per module, the
     :class:`~thomas_tune.kernel_check.Reference` of its task, whose outputs it must reproduce
-    before it is timed (:meth:`thomas_tune.runner.FarmRunner.expect`; "wrong result: ..."
+    before it is timed (:meth:`thomas_tune.measure.runner.FarmRunner.expect`; "wrong result: ..."
     otherwise), or None for a module timed unchecked (a default schedule)."""
 
     from tvm.s_tir.meta_schedule.arg_info import ArgInfo

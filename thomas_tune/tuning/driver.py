@@ -14,7 +14,9 @@ from dataclasses import dataclass
 from tvm.s_tir import meta_schedule as ms
 
 from ..kernel_check import build_references
-from ..runner import Builder, FarmRunner, Phases, error_line
+from ..measure.builder import Builder
+from ..measure.phases import Phases
+from ..measure.runner import FarmRunner, error_line
 from ..schedules import UNROLL_STEPS, unroll_steps
 from ..tasks import Task
 from ..tasks import key as workload_key
@@ -29,11 +31,11 @@ def rpc_runner(tracker: tuple[str, int], key: str, servers: int | None = None,
                trial_timeout_s: float = 20.0, compile_timeout_s: float = 30.0, repeat: int = 3,
                min_repeat_ms: float = 2.0, wait_s: float = 60.0, **kwargs) -> FarmRunner:
     """The runner over device servers of ``key`` on ``tracker`` (see
-    :class:`thomas_tune.runner.FarmRunner`): ``servers`` measure in parallel (default: those
+    :class:`thomas_tune.measure.runner.FarmRunner`): ``servers`` measure in parallel (default: those
     free at the start), each trial is ``repeat`` repeats of about ``min_repeat_ms`` ms, a trial
-    whose timed runs take over ``trial_timeout_s`` s, or whose OpenCL build on the device takes
-    over ``compile_timeout_s`` s, is recorded as an error, and trials wait at most ``wait_s`` s
-    when no server of the key can be had."""
+    whose timed runs take over ``trial_timeout_s`` s, or whose OpenCL build on the device takes over
+    ``compile_timeout_s`` s, is recorded as an error, and trials wait at most ``wait_s`` s when no
+    server of the key can be had."""
     return FarmRunner(tracker, key, lanes=servers, trial_timeout_s=trial_timeout_s,
                       compile_timeout_s=compile_timeout_s,
                       repeat=repeat, min_repeat_ms=min_repeat_ms, wait_s=wait_s, **kwargs)

@@ -9,7 +9,7 @@ import tvm
 import tvm_ffi
 from tvm.s_tir import meta_schedule as ms
 
-from ..runner import Builder
+from ..measure.builder import Builder
 from ..schedules import (anchor_key, plain_json, postprocessed, transferred, with_padding_in_fill,
                          with_unroll)
 from ..tuning_log import FAILED_RUN_S, TrialErrors, mean_run_seconds

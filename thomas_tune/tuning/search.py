@@ -13,7 +13,8 @@ import tvm_ffi
 from tvm.ir.utils import derived_object
 from tvm.s_tir import meta_schedule as ms
 
-from ..runner import Phases, error_line
+from ..measure.phases import Phases
+from ..measure.runner import error_line
 from ..schedules import (before_postproc, plain_json, postprocessed, space_generator, unroll_steps,
                          within_unroll)
 from ..tasks import Task

@@ -58,7 +58,7 @@ class PipelinedGradient(ms.task_scheduler.PyTaskScheduler):
     batch); ``alpha`` and ``window``: the gradient's parameters
     (MetaSchedule's defaults, 0.2 and 3); ``max_in_flight``: batches sent to the runner and not
     yet joined (1 gives MetaSchedule's order: search, build, measure, repeat).
-    ``phases``: a :class:`thomas_tune.runner.Phases` that gets ``wait_device``: wall seconds
+    ``phases``: a :class:`thomas_tune.measure.phases.Phases` that gets ``wait_device``: wall seconds
     the host spent waiting for a batch to finish, and the number of such waits.
     ``on_task``: called with each task id the scheduler hands out, before MetaSchedule
     searches, builds and measures that task's batch (the tuner tells its runner which

@@ -1,14 +1,9 @@
-"""Builder and Runner of the tuner: how a batch of candidates becomes measured run times.
+"""The runner of the tuner: candidates measured on a farm of device servers, one lane per server.
 
-MetaSchedule's own LocalBuilder starts a fresh pool of worker processes for every batch (each
-worker imports TVM first) and exports candidates as tar files that the device server links with
-its own compiler; its RPCRunner opens one RPC session per candidate (a fork on the server and a
-new OpenCL context). On a GPU that measures a kernel in microseconds, those costs are the tuning
-time. Here:
+MetaSchedule's RPCRunner opens one RPC session per candidate (a fork on the server and a new
+OpenCL context); on a GPU that measures a kernel in microseconds, that cost is the tuning time.
+Here:
 
-* :class:`Builder` keeps one pool of build processes for the whole run (recycled every
-  ``recycle_after`` builds per worker) and exports each candidate as a finished shared library,
-  so the device server only loads it.
 * :class:`FarmRunner` keeps one *lane* per device server of the key: a worker process holding one
   RPC session, reused for every trial until the session nears its timeout or the lane goes idle.
   Lanes take trials from one queue, so several servers measure in parallel. A trial is three
@@ -20,207 +15,38 @@ time. Here:
   costs the trial in flight on it; its lane asks the tracker for a server again and the batch
   goes on with the others, and fails what is left only when no server of the key could be had
   for ``wait_s`` seconds.
-* An OpenCL candidate whose work-items would each hold more than :data:`MAX_PRIVATE_BYTES` of
-  private arrays is not measured: its build fails with the size, and the trial is recorded as
-  a failed build without device time (:func:`check_private_memory`).
 * Repeats are sized to the kernel: one warm-up run measures it, then ``number`` runs per repeat
   are chosen so that each repeat lasts about ``min_repeat_ms``.
-* Device servers started by thomas_tune (``thomas-tune rpc server``) register
-  ``thomas_tune.device_lock``: timed runs of several servers on one device take turns, so
-  parallel servers keep timings clean while uploads, loads and the OpenCL compiles of the
-  candidates (``thomas_tune.opencl.build_programs_low_priority``, before the lock) overlap.
-  Compiles and builds run at niceness +:data:`COMPILE_NICE`, so they leave the CPU to the
-  timed run (a small kernel's time is its host thread's launches). Servers without them
-  (TVM's Android app) are timed as they are.
-
-Both keep wall-time counters (:class:`Phases`) so that a tuning run can say where its time went.
+* Each candidate's outputs are compared with its task's reference (the default schedule's) on
+  the device before it is timed (:meth:`FarmRunner.expect`, :mod:`thomas_tune.kernel_check`).
+* Device servers started by thomas_tune take turns for timed runs and compile at low priority
+  (:mod:`.priority`); servers without that (TVM's Android app) are timed as they are.
 """
 
 from __future__ import annotations
 
 import collections
 import math
-import os
-import re
 import sys
-import tempfile
 import threading
 import time
-from dataclasses import dataclass, field
 
 from tvm.ir.utils import derived_object
 from tvm.s_tir import meta_schedule as ms
-from tvm.support.popen_pool import PopenPoolExecutor, PopenWorker, StatusKind
-
-from .opencl_source import SCALAR_BYTES
+from tvm.support.popen_pool import PopenWorker
 
 
-# ---- phases ---------------------------------------------------------------------------------
-@dataclass
-class Phases:
-    """Seconds spent per phase, summed over workers (``busy``) or as wall time (``wall``)."""
-
-    wall: dict[str, float] = field(default_factory=lambda: collections.defaultdict(float))
-    busy: dict[str, float] = field(default_factory=lambda: collections.defaultdict(float))
-    counts: dict[str, int] = field(default_factory=lambda: collections.defaultdict(int))
-    lanes: int = 1  # device servers measuring at once (the runner sets it)
-    lock: threading.Lock = field(default_factory=threading.Lock)
-
-    def add(self, name: str, seconds: float, wall: bool = False, n: int = 1) -> None:
-        with self.lock:
-            (self.wall if wall else self.busy)[name] += seconds
-            self.counts[name] += n
-
-    def as_dict(self) -> dict:
-        with self.lock:
-            return {"wall_s": {k: round(v, 3) for k, v in self.wall.items()},
-                    "busy_s": {k: round(v, 3) for k, v in self.busy.items()},
-                    "counts": dict(self.counts), "lanes": self.lanes}
-
-
-# ---- builder --------------------------------------------------------------------------------
-def build_candidate(mod, target, _params=None):
-    """Build one candidate (a scheduled TIR IRModule) for ``target``; returns the runtime module.
-
-    MetaSchedule's default also imports ``tvm.s_tir.tensor_intrin`` in every worker (CUDA/ROCm
-    intrinsic tables, tens of seconds); kernels tuned here use no tensor intrinsics, so it is
-    skipped. The weight-layout rewrite blocks are dropped as MetaSchedule does.
-    """
-    from tvm.driver import build as tvm_build
-    from tvm.s_tir.transform import RemoveWeightLayoutRewriteBlock
-
-    return tvm_build(RemoveWeightLayoutRewriteBlock(skip_tensor_rewrite=True)(mod), target=target)
-
-
-def export_candidate(rt_mod, target) -> str:
-    """Write a built candidate as a shared library for the target's host; returns its path.
-
-    The library is linked here (the device server only loads it): with this machine's C++
-    compiler for a native host, with the cross compiler of ``TVM_NDK_CC`` for another one
-    (``target.export_shared``; ValueError when it is missing or compiles for another machine)."""
-    from .target import export_shared
-    folder = tempfile.mkdtemp(prefix="thomas-tune-cand-")
-    path = os.path.join(folder, "candidate.so")
-    export_shared(rt_mod, path, target)
-    return path
-
-
-# Private arrays per work-item above which a built OpenCL candidate is not measured. An NVIDIA
-# thread addresses at most 255 32-bit registers, 1,020 bytes (CUDA C++ Programming Guide,
-# "Technical Specifications per Compute Capability"); an Adreno fiber fewer. Four times that
-# spills to memory whatever the compiler does. On the H100, 298 trials of the committed logs
-# failed at launch with CL_OUT_OF_HOST_MEMORY or CL_OUT_OF_RESOURCES; 269 of them report the
-# driver's private memory per work-item, and 263 of those had 4 KiB or more (most 16 KiB or
-# more, up to 1.2 MB). Each such failure also costs its lane a new session.
-MAX_PRIVATE_BYTES = 4096
-_CL_ARRAY = re.compile(r"^\s*(?:__private\s+)?(" + "|".join(SCALAR_BYTES)
-                       + r")(\d*)\s+\w+\[(\d+)\];", re.M)
-
-
-def private_array_bytes(source: str) -> int:
-    """Bytes of the private arrays (declared without ``__local``) of the OpenCL C kernel in
-    ``source`` that declares the most; vector types count their lanes (``float3`` as 4)."""
-    most = 0
-    for kernel in source.split("__kernel ")[1:]:
-        total = 0
-        for scalar, lanes, count in _CL_ARRAY.findall(kernel):
-            n = int(lanes) if lanes else 1
-            total += SCALAR_BYTES[scalar] * (4 if n == 3 else n) * int(count)
-        most = max(most, total)
-    return most
-
-
-def check_private_memory(rt_mod, target, limit: int = MAX_PRIVATE_BYTES) -> int:
-    """Bytes of private arrays per work-item of the built candidate ``rt_mod`` (its OpenCL C
-    source, :func:`private_array_bytes`; 0 for a target of another kind). Raises ValueError,
-    naming the size and ``limit``, when it is over ``limit``. Counted in the generated source:
-    the scheduled TIR can declare a per-thread buffer that lowering widens (a depthwise data
-    gradient of MobileNetV2 whose 2,688-byte local tile became a 1.2 MB array)."""
-    if target.kind.name != "opencl":
-        return 0
-    sources = []
-    for m in rt_mod.imports:
-        try:
-            sources.append(m.inspect_source())
-        except Exception:  # a module without source (none on OpenCL)
-            pass
-    n = max((private_array_bytes(src) for src in sources), default=0)
-    if n > limit:
-        raise ValueError(f"private memory {n} bytes per work-item, over the builder's limit of "
-                         f"{limit} (MAX_PRIVATE_BYTES): arrays this large spill to memory; "
-                         "not measured")
-    return n
-
-
-def _build_one(mod, target):
-    t0 = time.perf_counter()
-    rt_mod = build_candidate(mod, target)
-    check_private_memory(rt_mod, target)
-    t1 = time.perf_counter()
-    path = export_candidate(rt_mod, target)
-    return path, t1 - t0, time.perf_counter() - t1
-
-
-@derived_object
-class Builder(ms.builder.PyBuilder):
-    """Builds candidates in a pool of ``max_workers`` processes kept for the whole run.
-
-    Each candidate: ``build_candidate`` then ``export_candidate``. A build over ``timeout_s``
-    kills its worker and is reported as a failed build with that reason. Workers are replaced
-    after ``recycle_after`` batches (TVM's build workers grow in memory over many builds).
-    """
-
-    def __init__(self, max_workers: int | None = None, timeout_s: float = 60.0,
-                 recycle_after: int = 50, phases: Phases | None = None):
-        super().__init__()
-        self.max_workers = max_workers or max(1, os.cpu_count() or 1)
-        self.timeout_s = timeout_s
-        self.recycle_after = recycle_after
-        self.phases = phases or Phases()
-        self._pool = None
-        self._batches = 0
-
-    def _get_pool(self) -> PopenPoolExecutor:
-        if self._pool is None or self._batches >= self.recycle_after:
-            if self._pool is not None:
-                self._pool.shutdown()
-            # builds run at low priority: on a machine that also times candidates, the timed
-            # runs keep the CPU (:data:`COMPILE_NICE`)
-            self._pool = PopenPoolExecutor(max_workers=self.max_workers, timeout=self.timeout_s,
-                                           initializer=lower_priority)
-            self._batches = 0
-        self._batches += 1
-        return self._pool
-
-    def build(self, build_inputs):
-        t0 = time.perf_counter()
-        pool = self._get_pool()
-        results = []
-        for r in pool.map_with_error_catching(lambda x: _build_one(*x),
-                                              [(b.mod, b.target) for b in build_inputs]):
-            if r.status == StatusKind.COMPLETE:
-                path, t_build, t_export = r.value
-                self.phases.add("build.compile", t_build)
-                self.phases.add("build.export", t_export)
-                results.append(ms.builder.BuilderResult(path, None))
-            elif r.status == StatusKind.TIMEOUT:
-                results.append(ms.builder.BuilderResult(
-                    None, f"build timed out after {self.timeout_s:g} s (worker killed)"))
-            else:
-                results.append(ms.builder.BuilderResult(None, f"build failed: {r.value}"))
-        self.phases.add("build", time.perf_counter() - t0, wall=True, n=len(build_inputs))
-        return results
-
-    def shutdown(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown()
-            self._pool = None
+from .phases import Phases
 
 
 # ---- runner: code that runs inside a lane's worker process ----------------------------------
 MAX_TRIAL_DEVICE_S = 0.5  # timed device seconds per trial, beyond the warm-up run
+
+
 #: tasks whose checked inputs and reference outputs a lane keeps on its device at once
 REFERENCES_PER_SESSION = 4
+
+
 _LANE: dict = {}
 
 
@@ -230,7 +56,7 @@ def _lane_open(tracker_host: str, tracker_port: int, key: str, session_timeout_s
     from tvm import rpc
     _lane_close()
     client = rpc.connect_tracker(tracker_host, tracker_port)
-    from .rpc import whole_seconds  # tvm_rpc and TVM's Java server parse whole seconds only
+    from ..rpc import whole_seconds  # tvm_rpc and TVM's Java server parse whole seconds only
     sess = client.request(key, priority=priority, session_timeout=whole_seconds(session_timeout_s),
                           max_retry=1)
     _LANE.update(session=sess, args={}, locked=None, n=0)
@@ -350,7 +176,7 @@ def _lane_reference(ref: tuple, dev) -> dict:
     host with the llvm build of the workload."""
     import tvm
 
-    from . import kernel_check as kc
+    from .. import kernel_check as kc
     key, artifact, workload_json, spec, seed = ref
     refs = _LANE.setdefault("refs", collections.OrderedDict())
     if key in refs:
@@ -389,7 +215,7 @@ def _lane_time(repeat: int, min_repeat_ms: float, max_number: int,
 
     Returns ``{"costs": [s, ...], "number": runs per repeat, "phases": {name: s}}``, or
     ``{"wrong": reason, "phases": ...}``; raises on any other failure."""
-    from . import kernel_check as kc
+    from .. import kernel_check as kc
     name, mod, dev, args_info = _LANE.pop("candidate")
     sess = _LANE["session"]
     t = {}
@@ -674,7 +500,7 @@ class FarmRunner(ms.runner.PyRunner):
         self.max_number, self.wait_s, self.priority = max_number, wait_s, priority
         self.compile_timeout_s = compile_timeout_s
         self.lanes: list[_Lane] = []
-        from .rpc import whole_seconds  # sent as -timeout=N: tvm_rpc rejects "900.0"
+        from ..rpc import whole_seconds  # sent as -timeout=N: tvm_rpc rejects "900.0"
         self.session_timeout_s = whole_seconds(max(session_timeout_s, 2 * self.trial_limit_s))
         self.idle_close_s = idle_close_s
         self.open_slice_s = min(10.0, wait_s)
@@ -774,94 +600,3 @@ class FarmRunner(ms.runner.PyRunner):
         for lane in self.lanes:
             lane.join(timeout=5)
             lane._drop()
-
-
-# ---- device side ----------------------------------------------------------------------------
-# Niceness (added to the caller's) of the CPU work that competes with timed runs on a tuning
-# machine: the build processes of :class:`Builder` and the servers' OpenCL program builds.
-# A timed run of a small kernel is bound by its host thread's launches: on the H100, with 12
-# servers compiling and 8 build processes on 16 cores at normal priority, 169 of 506 default
-# kernels of MobileNetV2's step were timed at more than 2x (up to 15x) their time in a step;
-# with compiles and builds at +10, 4 were (up to 3.6x).
-COMPILE_NICE = 10
-
-
-def lower_priority(nice: int = COMPILE_NICE) -> None:
-    """Add ``nice`` to the niceness of the calling thread (Linux; the calling process
-    elsewhere) and so of the threads it starts. Raising niceness needs no privilege. Used as
-    the build processes' initializer."""
-    who = threading.get_native_id() if sys.platform.startswith("linux") else 0
-    try:
-        os.setpriority(os.PRIO_PROCESS, who, os.getpriority(os.PRIO_PROCESS, who) + nice)
-    except (AttributeError, OSError):  # a platform without setpriority: normal priority
-        pass
-
-
-def on_low_priority_thread(fn, *args):
-    """``fn(*args)`` run on a new thread of niceness +:data:`COMPILE_NICE` (:func:`lower_priority`),
-    waited for; returns what it returns and raises what it raises."""
-    out: list = []
-
-    def run():
-        lower_priority()
-        try:
-            out.append((True, fn(*args)))
-        except BaseException as e:  # handed to the caller's thread
-            out.append((False, e))
-
-    worker = threading.Thread(target=run, name="low-priority", daemon=True)
-    worker.start()
-    worker.join()
-    ok, value = out[0]
-    if not ok:
-        raise value
-    return value
-
-
-def register_low_priority_build() -> None:
-    """Register ``thomas_tune.opencl.build_programs_low_priority(mod, device_id)`` in this
-    (device server) process: ``thomas_tune.opencl.build_programs`` (the driver's build of the
-    OpenCL programs of ``mod``; returns the number built) run on a thread of niceness
-    +:data:`COMPILE_NICE`, so that a build in one server's session leaves the CPU to another
-    server's timed run. Raises what the build raises."""
-    import tvm
-
-    build = tvm.get_global_func("thomas_tune.opencl.build_programs", allow_missing=True)
-    if build is None:  # no OpenCL runtime in this server
-        return
-
-    def build_low_priority(mod, device_id: int) -> int:
-        return on_low_priority_thread(build, mod, device_id)
-
-    tvm.register_global_func("thomas_tune.opencl.build_programs_low_priority",
-                             build_low_priority, override=True)
-
-
-def register_device_lock(path: str | None = None) -> str:
-    """Register ``thomas_tune.device_lock(on)`` in this (device server) process.
-
-    ``on=1`` waits for an exclusive lock on ``path`` (default: one file per user in the temp
-    folder), ``on=0`` releases it: device servers of one machine that share a device take turns
-    for their timed runs. The lock is an advisory ``flock`` (released if the process dies).
-    Returns the lock file's path.
-    """
-    import fcntl
-
-    import tvm
-
-    path = path or os.path.join(tempfile.gettempdir(), f"thomas-tune-device-{os.getuid()}.lock")
-    held: dict[str, int] = {}
-
-    def device_lock(on: int) -> int:
-        if on and "fd" not in held:
-            fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o666)
-            fcntl.flock(fd, fcntl.LOCK_EX)
-            held["fd"] = fd
-        elif not on and "fd" in held:
-            fd = held.pop("fd")
-            fcntl.flock(fd, fcntl.LOCK_UN)
-            os.close(fd)
-        return 0
-
-    tvm.register_global_func("thomas_tune.device_lock", device_lock, override=True)
-    return path
