@@ -32,7 +32,7 @@ import time
 
 
 def main(argv=None) -> int:
-    from thomas_tune import cli
+    from thomas_tune.cli import options
     from thomas_tune.target import parse_target
     from thomas_tune.tasks import extract
     from thomas_tune.tuning import read_default_times, search_context
@@ -42,8 +42,8 @@ def main(argv=None) -> int:
     from tvm.s_tir.schedule import Schedule
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    cli._model_args(p)
-    cli._target_arg(p)
+    options.add_model_args(p)
+    options.add_target_arg(p)
     p.add_argument("--log", required=True, help="tuning log whose records the task resumes")
     p.add_argument("--task", type=int, default=0,
                    help="which task: its rank by default-schedule time x calls in the log's "
@@ -58,9 +58,9 @@ def main(argv=None) -> int:
     p.add_argument("--json", help="write the rounds here")
     args = p.parse_args(argv)
 
-    model, _, _ = cli._model(args)
+    model, _, _ = options.load_model(args)
     target = parse_target(args.target, args.host)
-    tasks = extract(cli._graphs(args, model), target)
+    tasks = extract(options.model_graphs(args, model), target)
     log = TuningLog(args.log)
     database = log.database()
     latency = read_default_times(log.path, target, {workload_key(t): t.mod for t in tasks})

@@ -20,7 +20,8 @@ import json
 import os
 import sys
 
-from .tuning_log import TuningLog, merge, read_errors, read_log, summarize
+from ..tuning_log import TuningLog, merge, read_errors, read_log, summarize
+from .options import add_model_args, add_target_arg, load_model, model_graphs
 
 
 def _print_rejected(rejected, out=None) -> None:
@@ -60,17 +61,16 @@ def cmd_show(args) -> int:
 
 def cmd_check(args) -> int:
     """Check a log's lines (setting bad ones aside) and its coverage of the model's tasks."""
-    from .cli import _graphs, _model
-    from .replay import coverage
-    from .target import parse_target
-    from .tasks import extract
+    from ..replay import coverage
+    from ..target import parse_target
+    from ..tasks import extract
 
     read_log(args.log)  # a clear error for a folder that holds no tuning log
     log = TuningLog(args.log)
     report = log.check(report_to=sys.stdout)
-    model, _, _ = _model(args)
+    model, _, _ = load_model(args)
     target = parse_target(args.target)
-    tasks = extract(_graphs(args, model), target)
+    tasks = extract(model_graphs(args, model), target)
     database = log.database(check=False)
     n, flops = coverage(tasks, database)
     total = sum(t.total_flops for t in tasks) or 1.0
@@ -93,8 +93,8 @@ def cmd_check(args) -> int:
               + ", ".join(f"{v} {k}" for k, v in sorted(other.items())))
     ok = not report.rejected and n > 0
     if args.records:
-        from .record_check import set_aside_wrong
-        aside = set_aside_wrong(log, target, _graphs(args, model))
+        from ..record_check import set_aside_wrong
+        aside = set_aside_wrong(log, target, model_graphs(args, model))
         print(f"records: every record a build of this model applies was run on this machine's "
               f"device against its default schedule; {aside} wrong record(s) set aside "
               f"({log.record_path}.rejected)")
@@ -124,7 +124,7 @@ def cmd_merge(args) -> int:
 
 def cmd_pack(args) -> int:
     """xz-compress tuning logs in place (read-only from then on; for commits)."""
-    from .tuning_log import pack
+    from ..tuning_log import pack
     for path in args.logs:
         before, after = pack(path)
         print(f"packed {path}: {before / 1e6:.2f} MB -> {after / 1e6:.2f} MB")
@@ -133,15 +133,16 @@ def cmd_pack(args) -> int:
 
 def cmd_unpack(args) -> int:
     """Undo 'log pack' in place, so that the logs can be tuned into again."""
-    from .tuning_log import unpack
+    from ..tuning_log import unpack
     for path in args.logs:
         print(f"unpacked {path}: {unpack(path) / 1e6:.2f} MB")
     return 0
 
 
-def add_parser(sub, model_args, target_arg) -> None:
+def add_parser(sub) -> None:
     """Add the ``log`` verb and its ``show``/``check``/``merge`` sub-verbs to ``sub``."""
-    s = sub.add_parser("log", help="show a tuning log, check it against a model, merge, pack and unpack logs")
+    s = sub.add_parser("log", help="show a tuning log, check it against a model, merge, pack "
+                       "and unpack logs")
     lsub = s.add_subparsers(dest="log_verb", required=True)
     t = lsub.add_parser("show", help="records, failures and best time per workload")
     t.add_argument("log", help="tuning-log folder")
@@ -149,8 +150,8 @@ def add_parser(sub, model_args, target_arg) -> None:
     t.set_defaults(fn=cmd_show)
     t = lsub.add_parser("check", help="set bad lines aside; coverage of a model's tasks")
     t.add_argument("log", help="tuning-log folder")
-    model_args(t)
-    target_arg(t)
+    add_model_args(t)
+    add_target_arg(t)
     t.add_argument("--records", action="store_true",
                    help="also run each record a build of the model applies on this machine's "
                         "device against its default schedule, and set wrong ones aside until "

@@ -1,0 +1,120 @@
+"""The verbs that compile: ``export`` (a model with a tuning log) and ``replay`` (a log checked)."""
+
+from __future__ import annotations
+
+import sys
+
+from .options import add_model_args, add_target_arg, load_model, optimizer_config
+
+
+def _export_model(args, out: str) -> dict:
+    """Compile the model of the model options (with ``--log``'s schedules) into ``out``; the
+    export's manifest. Raises ValueError for a tuning log with no records."""
+    from ..export import export
+    from ..rpc import parse_address
+    from ..target import resolve_target
+    from ..tuning_log import TuningLog
+    model, tensors, classes = load_model(args)
+    log = TuningLog(args.log) if args.log else None
+    if log is not None and not log.exists():
+        raise ValueError(f"tuning log {args.log!r} has no records; tune first, or drop --log "
+                         "to export with default schedules")
+    tracker = getattr(args, "tracker", None)  # opencl:remote: the server's or the log's
+    target, device = resolve_target(args.target, args.host, tracker and parse_address(tracker),
+                                    getattr(args, "key", None), args.log,
+                                    wait_s=getattr(args, "wait", 60))
+    return export(out, model, tensors, target, batch=args.batch,
+                  infer_batch=args.infer_batch, trainable=args.trainable,
+                  optimizer=optimizer_config(args), log=log, classes=classes, device=device)
+
+
+def cmd_export(args) -> int:
+    manifest = _export_model(args, args.out)
+    print(f"exported {manifest['arch']} to {args.out}: {len(manifest['trainable'])} trainable, "
+          f"{len(manifest['frozen'])} frozen parameters; tuning log "
+          f"{manifest['tuning_log'] or 'none'} (sha256 {str(manifest['tuning_log_sha256'])[:12]})")
+    return 0
+
+
+def cmd_replay(args) -> int:
+    from ..replay import failed_minimum, replay
+    from ..target import parse_target
+    from ..tuning_log import TuningLog
+    model, _, _ = load_model(args)
+    report = replay(model, parse_target(args.target, args.host), TuningLog(args.log),
+                    batch=args.batch,
+                    infer_batch=args.infer_batch, trainable=args.trainable,
+                    check=not args.no_check, min_flops_coverage=args.min_flops_coverage,
+                    min_time_coverage=args.min_time_coverage)
+    time_part = ("" if report.time_coverage is None else
+                 f", {100 * report.time_coverage:.1f}% of the untuned kernel time "
+                 f"{1e3 * report.time_s:.2f} ms measured on the device")
+    print(f"{report.tuned}/{report.tasks} tasks have a tuning record "
+          f"({100 * report.task_coverage:.1f}% of tasks, {100 * report.flops_coverage:.1f}% "
+          f"of FLOPs{time_part})")
+    if report.slower:
+        print(f"{report.slower} workload(s) keep their default schedule: their best record is "
+              "slower than the default measured on the device (default_latency.json)")
+    why = failed_minimum(report, args.min_flops_coverage, args.min_time_coverage)
+    ok = why is None
+    if not ok:
+        print(f"FAIL: {why}", file=sys.stderr)
+    if report.records_checked is not None:
+        print(f"{report.records_checked} applied tuning record(s) checked against their "
+              f"default schedule on this machine's device: {len(report.records_wrong)} wrong")
+        if report.records_wrong:
+            ok = False
+            print(f"FAIL: {len(report.records_wrong)} record(s) compute wrong numbers; "
+                  "'thomas-tune log check --records' with the same model options sets them "
+                  "aside",
+                  file=sys.stderr)
+    elif not args.no_check:
+        print(f"tuning records not checked: {report.records_unchecked}")
+    if report.checked:
+        e = report.errors
+        # tuned gradients may be no worse than 10x the default schedules' float32 error
+        tol = {"logits": 1e-4, "loss": 1e-4,
+               "gradients": max(args.grad_tolerance, 10 * e["gradients_default_schedules"])}
+        for k in ("logits", "loss", "gradients"):
+            good = e[k] <= tol[k]
+            ok &= good
+            print(f"max relative error of {k} vs float64 reference: {e[k]:.2e} "
+                  f"({'ok' if good else 'FAIL'}, tolerance {tol[k]:.1e})")
+        print(f"(float32 with default schedules: gradients {e['gradients_default_schedules']:.2e})")
+    else:
+        print("float64 check of the whole graphs not run: it runs llvm targets of this "
+              "machine only")
+    return 0 if ok else 1
+
+
+def add_export(sub) -> None:
+    s = sub.add_parser("export", help="compile inference and training modules with a log")
+    add_model_args(s)
+    add_target_arg(s)
+    s.add_argument("--log", help="tuning-log folder (none: default schedules)")
+    s.add_argument("--out", required=True, help="export folder")
+    s.add_argument("--tracker", help="with --target opencl:remote: the tracker HOST:PORT of "
+                   "the device server to read the limits from (else --log's device.json)")
+    s.add_argument("--key", help="with --target opencl:remote: that server's device key")
+    s.set_defaults(fn=cmd_export)
+
+
+def add_replay(sub) -> None:
+    s = sub.add_parser("replay", help="compile from a tuning log with no device and check it")
+    add_model_args(s)
+    add_target_arg(s)
+    s.add_argument("--log", required=True)
+    s.add_argument("--min-flops-coverage", type=float, default=0.5,
+                   help="fail when tuned tasks hold less than this share of FLOPs (0.5)")
+    s.add_argument("--min-time-coverage", type=float, default=0.0,
+                   help="fail when tuned tasks hold less than this share of the untuned "
+                        "kernel time measured on the device (default_latency.json in the log "
+                        "folder; for logs of tune --time-share; default 0: not checked)")
+    s.add_argument("--grad-tolerance", type=float, default=1e-3,
+                   help="max relative gradient error vs float64, or 10x that of the default "
+                        "schedules in float32 if larger (default 1e-3)")
+    s.add_argument("--no-check", action="store_true",
+                   help="skip the numeric checks: each applied record against its default "
+                        "schedule on this machine's device, and the float64 check of the "
+                        "graphs (llvm targets)")
+    s.set_defaults(fn=cmd_replay)

@@ -1,0 +1,93 @@
+"""The verbs about a model itself: ``import-onnx`` (pretrained weights) and ``memory``."""
+
+from __future__ import annotations
+
+import json
+
+from .options import add_model_args, load_model, optimizer_config
+
+
+def cmd_import_onnx(args) -> int:
+    from ..models import save_checkpoint
+    from ..models.onnx_import import import_onnx
+    model, tensors, report = import_onnx(args.onnx, args.model, width=args.width,
+                                         resolution=args.resolution, num_classes=args.classes,
+                                         seed=args.seed)
+    cal = None
+    if args.calibrate and report.fused_batchnorms:
+        from ..data import load
+        from ..models.onnx_import import calibrate_batchnorms
+        import numpy as np
+        x = load(args.calibrate, model.resolution, limit=args.calibrate_images, seed=args.seed).x
+        images = x[np.random.default_rng(args.seed).permutation(len(x))[:args.calibrate_images]]
+        tensors, cal = calibrate_batchnorms(model, tensors, images, report.fused_batchnorms)
+    save_checkpoint(args.out, model, tensors)
+    print(f"imported {report.layers} layers of {args.onnx} into {model.arch} "
+          f"(width {model.width:g}, {model.resolution}x{model.resolution}, "
+          f"{model.num_classes} classes) -> {args.out}")
+    n_fused = len(report.fused_batchnorms)
+    if cal is not None:
+        print(f"  {n_fused} BatchNorm layers were fused into their convolutions in the file: "
+              f"calibrated on {cal.images} images of {args.calibrate} (scale, shift and "
+              "running statistics from the per-channel mean and variance of each layer's "
+              "input; inference output unchanged, max relative change "
+              f"{cal.logits_change:.1e}): training-form BatchNorm starts from the imported "
+              "network")
+    elif n_fused:
+        print(f"  {n_fused} BatchNorm layers were fused into their convolutions in the file: "
+              "imported as identity BatchNorms (same inference output). Training them in "
+              "training form discards each channel's learned scale and shift: import with "
+              "--calibrate DATA (images like those the network was trained on), or train "
+              "with --trainable all,frozen-bn (or last:K,frozen-bn)")
+    elif args.calibrate:
+        print("  no BatchNorm was fused in the file (statistics imported): nothing to "
+              "calibrate")
+    if report.replaced_head:
+        print(f"  classifier head {report.replaced_head} replaced: {report.onnx_classes} -> "
+              f"{model.num_classes} classes, freshly initialised")
+    return 0
+
+
+def cmd_memory(args) -> int:
+    from ..memory import training_memory
+    model, _, _ = load_model(args)
+    modes = args.modes.split(",") if args.modes else [args.trainable]
+    rows = []
+    for mode in modes:
+        m = training_memory(model, args.batch, mode, optimizer_config(args)).as_dict()
+        rows.append({"trainable": mode, **m})
+    if args.json:
+        print(json.dumps(rows, indent=1))
+        return 0
+    keys = ["parameters", "gradients", "optimizer_state", "activations_kept", "peak"]
+    print(f"{model.arch} w{model.width:g} r{model.resolution} batch {args.batch}, MiB:")
+    print(f"{'trainable':>10}" + "".join(f"{k:>18}" for k in keys))
+    for r in rows:
+        print(f"{r['trainable']:>10}" + "".join(f"{r[k] / 2**20:>18.2f}" for k in keys))
+    return 0
+
+
+def add_import_onnx(sub) -> None:
+    s = sub.add_parser("import-onnx", help="pretrained weights from an ONNX file -> checkpoint")
+    s.add_argument("onnx", help="ONNX file with the torchvision layer layout")
+    s.add_argument("--model", required=True, help="mobilenet_v2, mobilenet_v1 or alexnet")
+    s.add_argument("--width", type=float, default=1.0, help="width multiplier (default 1.0)")
+    s.add_argument("--resolution", type=int, help="input size (default: the ONNX input's)")
+    s.add_argument("--classes", type=int,
+                   help="classes (default: the file's; another number replaces the head)")
+    s.add_argument("--seed", type=int, default=0, help="seed of a replaced head")
+    s.add_argument("--out", required=True, help="checkpoint .npz to write")
+    s.add_argument("--calibrate", metavar="DATA", help="image folder or shipped data set: "
+                   "recover the scale, shift and statistics of BatchNorms fused in the file "
+                   "from these images (like those the network was trained on)")
+    s.add_argument("--calibrate-images", type=int, default=512,
+                   help="images of --calibrate to use (default 512)")
+    s.set_defaults(fn=cmd_import_onnx)
+
+
+def add_memory(sub) -> None:
+    s = sub.add_parser("memory", help="bytes a training step needs, by trainable set")
+    add_model_args(s)
+    s.add_argument("--modes", help="comma-separated trainable sets, e.g. all,last:4,last:1")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(fn=cmd_memory)

@@ -1,0 +1,114 @@
+"""Options and helpers that several verbs share: the model, target and device-server options."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+
+DEFAULT_LOG_ROOT = "tuning_logs"
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("model")
+    g.add_argument("--model", default="mobilenet_v2",
+                   help="mobilenet_v2, mobilenet_v1 or alexnet (default: mobilenet_v2)")
+    g.add_argument("--width", type=float, default=0.35, help="width multiplier (default 0.35)")
+    g.add_argument("--resolution", type=int, default=64, help="input size in pixels (default 64)")
+    g.add_argument("--classes", type=int, help="number of classes (default 10; with "
+                   "--checkpoint, a different number replaces the classifier head)")
+    g.add_argument("--checkpoint", help="a .npz checkpoint: its architecture, shape and weights "
+                   "replace --model/--width/--resolution")
+    g.add_argument("--batch", type=int, default=8, help="images per training step (default 8)")
+    g.add_argument("--infer-batch", type=int, default=1, help="batch of the inference module")
+    g.add_argument("--trainable", default="all",
+                   help="'all' or 'last:K' (the last K layers train, the rest are frozen); "
+                        "',frozen-bn' after either keeps every BatchNorm in inference form")
+    g.add_argument("--from-scratch", action="store_true",
+                   help="fresh random weights even if --checkpoint is given (all trainable)")
+    g.add_argument("--optimizer", default="momentum_sgd", choices=["momentum_sgd", "sgd", "adam"])
+    g.add_argument("--lr", type=float, default=0.01, help="learning rate (default 0.01)")
+    g.add_argument("--momentum", type=float, default=0.9)
+    g.add_argument("--weight-decay", type=float, default=0.0)
+
+
+def add_target_arg(p, default="llvm"):
+    p.add_argument("--target", default=default,
+                   help="llvm, opencl, a tag such as qcom/adreno-opencl, or a JSON dict "
+                        f"(default {default})")
+    if "--host" in p._option_string_actions:  # rpc server: --host is its bind address
+        return
+    p.add_argument("--host", help="where the compiled code runs: android-aarch64 (a phone), "
+                   "linux-aarch64, native, or an llvm triple; a foreign host is linked with "
+                   "the cross compiler TVM_NDK_CC names (default: this machine)")
+
+
+def add_remote_args(p) -> None:
+    g = p.add_argument_group("device server (run the export there, e.g. on a phone)")
+    g.add_argument("--tracker", help="tracker HOST:PORT of the device server")
+    g.add_argument("--key", help="device key of the server (e.g. galaxy-s8)")
+    g.add_argument("--wait", type=float, default=60,
+                   help="seconds to wait for a free server (default 60)")
+    g.add_argument("--session-timeout", type=float, default=None,
+                   help="seconds each RPC session may last, sent in whole seconds (default "
+                        "900); a longer run renews its session between steps, state kept")
+
+
+def open_session(args, checkpoint: str | None = None, seed: int = 0):
+    """The export of ``--export`` loaded here, or on a device server of ``--tracker``/``--key``;
+    started from ``checkpoint``'s weights (and class names) when given."""
+    from ..runtime import RemoteDevice, Session
+    remote = None
+    if args.tracker or args.key:
+        if not (args.tracker and args.key):
+            raise ValueError("--tracker and --key go together: the tracker's HOST:PORT and "
+                             "the device key of the server to run on")
+        from ..rpc import parse_address
+        remote = RemoteDevice(parse_address(args.tracker), args.key, args.session_timeout,
+                              wait_s=args.wait)
+    session = Session(args.export, remote=remote, seed=seed)
+    if checkpoint:
+        session.load_checkpoint(checkpoint)
+    return session
+
+
+def load_model(args):
+    from ..models import build, init_params, load_checkpoint, replace_head
+    classes = None
+    if args.checkpoint:
+        model, tensors, classes = load_checkpoint(args.checkpoint)
+        if args.classes and args.classes != model.num_classes:
+            model, tensors = replace_head(model, tensors, args.classes,
+                                          seed=getattr(args, "seed", 0))
+            classes = None
+    else:
+        model = build(args.model, num_classes=args.classes or 10, resolution=args.resolution,
+                      width=args.width)
+        tensors = init_params(model)
+    if args.from_scratch:
+        tensors = init_params(model, seed=int(time.time()) % 100000)
+        args.trainable = "all"
+    return model, tensors, classes
+
+
+def optimizer_config(args):
+    from ..graph import OptimizerConfig
+    return OptimizerConfig(name=args.optimizer, lr=args.lr, momentum=args.momentum,
+                           weight_decay=args.weight_decay)
+
+
+def model_graphs(args, model):
+    from .. import graph as G
+    return {"infer": G.inference_module(model, args.infer_batch),
+            "train": G.training_module(model, args.batch, args.trainable,
+                                       optimizer_config(args)).mod}
+
+
+def model_tag(model, args) -> str:
+    return (f"{model.arch}-w{model.width:g}-r{model.resolution}-c{model.num_classes}"
+            f"-b{args.batch}")
+
+
+def default_log(args, model, key):
+    return os.path.join(DEFAULT_LOG_ROOT, key, model_tag(model, args))

@@ -1,0 +1,266 @@
+"""The verbs of tuning: ``tasks``, ``tune`` and ``remeasure``."""
+
+from __future__ import annotations
+
+import re
+import signal
+import sys
+import time
+
+from .options import (add_model_args, add_target_arg, default_log, load_model,
+                      model_graphs)
+from .stop import STOP, safe_records
+
+
+def cmd_tasks(args) -> int:
+    from ..target import parse_target
+    from ..tasks import extract, summary
+    model, _, _ = load_model(args)
+    tasks = extract(model_graphs(args, model), parse_target(args.target, args.host))
+    total = sum(t.total_flops for t in tasks)
+    print(summary(tasks[: args.limit] if args.limit else tasks, total))
+    if args.limit and len(tasks) > args.limit:
+        print(f"(first {args.limit} of {len(tasks)} tasks by FLOPs)")
+    return 0
+
+
+def cmd_tune(args) -> int:
+    from .. import rpc
+    from ..tasks import extract, select, summary
+    import math
+
+    from ..measure.runner import error_line
+    from ..tuning.driver import TuneOptions, rpc_runner, tune
+    from ..tuning_log import TuningLog
+    from ..runtime import check_device
+    from ..target import cross_compiler, resolve_target, write_device_file
+    options = TuneOptions(  # its checks fail here, before the tracker is contacted
+        trials=args.trials, trials_per_iter=args.trials_per_iter, seed=args.seed,
+        population=args.population, builder_workers=args.build_workers, stats_path=args.stats,
+        max_in_flight=args.in_flight, max_unroll=args.max_unroll, refine_top=args.refine_top,
+        genetic_iters=args.genetic_iters)
+    model, _, _ = load_model(args)
+    target, device = resolve_target(args.target, args.host, rpc.parse_address(args.tracker),
+                                    args.key, wait_s=args.wait)  # opencl:remote: the server's
+    cross_compiler(target)  # a missing or wrong cross compiler fails before any work
+    try:
+        pattern = re.compile(args.match) if args.match else None
+    except re.error as err:
+        raise ValueError(f"--match {args.match!r} is not a regular expression ({err})") from None
+    tracker = rpc.parse_address(args.tracker)
+    rpc.wait_for_key(tracker, args.key, timeout=args.wait)
+    check_device(tracker, args.key, target, timeout=args.wait)  # loads code linked here
+    free = rpc.wait_for_key(tracker, args.key, timeout=args.wait)
+    everything = extract(model_graphs(args, model), target)
+    pool = everything
+    if pattern is not None:
+        from ..tasks import matching
+        pool = matching(everything, pattern)
+        if not pool:
+            raise ValueError(f"no task name or workload key matches --match {args.match!r}; "
+                             "'thomas-tune tasks' with the same model options lists the names")
+    log = TuningLog(args.log or default_log(args, model, args.key))
+    log.require_writable()  # before minutes of default-schedule timing
+    if device is not None:  # the limits the log's records were measured under
+        write_device_file(log.path, device)
+    STOP["log"] = log  # what a stop by signal reports
+    runner = rpc_runner(tracker, args.key, servers=args.servers or free,
+                        trial_timeout_s=args.trial_timeout,
+                        compile_timeout_s=args.compile_timeout, repeat=args.repeat,
+                        min_repeat_ms=args.min_repeat_ms)
+    latency = None
+    if args.time_share:
+        from ..tuning.defaults import kernel_time_s, measure_defaults, select_by_time
+        t0 = time.perf_counter()
+        latency = measure_defaults(everything, target, runner, log,
+                                   builder_workers=args.build_workers)
+        step_ms = kernel_time_s(everything, latency) * 1e3
+        failed = sum(1 for v in latency.values() if not math.isfinite(v))
+        print(f"default schedules: {len(everything)} kernels sum to {step_ms:.1f} ms per "
+              f"pass of all graphs ({failed} failed to run); measured in "
+              f"{time.perf_counter() - t0:.0f} s, cached in {log.path}", flush=True)
+        tasks = select_by_time(select(pool, top=None, flops_share=None, skip_empty=False),
+                               latency, args.time_share)
+        if args.top:
+            tasks = tasks[:args.top]
+    else:
+        from ..tuning.defaults import measure_defaults
+        tasks = select(pool, top=args.top, flops_share=args.flops_share)
+        # the tuned tasks' default schedules, timed once (cached in the log, as --time-share
+        # does for every kernel): the baseline a record must beat to be compiled by export
+        latency = measure_defaults(tasks, target, runner, log, builder_workers=args.build_workers)
+    print(summary(tasks, sum(t.total_flops for t in everything)), flush=True)
+    lanes = args.servers or free  # --servers: lanes asked for; else the servers free now
+    print(f"tuning {len(tasks)} tasks, {args.trials} trials, on {lanes} server(s) of key "
+          f"{args.key!r}; tuning log {log.path}", flush=True)
+    try:
+        report = tune(tasks, target, log, runner, options, default_s=latency)
+    except BaseException:
+        if "signal" not in STOP:  # stopped by SIGINT/SIGTERM: one line, not a traceback
+            raise
+        sig = STOP["signal"]
+        print(f"tuning stopped by {signal.Signals(sig).name}: {safe_records(log)} records "
+              f"are safe in {log.record_path} (batches in flight at the signal were measured "
+              "and logged); run the same command again to resume", file=sys.stderr, flush=True)
+        return 128 + sig
+    print(f"measured {report.trials} new trials ({report.skipped} candidates already in the "
+          f"log were not re-measured, {report.drawn} drawn at random from the design spaces "
+          f"when a search proposed only measured ones; {report.resumed_records} records resumed, "
+          f"{report.replayed_records} of them replayed in a start-up of "
+          f"{report.startup_s:.1f} s)")
+    print(f"throughput: {report.throughput_line()}")
+    for t in report.tasks:
+        if t.trials:
+            print(f"  {t.name[:56]:<56} {t.trials:>4} trials  best {t.best_s * 1e3:9.4f} ms  "
+                  f"{t.gflops:8.2f} GFLOP/s  ({t.errors} failed)")
+            if t.errors:
+                print(f"    last failure: {error_line(t.last_error, 200)}")
+    for name, reason in report.search_failed.items():
+        print(f"  {name[:56]}: search ended early: {reason}")
+    return 0
+
+
+def cmd_remeasure(args) -> int:
+    """Time the best records of the model's tasks in ``--log`` again (and with ``--defaults``
+    the default schedules); see :mod:`thomas_tune.remeasure`. Returns 1 when a re-measure
+    failed (the record keeps its old time), else 0."""
+    from .. import rpc
+    from ..remeasure import remeasure
+    from ..runtime import check_device
+    from ..target import parse_target
+    from ..tasks import extract
+    from ..tuning.defaults import kernel_time_s, measure_defaults, read_default_times
+    from ..tasks import key as workload_key
+    from ..tuning.driver import rpc_runner
+    from ..tuning_log import TuningLog
+    model, _, _ = load_model(args)
+    target = parse_target(args.target, args.host)
+    log = TuningLog(args.log)
+    if not log.exists():
+        raise ValueError(f"tuning log {args.log!r} has no records; tune first or fix the path")
+    log.require_writable()  # its times are rewritten in place
+    tracker = rpc.parse_address(args.tracker)
+    rpc.wait_for_key(tracker, args.key, timeout=args.wait)
+    check_device(tracker, args.key, target, timeout=args.wait)
+    free = rpc.wait_for_key(tracker, args.key, timeout=args.wait)
+    tasks = extract(model_graphs(args, model), target)
+    runner = rpc_runner(tracker, args.key, servers=args.servers or free,
+                        trial_timeout_s=args.trial_timeout,
+                        compile_timeout_s=args.compile_timeout, repeat=args.repeat,
+                        min_repeat_ms=args.min_repeat_ms)
+    try:
+        if args.defaults:
+            t0 = time.perf_counter()
+            cached = read_default_times(log.path, target,
+                                        {workload_key(t): t.mod for t in tasks})
+            latency = measure_defaults(tasks, target, runner, log,
+                                       builder_workers=args.build_workers, refresh=True)
+            was = (f"{1e3 * kernel_time_s(tasks, cached):.2f} ms before (cached)" if cached
+                   else "none cached before")
+            print(f"default schedules: {len(tasks)} kernels timed again in "
+                  f"{time.perf_counter() - t0:.0f} s; sum per pass of all graphs "
+                  f"{1e3 * kernel_time_s(tasks, latency):.2f} ms now, {was}", flush=True)
+        t0 = time.perf_counter()
+        report = remeasure(log, target, runner, {workload_key(t) for t in tasks},
+                           top_k=args.top_k, builder_workers=args.build_workers,
+                           progress=lambda d, n: print(f"  {d}/{n} records", flush=True))
+    finally:
+        runner.shutdown()
+    print(f"remeasured {report.measured} records of {len(report.best)} workloads in "
+          f"{time.perf_counter() - t0:.0f} s ({report.failed} failed and kept their old time); "
+          f"best time moved by more than 1.25x for {report.changed()} workloads")
+    for why, n in sorted(report.reasons.items(), key=lambda kv: -kv[1])[:5]:
+        print(f"  {n} x {why}")
+    return 1 if report.failed else 0
+
+
+def add_tasks(sub) -> None:
+    s = sub.add_parser("tasks", help="list the tasks of the inference and training graphs")
+    add_model_args(s)
+    add_target_arg(s)
+    s.add_argument("--limit", type=int, default=0, help="show only the largest N tasks")
+    s.set_defaults(fn=cmd_tasks)
+
+
+def add_tune(sub) -> None:
+    s = sub.add_parser("tune", help="tune the tasks on device servers of a tracker")
+    add_model_args(s)
+    add_target_arg(s)
+    s.add_argument("--tracker", required=True, help="tracker HOST:PORT")
+    s.add_argument("--key", required=True, help="device key of the servers to measure on")
+    s.add_argument("--trials", type=int, default=64, help="measurements in all (default 64)")
+    s.add_argument("--trials-per-iter", type=int, default=8,
+                   help="candidates measured per task per round (default 8)")
+    s.add_argument("--top", type=int, help="tune only the N tasks with the most FLOPs")
+    s.add_argument("--match", help="choose among the tasks whose name matches this regular "
+                   "expression (Python re.search), or whose workload key it matches whole (the "
+                   "'workload' of a bench's kernel table in JSON), only; the other options "
+                   "select among them")
+    s.add_argument("--flops-share", type=float,
+                   help="tune the fewest largest tasks covering this share of FLOPs")
+    s.add_argument("--time-share", type=float,
+                   help="first time every kernel with its default schedule on the device, then "
+                        "tune the fewest slowest tasks covering this share of that time")
+    s.add_argument("--log", help="tuning-log folder (default tuning_logs/<key>/<model tag>)")
+    s.add_argument("--wait", type=float, default=30, help="seconds to wait for a free server")
+    s.add_argument("--population", type=int, default=128,
+                   help="evolutionary-search population per round (default 128)")
+    s.add_argument("--genetic-iters", type=int, default=2,
+                   help="rounds of mutation per search round (default 2); the search's host "
+                        "time per round grows with population x rounds")
+    s.add_argument("--servers", type=int, help="device servers measuring at once (default: "
+                   "all free servers of the key)")
+    s.add_argument("--trial-timeout", type=float, default=20.0,
+                   help="seconds the timed runs of a trial may take before it is cut and "
+                        "recorded as an error (default 20)")
+    s.add_argument("--compile-timeout", type=float, default=30.0,
+                   help="seconds the device's build of a candidate's OpenCL programs may take "
+                        "before the trial is cut and recorded as an error (default 30)")
+    s.add_argument("--repeat", type=int, default=3, help="timed repeats per trial (default 3)")
+    s.add_argument("--min-repeat-ms", type=float, default=2.0,
+                   help="length of one repeat; runs per repeat are sized from a warm-up run "
+                        "(default 2 ms)")
+    s.add_argument("--build-workers", type=int, help="build processes (default: CPU count)")
+    s.add_argument("--in-flight", type=int, default=3,
+                   help="batches measured while the next is searched and built (default 3; "
+                        "1: search, build and measure take turns)")
+    s.add_argument("--max-unroll", type=int,
+                   help="largest unroll limit the search chooses on GPUs (of 0, 16, 64, 512, "
+                        "1024; default: all): smaller candidates build and compile faster; "
+                        "the best records then get the larger limits (--refine-top)")
+    s.add_argument("--refine-top", type=int, default=2,
+                   help="best records per task measured again before the search with "
+                        "their padding moved out of the inner loop into the shared-memory "
+                        "fill (convolutions), best records of each other workload of the "
+                        "same contraction (a twin with or without a fused ReLU) measured on "
+                        "it, and, with "
+                        "--max-unroll, after it with each larger unroll limit (default 2; "
+                        "0: none)")
+    s.add_argument("--stats", help="write trials/s and the time split as JSON here (every "
+                   "30 s while tuning, and at the end, also after SIGINT or SIGTERM; its 'ended' "
+                   "says how the run ended)")
+    s.add_argument("--seed", type=int, default=0)
+    s.set_defaults(fn=cmd_tune)
+
+
+def add_remeasure(sub) -> None:
+    s = sub.add_parser("remeasure", help="time a log's best records (and the default "
+                       "schedules) again on the device; the new times replace the old")
+    add_model_args(s)
+    add_target_arg(s)
+    s.add_argument("--tracker", required=True, help="tracker HOST:PORT")
+    s.add_argument("--key", required=True, help="device key of the servers to measure on")
+    s.add_argument("--log", required=True, help="tuning-log folder")
+    s.add_argument("--top-k", type=int, default=2,
+                   help="records per workload timed again, fastest first (default 2)")
+    s.add_argument("--defaults", action="store_true",
+                   help="also time every task's default schedule again (default_latency.json)")
+    s.add_argument("--wait", type=float, default=30, help="seconds to wait for a free server")
+    s.add_argument("--servers", type=int, help="device servers measuring at once (default: "
+                   "all free servers of the key)")
+    s.add_argument("--trial-timeout", type=float, default=20.0)
+    s.add_argument("--compile-timeout", type=float, default=30.0)
+    s.add_argument("--repeat", type=int, default=3, help="timed repeats per record (default 3)")
+    s.add_argument("--min-repeat-ms", type=float, default=2.0)
+    s.add_argument("--build-workers", type=int, help="build processes (default: CPU count)")
+    s.set_defaults(fn=cmd_remeasure)
