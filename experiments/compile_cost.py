@@ -12,7 +12,7 @@ as recorded and in variants, and measures per candidate, in this one process and
 - ``source_kb``: the OpenCL C source, kB;
 - ``compile_s``: the OpenCL driver's build of the program (``thomas_tune.opencl``; the on-disk
   binary cache is off), seconds;
-- ``run_ms``: the kernel's run time on random inputs (``thomas_tune.bench``'s timing: best of
+- ``run_ms``: the kernel's run time on random inputs (``thomas_tune.benchmark``'s timing: best of
   3 repeats of >= 20 ms), ms.
 
 Variants: ``recorded`` (the trace as tuned); ``capN`` (each ``pragma_auto_unroll_max_step``
@@ -87,13 +87,14 @@ def _build(job):
 
 def _time_one(job, dev, rng) -> None:
     import tvm
-    from thomas_tune.bench import _random_args, _time
+    from thomas_tune.benchmark.kernels import random_args
+    from thomas_tune.benchmark.peaks import seconds_per_call
     lib = tvm.runtime.load_module(job["path"])
     build = tvm.get_global_func("thomas_tune.opencl.build_programs")
     t0 = time.perf_counter()
     build(lib, dev.index)
     job["compile_s"] = time.perf_counter() - t0
-    job["run_ms"] = _time(lib, lib.entry_name, dev, _random_args(job["args"], dev, rng),
+    job["run_ms"] = seconds_per_call(lib, lib.entry_name, dev, random_args(job["args"], dev, rng),
                           20.0) * 1e3
 
 

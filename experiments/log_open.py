@@ -27,7 +27,7 @@ import tvm_ffi
 from tvm.s_tir import meta_schedule as ms
 from tvm.s_tir.schedule import Schedule
 
-from thomas_tune.build import best_records
+from thomas_tune.compile import best_records
 from thomas_tune.tuning_log import TuningLog, unpack
 
 

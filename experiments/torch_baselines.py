@@ -1,7 +1,7 @@
 import json, sys
 from thomas_tune.models import build, init_params
 from thomas_tune.graph import training_module
-from thomas_tune.bench import time_torch
+from thomas_tune.benchmark import time_torch
 out = {}
 for arch, tr in (("mobilenet_v2", "all"), ("mobilenet_v2", "last:2"), ("alexnet", "all"), ("alexnet", "last:3")):
     m = build(arch, num_classes=1000, resolution=224, width=1.0)

@@ -1,4 +1,4 @@
-"""Schedules of the Winograd transforms (``thomas_tune/winograd.py``): the filter, input and
+"""Schedules of the Winograd transforms (``thomas_tune/winograd_form.py``): the filter, input and
 output transforms around the batched matmul.
 
 Each transform computes, per (channel, tile) or (channel pair), a small block of values: the

@@ -138,7 +138,7 @@ def test_kernels_of_the_step_are_those_of_the_export(small_export):
     """Every kernel the bench derives from the graph is in the exported library, runs on random
     inputs, and the kernels' time per step is of the order of the measured step."""
     import tvm
-    from thomas_tune.bench import exported_training_module, step_kernels, time_export, \
+    from thomas_tune.benchmark import exported_training_module, step_kernels, time_export, \
         time_kernels
     from thomas_tune.graph import training_module
     from thomas_tune.models import load_checkpoint
@@ -166,7 +166,7 @@ def test_tuning_curve_replays_the_log():
     """The curve starts at the default-schedule estimate, never rises, counts the step's records
     and ends at min(default, best record) per workload (best records read through
     MetaSchedule's database, not the curve's own parser)."""
-    from thomas_tune.bench import exported_training_module, mark_tuned, step_kernels, \
+    from thomas_tune.benchmark import exported_training_module, mark_tuned, step_kernels, \
         tuning_curve
     from thomas_tune.graph import training_module
     from thomas_tune.models import build
@@ -215,7 +215,7 @@ def test_bench_verb_on_an_export(small_export, tmp_path, capsys):
 @needs_opencl
 def test_opencl_peaks_cached_per_device(tmp_path, monkeypatch):
     import tvm
-    from thomas_tune.bench import measure_peaks
+    from thomas_tune.benchmark import measure_peaks
     monkeypatch.setenv("THOMAS_TUNE_CACHE", str(tmp_path))
     target = opencl.target_for(0)
     first = measure_peaks(target, tvm.opencl(0), min_ms=2)

@@ -8,7 +8,7 @@ from tvm import relax
 
 from conftest import SMALL, TorchGraph, random_tensors
 from thomas_tune import graph as G
-from thomas_tune.build import compile_graph
+from thomas_tune.compile import compile_graph
 from thomas_tune.models import build, spec
 from thomas_tune.target import parse_target
 

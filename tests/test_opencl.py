@@ -13,7 +13,7 @@ from tvm import te
 from tvm.s_tir import meta_schedule as ms
 
 from thomas_tune import opencl, rpc
-from thomas_tune.build import default_gpu_schedules
+from thomas_tune.compile import default_gpu_schedules
 from thomas_tune.schedules import space_generator
 
 if os.environ.get("THOMAS_TUNE_REQUIRE_OPENCL") and not opencl.available():
@@ -1184,7 +1184,7 @@ def test_dropout_masks_drawn_on_the_device_match_numpy(target, rng):
     # torch.nn.functional.dropout (0 and 1 / (1 - p)).
     from tvm import relax
 
-    from thomas_tune.build import compile_graph
+    from thomas_tune.compile import compile_graph
     from thomas_tune.dropout import draw_masks_function, mask_numpy
     masks = [((400, 500), 0.5), ((200_000,), 0.2), ((7, 3, 5), 0.9)]
     exe = compile_graph(draw_masks_function(tvm.IRModule(), masks), target, None)

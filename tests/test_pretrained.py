@@ -8,7 +8,7 @@ import tvm
 
 from conftest import random_tensors, torch_module
 from thomas_tune import graph as G
-from thomas_tune.build import compile_graph
+from thomas_tune.compile import compile_graph
 from thomas_tune.models import build, load_checkpoint, replace_head, spec
 from thomas_tune.models.onnx_import import import_onnx
 from thomas_tune.target import parse_target

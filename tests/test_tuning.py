@@ -119,7 +119,7 @@ def test_default_times_are_cached_per_schedule_rules(tmp_path, small_tasks, caps
 def test_records_slower_than_the_default_schedule_are_not_compiled(tmp_path, small_tasks):
     """``export`` and ``replay`` compile with :func:`tuned_database`: a workload whose best
     record lost to its default schedule on the device keeps the default."""
-    from thomas_tune.build import tuned_database
+    from thomas_tune.compile import tuned_database
     from thomas_tune.tuning import DEFAULT_LATENCY, default_schedule_key, defaults_stamp
     from thomas_tune.tasks import key as workload_key
     target = parse_target("llvm")
@@ -149,7 +149,7 @@ def test_records_slower_than_the_default_schedule_are_not_compiled(tmp_path, sma
     import tvm
     from tvm import relax
 
-    from thomas_tune.build import compile_graph
+    from thomas_tune.compile import compile_graph
     from thomas_tune.models import init_params, spec
     model = build("mobilenet_v2", num_classes=5, resolution=32, width=0.35)
     mod = G.inference_module(model, 1)

@@ -34,7 +34,7 @@ import tvm
 from . import graph as G
 from tvm import relax
 
-from .build import compile_graph
+from .compile import compile_graph
 from .record_check import checked_build
 from .dropout import draw_masks_function
 from .manifest import (FORMAT, MANIFEST, PACK_OPTIMIZER_STATE, PACK_TRAINABLE,  # noqa: F401

@@ -185,7 +185,7 @@ def checked_build(log, target, graphs: dict[str, tvm.IRModule], check: bool = Tr
     Leaving a record out can change which convolutions take the Winograd form (the choice
     compares kernel times), and so the tasks: the check runs again on the new tasks until no
     new record fails. ``say`` gets one line per record left out."""
-    from .build import tuned_build, winograd_choice
+    from .compile import tuned_build, winograd_choice
     from .tasks import extract
     from .tasks import key as workload_key
     wrong: dict[str, str] = {}
@@ -233,7 +233,7 @@ def set_aside_wrong(log, target, graphs: dict[str, tvm.IRModule], say=print,
     :class:`CheckUnavailable` when no device here runs the target."""
     import math
 
-    from .build import tuned_build, winograd_choice
+    from .compile import tuned_build, winograd_choice
     from .tasks import extract
     from .tasks import key as workload_key
     from .tuning_log import mean_run_seconds

@@ -21,7 +21,7 @@ import tvm
 from tvm import relax
 
 from . import graph as G
-from .build import compile_graph
+from .compile import compile_graph
 from .record_check import checked_build
 from .models import init_params, spec
 from .tasks import extract
@@ -99,7 +99,7 @@ def check_numbers(model, target, database, batch: int, trainable: str, seed: int
                   winograd=None) -> dict:
     """Max relative error (max |got - ref| / max |ref|) of logits, loss and every gradient.
     ``winograd``: the convolutions the tuned build computes in the Winograd form
-    (:func:`thomas_tune.build.winograd_choice`)."""
+    (:func:`thomas_tune.compile.winograd_choice`)."""
     rng = np.random.default_rng(seed)
     tensors = init_params(model, seed=seed)
     for k in tensors:  # non-trivial BN statistics and biases

@@ -25,12 +25,12 @@ def fuse(mod: tvm.IRModule, winograd=None) -> tvm.IRModule:
     transposed weight first, 302 MB of traffic per step for AlexNet's first linear layer.
 
     ``winograd``: None (every convolution in its direct form), ``"all"`` (each convolution
-    :func:`thomas_tune.winograd.eligible` takes, in the Winograd form) or a set of
-    :class:`thomas_tune.winograd.Conv` (those convolutions only, e.g. from
+    :func:`thomas_tune.winograd_form.eligible` takes, in the Winograd form) or a set of
+    :class:`thomas_tune.winograd_form.Conv` (those convolutions only, e.g. from
     :func:`choose_winograd`).
     """
     if winograd:
-        from . import winograd as W
+        from . import winograd_form as W
         mod, _ = W.rewrite(mod, (lambda call, conv: True) if winograd == "all"
                            else (lambda call, conv: conv in winograd))
     seq = tvm.transform.Sequential([
@@ -103,13 +103,13 @@ def choose_winograd(mod: tvm.IRModule, kernel_ms) -> set:
 
     ``kernel_ms(key)``: ms per call of the workload with that key (its best tuning record, or
     its default schedule's time), None when unknown. For each eligible convolution (grouped
-    by :class:`thomas_tune.winograd.Conv`: sites of one shape share their kernels), the
+    by :class:`thomas_tune.winograd_form.Conv`: sites of one shape share their kernels), the
     kernels that appear and those that go away when only it is rewritten are compared, time x
     calls: every kernel that appears must have a time; one that goes away without a time
     counts as free (so an untimed kernel never tips the choice towards the Winograd form).
     Returns a set of ``Conv``, empty when no convolution qualifies (then nothing is fused
     twice)."""
-    from . import winograd as W
+    from . import winograd_form as W
     convs = W.convolutions(mod)
     if not convs:
         return set()
@@ -153,14 +153,14 @@ def extract(graphs: dict[str, tvm.IRModule], target: tvm.target.Target,
     """Tasks of several Relax graphs (name -> unfused module), deduplicated by workload.
 
     ``winograd``: None, for tuning: a graph with convolutions the Winograd form takes
-    (:mod:`thomas_tune.winograd`) gives the tasks of both forms, so that tuning finds what
+    (:mod:`thomas_tune.winograd_form`) gives the tasks of both forms, so that tuning finds what
     each costs (a kernel both forms call is counted once); or graph name -> the set of
-    convolutions a build computes in that form (:func:`thomas_tune.build.winograd_choice`):
+    convolutions a build computes in that form (:func:`thomas_tune.compile.winograd_choice`):
     the tasks of that build only.
 
     Returns tasks sorted by total FLOPs (calls x FLOPs per call), largest first.
     """
-    from . import winograd as W
+    from . import winograd_form as W
     by_key: dict[int, Task] = {}
     for graph_name, mod in graphs.items():
         if winograd is not None:

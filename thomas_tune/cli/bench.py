@@ -37,11 +37,11 @@ def _bench_remote(args) -> int:
 
 def cmd_bench(args) -> int:
     """Side by side on this machine's device: the model compiled with --log (tuned) and with
-    default schedules, and PyTorch eager; see :mod:`thomas_tune.bench`. With --tracker/--key:
+    default schedules, and PyTorch eager; see :mod:`thomas_tune.benchmark`. With --tracker/--key:
     one export timed on that device server (``_bench_remote``)."""
     if args.tracker or args.key:
         return _bench_remote(args)
-    from .. import bench
+    from .. import benchmark as bench
     from ..target import parse_target
     work = args.work or tempfile.mkdtemp(prefix="thomas-tune-bench-")
     if args.export:  # one existing export: its model, shapes, target and trainable set

@@ -150,7 +150,7 @@ def compile_graph(mod: tvm.IRModule, target: tvm.target.Target,
 
     ``database``: a MetaSchedule database (the tuning log) or None for default schedules.
     ``winograd``: the convolutions to compute in the Winograd form (a set of
-    :class:`thomas_tune.winograd.Conv`, :func:`winograd_choice`), None for none.
+    :class:`thomas_tune.winograd_form.Conv`, :func:`winograd_choice`), None for none.
     ``rule_classes``: the default GPU rules of kernels without a record
     (:func:`thomas_tune.schedules.default_gpu_schedules`; None: thomas_tune's).
     """

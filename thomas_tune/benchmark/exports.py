@@ -1,0 +1,176 @@
+"""The compiled variants of a bench (tuned, default): their exports, start-up and steady state."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+from .kernels import exported_training_module
+
+
+GRAPH_MARKER = "bench_graph_key"  # in a bench export folder: structural hash of its graph
+
+
+_START_CHILD = r"""
+import json, sys, time
+t0 = time.time()
+import numpy as np
+import thomas_tune
+from thomas_tune.runtime import Session
+t1 = time.time()
+s = Session(sys.argv[1])
+rng = np.random.default_rng(int(sys.argv[2]))
+x = rng.standard_normal(s.model.input_shape(s.batch)).astype("float32")
+y = rng.integers(0, s.model.num_classes, s.batch)
+t2 = time.time()
+loss = s.train_step(x, y)
+s.sync()
+t3 = time.time()
+stats = {}
+if s.manifest["target"]["kind"] == "opencl":
+    from thomas_tune import opencl
+    stats = opencl.stats()
+print(json.dumps({"import_s": t1 - t0, "load_s": t2 - t1, "first_step_s": t3 - t2, "end": t3,
+                  "loss": loss, "opencl": stats}))
+"""
+
+
+def start_once(export_dir: str, cache_dir: str, seed: int = 0, timeout: float = 3600) -> dict:
+    """Start a fresh Python process that loads ``export_dir`` and runs one training step (fresh
+    random inputs) with the OpenCL program cache in ``cache_dir``. Returns seconds: ``total_s``
+    (process start to the end of the first step), ``import_s``, ``load_s``, ``first_step_s``,
+    and the sidecar's counters (``opencl``: source builds, binary loads). The process is a
+    deployed runtime's: ``TVM_USE_RUNTIME_LIB=1``, TVM's runtime library without its compiler.
+    Raises RuntimeError with the child's stderr when it fails."""
+    env = dict(os.environ, THOMAS_TUNE_OPENCL_CACHE=cache_dir, TVM_USE_RUNTIME_LIB="1")
+    cmd = [sys.executable] + (["-P"] if sys.flags.safe_path else []) + [
+        "-c", _START_CHILD, os.path.abspath(export_dir), str(seed)]
+    t0 = time.time()
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
+    if proc.returncode != 0:
+        raise RuntimeError(f"start-up run failed:\n{proc.stderr[-3000:]}")
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    out["total_s"] = out.pop("end") - t0
+    return out
+
+
+def startup(export_dir: str, seed: int = 0) -> dict:
+    """First and second start of an export (see :func:`start_once`): the first with an empty
+    program-binary cache (a fresh temporary folder), the second with the cache it wrote.
+    Returns ``{"first": {...}, "second": {...}}``. On PoCL, PoCL's own kernel cache
+    (``POCL_KERNEL_CACHE``) is left as it is and may already hold the kernels."""
+    with tempfile.TemporaryDirectory(prefix="thomas-tune-clcache-") as cache:
+        first = start_once(export_dir, cache, seed)
+        second = start_once(export_dir, cache, seed + 1)
+    return {"first": first, "second": second}
+
+
+def time_export(export_dir: str, steps: int, warmup: int = 2, seed: int = 0) -> dict:
+    """ms per training step and per inference pass (median wall time of ``steps`` runs, after
+    ``warmup``; a fresh random batch for every run, copied to the device before the step's
+    clock starts, as :func:`time_torch` does; the step's dropout masks are drawn on the
+    device inside it) of an export on this machine's device;
+    kernel launches per training step on OpenCL. Returns a dict with ``train_ms``,
+    ``infer_ms``, ``batch``, ``infer_batch``, ``launches_per_step`` (None off OpenCL)."""
+    from ..runtime import Session
+    s = Session(export_dir, seed=seed)
+    rng = np.random.default_rng(seed)
+    opencl_kind = s.manifest["target"]["kind"] == "opencl"
+
+    def batch(n):
+        return rng.standard_normal(s.model.input_shape(n)).astype("float32")
+
+    def labels():
+        return rng.integers(0, s.model.num_classes, s.batch)
+
+    for _ in range(warmup):
+        s.train_step(batch(s.batch), labels())
+        s.predict(batch(s.infer_batch))
+    s.sync()
+    launches = None
+    if opencl_kind:
+        from .. import opencl
+        before = opencl.stats()["launches"]
+    times = []
+    for _ in range(steps):
+        x, y = s.upload(batch(s.batch), labels())  # on the device before the clock starts,
+        s.sync()                                   # as PyTorch's batch is (time_torch)
+        t0 = time.perf_counter()
+        s.train_step(x, y)
+        s.sync()
+        times.append(time.perf_counter() - t0)
+    if opencl_kind:
+        launches = (opencl.stats()["launches"] - before) / steps
+    itimes = []
+    for _ in range(steps):
+        x = batch(s.infer_batch)
+        t0 = time.perf_counter()
+        s.predict(x)
+        itimes.append(time.perf_counter() - t0)
+    return {"train_ms": float(np.median(times)) * 1e3, "infer_ms": float(np.median(itimes)) * 1e3,
+            "batch": s.batch, "infer_batch": s.infer_batch, "launches_per_step": launches}
+
+
+def _same_export(out_dir: str, want: dict) -> bool:
+    from ..export import read_manifest
+    try:
+        m = read_manifest(out_dir)
+    except ValueError:
+        return False
+    return all(m.get(k) == v for k, v in want.items())
+
+
+def prepare_exports(model, tensors, target, log_path: str | None, work: str, batch: int,
+                    infer_batch: int, trainable: str, optimizer, say=print,
+                    stock: bool = False) -> dict:
+    """Export the model with default schedules (``work/default``), with ``log_path`` with the
+    tuning log (``work/tuned``), and with ``stock`` with TVM's own default GPU rules instead of
+    thomas_tune's (``work/stock``: what TVM gives an untuned kernel); an export already there
+    with the same model, shapes, target, trainable set, optimizer, rules and tuning-log hash
+    is reused. Returns variant -> folder. Raises ValueError for a tuning log with no
+    records."""
+    import dataclasses
+
+    from ..export import export, log_hash
+    from ..graph import training_module
+    from ..tuning_log import TuningLog
+    log = TuningLog(log_path) if log_path else None
+    if log is not None and not log.exists():
+        raise ValueError(f"tuning log {log_path!r} has no records")
+    import tvm_ffi
+    tg = training_module(model, batch, trainable, optimizer)
+    # the graph the export was compiled from: an export of an older graph (other gradients,
+    # other fusion) has other kernels, so it is compiled again
+    graph_key = str(tvm_ffi.structural_hash(exported_training_module(model, tg)))
+    out = {}
+    for variant, lg in (("tuned", log), ("default", None), ("stock", None)):
+        if variant == "tuned" and lg is None or variant == "stock" and not stock:
+            continue
+        folder = os.path.join(work, variant)
+        want = {"arch": model.arch, "config": model.config(), "batch": batch,
+                "infer_batch": infer_batch, "target": json.loads(str(target)),
+                "trainable": tg.trainable, "optimizer": dataclasses.asdict(tg.optimizer),
+                "tuning_log_sha256": log_hash(lg),
+                "default_rules": "stock" if variant == "stock" else "thomas_tune"}
+        want["optimizer"] = json.loads(json.dumps(want["optimizer"]))
+        marker = os.path.join(folder, GRAPH_MARKER)
+        same_graph = os.path.exists(marker) and open(marker).read().strip() == graph_key
+        if same_graph and _same_export(folder, want):
+            say(f"[bench] reusing the {variant} export in {folder}")
+        else:
+            t0 = time.perf_counter()
+            say(f"[bench] compiling the {variant} export into {folder} ...")
+            export(folder, model, tensors, target, batch=batch, infer_batch=infer_batch,
+                   trainable=trainable, optimizer=optimizer, log=lg,
+                   progress=lambda m: say(f"[bench]   {m}"), stock_defaults=variant == "stock")
+            with open(marker, "w") as f:
+                f.write(graph_key + "\n")
+            say(f"[bench] {variant} export done in {time.perf_counter() - t0:.0f} s")
+        out[variant] = folder
+    return out
