@@ -78,7 +78,7 @@ def _export(folder, model, tensors, trainable, tuned):
     from thomas_tune.export import export
     from thomas_tune.graph import OptimizerConfig
     from thomas_tune.target import parse_target
-    from thomas_tune.tuning_log import TuningLog
+    from thomas_tune.logs import TuningLog
     if not os.path.exists(os.path.join(folder, "manifest.json")):
         export(folder, model, tensors, parse_target("llvm"), batch=BATCH, trainable=trainable,
                optimizer=OptimizerConfig(**OPT), log=TuningLog(LOG) if tuned else None,

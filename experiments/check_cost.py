@@ -37,7 +37,7 @@ def main() -> None:
     from thomas_tune.target import parse_target
     from thomas_tune.tasks import extract
     from thomas_tune.tuning import rpc_runner, tune
-    from thomas_tune.tuning_log import TuningLog
+    from thomas_tune.logs import TuningLog
     target = parse_target(args.target) if args.target else opencl.target_for(0)
     model = build(args.model, num_classes=args.classes, resolution=args.resolution,
                   width=args.width)

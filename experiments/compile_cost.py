@@ -102,7 +102,7 @@ def pick(log: str, workloads: int, records: int, seed: int, spread: int = 0) -> 
     """The best record and ``records - 1`` random valid ones of each of the ``workloads``
     workloads of ``log`` with the longest best time (largest kernels first), then ``spread``
     valid records drawn at random from the whole log (as the trials of a run spread)."""
-    from thomas_tune.tuning_log import mean_seconds, read_log
+    from thomas_tune.logs import mean_seconds, read_log
     contents = read_log(log)
     by_w: dict[int, list] = {}
     for w, body in contents.records:

@@ -68,7 +68,7 @@ def main() -> int:
     from thomas_tune import opencl, opencl_source
     from thomas_tune.measure.builder import build_candidate
     from thomas_tune.target import parse_target
-    from thomas_tune.tuning_log import mean_seconds, read_log
+    from thomas_tune.logs import mean_seconds, read_log
 
     opencl.load()
     target = parse_target(args.target)

@@ -28,7 +28,7 @@ from tvm.s_tir import meta_schedule as ms
 from tvm.s_tir.schedule import Schedule
 
 from thomas_tune.compile import best_records
-from thomas_tune.tuning_log import TuningLog, unpack
+from thomas_tune.logs import TuningLog, unpack
 
 
 def _json_hashes(db, mods) -> dict:

@@ -99,7 +99,7 @@ def from_bench(log: str, bench_json: str, count: int) -> list[dict]:
     them. Raises ValueError when a kernel's workload has no valid record in ``log``."""
     import math
 
-    from thomas_tune.tuning_log import mean_seconds, read_log
+    from thomas_tune.logs import mean_seconds, read_log
     with open(bench_json) as f:
         kernels = [k for k in json.load(f)["kernels"] if k.get("tuned")]
     kernels.sort(key=lambda k: -k["tuned_ms"] * k.get("calls", 1))

@@ -37,7 +37,7 @@ def main(argv=None) -> int:
     from thomas_tune.tasks import extract
     from thomas_tune.tuning import read_default_times, search_context
     from thomas_tune.tasks import key as workload_key
-    from thomas_tune.tuning_log import TuningLog
+    from thomas_tune.logs import TuningLog
     from tvm.s_tir import meta_schedule as ms
     from tvm.s_tir.schedule import Schedule
 

@@ -170,7 +170,7 @@ def test_tuning_curve_replays_the_log():
         tuning_curve
     from thomas_tune.graph import training_module
     from thomas_tune.models import build
-    from thomas_tune.tuning_log import TuningLog
+    from thomas_tune.logs import TuningLog
     model = build("mobilenet_v2", num_classes=10, resolution=64, width=0.35)
     kernels = step_kernels(exported_training_module(model, training_module(model, 8, "all")))
     rng = np.random.default_rng()

@@ -43,7 +43,7 @@ from thomas_tune.measure.builder import build_candidate, export_candidate
 from thomas_tune.measure.runner import FarmRunner
 from thomas_tune.schedules import plain_json
 from thomas_tune.target import parse_target
-from thomas_tune.tuning_log import (LogInUse, TrialErrors, TuningLog, mean_seconds, read_errors,
+from thomas_tune.logs import (LogInUse, TrialErrors, TuningLog, mean_seconds, read_errors,
                                     read_log)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -165,7 +165,7 @@ def test_export_and_replay_leave_out_a_wrong_record(tmp_path, target, rng):
     from thomas_tune.replay import replay
     from thomas_tune.step_check import check_export
     from thomas_tune.tasks import key
-    from thomas_tune.tuning_log import TuningLog
+    from thomas_tune.logs import TuningLog
     model, task, sch = _relu6_mask_task(target)
     os.makedirs(tmp_path / "log")
     log = TuningLog(str(tmp_path / "log"))

@@ -192,7 +192,7 @@ def test_tuning_session_with_an_opencl_server(tmp_path, target):
     from thomas_tune.models import build
     from thomas_tune.tasks import extract
     from thomas_tune.tuning import rpc_runner, tune
-    from thomas_tune.tuning_log import TuningLog
+    from thomas_tune.logs import TuningLog
     model = build("mobilenet_v2", num_classes=5, resolution=32, width=0.35)
     tasks = [t for t in extract({"infer": G.inference_module(model, 1)}, target) if t.flops > 0]
     tasks = sorted(tasks, key=lambda t: t.flops)[:2]
@@ -609,7 +609,7 @@ def test_best_records_are_measured_with_their_padding_in_the_shared_fill(tmp_pat
     from thomas_tune.schedules import plain_json, postprocessed, with_padding_in_fill
     from thomas_tune.tasks import Task
     from thomas_tune.tuning import rpc_runner, tune
-    from thomas_tune.tuning_log import TuningLog
+    from thomas_tune.logs import TuningLog
 
     n, ci, co, h = 2, 8, 16, 12
     x = te.placeholder((n, ci, h, h), name="x")
@@ -680,7 +680,7 @@ def test_records_move_between_kernels_of_one_contraction(tmp_path, target, rng):
     from thomas_tune.schedules import anchor_key, postprocessed, transferred
     from thomas_tune.tasks import Task
     from thomas_tune.tuning import rpc_runner, tune
-    from thomas_tune.tuning_log import TuningLog
+    from thomas_tune.logs import TuningLog
 
     n, ci, co, h = 2, 8, 16, 10
     x = te.placeholder((n, ci, h, h), name="x")
@@ -1070,7 +1070,7 @@ def test_a_search_that_raises_ends_its_task_only(tmp_path, target, monkeypatch):
     from thomas_tune.tuning import search as tune_mod
     from thomas_tune.tasks import Task
     from thomas_tune.tuning import rpc_runner, tune
-    from thomas_tune.tuning_log import TuningLog
+    from thomas_tune.logs import TuningLog
 
     def matmul(name):
         n = 64
@@ -1122,7 +1122,7 @@ def test_unroll_refinement_gives_the_best_records_larger_limits(tmp_path, target
     from thomas_tune.schedules import with_unroll
     from thomas_tune.tasks import Task
     from thomas_tune.tuning import rpc_runner, tune
-    from thomas_tune.tuning_log import TuningLog
+    from thomas_tune.logs import TuningLog
 
     n = 64
     a = te.placeholder((n, n), name="A")
@@ -1261,7 +1261,7 @@ def test_log_keeps_a_record_whose_trace_holds_a_layout(target, tmp_path):
     kernel."""
     import tvm_ffi
 
-    from thomas_tune.tuning_log import TuningLog
+    from thomas_tune.logs import TuningLog
 
     mod, *_ = _dense(32, 256, 2048, lambda v, b: v + b)
     ctx = ms.TuneContext(mod=mod, target=target, space_generator=space_generator(target),

@@ -67,7 +67,7 @@ def test_packed_log_reads_as_the_plain_one_and_refuses_writes(tmp_path, monkeypa
 
     import pytest
 
-    from thomas_tune.tuning_log import (RECORDS, WORKLOADS, TuningLog, is_packed, read_log,
+    from thomas_tune.logs import (RECORDS, WORKLOADS, TuningLog, is_packed, read_log,
                                         summarize)
 
     monkeypatch.setenv("THOMAS_TUNE_CACHE", str(tmp_path / "cache"))

@@ -13,7 +13,7 @@ from thomas_tune.models import build
 from thomas_tune.target import parse_target
 from thomas_tune.tasks import extract, key, matching
 from thomas_tune.tuning import rpc_runner, tune
-from thomas_tune.tuning_log import TuningLog
+from thomas_tune.logs import TuningLog
 
 
 @pytest.fixture(scope="module")

@@ -57,7 +57,7 @@ def best_records(database: ms.Database, log_path: str,
     import math
 
     from .tuning.defaults import read_default_times
-    from .tuning_log import LogDatabase, mean_run_seconds
+    from .logs import LogDatabase, mean_run_seconds
 
     def valid(secs: list[float]) -> bool:
         return math.isfinite(mean_run_seconds(secs))
@@ -101,7 +101,7 @@ def tuned_build(log, target: tvm.target.Target, exclude: set[str] = frozenset()
     import math
 
     from .tuning.defaults import read_default_times
-    from .tuning_log import mean_run_seconds
+    from .logs import mean_run_seconds
     database = log.database()
     best, slower = best_records(database, log.path, target)
     times = {k: mean_run_seconds(rec.run_secs) * 1e3 for k, rec in best.items()}

@@ -110,7 +110,7 @@ def run(args, tune_fn) -> int:
     from .models import load_checkpoint, replace_head, save_checkpoint
     from .runtime import Session
     from .target import parse_target
-    from .tuning_log import TuningLog
+    from .logs import TuningLog
 
     t_start = time.perf_counter()
     work = args.work

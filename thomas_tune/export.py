@@ -42,7 +42,7 @@ from .manifest import (FORMAT, MANIFEST, PACK_OPTIMIZER_STATE, PACK_TRAINABLE,  
 from .models import save_checkpoint, share_mode, spec
 from .schedules import STOCK_RULES
 from .target import cross_compiler, describe, export_shared, host_triple
-from .tuning_log import TuningLog
+from .logs import TuningLog
 
 
 def _with_step_functions(mod: tvm.IRModule, trainable_shapes, optim_state,

@@ -97,7 +97,7 @@ def _append_cache(key: str, wrong: str | None) -> None:
 def record_id(record, target, device_name: str) -> str:
     """sha256 (hex) of what a record's check depends on: its workload, its trace, the target,
     the device and :data:`CHECK_VERSION`."""
-    from .tuning_log import trace_json
+    from .logs import trace_json
     h = hashlib.sha256()
     for part in (CHECK_VERSION, tvm.__version__, device_name, str(target),
                  tvm.ir.save_json(record.workload.mod), trace_json(record)):
@@ -224,7 +224,7 @@ def checked_build(log, target, graphs: dict[str, tvm.IRModule], check: bool = Tr
 def set_aside_wrong(log, target, graphs: dict[str, tvm.IRModule], say=print,
                     batch: int = 8) -> int:
     """Check the records a build of ``graphs`` applies from ``log`` (an unpacked
-    :class:`~thomas_tune.tuning_log.TuningLog`) and move each wrong one to
+    :class:`~thomas_tune.logs.TuningLog`) and move each wrong one to
     ``database_tuning_record.json.rejected`` with its reason. For a workload whose applied
     record is wrong, its next-fastest records are checked, ``batch`` at a time, until a right
     one is found (or none is left); then the build's tasks are taken again (leaving a record out
@@ -236,7 +236,7 @@ def set_aside_wrong(log, target, graphs: dict[str, tvm.IRModule], say=print,
     from .compile import tuned_build, winograd_choice
     from .tasks import extract
     from .tasks import key as workload_key
-    from .tuning_log import mean_run_seconds
+    from .logs import mean_run_seconds
     log.require_writable()
     dev, _ = local_device(target)
     total = 0
@@ -281,7 +281,7 @@ def _move_aside(log, aside: dict[str, list[tuple[list[float], str]]]) -> int:
     RuntimeError when none is found."""
     from tvm.s_tir import meta_schedule as ms
 
-    from .tuning_log import _rewrite
+    from .logs import rewrite_atomically
     with open(log.workload_path) as f:
         wl_keys = [str(tvm_ffi.structural_hash(ms.database.Workload.from_json(
             json.loads(line)).mod)) if line.strip() else None for line in f]
@@ -306,5 +306,5 @@ def _move_aside(log, aside: dict[str, list[tuple[list[float], str]]]) -> int:
         for i, line, why in moved:
             f.write(json.dumps({"line": i + 1, "reason": why, "text": line.rstrip("\n")})
                     + "\n")
-    _rewrite(log.record_path, kept)
+    rewrite_atomically(log.record_path, kept)
     return len(moved)

@@ -23,7 +23,7 @@ from tvm.s_tir.schedule import Schedule
 
 from .measure.builder import Builder
 from .tuning.defaults import measure_kernels
-from .tuning_log import TuningLog, _rewrite, mean_seconds
+from .logs import TuningLog, mean_seconds, rewrite_atomically
 
 
 @dataclass
@@ -53,7 +53,7 @@ def remeasure(log: TuningLog, target, runner: ms.Runner, workload_keys: set[str]
     ``workload_keys``: only workloads whose key (structural hash, decimal, as
     :func:`thomas_tune.tasks.key`) is in it (None: all). Records are built and run in
     batches of ``batch``; ``progress(done, total)`` is called after each. Raises
-    :class:`thomas_tune.tuning_log.LogInUse` when a tuner holds the log, ValueError when the
+    :class:`thomas_tune.logs.LogInUse` when a tuner holds the log, ValueError when the
     log has no records; lines that do not parse are set aside as :meth:`TuningLog.check` does.
     """
     if not log.exists():
@@ -99,7 +99,7 @@ def remeasure(log: TuningLog, target, runner: ms.Runner, workload_keys: set[str]
                     body[1] = secs
                     lines[i] = json.dumps([w, body], separators=(",", ":")) + "\n"
                     report.measured += 1
-                _rewrite(log.record_path, lines)  # this batch's times are safe now
+                rewrite_atomically(log.record_path, lines)  # this batch's times are safe now
                 if progress is not None:
                     progress(min(start + batch, len(picked)), len(picked))
         finally:

@@ -25,7 +25,7 @@ from .compile import compile_graph
 from .record_check import checked_build
 from .models import init_params, spec
 from .tasks import extract
-from .tuning_log import TuningLog
+from .logs import TuningLog
 
 
 @dataclass

@@ -9,7 +9,6 @@ import sys
 from .kernels import Kernel
 
 
-
 def tuning_curve(log_path: str, kernels: list[Kernel], default_variant: str = "default") -> dict:
     """Estimated kernel time of a training step (ms) against trials of the tuning log.
 
@@ -21,7 +20,7 @@ def tuning_curve(log_path: str, kernels: list[Kernel], default_variant: str = "d
     ``trials_to_95pct`` is the first trial count whose estimate is within 5% of the total gain
     from the final value. Raises FileNotFoundError when the log has no record file.
     """
-    from ..tuning_log import TuningLog
+    from ..logs import TuningLog
     log = TuningLog(log_path)  # a packed log is read from its unpacked copy
     by_key: dict[str, list[Kernel]] = {}
     for k in kernels:

@@ -139,7 +139,7 @@ def prepare_exports(model, tensors, target, log_path: str | None, work: str, bat
 
     from ..export import export, log_hash
     from ..graph import training_module
-    from ..tuning_log import TuningLog
+    from ..logs import TuningLog
     log = TuningLog(log_path) if log_path else None
     if log is not None and not log.exists():
         raise ValueError(f"tuning log {log_path!r} has no records")

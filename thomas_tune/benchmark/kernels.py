@@ -88,7 +88,7 @@ def mark_tuned(kernels: list[Kernel], log_path: str, target=None) -> int:
     record lost to the default schedule on the device (:func:`thomas_tune.build.best_records`;
     such a kernel keeps its default). Returns how many are tuned."""
     from ..build import best_records
-    from ..tuning_log import TuningLog
+    from ..logs import TuningLog
     best, slower = best_records(TuningLog(log_path).database(), log_path, target)
     used = set(best) - slower
     for k in kernels:

@@ -14,7 +14,6 @@ from .peaks import device_description, measure_peaks
 from .torch_baseline import time_torch, torch_device
 
 
-
 @dataclass
 class BenchConfig:
     """What to run: steps (timed runs per measurement), warm-up runs, kernels (rows of the

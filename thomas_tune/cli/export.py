@@ -13,7 +13,7 @@ def _export_model(args, out: str) -> dict:
     from ..export import export
     from ..rpc import parse_address
     from ..target import resolve_target
-    from ..tuning_log import TuningLog
+    from ..logs import TuningLog
     model, tensors, classes = load_model(args)
     log = TuningLog(args.log) if args.log else None
     if log is not None and not log.exists():
@@ -39,7 +39,7 @@ def cmd_export(args) -> int:
 def cmd_replay(args) -> int:
     from ..replay import failed_minimum, replay
     from ..target import parse_target
-    from ..tuning_log import TuningLog
+    from ..logs import TuningLog
     model, _, _ = load_model(args)
     report = replay(model, parse_target(args.target, args.host), TuningLog(args.log),
                     batch=args.batch,

@@ -20,7 +20,7 @@ import json
 import os
 import sys
 
-from ..tuning_log import TuningLog, merge, read_errors, read_log, summarize
+from ..logs import TuningLog, merge, read_errors, read_log, summarize
 from .options import add_model_args, add_target_arg, load_model, model_graphs
 
 
@@ -124,7 +124,7 @@ def cmd_merge(args) -> int:
 
 def cmd_pack(args) -> int:
     """xz-compress tuning logs in place (read-only from then on; for commits)."""
-    from ..tuning_log import pack
+    from ..logs import pack
     for path in args.logs:
         before, after = pack(path)
         print(f"packed {path}: {before / 1e6:.2f} MB -> {after / 1e6:.2f} MB")
@@ -133,7 +133,7 @@ def cmd_pack(args) -> int:
 
 def cmd_unpack(args) -> int:
     """Undo 'log pack' in place, so that the logs can be tuned into again."""
-    from ..tuning_log import unpack
+    from ..logs import unpack
     for path in args.logs:
         print(f"unpacked {path}: {unpack(path) / 1e6:.2f} MB")
     return 0

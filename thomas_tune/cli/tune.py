@@ -31,7 +31,7 @@ def cmd_tune(args) -> int:
 
     from ..measure.runner import error_line
     from ..tuning.driver import TuneOptions, rpc_runner, tune
-    from ..tuning_log import TuningLog
+    from ..logs import TuningLog
     from ..runtime import check_device
     from ..target import cross_compiler, resolve_target, write_device_file
     options = TuneOptions(  # its checks fail here, before the tracker is contacted
@@ -132,7 +132,7 @@ def cmd_remeasure(args) -> int:
     from ..tuning.defaults import kernel_time_s, measure_defaults, read_default_times
     from ..tasks import key as workload_key
     from ..tuning.driver import rpc_runner
-    from ..tuning_log import TuningLog
+    from ..logs import TuningLog
     model, _, _ = load_model(args)
     target = parse_target(args.target, args.host)
     log = TuningLog(args.log)

@@ -7,8 +7,6 @@ import threading
 from dataclasses import dataclass, field
 
 
-
-
 @dataclass
 class Phases:
     """Seconds spent per phase, summed over workers (``busy``) or as wall time (``wall``)."""

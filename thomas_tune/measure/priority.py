@@ -16,8 +16,6 @@ import tempfile
 import threading
 
 
-
-
 # Niceness (added to the caller's) of the CPU work that competes with timed runs on a tuning
 # machine: the build processes of :class:`Builder` and the servers' OpenCL program builds.
 # A timed run of a small kernel is bound by its host thread's launches: on the H100, with 12

@@ -3,7 +3,7 @@
 Each task's candidates are built locally (:class:`thomas_tune.measure.builder.Builder`) and
 measured on the device servers that the tracker hands out for the device key
 (:class:`thomas_tune.measure.runner.FarmRunner`). Records go to the tuning log as they arrive
-(one line per trial, see :mod:`thomas_tune.tuning_log`). A run on an existing log resumes:
+(one line per trial, see :mod:`thomas_tune.logs`). A run on an existing log resumes:
 MetaSchedule's evolutionary search only de-duplicates within one run, so
 :class:`.search.ResumingSearch` drops every candidate whose schedule is already in the log before
 it is built, and the new run measures only new ones.

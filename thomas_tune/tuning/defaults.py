@@ -18,7 +18,7 @@ from ..measure.builder import Builder
 from ..measure.runner import error_line
 from ..tasks import Task
 from ..tasks import key as workload_key
-from ..tuning_log import FAILED_RUN_S, TuningLog
+from ..logs import FAILED_RUN_S, TuningLog
 
 DEFAULT_LATENCY = "default_latency.json"
 

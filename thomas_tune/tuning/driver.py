@@ -20,7 +20,7 @@ from ..measure.runner import FarmRunner, error_line
 from ..schedules import UNROLL_STEPS, unroll_steps
 from ..tasks import Task
 from ..tasks import key as workload_key
-from ..tuning_log import TrialErrors, TuningLog
+from ..logs import TrialErrors, TuningLog
 from .refine import refine_padding, refine_transfer, refine_unroll, refinement_line
 from .report import Progress, TaskProgress, TuneReport, cpu_jiffies
 from .search import ResumingSearch, cost_model, search_context
@@ -123,7 +123,7 @@ def tune(tasks: list[Task], target, log: TuningLog, runner: ms.Runner,
     with each larger step after the search (:func:`refine_unroll`; these trials come on top of
     ``trials``). Raises ValueError for options the search cannot run with (:class:`TuneOptions`),
     an empty task list or a budget smaller than one round over the tasks, and
-    :class:`thomas_tune.tuning_log.LogInUse` when another tuner holds ``log``. Failed trials
+    :class:`thomas_tune.logs.LogInUse` when another tuner holds ``log``. Failed trials
     are appended with their reason to ``trial_errors.jsonl`` in the log folder.
     """
     options = _options(options, settings)

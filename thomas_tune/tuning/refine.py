@@ -12,7 +12,7 @@ from tvm.s_tir import meta_schedule as ms
 from ..measure.builder import Builder
 from ..schedules import (anchor_key, plain_json, postprocessed, transferred, with_padding_in_fill,
                          with_unroll)
-from ..tuning_log import FAILED_RUN_S, TrialErrors, mean_run_seconds
+from ..logs import FAILED_RUN_S, TrialErrors, mean_run_seconds
 from .defaults import measure_kernels
 from .report import TaskProgress
 
@@ -37,7 +37,7 @@ def refine_unroll(contexts, progress: list[TaskProgress], database: ms.Database,
     kernel faster still (``experiments/compile_cost.py``). Candidates already measured (in the log
     or this run: ``measured``, per context, the structural hashes of its measured schedules,
     which gets the new ones) are skipped. Failed ones are committed as MetaSchedule commits a
-    failed trial (run time :data:`~thomas_tune.tuning_log.FAILED_RUN_S`) and their reasons go
+    failed trial (run time :data:`~thomas_tune.logs.FAILED_RUN_S`) and their reasons go
     to ``errors``. ``references`` (per context, its
     :class:`~thomas_tune.kernel_check.Reference`): each candidate's outputs are checked
     against its task's before it is timed (:func:`measure_kernels`).
@@ -76,7 +76,7 @@ def refine_transfer(contexts, progress: list[TaskProgress], database: ms.Databas
                     errors: TrialErrors | None = None,
                     measured: list[set[int]] | None = None, references=None) -> dict:
     """Measure the ``top_k`` best records of every other workload of ``workloads`` (the tuning
-    log's, :meth:`~thomas_tune.tuning_log.TuningLog.workloads`) that shares a task's
+    log's, :meth:`~thomas_tune.logs.TuningLog.workloads`) that shares a task's
     contraction (:func:`thomas_tune.schedules.anchor_key`) on that task, rewritten for its
     blocks (:func:`thomas_tune.schedules.transferred`), and add the results to ``database``.
 

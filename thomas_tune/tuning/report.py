@@ -74,7 +74,7 @@ class TuneReport:
     drawn: int = 0
     resumed_records: int = 0
     #: of ``resumed_records``, those replayed at the start (the others' schedule hashes were
-    #: kept in the log folder: :meth:`thomas_tune.tuning_log.TuningLog.measured`)
+    #: kept in the log folder: :meth:`thomas_tune.logs.TuningLog.measured`)
     replayed_records: int = 0
     #: seconds from the log's opening to the first search: records read and replayed, spaces
     startup_s: float = 0.0

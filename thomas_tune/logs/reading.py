@@ -1,0 +1,153 @@
+"""Tuning logs read without changing them: their contents, a summary per workload, merging."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from dataclasses import dataclass, field
+
+import tvm_ffi
+from tvm.s_tir import meta_schedule as ms
+
+from .database import mean_seconds
+from .tuning_log import RECORDS, WORKLOADS, TuningLog, rewrite_atomically
+
+
+@dataclass
+class LogContents:
+    """What :func:`read_log` found: ``workloads`` (one per good workload line: its JSON object
+    and structural hash), ``records`` (workload position in ``workloads``, record body), and
+    ``rejected`` ((file path, line number, reason) of lines that do not parse)."""
+
+    path: str
+    workloads: list[tuple[object, int]] = field(default_factory=list)
+    records: list[tuple[int, list]] = field(default_factory=list)
+    rejected: list[tuple[str, int, str]] = field(default_factory=list)
+
+
+def read_log(path: str) -> LogContents:
+    """Parse the tuning-log folder ``path`` without changing it (bad lines are listed in
+    ``rejected`` with file and line). Raises ValueError when the folder holds no tuning log."""
+    log = TuningLog(path)
+    if not os.path.isdir(path) or not (os.path.exists(log.workload_path)
+                                       or os.path.exists(log.record_path)):
+        raise ValueError(f"{path!r} is not a tuning-log folder (no {WORKLOADS} or {RECORDS} "
+                         "in it); give the folder that 'thomas-tune tune --log' wrote")
+    out = LogContents(path)
+    index: dict[int, int] = {}
+    if os.path.exists(log.workload_path):
+        with open(log.workload_path) as f:
+            for i, line in enumerate(f):
+                if not line.strip():
+                    continue
+                try:
+                    obj = json.loads(line)
+                    wl = ms.database.Workload.from_json(obj)
+                    index[i] = len(out.workloads)
+                    out.workloads.append((obj, int(tvm_ffi.structural_hash(wl.mod))))
+                except Exception as err:
+                    out.rejected.append((log.workload_path, i + 1, f"bad workload: {err}"))
+    if os.path.exists(log.record_path):
+        with open(log.record_path) as f:
+            for i, line in enumerate(f):
+                if not line.strip():
+                    continue
+                try:
+                    idx, body = json.loads(line)
+                    if int(idx) not in index:
+                        raise ValueError(f"workload #{idx} is missing or unreadable")
+                    if not isinstance(body, list) or len(body) < 2:
+                        raise ValueError("record body is not [trace, run_secs, ...]")
+                    [float(s) for s in body[1]]
+                    out.records.append((index[int(idx)], body))
+                except Exception as err:
+                    out.rejected.append((log.record_path, i + 1, f"bad record: {err}"))
+    return out
+
+
+def _workload_label(bodies: list[list]) -> str:
+    # the blocks the first trace instruction names and the shapes of the arguments: enough to
+    # tell workloads apart in a listing without building anything
+    blocks, shapes = [], ""
+    for body in bodies:
+        text = json.dumps(body[0])
+        blocks = re.findall(r'"GetSBlock", \[\], \["([^"]+)"', text)
+        if len(body) > 3:
+            shapes = " ".join("x".join(str(d) for d in a[2]) for a in body[3]
+                              if isinstance(a, list) and len(a) > 2)
+        if blocks:
+            break
+    names = [b for b in dict.fromkeys(blocks) if b != "root"]
+    return f"{'+'.join(names[:3]) or '?'} [{shapes}]"
+
+
+def summarize(contents: LogContents) -> list[dict]:
+    """Per workload of a read log: ``{"workload": position, "label", "hash", "records",
+    "failed", "best_ms", "target"}`` (best_ms None when no trial succeeded), in the order of
+    the workload file."""
+    rows = []
+    for w, (_, h) in enumerate(contents.workloads):
+        bodies = [b for i, b in contents.records if i == w]
+        times = [mean_seconds(b) for b in bodies]
+        ok = [t for t in times if t < math.inf]
+        kinds = sorted({str(b[2].get("kind")) for b in bodies
+                        if len(b) > 2 and isinstance(b[2], dict)})
+        rows.append({"workload": w, "label": _workload_label(bodies), "hash": h,
+                     "records": len(bodies), "failed": len(bodies) - len(ok),
+                     "best_ms": min(ok) * 1e3 if ok else None, "target": ",".join(kinds)})
+    return rows
+
+
+@dataclass
+class MergeReport:
+    """Outcome of :func:`merge`: workloads and records written, duplicates dropped, and the
+    lines of the sources that did not parse (file, line, reason; left where they were)."""
+
+    workloads: int = 0
+    records: int = 0
+    duplicates: int = 0
+    rejected: list[tuple[str, int, str]] = field(default_factory=list)
+
+
+def merge(sources: list[str], dest: str) -> MergeReport:
+    """Merge the tuning logs ``sources`` (folders) into the folder ``dest``.
+
+    Workloads are unified by structural hash; every distinct record (same workload, trace,
+    run times, target and arguments) is kept once, so merging is idempotent and the logs of
+    several devices or runs keep all their measurements. ``dest`` may be one of the sources
+    or an existing log (its records come first). Sources are not changed; their bad lines are
+    reported in ``rejected``. ``dest`` is written atomically under its lock. Raises ValueError
+    for a source that is not a tuning log and :class:`LogInUse` when ``dest`` is in use.
+    """
+    target = TuningLog(dest)
+    paths = list(sources)
+    if target.exists() and os.path.abspath(dest) not in {os.path.abspath(p) for p in paths}:
+        paths.insert(0, dest)
+    contents = [read_log(p) for p in paths]  # all sources readable before anything is written
+    report = MergeReport()
+    with target.lock("merging"):
+        wl_lines: list[str] = []
+        wl_pos: dict[int, int] = {}
+        seen: set[tuple[int, str]] = set()
+        rec_lines: list[str] = []
+        for c in contents:
+            report.rejected.extend(c.rejected)
+            local = []
+            for obj, h in c.workloads:
+                if h not in wl_pos:
+                    wl_pos[h] = len(wl_lines)
+                    wl_lines.append(json.dumps(obj) + "\n")
+                local.append(wl_pos[h])
+            for w, body in c.records:
+                key = (local[w], json.dumps(body, sort_keys=True))
+                if key in seen:
+                    report.duplicates += 1
+                    continue
+                seen.add(key)
+                rec_lines.append(json.dumps([local[w], body]) + "\n")
+        rewrite_atomically(target.workload_path, wl_lines)
+        rewrite_atomically(target.record_path, rec_lines)
+    report.workloads, report.records = len(wl_lines), len(rec_lines)
+    return report
