@@ -44,7 +44,7 @@ def step_kernels(train_mod, winograd=None) -> list[Kernel]:
     ``train_adjoint`` and ``optimizer``) of an unfused Relax training module
     (``graph.training_module(...).mod``, or :func:`exported_training_module`), fused as the
     build fuses it (``winograd``: the convolutions it computes in the Winograd form, as
-    :func:`thomas_tune.build.winograd_choice` gives them); sorted by FLOPs per step, largest
+    :func:`thomas_tune.compile.winograd_choice` gives them); sorted by FLOPs per step, largest
     first."""
     import tvm
     from tvm.s_tir.analysis import estimate_tir_flops
@@ -85,9 +85,9 @@ def mark_tuned(kernels: list[Kernel], log_path: str, target=None) -> int:
     """Set ``tuned`` on the kernels that the tuned build compiles with a record of the tuning
     log at ``log_path``: a workload with a valid record (matched by workload key, as the
     build's MetaScheduleApplyDatabase matches structurally), unless, given ``target``, its best
-    record lost to the default schedule on the device (:func:`thomas_tune.build.best_records`;
+    record lost to the default schedule on the device (:func:`thomas_tune.compile.best_records`;
     such a kernel keeps its default). Returns how many are tuned."""
-    from ..build import best_records
+    from ..compile import best_records
     from ..logs import TuningLog
     best, slower = best_records(TuningLog(log_path).database(), log_path, target)
     used = set(best) - slower

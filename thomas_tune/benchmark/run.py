@@ -69,7 +69,7 @@ def run_bench(model, tensors, target, exports: dict, cfg: BenchConfig, log_path:
     own = {variant: list(kernels) for variant in exports}
     separate = set()
     if "tuned" in exports:
-        from ..winograd import Conv
+        from ..winograd_form import Conv
         built = read_manifest(exports["tuned"]).get("winograd") or {}
         chosen = {Conv.from_dict(d) for d in built.get("training", [])}
         if chosen:

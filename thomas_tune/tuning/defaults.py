@@ -103,7 +103,7 @@ def measure_kernels(mods: list[tvm.IRModule], target, runner, builder: Builder,
 
     from tvm.s_tir.meta_schedule.arg_info import ArgInfo
 
-    from .target import device_kind
+    from ..target import device_kind
 
     built = builder.build([ms.builder.BuilderInput(m, target) for m in mods])
     out: list = [None] * len(mods)
