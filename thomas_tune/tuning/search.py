@@ -97,7 +97,7 @@ class OnceSpaces(ms.space_generator.PySpaceGenerator):
     fail on its kernel (MetaSchedule would end the whole run), and MetaSchedule's task
     scheduler generates them again when the run starts: on the H100, MobileNetV2's 120 tasks
     spent 24 s of the tuning thread in that second generation (a py-spy profile of the
-    tuner; the README's nineteenth run). The spaces are kept from the first call and handed
+    tuner). The spaces are kept from the first call and handed
     out again for the same module (clones share them)."""
 
     def __init__(self, inner: ms.SpaceGenerator, cache: dict | None = None):
@@ -129,10 +129,10 @@ def cost_model(phases: Phases, threads: int | None = None):
 
     MetaSchedule's default gives XGBoost every core, beside the build processes and the device
     servers' compilers: on the H100 (16 cores, 8 build processes, 12 servers) the updates took
-    70 of 241 s of a MobileNetV2 run, and the same trainings took 9.8 s on 4 threads (README,
-    nineteenth run). Training in a background thread instead made a SIGINT during the run end
-    the process in ``std::terminate`` (``tests/test_faults.py::test_tuner_killed_and_restarted``),
-    so the updates stay on the tuning thread."""
+    70 of 241 s of a MobileNetV2 run, and the same trainings took 9.8 s on 4 threads. Training in a
+    background thread instead made a SIGINT during the run end the process in ``std::terminate``
+    (``tests/test_faults.py::test_tuner_killed_and_restarted``), so the updates stay on the tuning
+    thread."""
     threads = threads or max(1, (os.cpu_count() or 4) // 4)
     model = ms.cost_model.XGBModel(num_tuning_cores=threads)
     inst = model._inst  # the Python object behind MetaSchedule's cost model
@@ -158,7 +158,7 @@ class ResumingSearch(ms.search_strategy.PySearchStrategy):
     draws fresh candidates at random from the task's design spaces (their traces replayed with
     new decisions, then the postprocessors) before it gives up: up to one batch, none measured
     before; ``drawn`` counts them. A task resumed from a long log needs this. On the H100
-    (README's twenty-fourth run) such searches ended after 34-146 trials each, among them the
+    such searches ended after 34-146 trials each, among them the
     first linear layer's forward pass of AlexNet (0.12 ms per step), and the rest of the run's
     budget went to a kernel of 0.006 ms.
 
