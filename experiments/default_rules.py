@@ -5,8 +5,8 @@ counted at declared buffer shapes (``LongReduction``, else dlight's thread-per-o
 
     python experiments/default_rules.py --model alexnet --resolution 224 --batch 32 --classes 1000 \
         --match matmul --count 4
-    python experiments/default_rules.py --model mobilenet_v2 --width 0.35 --resolution 64 --batch 8 \
-        --classes 10 --count 12
+    python experiments/default_rules.py --model mobilenet_v2 --width 0.35 --resolution 64 \
+        --batch 8 --classes 10 --count 12
 
 Prints per kernel: calls per step, the new rule, both times (ms, mean of 3x3 runs) and the
 largest difference of the outputs relative to the largest output.

@@ -5,8 +5,8 @@ evolutionary search: an initial population from the log's best records and rando
 rounds of mutation, each member scored by the XGBoost cost model, the best not yet measured
 picked) and the builds and measurements of the candidates it picked. On the H100 the search
 became the bound once compiles were cheap (docs/journal/h100.md, eleventh and twelfth runs).
-This script times search rounds with no device: it builds one task of a model for a target, resumes the
-task's records from a tuning log as ``thomas-tune tune`` does (``search_context``, with
+This script times search rounds with no device: it builds one task of a model for a target,
+resumes the task's records from a tuning log as ``thomas-tune tune`` does (``search_context``, with
 ``--max-unroll`` the log read through :class:`UnrollLimitedView`), trains the cost model on up
 to ``--train`` of those records (a run's model learns from its own trials; this stands for one
 well into a run), and runs ``--rounds`` rounds under MetaSchedule's profiler.
@@ -18,7 +18,8 @@ Per round it prints the wall seconds, the new candidates, the profiler's split (
 twelfth run):
 
     python experiments/search_cost.py --model alexnet --width 1.0 --resolution 224 --classes 1000 \\
-        --batch 32 --target targets/h100_opencl.json --log tuning_logs/h100/alexnet-w1-r224-c1000-b32 \\
+        --batch 32 --target targets/h100_opencl.json \\
+        --log tuning_logs/h100/alexnet-w1-r224-c1000-b32 \\
         --max-unroll 64 --population 64 --genetic-iters 1 --trials-per-iter 48
 """
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .alexnet import AlexNet
-from .layers import DTYPE, Graph, ParamSpec, Records, compiler_available, require_compiler
+from .layers import Graph, ParamSpec, Records, compiler_available, require_compiler
 from .mobilenet_v1 import MobileNetV1
 from .mobilenet_v2 import MobileNetV2
 

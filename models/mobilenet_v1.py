@@ -22,7 +22,8 @@ class MobileNetV1:
     def __init__(self, num_classes: int = 1000, resolution: int = 224, width: float = 1.0,
                  dropout: float = 0.0, in_channels: int = 3):
         if resolution < 32 or resolution % 32:
-            raise ValueError(f"MobileNetV1 resolution must be a multiple of 32 (>= 32), got {resolution}")
+            raise ValueError(f"MobileNetV1 resolution must be a multiple of 32 (>= 32), "
+                             f"got {resolution}")
         self.num_classes, self.resolution, self.width = num_classes, resolution, width
         self.dropout, self.in_channels = dropout, in_channels
 

@@ -242,7 +242,7 @@ def import_onnx(path: str, arch: str, width: float = 1.0, resolution: int | None
         raise ValueError(f"{path}: the ONNX input is {onnx_res}x{onnx_res}, not the "
                          f"{resolution}x{resolution} asked for")
     layers = onnx_layers(proto)
-    linears = [l for l in layers if l.kind == "linear"]
+    linears = [layer for layer in layers if layer.kind == "linear"]
     if not linears:
         raise ValueError(f"{path}: no classifier (Gemm or MatMul) found; is this a "
                          f"classification network?")

@@ -73,7 +73,8 @@ def parse_address(text: str, default_port: int = 9190) -> tuple[str, int]:
     try:
         return host or "127.0.0.1", int(port)
     except ValueError as err:
-        raise ValueError(f"tracker address {text!r}: expected HOST:PORT, e.g. 127.0.0.1:9190") from err
+        raise ValueError(f"tracker address {text!r}: expected HOST:PORT, "
+                         "e.g. 127.0.0.1:9190") from err
 
 
 def is_loopback(host: str) -> bool:

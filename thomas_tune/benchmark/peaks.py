@@ -39,7 +39,8 @@ def device_description(target_kind: str, device) -> str:
 
 _FMA_CL = r"""
 __kernel void tt_peak_fma(__global float* out, float a, float b, int iters) {
-  float8 x0 = (float8)((float)get_global_id(0) * 1e-7f) + (float8)(0.0f, 1.0f, 2.0f, 3.0f, 4.0f, 5.0f, 6.0f, 7.0f) * 0.01f;
+  float8 x0 = (float8)((float)get_global_id(0) * 1e-7f)
+             + (float8)(0.0f, 1.0f, 2.0f, 3.0f, 4.0f, 5.0f, 6.0f, 7.0f) * 0.01f;
   float8 x1 = x0 + 0.1f, x2 = x0 + 0.2f, x3 = x0 + 0.3f, x4 = x0 + 0.4f, x5 = x0 + 0.5f,
          x6 = x0 + 0.6f, x7 = x0 + 0.7f;
   float8 va = (float8)(a), vb = (float8)(b);
@@ -174,7 +175,8 @@ def _llvm_peaks(target, dev, min_ms: float) -> dict:
     d = tvm.runtime.tensor(np.empty(m, "float32"), dev)
     tc = seconds_per_call(cp, "main", dev, [s, d], min_ms)
     return {"gflops": flops / t / 1e9, "gbytes_per_s": 2 * m * 4 / tc / 1e9,
-            "method": f"TVM llvm kernel for {host.attrs.get('mcpu', 'this target')}: {chains} independent multiply-add chains of {depth} "
+            "method": f"TVM llvm kernel for {host.attrs.get('mcpu', 'this target')}: {chains} "
+                      f"independent multiply-add chains of {depth} "
                       f"per element, {lanes}-lane vectors, all threads; copy of {m * 4 >> 20} "
                       "MiB (read + write bytes); host clock"}
 

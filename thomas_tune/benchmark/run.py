@@ -180,7 +180,8 @@ def format_report(res: dict, top: int = 12) -> str:
             f"{name:<9} {r['train_ms']:>9.2f} {r['train_images_per_s']:>8.1f} "
             f"{r['infer_ms']:>9.3f} {r['infer_images_per_s']:>8.1f} "
             f"{100 * r['share_of_peak_flops']:>9.2f}% {100 * r['share_of_peak_bandwidth']:>8.2f}% "
-            f"{_fmt(r.get('launches_per_step'), '.0f'):>8} {_fmt(r.get('kernel_sum_ms'), '.2f'):>10} "
+            f"{_fmt(r.get('launches_per_step'), '.0f'):>8} "
+            f"{_fmt(r.get('kernel_sum_ms'), '.2f'):>10} "
             f"{_fmt(st.get('first', {}).get('total_s'), '.2f'):>11} "
             f"{_fmt(st.get('second', {}).get('total_s'), '.2f'):>11}")
     v = res["variants"]
