@@ -7,7 +7,7 @@ import sys
 from .options import add_model_args, add_target_arg, load_model, optimizer_config
 
 
-def _export_model(args, out: str) -> dict:
+def export_model(args, out: str) -> dict:
     """Compile the model of the model options (with ``--log``'s schedules) into ``out``; the
     export's manifest. Raises ValueError for a tuning log with no records."""
     from ..export import export
@@ -29,7 +29,7 @@ def _export_model(args, out: str) -> dict:
 
 
 def cmd_export(args) -> int:
-    manifest = _export_model(args, args.out)
+    manifest = export_model(args, args.out)
     print(f"exported {manifest['arch']} to {args.out}: {len(manifest['trainable'])} trainable, "
           f"{len(manifest['frozen'])} frozen parameters; tuning log "
           f"{manifest['tuning_log'] or 'none'} (sha256 {str(manifest['tuning_log_sha256'])[:12]})")

@@ -6,7 +6,7 @@ import os
 import sys
 import tempfile
 
-from .export import _export_model
+from .export import export_model
 from .options import add_model_args, add_remote_args, add_target_arg, open_session
 
 
@@ -18,7 +18,7 @@ def _data(args, model):
 def _export_for_train(args) -> str:
     """``train`` without ``--export``: compile the model for its trainable set first."""
     out = args.out or tempfile.mkdtemp(prefix="thomas-tune-train-")
-    manifest = _export_model(args, out)
+    manifest = export_model(args, out)
     mode = "from scratch" if args.from_scratch else f"trainable {args.trainable}"
     print(f"compiled {manifest['arch']} ({mode}) into {out}", flush=True)
     return out

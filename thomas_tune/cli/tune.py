@@ -7,8 +7,7 @@ import signal
 import sys
 import time
 
-from .options import (add_model_args, add_target_arg, default_log, load_model,
-                      model_graphs)
+from .options import add_model_args, add_target_arg, default_log, load_model, model_graphs
 from .stop import STOP, safe_records
 
 
