@@ -120,11 +120,11 @@ def tune(tasks: list[Task], target, log: TuningLog, runner: ms.Runner,
     search chooses among (:func:`thomas_tune.schedules.unroll_steps`; None: all of
     :data:`~thomas_tune.schedules.UNROLL_STEPS`): candidates build and compile faster. Where it
     leaves larger steps out, the ``refine_top`` best records of each task are measured again
-    with each larger step after the search (:func:`refine_unroll`; these trials come on top of
-    ``trials``). Raises ValueError for options the search cannot run with (:class:`TuneOptions`),
-    an empty task list or a budget smaller than one round over the tasks, and
-    :class:`thomas_tune.logs.LogInUse` when another tuner holds ``log``. Failed trials
-    are appended with their reason to ``trial_errors.jsonl`` in the log folder.
+    with each larger step after the search (:func:`.refine.refine_unroll`; these trials come on
+    top of ``trials``). Raises ValueError for options the search cannot run with
+    (:class:`TuneOptions`), an empty task list or a budget smaller than one round over the
+    tasks, and :class:`thomas_tune.logs.LogInUse` when another tuner holds ``log``. Failed
+    trials are appended with their reason to ``trial_errors.jsonl`` in the log folder.
     """
     options = _options(options, settings)
     if not tasks:
