@@ -244,7 +244,7 @@ def test_pipelined_scheduler_searches_while_the_device_measures(tmp_path, small_
             # the tuner's own time after each batch is measured, not left in the rest
             assert split["cost_model"] > 0
             parts = sum(split[k] for k in ("search", "build", "wait_device", "refine",
-                                           "cost_model", "other"))
+                                           "cost_model", "references", "other"))
             assert abs(parts - split["total"]) < 1e-6 * split["total"] + 1e-3, split
     assert max(seen[1]) == 0, seen
     assert max(seen[3]) > 0, seen

@@ -59,7 +59,8 @@ class Progress(ms.measure_callback.PyMeasureCallback):
 #: of :meth:`TuneReport.time_split`: ``refine`` (the refinement stages before and after the
 #: search, less their builds), ``cost_model`` (the XGBoost model's update after each batch:
 #: feature extraction, and its training where that runs on the tuning thread), ``references``
-#: (building each task's default schedule, the reference its candidates are checked against)
+#: (scheduling each task's default kernel, the reference its candidates are checked against,
+#: less its build)
 OWN_PHASES = ("refine", "cost_model", "references")
 
 
