@@ -394,9 +394,10 @@ def calibrate_batchnorms(model, tensors: dict[str, np.ndarray], images: np.ndarr
     images like those the network was trained on recover the original BatchNorms best, a
     few hundred suffice); ``names``:
     the BatchNorm layers to set (default: :func:`identity_batchnorms`); ``batch``: images per
-    run of the statistics module (compiled for this machine's CPU, llvm). The statistics are
-    the inference forward's, per batch, pooled in float64 (Chan, Golub & LeVeque 1979); N is
-    rounded down to a multiple of the batch (at least one batch). Returns (new tensors,
+    run of the statistics module (compiled for this machine's CPU, llvm; lowered to a divisor
+    of N down to a quarter of it, else the remainder is left out). The statistics are the
+    inference forward's, per batch, pooled in float64 (Chan, Golub & LeVeque 1979). Returns
+    (new tensors,
     :class:`Calibration`); ``tensors`` is not changed. Raises ValueError for images of another
     shape or dtype, a name that is not a BatchNorm of the model, or a layer that is not the
     identity of a fused import (calibrating a trained BatchNorm would discard its statistics).
@@ -425,7 +426,10 @@ def calibrate_batchnorms(model, tensors: dict[str, np.ndarray], images: np.ndarr
                              "fused layers are calibrated")
     if not names:
         return dict(tensors), Calibration([], 0, 0.0)
-    batch = max(1, min(batch, len(images)))
+    # the largest batch of at most ``batch`` that divides N, down to a quarter of it; else
+    # ``batch`` and the remainder left out
+    top = max(1, min(batch, len(images)))
+    batch = next((b for b in range(top, max(1, top // 4) - 1, -1) if len(images) % b == 0), top)
     used = len(images) // batch * batch
     s = spec(model)
     order = [q.name for q in s.params + s.states]
