@@ -132,3 +132,26 @@ def test_dropout_masks_follow_pytorch_semantics(tmp_path, rng):
     assert not np.array_equal(a, b)
     x = rng.standard_normal((1, 3, 67, 67)).astype("float32")
     np.testing.assert_array_equal(s.predict(x), s.predict(x))
+
+
+def test_calibration_refuses_bad_input(rng):
+    # checked before anything is compiled: images of another shape or dtype, a layer that is
+    # not a BatchNorm, a BatchNorm with trained statistics (not the identity of a fused file)
+    from thomas_tune.models.onnx_import import calibrate_batchnorms, identity_batchnorms
+    model = build("mobilenet_v1", num_classes=4, resolution=64, width=0.25)
+    tensors = random_tensors(model, rng)
+    assert identity_batchnorms(model, tensors) == []
+    fused = dict(tensors)
+    fused.update({"features.0.bn.weight": np.ones(8, "float32"),
+                  "features.0.bn.running_mean": np.zeros(8, "float32"),
+                  "features.0.bn.running_var": np.full(8, 1 - 1e-5, "float32")})
+    assert identity_batchnorms(model, fused) == ["features.0.bn"]
+    x = rng.standard_normal((4, 3, 64, 64)).astype("float32")
+    with pytest.raises(ValueError, match=r"calibration images: expected float32 \(N, 3, 64, 64"):
+        calibrate_batchnorms(model, fused, x[:, :, :32])
+    with pytest.raises(ValueError, match="calibration images: expected float32"):
+        calibrate_batchnorms(model, fused, x.astype("float64"))
+    with pytest.raises(ValueError, match="'features.0.conv' is not a BatchNorm layer"):
+        calibrate_batchnorms(model, fused, x, ["features.0.conv"])
+    with pytest.raises(ValueError, match="'features.1.dw_bn' holds trained statistics"):
+        calibrate_batchnorms(model, fused, x, ["features.1.dw_bn"])
