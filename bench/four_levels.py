@@ -245,6 +245,7 @@ def imported_main(args):
 
     t_start = time.perf_counter()
     work = args.work or tempfile.mkdtemp(prefix="four-levels-imported-")
+    os.makedirs(work, exist_ok=True)
     os.makedirs(args.out, exist_ok=True)
     pre_train, pre_test = _data([0, 1, 2, 3, 4], LIMIT, args.seed)
     ft_train, ft_test = _data([5, 6, 7, 8, 9], LIMIT, args.seed)
@@ -415,6 +416,7 @@ def main():
 
     t_start = time.perf_counter()
     work = args.work or tempfile.mkdtemp(prefix="four-levels-")
+    os.makedirs(work, exist_ok=True)
     os.makedirs(args.out, exist_ok=True)
     tag = f"{CONFIG['arch']}-w{CONFIG['width']:g}-r{CONFIG['resolution']}"
     pre_ckpt = os.path.join(ROOT, "models", "pretrained", f"{tag}-mnist0to4.npz")

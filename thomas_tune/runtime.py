@@ -258,11 +258,7 @@ class Session:
             self._raise_if_expired(err, "the read-back of the state for a renewal")
             raise
         t1 = time.perf_counter()
-        # every handle into the old session goes, so that its server is free for the new one
-        self._t, self._opt, self._tuples = {}, [], {}
-        # (a remote device keeps its session alive: client.py sets dev._rpc_sess)
-        self._train_vm = self._infer_vm = self._get_item = self._rpc = self.device = None
-        gc.collect()
+        self._drop_handles()  # so that the old session's server is free for the new one
         self._load_remote(self._remote_device.open())
         self._t = {k: tvm.runtime.tensor(v, self.device) for k, v in tensors.items()}
         self._opt = [tvm.runtime.tensor(a, self.device) for a in opt]
@@ -274,6 +270,26 @@ class Session:
         self.renewals.append(record)
         self._check_room()
         return record
+
+    def _drop_handles(self) -> None:
+        """Let go of every handle into the device (tensors, VMs, the RPC session): over RPC,
+        the server ends the session and is free for the next client once they are gone."""
+        self._t, self._opt, self._tuples = {}, [], {}
+        # (a remote device keeps its session alive: client.py sets dev._rpc_sess)
+        self._train_vm = self._infer_vm = self._get_item = self._rpc = self.device = None
+        gc.collect()
+
+    def close(self) -> None:
+        """End the session: the device's tensors are freed and a device server is released
+        for other clients. Read :meth:`tensors` or :meth:`save` first; any later call raises.
+        Also called on leaving a ``with Session(...) as s:`` block."""
+        self._drop_handles()
+
+    def __enter__(self) -> "Session":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     # ---- helpers -----------------------------------------------------------------------------
     def _check_x(self, x: np.ndarray, batch: int) -> np.ndarray:
