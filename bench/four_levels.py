@@ -169,17 +169,19 @@ class TorchFineTune:
     """PyTorch float32 training of ``tensors`` with the recipe of the exports (momentum SGD,
     ``OPT``), the trainable set ``trainable`` (the rest frozen, BatchNorm in training form
     everywhere unless ``frozen_bn``), and the dropout masks a :class:`Session` of ``seed``
-    draws (``thomas_tune.dropout.mask_numpy``, bit for bit)."""
+    draws (``thomas_tune.dropout.mask_numpy``, bit for bit). ``dtype``: float32, or float64
+    to measure what rounding alone changes in a fine-tune."""
 
-    def __init__(self, model, tensors, trainable, seed, lr=OPT["lr"], frozen_bn=False):
+    def __init__(self, model, tensors, trainable, seed, lr=OPT["lr"], frozen_bn=False,
+                 dtype="float32"):
         import torch
         from thomas_tune.models import spec
-        self.torch, self.model, self.frozen_bn = torch, model, frozen_bn
+        self.torch, self.model, self.frozen_bn, self.dtype = torch, model, frozen_bn, dtype
         s = spec(model, BATCH)
         names = {q.name for q in s.params}
-        self.p = {k: torch.tensor(np.asarray(v, "float32"), requires_grad=k in trainable)
+        self.p = {k: torch.tensor(np.asarray(v, dtype), requires_grad=k in trainable)
                   for k, v in tensors.items() if k in names}
-        self.st = {k: torch.tensor(np.asarray(v, "float32")) for k, v in tensors.items()
+        self.st = {k: torch.tensor(np.asarray(v, dtype)) for k, v in tensors.items()
                    if k not in names}
         self.masks = list(s.masks.items())
         self.opt = torch.optim.SGD([self.p[n] for n in trainable], lr=lr,
@@ -193,11 +195,11 @@ class TorchFineTune:
         masks = {}
         if self.masks:
             seed = self._rng.integers(0, 2 ** 32, size=2, dtype=np.uint32)
-            masks = {k: torch.tensor(mask_numpy(seed, shape, p, i))
+            masks = {k: torch.tensor(mask_numpy(seed, shape, p, i).astype(self.dtype))
                      for i, (k, (shape, p)) in enumerate(self.masks)}
         g = TorchGraph(self.p, self.st, masks, True, self.frozen_bn)
-        loss = torch.nn.functional.cross_entropy(self.model.forward(g, torch.tensor(x)),
-                                                 torch.tensor(y))
+        loss = torch.nn.functional.cross_entropy(
+            self.model.forward(g, torch.tensor(x.astype(self.dtype))), torch.tensor(y))
         if self.opt is not None:
             self.opt.zero_grad()
             loss.backward()
@@ -209,14 +211,15 @@ class TorchFineTune:
         from thomas_tune.reference import TorchGraph
         with self.torch.no_grad():
             g = TorchGraph(self.p, self.st, {}, False)
-            pred = self.model.forward(g, self.torch.tensor(data.x)).argmax(1).numpy()
+            pred = self.model.forward(g, self.torch.tensor(data.x.astype(self.dtype)))
+            pred = pred.argmax(1).numpy()
         return float(np.mean(pred == data.y))
 
 
 def _torch_run(model, tensors, trainable, train, test, steps, seed, lr=OPT["lr"],
-               frozen_bn=False):
+               frozen_bn=False, dtype="float32"):
     """:func:`thomas_tune.train.fine_tune`'s loop (same batches) in PyTorch."""
-    t = TorchFineTune(model, tensors, trainable, seed, lr, frozen_bn)
+    t = TorchFineTune(model, tensors, trainable, seed, lr, frozen_bn, dtype)
     before = t.evaluate(test)
     batches = train.batches(BATCH, np.random.default_rng(seed))
     losses = [t.step(*next(batches)) for _ in range(steps)]
