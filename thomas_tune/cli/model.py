@@ -38,7 +38,9 @@ def cmd_import_onnx(args) -> int:
               "imported as identity BatchNorms (same inference output). Training them in "
               "training form discards each channel's learned scale and shift: import with "
               "--calibrate DATA (images like those the network was trained on), or train "
-              "with --trainable all,frozen-bn (or last:K,frozen-bn)")
+              "the last layers with --trainable last:K,frozen-bn (every layer with frozen "
+              "BatchNorm trains the fused weights, whose per-channel steps differ from "
+              "PyTorch's: docs/fine-tuning-imported.md)")
     elif args.calibrate:
         print("  no BatchNorm was fused in the file (statistics imported): nothing to "
               "calibrate")
