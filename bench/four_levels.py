@@ -143,26 +143,25 @@ IMPORTED_WIDTH = {"mobilenet_v2": 0.35, "mobilenet_v1": 0.25}
 LR0_STEPS = 10
 
 
-def _torch_pretrain(model, train, steps, seed, batch=16, lr=0.02):
-    """PyTorch float32 from scratch on ``train``: momentum SGD 0.9, learning rate ``lr``
-    decayed to 0 on a cosine (so the BatchNorm statistics settle on the final weights)."""
-    import torch
-    from thomas_tune.models import init_params
-    from thomas_tune.reference import torch_module
-    torch.manual_seed(seed)
-    net = torch_module(model, init_params(model, seed=seed)).train()
-    opt = torch.optim.SGD(net.parameters(), lr=lr, momentum=0.9)
-    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, steps)
-    batches = train.batches(batch, np.random.default_rng(seed))
-    for _ in range(steps):
-        x, y = next(batches)
-        loss = torch.nn.functional.cross_entropy(net(torch.tensor(x)), torch.tensor(y))
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        sched.step()
-    return {k: v.detach().numpy().copy()
-            for k, v in list(net.named_parameters()) + list(net.named_buffers())}
+def imported_model(work, arch):
+    """The network of ``--imported`` for ``arch`` and the path prefix of its files in the
+    ``--work`` folder ``work`` (``<prefix>-torch-mnist0to4.npz``, ``<prefix>-fused.onnx``,
+    ``<prefix>-kept.onnx``): (model, width, prefix)."""
+    from thomas_tune.models import build
+    width = IMPORTED_WIDTH[arch]
+    model = build(arch, num_classes=5, resolution=CONFIG["resolution"], width=width)
+    return model, width, os.path.join(work, f"{arch}-w{width:g}-r{CONFIG['resolution']}")
+
+
+def experiment_args(description):
+    """The options of the experiments that reuse an ``--imported`` run's ``--work`` folder."""
+    ap = argparse.ArgumentParser(description=description)
+    ap.add_argument("--work", required=True)
+    ap.add_argument("--arch", default="mobilenet_v2", choices=sorted(IMPORTED_WIDTH))
+    ap.add_argument("--seeds", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=150)
+    ap.add_argument("--out")
+    return ap.parse_args()
 
 
 class TorchFineTune:
@@ -242,9 +241,9 @@ def imported_main(args):
 
     import torch
     from thomas_tune.graph import OptimizerConfig, select_trainable
-    from thomas_tune.models import build, replace_head
+    from thomas_tune.models import replace_head
     from thomas_tune.models.onnx_import import calibrate_batchnorms, import_onnx
-    from thomas_tune.reference import torch_module
+    from thomas_tune.reference import torch_module, torch_pretrain
 
     t_start = time.perf_counter()
     work = args.work or tempfile.mkdtemp(prefix="four-levels-imported-")
@@ -263,15 +262,14 @@ def imported_main(args):
                           "train_images": len(ft_train.y), "held_out_images": len(ft_test.y)},
                "archs": {}}
     for arch in args.arch:
-        width = IMPORTED_WIDTH[arch]
-        model = build(arch, num_classes=5, resolution=CONFIG["resolution"], width=width)
-        tag = f"{arch}-w{width:g}-r{CONFIG['resolution']}"
-        pre_path = os.path.join(work, f"{tag}-torch-mnist0to4.npz")
+        model, width, prefix = imported_model(work, arch)
+        tag = os.path.basename(prefix)
+        pre_path = f"{prefix}-torch-mnist0to4.npz"
         if not os.path.exists(pre_path):
             print(f"{arch}: pretraining in PyTorch on digits 0-4 ({args.pretrain_steps} steps)",
                   flush=True)
-            np.savez(pre_path, **_torch_pretrain(model, pre_train, args.pretrain_steps,
-                                                 args.seed))
+            np.savez(pre_path, **torch_pretrain(model, pre_train, args.pretrain_steps,
+                                                args.seed))
         original = dict(np.load(pre_path))
         res = {"width": width, "pytorch_accuracy_digits_0to4": _torch_run(
             model, original, [], pre_train, pre_test, 0, args.seed)["acc_before"], "forms": {}}

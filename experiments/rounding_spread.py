@@ -11,7 +11,6 @@ in rounding; their accuracy gap is the floor under any comparison of two float32
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -24,19 +23,11 @@ import four_levels as F  # noqa: E402
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--work", required=True)
-    ap.add_argument("--arch", default="mobilenet_v2", choices=sorted(F.IMPORTED_WIDTH))
-    ap.add_argument("--seeds", type=int, default=3)
-    ap.add_argument("--steps", type=int, default=150)
-    ap.add_argument("--out")
-    args = ap.parse_args()
+    args = F.experiment_args(__doc__.splitlines()[0])
     from thomas_tune.graph import select_trainable
-    from thomas_tune.models import build, replace_head
-    width = F.IMPORTED_WIDTH[args.arch]
-    model = build(args.arch, num_classes=5, resolution=F.CONFIG["resolution"], width=width)
-    tag = f"{args.arch}-w{width:g}-r{F.CONFIG['resolution']}"
-    original = dict(np.load(os.path.join(args.work, f"{tag}-torch-mnist0to4.npz")))
+    from thomas_tune.models import replace_head
+    model, width, prefix = F.imported_model(args.work, args.arch)
+    original = dict(np.load(f"{prefix}-torch-mnist0to4.npz"))
     ft_train, ft_test = F._data([5, 6, 7, 8, 9], F.LIMIT, 0)
     rows = {}
     for trainable in ("last:2", "all"):

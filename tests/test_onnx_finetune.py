@@ -32,7 +32,7 @@ from thomas_tune.compile import compile_graph
 from thomas_tune.models import build, replace_head, spec
 from thomas_tune.models.onnx_import import (calibrate_batchnorms, identity_batchnorms,
                                             import_onnx)
-from thomas_tune.reference import TorchGraph, torch_module
+from thomas_tune.reference import TorchGraph, torch_module, torch_pretrain
 from thomas_tune.target import parse_target
 
 torch = pytest.importorskip("torch")
@@ -65,7 +65,7 @@ class Pretrained:
         self.train, self.test = task([0, 1, 2, 3, 4])
         self.ft_train, _ = task([5, 6, 7, 8, 9])
         self.model = build(arch, num_classes=5, resolution=RES, width=ARCHS[arch])
-        self.tensors = _pretrain(self.model, self.train, seed)
+        self.tensors = torch_pretrain(self.model, self.train, steps=250, seed=seed)
         net = torch_module(self.model, self.tensors)
         x = torch.randn(1, 3, RES, RES)
         self.files = {"fused": str(tmp / f"{arch}-fused.onnx"),
@@ -75,26 +75,6 @@ class Pretrained:
             torch.onnx.export(net, (x,), self.files["fused"], dynamo=False)
             torch.onnx.export(net, (x,), self.files["kept"], dynamo=False,
                               training=torch.onnx.TrainingMode.PRESERVE)
-
-
-def _pretrain(model, data, seed, steps=250, batch=16):
-    """PyTorch float32 training from scratch: momentum SGD, cosine-decayed learning rate (so
-    that the BatchNorm statistics settle on the final weights, as in a finished training)."""
-    from thomas_tune.models import init_params
-    torch.manual_seed(seed)
-    net = torch_module(model, init_params(model, seed=seed)).train()
-    opt = torch.optim.SGD(net.parameters(), lr=0.02, momentum=0.9)
-    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, steps)
-    batches = data.batches(batch, np.random.default_rng(seed))
-    for _ in range(steps):
-        x, y = next(batches)
-        loss = torch.nn.functional.cross_entropy(net(torch.tensor(x)), torch.tensor(y))
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        sched.step()
-    return {k: v.detach().numpy().copy() for k, v in
-            list(net.named_parameters()) + list(net.named_buffers())}
 
 
 @pytest.fixture(scope="session")

@@ -119,3 +119,29 @@ def torch_module(model, tensors, dtype="float32"):
         else:
             mod.register_buffer(leaf, t)
     return net.eval()
+
+
+def torch_pretrain(model, data, steps: int, seed: int, batch: int = 16,
+                   lr: float = 0.02) -> dict[str, np.ndarray]:
+    """Train ``model`` from its initialisation (``init_params(model, seed)``) in PyTorch
+    float32 on ``data`` (a :class:`thomas_tune.data.Dataset`): ``steps`` steps of ``batch``
+    images, momentum SGD 0.9, learning rate ``lr`` decayed to 0 on a cosine (so that the
+    BatchNorm statistics settle on the final weights, as in a finished training). Returns
+    every parameter and BatchNorm statistic under its torchvision name, float32."""
+    import torch
+
+    from .models import init_params
+    torch.manual_seed(seed)
+    net = torch_module(model, init_params(model, seed=seed)).train()
+    opt = torch.optim.SGD(net.parameters(), lr=lr, momentum=0.9)
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, steps)
+    batches = data.batches(batch, np.random.default_rng(seed))
+    for _ in range(steps):
+        x, y = next(batches)
+        loss = torch.nn.functional.cross_entropy(net(torch.tensor(x)), torch.tensor(y))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        sched.step()
+    return {k: v.detach().numpy().copy()
+            for k, v in list(net.named_parameters()) + list(net.named_buffers())}
