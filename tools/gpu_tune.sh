@@ -19,7 +19,9 @@
 #   bench   'thomas-tune bench' with the arguments that follow (result JSON and PNG -> $OUT);
 #           sets up first on a fresh machine (carry .devcarry/last there), and unpacks the
 #           committed log of a '--log /tmp/tt/logs/NAME' that is not there yet
-# Environment: JOBS (default: every job in tools/gpu_jobs.txt), SERVERS (8), TRIALS (20000),
+# Environment: JOBS (default: every job in JOBS_FILE), JOBS_FILE (tools/gpu_jobs.txt; for PoCL
+# on the machine's CPU: JOBS_FILE=tools/pocl_jobs.txt KEY=pocl-x86_64 PLATFORM=Portable
+# SERVERS=1), SERVERS (8), TRIALS (20000),
 # TUNE_ARGS (options added after the job's own, which they override: e.g. "--match NAME").
 # The machine goes back 30 s after a call ends: keep calling (e.g. 'watch', under the 10-minute
 # limit of one call) for as long as the jobs should run; a later lease resumes from the logs
@@ -29,12 +31,13 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 TT=/tmp/tt
 SITE=$TT/site
-KEY=h100
+KEY=${KEY:-h100}   # the device key, and the folder of the committed logs under tuning_logs/
 PORT=9190
 mkdir -p $TT
 # PYTHONSAFEPATH: this process and its children (build workers, RPC servers) import the
 # installed copy, never ./thomas_tune of the work tree (which lacks the package_dir mapping)
-export PYTHONPATH=$SITE PYTHONSAFEPATH=1 PYTHONUNBUFFERED=1 THOMAS_TUNE_OPENCL_PLATFORM=NVIDIA
+export PYTHONPATH=$SITE PYTHONSAFEPATH=1 PYTHONUNBUFFERED=1
+export THOMAS_TUNE_OPENCL_PLATFORM=${PLATFORM:-NVIDIA}  # PLATFORM=Portable: PoCL on the CPU
 export TVM_FFI_DISABLE_TORCH_C_DLPACK=1
 CL_LIB=$(ldconfig -p 2>/dev/null | awk '/libOpenCL.so.1/{print $NF; exit}')
 [ -n "$CL_LIB" ] || CL_LIB=/usr/local/cuda/targets/x86_64-linux/lib/libOpenCL.so.1
@@ -66,7 +69,7 @@ setup() {
 }
 
 jobs_list() {
-  grep -v '^#' tools/gpu_jobs.txt | grep -v '^\s*$' | { if [ -n "${JOBS:-}" ]; then grep -E "^(${JOBS// /|}) "; else cat; fi; }
+  grep -v '^#' ${JOBS_FILE:-tools/gpu_jobs.txt} | grep -v '^\s*$' | { if [ -n "${JOBS:-}" ]; then grep -E "^(${JOBS// /|}) "; else cat; fi; }
 }
 
 # the tracker takes the next free port when $PORT is in use: read the one it listens on

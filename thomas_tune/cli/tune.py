@@ -132,6 +132,7 @@ def cmd_remeasure(args) -> int:
     from ..tasks import key as workload_key
     from ..tuning.driver import rpc_runner
     from ..logs import TuningLog
+    import tvm_ffi
     model, _, _ = load_model(args)
     target = parse_target(args.target, args.host)
     log = TuningLog(args.log)
@@ -150,15 +151,19 @@ def cmd_remeasure(args) -> int:
     try:
         if args.defaults:
             t0 = time.perf_counter()
+            timed = tasks
+            if args.defaults == "logged":  # the tasks whose records are timed again
+                logged = {str(tvm_ffi.structural_hash(m)) for m in log.workloads()}
+                timed = [t for t in tasks if workload_key(t) in logged]
             cached = read_default_times(log.path, target,
-                                        {workload_key(t): t.mod for t in tasks})
-            latency = measure_defaults(tasks, target, runner, log,
+                                        {workload_key(t): t.mod for t in timed})
+            latency = measure_defaults(timed, target, runner, log,
                                        builder_workers=args.build_workers, refresh=True)
             was = (f"{1e3 * kernel_time_s(tasks, cached):.2f} ms before (cached)" if cached
                    else "none cached before")
-            print(f"default schedules: {len(tasks)} kernels timed again in "
+            print(f"default schedules: {len(timed)} kernels timed again in "
                   f"{time.perf_counter() - t0:.0f} s; sum per pass of all graphs "
-                  f"{1e3 * kernel_time_s(tasks, latency):.2f} ms now, {was}", flush=True)
+                  f"{1e3 * kernel_time_s(timed, latency):.2f} ms now, {was}", flush=True)
         t0 = time.perf_counter()
         report = remeasure(log, target, runner, {workload_key(t) for t in tasks},
                            top_k=args.top_k, builder_workers=args.build_workers,
@@ -252,8 +257,11 @@ def add_remeasure(sub) -> None:
     s.add_argument("--log", required=True, help="tuning-log folder")
     s.add_argument("--top-k", type=int, default=2,
                    help="records per workload timed again, fastest first (default 2)")
-    s.add_argument("--defaults", action="store_true",
-                   help="also time every task's default schedule again (default_latency.json)")
+    s.add_argument("--defaults", nargs="?", const="all", choices=["all", "logged"],
+                   help="also time default schedules again (default_latency.json): every "
+                   "task's ('--defaults' alone), or only those of the tasks with records in "
+                   "the log ('--defaults logged'), which is what export compares the records "
+                   "with")
     s.add_argument("--wait", type=float, default=30, help="seconds to wait for a free server")
     s.add_argument("--servers", type=int, help="device servers measuring at once (default: "
                    "all free servers of the key)")

@@ -13,7 +13,20 @@
 // Memory: a device pointer is the cl_mem handle itself; views with a byte offset are not used
 // by thomas_tune's graphs and are refused with a clear error.
 //
-// Program binaries: a module's OpenCL program is built from source once per device and its
+// Programs: one per group of kernels. TVM's code generator marks each kernel with a
+// "// Function: NAME" line; the sidecar deals the kernels into kProgramGroups groups by a hash of
+// their names, and a group's program is the module's shared header (what precedes the first
+// kernel's definition, less the kernel prototypes) and its kernels' definitions in name order,
+// built the first time one of them is used. Why groups: a program costs a fixed ~0.2 s to
+// build on PoCL whatever it holds, and PoCL compiles a kernel at its first launch from the whole
+// program that holds it, so one program of a training step's ~500 kernels costs time
+// quadratic in its size. Why by name: two modules that hold the same kernels (a tuned and an
+// untuned build of one training step differ in a few) then build the same programs for every
+// group their differences miss, which the caches below and the driver's own (PoCL's kernel
+// cache) serve once. A source without the markers, or a group whose program fails to build,
+// uses the whole module's source as one program.
+//
+// Program binaries: each program is built from source once per device and its
 // binary (clGetProgramInfo(CL_PROGRAM_BINARIES)) written to a cache folder, keyed by platform,
 // device, device and driver versions and the kernel source; the next process that loads the same
 // module creates the program from that binary (clCreateProgramWithBinary), so it compiles no
@@ -597,6 +610,62 @@ class KernelLauncher {
 
 std::atomic<uint64_t> KernelLauncher::next_id_{0};
 
+constexpr uint64_t kProgramGroups = 32;
+
+// The group of kernel ``name`` (see "Programs" at the top).
+uint64_t GroupOf(const std::string& name) {
+  return Fnv1a(name.data(), name.size(), 3) % kProgramGroups;
+}
+
+// The program sources of a module's OpenCL C by group (see "Programs" at the top): group ->
+// header + each member's "// Function: NAME" line and definition, in name order. Empty when
+// the source carries no "// Function: " markers or a section's definition cannot be found.
+std::unordered_map<uint64_t, std::string> SplitKernels(const std::string& source) {
+  static const std::string kMark = "// Function: ";
+  std::vector<size_t> marks;
+  for (size_t p = source.find(kMark); p != std::string::npos; p = source.find(kMark, p + 1)) {
+    if (p == 0 || source[p - 1] == '\n') marks.push_back(p);
+  }
+  std::unordered_map<uint64_t, std::string> out;
+  if (marks.empty()) return out;
+  std::string header = source.substr(0, marks[0]);
+  std::map<std::string, std::string> defs;  // name -> definition text, in name order
+  for (size_t i = 0; i < marks.size(); ++i) {
+    size_t end = i + 1 < marks.size() ? marks[i + 1] : source.size();
+    size_t eol = source.find('\n', marks[i]);
+    if (eol == std::string::npos || eol >= end) return {};
+    std::string name = source.substr(marks[i] + kMark.size(), eol - marks[i] - kMark.size());
+    while (!name.empty() && (name.back() == '\r' || name.back() == ' ')) name.pop_back();
+    // lines up to the definition: the first "__kernel" line that is not a prototype (";")
+    size_t line = eol + 1, def = std::string::npos;
+    while (line < end) {
+      size_t next = source.find('\n', line);
+      if (next == std::string::npos || next > end) next = end;
+      std::string text = source.substr(line, next - line);
+      while (!text.empty() && (text.back() == '\r' || text.back() == ' ')) text.pop_back();
+      bool is_kernel = text.rfind("__kernel", 0) == 0;
+      if (is_kernel && !text.empty() && text.back() != ';') {
+        def = line;
+        break;
+      }
+      if (!is_kernel && i == 0) header += text + "\n";  // pragmas, helpers: shared by all
+      if (!is_kernel && i > 0 && !text.empty()) return {};  // text of unknown scope: no split
+      line = next + 1;
+    }
+    if (def == std::string::npos || source.find(" " + name + "(", def) > source.find('\n', def) ||
+        defs.count(name)) {
+      return {};
+    }
+    defs[name] = source.substr(def, end - def);
+  }
+  for (auto& [name, body] : defs) {
+    std::string& group = out[GroupOf(name)];
+    if (group.empty()) group = header;
+    group += kMark + name + "\n" + body;
+  }
+  return out;
+}
+
 // The OpenCL modules alive in this process. BuildPrograms tells them from other modules by
 // this set, not by dynamic_cast: the TVM library's module classes may carry no type info, and a
 // dynamic_cast on one of them crashes.
@@ -607,7 +676,8 @@ class OpenCLModuleObj : public tvm::ffi::ModuleObj {
  public:
   OpenCLModuleObj(std::string source, std::unordered_map<std::string, FunctionInfo> fmap,
                   std::string blob)
-      : source_(std::move(source)), fmap_(std::move(fmap)), blob_(std::move(blob)) {
+      : source_(std::move(source)), fmap_(std::move(fmap)), blob_(std::move(blob)),
+        kernel_sources_(SplitKernels(source_)) {
     std::lock_guard<std::mutex> lock(live_modules_mutex);
     live_modules.insert(this);
   }
@@ -618,7 +688,10 @@ class OpenCLModuleObj : public tvm::ffi::ModuleObj {
       live_modules.erase(this);
     }
     for (auto& kv : kernels_) clReleaseKernel(kv.second);
-    for (auto& kv : programs_) clReleaseProgram(kv.second);
+    std::unordered_set<cl_program> released;  // the whole-module program may appear many times
+    for (auto& kv : programs_) {
+      if (released.insert(kv.second).second) clReleaseProgram(kv.second);
+    }
   }
 
   const char* kind() const final { return "opencl"; }
@@ -640,11 +713,13 @@ class OpenCLModuleObj : public tvm::ffi::ModuleObj {
         [launcher, self](PackedArgs args, Any* rv) { (*launcher)(args, rv); });
   }
 
-  // Builds (or loads from the cache) this module's program for ``device_id`` now, not at the
-  // first launch: a tuner's device server compiles a candidate before it takes the device lock.
+  // Builds (or loads from the cache) the programs of all this module's kernels for
+  // ``device_id`` now, not at their first launch: a tuner's device server compiles a candidate
+  // before it takes the device lock.
   void BuildProgram(int device_id) {
     std::lock_guard<std::mutex> lock(mu_);
-    Program(device_id);
+    for (const auto& kv : fmap_) Program(device_id, kv.second.name);
+    if (fmap_.empty()) Whole(device_id);  // a source with no function table still compiles
   }
 
   cl_kernel Kernel(int device_id, const std::string& name) {
@@ -654,7 +729,7 @@ class OpenCLModuleObj : public tvm::ffi::ModuleObj {
       << name;
     auto it = kernels_.find(k.str());
     if (it != kernels_.end()) return it->second;
-    cl_program prog = Program(device_id);
+    cl_program prog = Program(device_id, name);
     cl_int err;
     cl_kernel kern = clCreateKernel(prog, name.c_str(), &err);
     TT_CL_CHECK(err, "clCreateKernel(" << name << ")");
@@ -663,9 +738,60 @@ class OpenCLModuleObj : public tvm::ffi::ModuleObj {
   }
 
  private:
-  cl_program Program(int device_id) {
-    auto it = programs_.find(device_id);
+  // The program that holds kernel ``name`` on ``device_id``: its group's (see "Programs" at
+  // the top), or the whole module's when the source was not split or the group's program
+  // failed to build.
+  cl_program Program(int device_id, const std::string& name) {
+    uint64_t group = GroupOf(name);
+    std::string key = std::to_string(device_id) + '/' + std::to_string(group);
+    auto it = programs_.find(key);
     if (it != programs_.end()) return it->second;
+    auto src = kernel_sources_.find(group);
+    cl_program prog = nullptr;
+    if (src != kernel_sources_.end() && !failed_.count(key) &&
+        src->second.find("// Function: " + name + "\n") != std::string::npos) {
+      try {
+        prog = ProgramOf(device_id, src->second, KernelNames(group));
+      } catch (const std::exception& e) {
+        failed_.insert(key);
+        std::cerr << "thomas_tune: the OpenCL program of kernel " << name << "'s group failed "
+                  << "to build; building the module's whole source instead (" << e.what()
+                  << ")" << std::endl;
+      }
+    }
+    if (prog == nullptr) return Whole(device_id);  // not kept under the group's key
+    programs_[key] = prog;
+    return prog;
+  }
+
+  // The program of the module's whole source on ``device_id``.
+  cl_program Whole(int device_id) {
+    std::string key = std::to_string(device_id) + "/*";
+    auto it = programs_.find(key);
+    if (it != programs_.end()) return it->second;
+    cl_program prog = ProgramOf(device_id, source_, KernelNames());
+    programs_[key] = prog;
+    return prog;
+  }
+
+  // The names of this module's kernels (of group ``group`` only, unless it is negative), in
+  // name order, for the build log.
+  std::string KernelNames(int64_t group = -1) const {
+    std::vector<std::string> all;
+    for (const auto& kv : fmap_) {
+      if (group < 0 || GroupOf(kv.second.name) == static_cast<uint64_t>(group)) {
+        all.push_back(kv.second.name);
+      }
+    }
+    std::sort(all.begin(), all.end());
+    std::string names;
+    for (const std::string& n : all) names += (names.empty() ? "" : ", ") + n;
+    return names;
+  }
+
+  // Builds ``source`` (or loads it from the binary cache) for ``device_id``; ``names`` are the
+  // kernels it holds, for the build log.
+  cl_program ProgramOf(int device_id, const std::string& source, const std::string& names) {
     Dev& d = Workspace::Global()->Get(device_id);
     std::string dir = BinaryCacheDir(), path;
     if (!dir.empty()) {
@@ -675,21 +801,18 @@ class OpenCLModuleObj : public tvm::ffi::ModuleObj {
            {PlatformString(d.platform, CL_PLATFORM_NAME),
             PlatformString(d.platform, CL_PLATFORM_VERSION), d.name,
             DeviceString(d.id, CL_DEVICE_VERSION), DeviceString(d.id, CL_DRIVER_VERSION),
-            BuildOptions(), source_}) {
+            BuildOptions(), source}) {
         key += '\0';
         key += part;
       }
       path = dir + "/" + Hex(Fnv1a(key.data(), key.size(), 1)) +
              Hex(Fnv1a(key.data(), key.size(), 2)) + ".clbin";
       cl_program prog = FromBinary(d, path);
-      if (prog != nullptr) {
-        programs_[device_id] = prog;
-        return prog;
-      }
+      if (prog != nullptr) return prog;
     }
     auto t0 = std::chrono::steady_clock::now();
-    const char* src = source_.c_str();
-    size_t len = source_.size();
+    const char* src = source.c_str();
+    size_t len = source.size();
     cl_int err;
     cl_program prog = clCreateProgramWithSource(d.context, 1, &src, &len, &err);
     TT_CL_CHECK(err, "clCreateProgramWithSource");
@@ -708,13 +831,8 @@ class OpenCLModuleObj : public tvm::ffi::ModuleObj {
     }
     stats.source_builds++;
     stats.source_build_ns += NanosSince(t0);
-    if (const char* log_path = BuildLogPath()) {
-      std::string names;
-      for (const auto& kv : fmap_) names += (names.empty() ? "" : ", ") + kv.first;
-      AppendBuildLog(log_path, prog, d.id, names);
-    }
+    if (const char* log_path = BuildLogPath()) AppendBuildLog(log_path, prog, d.id, names);
     if (!path.empty()) ToBinary(d, prog, dir, path);
-    programs_[device_id] = prog;
     return prog;
   }
 
@@ -780,8 +898,10 @@ class OpenCLModuleObj : public tvm::ffi::ModuleObj {
   std::string source_;
   std::unordered_map<std::string, FunctionInfo> fmap_;
   std::string blob_;
+  std::unordered_map<uint64_t, std::string> kernel_sources_;  // group -> program source
   std::mutex mu_;
-  std::unordered_map<int, cl_program> programs_;
+  std::unordered_map<std::string, cl_program> programs_;  // "device/group" or "device/*"
+  std::unordered_set<std::string> failed_;                 // groups whose build failed
   std::unordered_map<std::string, cl_kernel> kernels_;
 };
 
