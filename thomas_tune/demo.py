@@ -3,11 +3,16 @@ kernels, and show what tuning bought.
 
 The shipped checkpoint (``models/pretrained/mobilenet_v2-w0.35-r64-mnist0to4.npz``) was trained
 by thomas_tune on MNIST digits 0-4 (``bench/four_levels.py``). The demo gives it a fresh
-5-class head and fine-tunes it on digits 5-9 (mnist5k, split 80/20 by class, relabelled 0-4),
-after tuning the kernels of its training step on the device (``thomas-tune tune`` over a
-loopback tracker). From the same run it reports ms per training step of the tuned build
-against the untuned build (default schedules), both timed on the same batches (the two
-alternating step by step), and the mean training loss over the first and the last steps.
+5-class head and fine-tunes it on digits 5-9 (mnist5k, split 80/20 by class, relabelled 0-4).
+Before that it tunes the kernels of the training step on the device (``thomas-tune tune`` over
+a loopback tracker), starting from the tuning log shipped for PoCL on x86-64
+(:func:`shipped_log_path`): a tuning run of this step on one machine is a good start on
+another of the same kind, but its times are that machine's, so its best records and their
+default schedules are timed again here (``thomas-tune remeasure``) before the demo's own
+trials. The untuned build (default schedules) is compiled in a child process meanwhile. From
+the same run it reports ms per training step of the tuned build against the untuned build,
+both timed on the same batches (the two alternating step by step), and the mean training loss
+over the first and the last steps.
 """
 
 from __future__ import annotations
@@ -22,6 +27,42 @@ import time
 import numpy as np
 
 FINE_TUNE_DIGITS = [5, 6, 7, 8, 9]
+
+
+def shipped_log_path() -> str:
+    """The tuning log shipped for the demo's training step on PoCL on x86-64
+    (``tuning_logs/pocl-x86_64/mobilenet_v2-w0.35-r64-c5-b8`` in the source tree; packed)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return os.path.join(root, "tuning_logs", "pocl-x86_64", "mobilenet_v2-w0.35-r64-c5-b8")
+
+
+def start_from(shipped: str, log_dir: str) -> bool:
+    """Copy the tuning log ``shipped`` (a folder, packed or not) to ``log_dir`` (which must not
+    hold a log yet) and unpack it there, so that tuning appends to it. Returns False, and
+    copies nothing, when ``shipped`` holds no log or ``log_dir`` already does."""
+    import shutil
+
+    from .logs import TuningLog, is_packed, unpack
+    if not os.path.isdir(shipped) or TuningLog(log_dir).exists():
+        return False
+    shutil.copytree(shipped, log_dir, dirs_exist_ok=True)
+    if is_packed(log_dir):
+        unpack(log_dir)
+    return True
+
+
+def build_device_programs(export_dir: str, seed: int = 0) -> None:
+    """One training step and one inference pass of the export in ``export_dir`` on random
+    inputs: builds its OpenCL programs into the program-binary cache and the driver's kernel
+    cache, so that the next process to load the export builds none (the demo runs this in the
+    untuned build's child process while it tunes)."""
+    from .runtime import Session
+    rng = np.random.default_rng(seed)
+    with Session(export_dir, seed=seed) as s:
+        s.train_step(rng.standard_normal(s.model.input_shape(s.batch)).astype("float32"),
+                     rng.integers(0, s.model.num_classes, s.batch))
+        s.predict(rng.standard_normal(s.model.input_shape(s.infer_batch)).astype("float32"))
+        s.sync()
 
 
 def pretrained_path() -> str:
@@ -129,42 +170,61 @@ def run(args, tune_fn) -> int:
     print(f"[demo] data: {len(train.y)} training / {len(test.y)} held-out images of "
           f"{train.source}", flush=True)
 
-    # 1. tune the training step's largest kernels on this machine's device
-    common = ["--checkpoint", ckpt, "--batch", str(args.batch), "--trainable", args.trainable,
-              "--target", args.target]
-    t0 = time.perf_counter()
-    with rpc.loopback(key=args.key, servers=1, lifetime=3600) as (host, port):
-        print(f"[demo] tracker on {host}:{port}, one device server with key {args.key!r}",
-              flush=True)
-        rc = tune_fn(["tune", *common, "--tracker", f"{host}:{port}", "--key", args.key,
-                      "--trials", str(args.trials), "--top", str(args.top), "--log", log_dir,
-                      "--trials-per-iter", "2", "--population", "32"])
-        if rc:
-            return rc
-    tune_s = time.perf_counter() - t0
-    print(f"[demo] tuning done in {tune_s:.0f} s; servers stopped", flush=True)
-
-    # 2. export the training step twice, at the same time: tuned here, untuned (default
-    #    schedules) in a child process (a compile keeps one core busy)
+    # 1. the untuned build (default schedules) needs no tuning: a child process compiles it and
+    #    builds its device programs (into the caches this process then loads them from) while
+    #    this one tunes
     target = parse_target(args.target)
     opt = OptimizerConfig(lr=args.lr)
     dirs = {name: os.path.join(work, f"export-{name}") for name in ("tuned", "untuned")}
     init = os.path.join(work, "init.npz")
     save_checkpoint(init, model, tensors, train.classes)
-    child = subprocess.Popen(
-        [sys.executable] + (["-P"] if sys.flags.safe_path else []) +
-        ["-m", "thomas_tune.cli", "export", "--checkpoint", init, "--batch", str(args.batch),
-         "--trainable", args.trainable, "--lr", str(args.lr), "--target", args.target,
-         "--out", dirs["untuned"]], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    with busy("[demo] compiling the tuned and the untuned build"):
+    child_log = os.path.join(work, "untuned-build.log")
+    with open(child_log, "w") as out:
+        child = subprocess.Popen(
+            [sys.executable] + (["-P"] if sys.flags.safe_path else []) +
+            ["-m", "thomas_tune.demo", "export", "--checkpoint", init, "--batch",
+             str(args.batch), "--trainable", args.trainable, "--lr", str(args.lr), "--target",
+             args.target, "--out", dirs["untuned"]], stdout=out, stderr=subprocess.STDOUT)
+
+    # 2. tune the training step's kernels on this machine's device, starting from the shipped
+    #    tuning log: its best records and their default schedules timed again here, then the
+    #    demo's own trials on the largest kernels
+    common = ["--checkpoint", ckpt, "--batch", str(args.batch), "--trainable", args.trainable,
+              "--target", args.target]
+    shipped = None if args.no_shipped_log else shipped_log_path()
+    started = shipped is not None and start_from(shipped, log_dir)
+    t0 = time.perf_counter()
+    with rpc.loopback(key=args.key, servers=1, lifetime=3600) as (host, port):
+        print(f"[demo] tracker on {host}:{port}, one device server with key {args.key!r}",
+              flush=True)
+        server = ["--tracker", f"{host}:{port}", "--key", args.key, "--log", log_dir]
+        if started:
+            print(f"[demo] starting from the shipped tuning log {shipped}: its best records "
+                  "and their default schedules timed again on this device", flush=True)
+            if tune_fn(["remeasure", *common, *server, "--top-k", "1", "--defaults", "logged"]):
+                print("[demo] a record could not be timed again; it keeps its shipped time",
+                      flush=True)
+        rc = tune_fn(["tune", *common, *server, "--trials", str(args.trials), "--top",
+                      str(args.top), "--trials-per-iter", "2", "--population", "32"])
+        if rc:
+            child.kill()
+            return rc
+    tune_s = time.perf_counter() - t0
+    print(f"[demo] tuning done in {tune_s:.0f} s; servers stopped", flush=True)
+
+    # 3. the tuned build, here, while the child may still be building the untuned one
+    with busy("[demo] compiling the tuned build"):
         export(dirs["tuned"], model, tensors, target, batch=args.batch,
                trainable=args.trainable, optimizer=opt, log=TuningLog(log_dir),
                classes=train.classes, progress=lambda m: None)
-        out, _ = child.communicate()
+    with busy("[demo] waiting for the untuned build"):
+        child.wait()
     if child.returncode != 0:
-        raise RuntimeError(f"compiling the untuned build failed:\n{out[-3000:]}")
+        with open(child_log) as f:
+            raise RuntimeError(f"compiling the untuned build failed ({child_log}):\n"
+                               f"{f.read()[-3000:]}")
 
-    # 3. the same first batches through both builds, side by side: the two alternate step by
+    # 4. the same first batches through both builds, side by side: the two alternate step by
     #    step (the order swapped every batch), so that a change in the machine's load or clock
     #    during the timing reaches both alike; ms per step is each build's median
     timing = first_batches(train, args)
@@ -188,7 +248,7 @@ def run(args, tune_fn) -> int:
           f"{ms['tuned']:.1f}, untuned {ms['untuned']:.1f} ({ms['untuned'] / ms['tuned']:.2f}x)",
           flush=True)
 
-    # 4. fine-tune from the pretrained weights with the tuned build
+    # 5. fine-tune from the pretrained weights with the tuned build
     s = sessions["tuned"]
     print(f"[demo] fine-tuning {args.steps} steps of batch {args.batch} (trainable "
           f"{args.trainable}) with the tuned build", flush=True)
@@ -212,3 +272,13 @@ def run(args, tune_fn) -> int:
         print(f"[demo] saved the fine-tuned checkpoint to {args.save}")
     print(f"[demo] finished in {time.perf_counter() - t_start:.0f} s; files in {work}")
     return 0
+
+
+if __name__ == "__main__":
+    # the demo's child process: 'thomas-tune export' with these arguments (the untuned build),
+    # then its device programs built (build_device_programs)
+    from .cli import main
+    code = main(sys.argv[1:])
+    if code == 0:
+        build_device_programs(sys.argv[sys.argv.index("--out") + 1])
+    sys.exit(code)
