@@ -52,16 +52,15 @@ def start_from(shipped: str, log_dir: str) -> bool:
 
 
 def build_device_programs(export_dir: str, seed: int = 0) -> None:
-    """One training step and one inference pass of the export in ``export_dir`` on random
-    inputs: builds its OpenCL programs into the program-binary cache and the driver's kernel
-    cache, so that the next process to load the export builds none (the demo runs this in the
-    untuned build's child process while it tunes)."""
+    """One training step of the export in ``export_dir`` on random inputs: builds the OpenCL
+    programs of its training module into the program-binary cache and the driver's kernel
+    cache, so that the next process to run its training step builds none (the demo runs this in
+    the untuned build's child process while it tunes; it never runs that build's inference)."""
     from .runtime import Session
     rng = np.random.default_rng(seed)
     with Session(export_dir, seed=seed) as s:
         s.train_step(rng.standard_normal(s.model.input_shape(s.batch)).astype("float32"),
                      rng.integers(0, s.model.num_classes, s.batch))
-        s.predict(rng.standard_normal(s.model.input_shape(s.infer_batch)).astype("float32"))
         s.sync()
 
 
@@ -182,9 +181,8 @@ def run(args, tune_fn) -> int:
     with open(child_log, "w") as out:
         child = subprocess.Popen(
             [sys.executable] + (["-P"] if sys.flags.safe_path else []) +
-            ["-m", "thomas_tune.demo", "export", "--checkpoint", init, "--batch",
-             str(args.batch), "--trainable", args.trainable, "--lr", str(args.lr), "--target",
-             args.target, "--out", dirs["untuned"]], stdout=out, stderr=subprocess.STDOUT)
+            ["-m", "thomas_tune.demo", init, dirs["untuned"], str(args.batch), args.trainable,
+             str(args.lr), args.target], stdout=out, stderr=subprocess.STDOUT)
 
     # 2. tune the training step's kernels on this machine's device, starting from the shipped
     #    tuning log: its best records and their default schedules timed again here, then the
@@ -199,9 +197,11 @@ def run(args, tune_fn) -> int:
               flush=True)
         server = ["--tracker", f"{host}:{port}", "--key", args.key, "--log", log_dir]
         if started:
-            print(f"[demo] starting from the shipped tuning log {shipped}: its best records "
-                  "and their default schedules timed again on this device", flush=True)
-            if tune_fn(["remeasure", *common, *server, "--top-k", "1", "--defaults", "logged"]):
+            print(f"[demo] starting from the shipped tuning log {shipped}: the best records "
+                  f"of its {args.remeasure_top} costliest tasks and their default schedules "
+                  "timed again on this device", flush=True)
+            if tune_fn(["remeasure", *common, *server, "--top-k", "1", "--defaults", "logged",
+                        "--top", str(args.remeasure_top)]):
                 print("[demo] a record could not be timed again; it keeps its shipped time",
                       flush=True)
         rc = tune_fn(["tune", *common, *server, "--trials", str(args.trials), "--top",
@@ -274,11 +274,23 @@ def run(args, tune_fn) -> int:
     return 0
 
 
+
+def export_untuned(init: str, out: str, batch: int, trainable: str, lr: float,
+                   target: str) -> None:
+    """The demo's child process: the checkpoint ``init`` exported to ``out`` with default
+    schedules (no tuning log) for ``target`` (a :func:`thomas_tune.target.parse_target`
+    string), then its device programs built (:func:`build_device_programs`)."""
+    from .export import export
+    from .graph import OptimizerConfig
+    from .models import load_checkpoint
+    from .target import parse_target
+    model, tensors, classes = load_checkpoint(init)
+    export(out, model, tensors, parse_target(target), batch=batch, trainable=trainable,
+           optimizer=OptimizerConfig(lr=lr), classes=classes)
+    build_device_programs(out)
+
+
 if __name__ == "__main__":
-    # the demo's child process: 'thomas-tune export' with these arguments (the untuned build),
-    # then its device programs built (build_device_programs)
-    from .cli import main
-    code = main(sys.argv[1:])
-    if code == 0:
-        build_device_programs(sys.argv[sys.argv.index("--out") + 1])
-    sys.exit(code)
+    # python -m thomas_tune.demo INIT OUT BATCH TRAINABLE LR TARGET: see export_untuned
+    a = sys.argv[1:]
+    export_untuned(a[0], a[1], int(a[2]), a[3], float(a[4]), a[5])

@@ -122,6 +122,9 @@ def add_demo(sub) -> None:
     s.add_argument("--save", help="write the fine-tuned checkpoint here")
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--log", help="tuning-log folder (default: inside --work)")
+    s.add_argument("--remeasure-top", type=int, default=16, help="tasks of the shipped log "
+                   "whose best record and default schedule are timed again on this device: "
+                   "those whose default schedule costs the most per step (default 16)")
     s.add_argument("--no-shipped-log", action="store_true", help="tune from the default "
                    "schedules only, not from the tuning log shipped for PoCL on x86-64")
     s.add_argument("--work", help="folder for the log and the exports (default: a temp folder)")

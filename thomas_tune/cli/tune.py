@@ -144,6 +144,12 @@ def cmd_remeasure(args) -> int:
     check_device(tracker, args.key, target, timeout=args.wait)
     free = rpc.wait_for_key(tracker, args.key, timeout=args.wait)
     tasks = extract(model_graphs(args, model), target)
+    if args.top:  # the logged tasks where the default schedule costs the most per pass
+        logged = {str(tvm_ffi.structural_hash(m)) for m in log.workloads()}
+        known = read_default_times(log.path, target,
+                                   {workload_key(t): t.mod for t in tasks}) or {}
+        tasks = sorted((t for t in tasks if workload_key(t) in logged),
+                       key=lambda t: -t.weight * known.get(workload_key(t), 0.0))[:args.top]
     runner = rpc_runner(tracker, args.key, servers=args.servers or free,
                         trial_timeout_s=args.trial_timeout,
                         compile_timeout_s=args.compile_timeout, repeat=args.repeat,
@@ -257,6 +263,9 @@ def add_remeasure(sub) -> None:
     s.add_argument("--log", required=True, help="tuning-log folder")
     s.add_argument("--top-k", type=int, default=2,
                    help="records per workload timed again, fastest first (default 2)")
+    s.add_argument("--top", type=int, help="only the N tasks with records whose default "
+                   "schedules take the most time per pass of all graphs (calls x time in "
+                   "default_latency.json); the others keep their times")
     s.add_argument("--defaults", nargs="?", const="all", choices=["all", "logged"],
                    help="also time default schedules again (default_latency.json): every "
                    "task's ('--defaults' alone), or only those of the tasks with records in "
