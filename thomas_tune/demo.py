@@ -189,7 +189,9 @@ def run(args, tune_fn) -> int:
     #    demo's own trials on the largest kernels
     common = ["--checkpoint", ckpt, "--batch", str(args.batch), "--trainable", args.trainable,
               "--target", args.target]
-    shipped = None if args.no_shipped_log else shipped_log_path()
+    # the shipped log holds OpenCL schedules: on another target it has nothing to offer
+    opencl = target.kind.name == "opencl"
+    shipped = None if args.no_shipped_log or not opencl else shipped_log_path()
     started = shipped is not None and start_from(shipped, log_dir)
     t0 = time.perf_counter()
     with rpc.loopback(key=args.key, servers=1, lifetime=3600) as (host, port):
