@@ -141,10 +141,37 @@ def fine_tune_from(session, tensors: dict, train, test, args, show_progress: boo
                      show_progress=show_progress)
 
 
+def _tune(args, tune_fn, common: list[str], log_dir: str, shipped: str | None,
+          started: bool) -> int:
+    """The demo's tuning (step 2 of :func:`run`): a loopback tracker and one device server;
+    when ``started`` (the log ``shipped`` was copied to ``log_dir``), its costliest tasks timed
+    again (``remeasure``), then the demo's own trials. Returns ``tune``'s exit status."""
+    from . import rpc
+    t0 = time.perf_counter()
+    with rpc.loopback(key=args.key, servers=1, lifetime=3600) as (host, port):
+        print(f"[demo] tracker on {host}:{port}, one device server with key {args.key!r}",
+              flush=True)
+        server = ["--tracker", f"{host}:{port}", "--key", args.key, "--log", log_dir]
+        if started:
+            print(f"[demo] starting from the shipped tuning log {shipped}: the best records "
+                  f"of its {args.remeasure_top} costliest tasks and their default schedules "
+                  "timed again on this device", flush=True)
+            if tune_fn(["remeasure", *common, *server, "--top-k", "1", "--defaults", "logged",
+                        "--top", str(args.remeasure_top)]):
+                print("[demo] a record could not be timed again; it keeps its shipped time",
+                      flush=True)
+        rc = tune_fn(["tune", *common, *server, "--trials", str(args.trials), "--top",
+                      str(args.top), "--trials-per-iter", "2", "--population", "32"])
+        if rc:
+            return rc
+    print(f"[demo] tuning done in {time.perf_counter() - t0:.0f} s; servers stopped",
+          flush=True)
+    return 0
+
+
 def run(args, tune_fn) -> int:
     """The demo (see the module docstring). ``args``: the demo's options; ``tune_fn(argv)``
     runs ``thomas-tune`` with ``argv`` and returns its exit status (the CLI's ``main``)."""
-    from . import rpc
     from .export import export
     from .graph import OptimizerConfig
     from .models import load_checkpoint, replace_head, save_checkpoint
@@ -190,37 +217,24 @@ def run(args, tune_fn) -> int:
     common = ["--checkpoint", ckpt, "--batch", str(args.batch), "--trainable", args.trainable,
               "--target", args.target]
     # the shipped log holds OpenCL schedules: on another target it has nothing to offer
-    opencl = target.kind.name == "opencl"
-    shipped = None if args.no_shipped_log or not opencl else shipped_log_path()
+    shipped = (shipped_log_path() if target.kind.name == "opencl" and not args.no_shipped_log
+               else None)
     started = shipped is not None and start_from(shipped, log_dir)
-    t0 = time.perf_counter()
-    with rpc.loopback(key=args.key, servers=1, lifetime=3600) as (host, port):
-        print(f"[demo] tracker on {host}:{port}, one device server with key {args.key!r}",
-              flush=True)
-        server = ["--tracker", f"{host}:{port}", "--key", args.key, "--log", log_dir]
-        if started:
-            print(f"[demo] starting from the shipped tuning log {shipped}: the best records "
-                  f"of its {args.remeasure_top} costliest tasks and their default schedules "
-                  "timed again on this device", flush=True)
-            if tune_fn(["remeasure", *common, *server, "--top-k", "1", "--defaults", "logged",
-                        "--top", str(args.remeasure_top)]):
-                print("[demo] a record could not be timed again; it keeps its shipped time",
-                      flush=True)
-        rc = tune_fn(["tune", *common, *server, "--trials", str(args.trials), "--top",
-                      str(args.top), "--trials-per-iter", "2", "--population", "32"])
+    try:
+        rc = _tune(args, tune_fn, common, log_dir, shipped, started)
         if rc:
-            child.kill()
             return rc
-    tune_s = time.perf_counter() - t0
-    print(f"[demo] tuning done in {tune_s:.0f} s; servers stopped", flush=True)
-
-    # 3. the tuned build, here, while the child may still be building the untuned one
-    with busy("[demo] compiling the tuned build"):
-        export(dirs["tuned"], model, tensors, target, batch=args.batch,
-               trainable=args.trainable, optimizer=opt, log=TuningLog(log_dir),
-               classes=train.classes, progress=lambda m: None)
-    with busy("[demo] waiting for the untuned build"):
-        child.wait()
+        # 3. the tuned build, here, while the child may still be building the untuned one
+        with busy("[demo] compiling the tuned build"):
+            export(dirs["tuned"], model, tensors, target, batch=args.batch,
+                   trainable=args.trainable, optimizer=opt, log=TuningLog(log_dir),
+                   classes=train.classes, progress=lambda m: None)
+        with busy("[demo] waiting for the untuned build"):
+            child.wait()
+    finally:
+        if child.poll() is None:  # this process failed or returned early: no orphan build
+            child.kill()
+            child.wait()
     if child.returncode != 0:
         with open(child_log) as f:
             raise RuntimeError(f"compiling the untuned build failed ({child_log}):\n"
@@ -274,7 +288,6 @@ def run(args, tune_fn) -> int:
         print(f"[demo] saved the fine-tuned checkpoint to {args.save}")
     print(f"[demo] finished in {time.perf_counter() - t_start:.0f} s; files in {work}")
     return 0
-
 
 
 def export_untuned(init: str, out: str, batch: int, trainable: str, lr: float,

@@ -144,8 +144,9 @@ def cmd_remeasure(args) -> int:
     check_device(tracker, args.key, target, timeout=args.wait)
     free = rpc.wait_for_key(tracker, args.key, timeout=args.wait)
     tasks = extract(model_graphs(args, model), target)
+    logged = ({str(tvm_ffi.structural_hash(m)) for m in log.workloads()}
+              if args.top or args.defaults == "logged" else None)
     if args.top:  # the logged tasks where the default schedule costs the most per pass
-        logged = {str(tvm_ffi.structural_hash(m)) for m in log.workloads()}
         known = read_default_times(log.path, target,
                                    {workload_key(t): t.mod for t in tasks}) or {}
         tasks = sorted((t for t in tasks if workload_key(t) in logged),
@@ -159,13 +160,12 @@ def cmd_remeasure(args) -> int:
             t0 = time.perf_counter()
             timed = tasks
             if args.defaults == "logged":  # the tasks whose records are timed again
-                logged = {str(tvm_ffi.structural_hash(m)) for m in log.workloads()}
                 timed = [t for t in tasks if workload_key(t) in logged]
             cached = read_default_times(log.path, target,
                                         {workload_key(t): t.mod for t in timed})
             latency = measure_defaults(timed, target, runner, log,
                                        builder_workers=args.build_workers, refresh=True)
-            was = (f"{1e3 * kernel_time_s(tasks, cached):.2f} ms before (cached)" if cached
+            was = (f"{1e3 * kernel_time_s(timed, cached):.2f} ms before (cached)" if cached
                    else "none cached before")
             print(f"default schedules: {len(timed)} kernels timed again in "
                   f"{time.perf_counter() - t0:.0f} s; sum per pass of all graphs "

@@ -688,10 +688,7 @@ class OpenCLModuleObj : public tvm::ffi::ModuleObj {
       live_modules.erase(this);
     }
     for (auto& kv : kernels_) clReleaseKernel(kv.second);
-    std::unordered_set<cl_program> released;  // the whole-module program may appear many times
-    for (auto& kv : programs_) {
-      if (released.insert(kv.second).second) clReleaseProgram(kv.second);
-    }
+    for (auto& kv : programs_) clReleaseProgram(kv.second);  // each held under one key
   }
 
   const char* kind() const final { return "opencl"; }
