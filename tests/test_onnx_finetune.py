@@ -271,7 +271,7 @@ def test_fused_batchnorm_calibrated_trains_as_pytorch(arch, pretrained, compiled
     assert cal.layers == identity_batchnorms(model, fused) and cal.images == 512
     assert cal.logits_change < 1e-5
     losses = {"pytorch": [], "calibrated": [], "uncalibrated": []}
-    for x, y in (next(pre.test.batches(BATCH, rng)) for _ in range(6)):
+    for x, y in (next(pre.test.batches(BATCH, rng)) for _ in range(24)):
         masks = _masks(tg, rng)
         losses["pytorch"].append(Theirs(model, pre.tensors, set()).step(x, y, masks)[0])
         for name, t in (("calibrated", tensors), ("uncalibrated", fused)):
@@ -280,8 +280,10 @@ def test_fused_batchnorm_calibrated_trains_as_pytorch(arch, pretrained, compiled
     want = np.array(losses["pytorch"])
     gap = {k: float(np.abs(np.array(v) - want).mean() / want.mean()) for k, v in losses.items()}
     # near, not equal: the file keeps no trace of PyTorch's running statistics, which the
-    # calibration estimates from the images; uncalibrated, several times farther
-    assert gap["calibrated"] < 0.5 and gap["uncalibrated"] > 3 * gap["calibrated"], gap
+    # calibration estimates from the images; uncalibrated, at least twice as far. How much
+    # farther depends on the pretrained network (its seed is fresh) and on the batches: 6.2x
+    # to 8.5x over 24 batches in four runs, 2.5x over 6 batches in one; hence 24 and 2x
+    assert gap["calibrated"] < 0.5 and gap["uncalibrated"] > 2 * gap["calibrated"], gap
 
     _check_lr0(pre, model, tg, vm, tensors, rng)
 
