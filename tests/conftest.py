@@ -31,6 +31,13 @@ def rng():
     return np.random.default_rng(seed)
 
 
+@pytest.fixture(scope="session")
+def target():
+    """The target of OpenCL device 0 (PoCL in tests and CI) as thomas_tune builds for it."""
+    from thomas_tune import opencl
+    return opencl.target_for(0)
+
+
 SMALL = {
     "mobilenet_v2": dict(num_classes=5, resolution=64, width=0.35),
     "mobilenet_v1": dict(num_classes=5, resolution=64, width=0.25),

@@ -11,20 +11,13 @@ from tvm import te
 from tvm.script import tirx as T
 
 from thomas_tune import kernel_check as kc
-from thomas_tune import opencl, rpc
+from thomas_tune import rpc
 
-if os.environ.get("THOMAS_TUNE_REQUIRE_OPENCL") and not opencl.available():
-    opencl.load()
-    raise RuntimeError("THOMAS_TUNE_REQUIRE_OPENCL is set but no OpenCL device is visible")
-pytestmark = pytest.mark.skipif(not opencl.available(),
-                                reason="no OpenCL device (install pocl-opencl-icd)")
+from opencl_kernels import NEEDS_OPENCL
+
+pytestmark = NEEDS_OPENCL
 
 N = 64
-
-
-@pytest.fixture(scope="module")
-def target():
-    return opencl.target_for(0)
 
 
 def _matmul() -> tvm.IRModule:

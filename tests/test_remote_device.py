@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 import tvm
 
-from thomas_tune import opencl, rpc
+from thomas_tune import rpc
 from thomas_tune.export import export
 from thomas_tune.models import build, init_params
 from thomas_tune.measure.runner import FarmRunner, _lane_close, _lane_open
@@ -30,8 +30,9 @@ from thomas_tune.target import (DEVICE_FILE, parse_target, read_device_limits, r
                                 target_from_limits, write_device_file)
 from thomas_tune.graph import OptimizerConfig
 
-pytestmark = pytest.mark.skipif(not opencl.available(),
-                                reason="no OpenCL device (install pocl-opencl-icd)")
+from opencl_kernels import NEEDS_OPENCL
+
+pytestmark = NEEDS_OPENCL
 KEY = "remote-pocl"
 OPTIONS_LOG = "THOMAS_TUNE_TEST_OPTIONS_LOG"
 MODEL = dict(num_classes=5, resolution=67, width=0.1)  # the small AlexNet of test_aarch64
