@@ -319,7 +319,7 @@ def imported_main(args):
                     theirs0 = {**original, **head}
                     r = _tt_run(exports[trainable], ours0, ft_train, ft_test, args.steps, seed)
                     p = _torch_run(model, theirs0, select_trainable(model, trainable), ft_train,
-                                   ft_test, args.steps, seed,
+                                   ft_test, args.steps, seed, lr=OPT["lr"],
                                    frozen_bn=trainable.endswith("frozen-bn"))
                     runs.append({"seed": seed, "thomas_tune": r, "pytorch": p})
                     print(f"  {name} seed {seed}: {100 * r['acc_after']:.1f}% (first loss "
@@ -401,7 +401,10 @@ def main():
                          "fine-tuning digits, the images a user has)")
     ap.add_argument("--frozen-bn", action="store_true",
                     help="--imported also fine-tunes with every BatchNorm frozen")
+    ap.add_argument("--lr", type=float, default=OPT["lr"],
+                    help=f"learning rate of momentum SGD (default {OPT['lr']})")
     args = ap.parse_args()
+    OPT["lr"] = args.lr
     args.steps = args.steps or (150 if args.imported else 300)
     args.pretrain_steps = args.pretrain_steps or (400 if args.imported else 800)
     if args.imported:
