@@ -380,7 +380,7 @@ def _write_imported(results, args):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int,
-                    help="training steps per level (default 300; 150 with --imported)")
+                    help="training steps per level (default 300)")
     ap.add_argument("--pretrain-steps", type=int, help="default 800; 400 with --imported")
     ap.add_argument("--last", type=int, default=2, help="K of level 2 (last:K)")
     ap.add_argument("--eval-every", type=int, default=50)
@@ -401,11 +401,12 @@ def main():
                          "fine-tuning digits, the images a user has)")
     ap.add_argument("--frozen-bn", action="store_true",
                     help="--imported also fine-tunes with every BatchNorm frozen")
-    ap.add_argument("--lr", type=float, default=OPT["lr"],
-                    help=f"learning rate of momentum SGD (default {OPT['lr']})")
+    ap.add_argument("--lr", type=float,
+                    help=f"learning rate of momentum SGD (default {OPT['lr']}; 0.005 with "
+                         "--imported, the recipe of thomas-tune demo)")
     args = ap.parse_args()
-    OPT["lr"] = args.lr
-    args.steps = args.steps or (150 if args.imported else 300)
+    OPT["lr"] = args.lr or (0.005 if args.imported else OPT["lr"])
+    args.steps = args.steps or 300
     args.pretrain_steps = args.pretrain_steps or (400 if args.imported else 800)
     if args.imported:
         imported_main(args)
