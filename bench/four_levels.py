@@ -171,7 +171,7 @@ class TorchFineTune:
     draws (``thomas_tune.dropout.mask_numpy``, bit for bit). ``dtype``: float32, or float64
     to measure what rounding alone changes in a fine-tune."""
 
-    def __init__(self, model, tensors, trainable, seed, lr=OPT["lr"], frozen_bn=False,
+    def __init__(self, model, tensors, trainable, seed, lr=None, frozen_bn=False,
                  dtype="float32"):
         import torch
         from thomas_tune.models import spec
@@ -183,7 +183,9 @@ class TorchFineTune:
         self.st = {k: torch.tensor(np.asarray(v, dtype)) for k, v in tensors.items()
                    if k not in names}
         self.masks = list(s.masks.items())
-        self.opt = torch.optim.SGD([self.p[n] for n in trainable], lr=lr,
+        # lr None: OPT's at the time of the call (main sets it from --lr)
+        self.opt = torch.optim.SGD([self.p[n] for n in trainable],
+                                   lr=OPT["lr"] if lr is None else lr,
                                    momentum=OPT["momentum"]) if trainable else None
         self._rng = np.random.default_rng(seed)
 
@@ -215,7 +217,7 @@ class TorchFineTune:
         return float(np.mean(pred == data.y))
 
 
-def _torch_run(model, tensors, trainable, train, test, steps, seed, lr=OPT["lr"],
+def _torch_run(model, tensors, trainable, train, test, steps, seed, lr=None,
                frozen_bn=False, dtype="float32"):
     """:func:`thomas_tune.train.fine_tune`'s loop (same batches) in PyTorch."""
     t = TorchFineTune(model, tensors, trainable, seed, lr, frozen_bn, dtype)
@@ -319,7 +321,7 @@ def imported_main(args):
                     theirs0 = {**original, **head}
                     r = _tt_run(exports[trainable], ours0, ft_train, ft_test, args.steps, seed)
                     p = _torch_run(model, theirs0, select_trainable(model, trainable), ft_train,
-                                   ft_test, args.steps, seed, lr=OPT["lr"],
+                                   ft_test, args.steps, seed,
                                    frozen_bn=trainable.endswith("frozen-bn"))
                     runs.append({"seed": seed, "thomas_tune": r, "pytorch": p})
                     print(f"  {name} seed {seed}: {100 * r['acc_after']:.1f}% (first loss "
