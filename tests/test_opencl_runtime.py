@@ -54,17 +54,23 @@ def test_reduction(target, rng):
     np.testing.assert_allclose(got, (x * x).sum(1), rtol=1e-4)
 
 
-def test_exported_mobilenet_matches_llvm(tmp_path, target, rng):
+def _opencl_and_llvm(tmp_path, target, model, params, batch, trainable):
+    """``model`` with ``params`` exported for ``target`` (OpenCL) and for llvm with default
+    schedules; returns the two sessions (OpenCL first)."""
     from thomas_tune.export import export
-    from thomas_tune.models import build, init_params
     from thomas_tune.runtime import Session
     from thomas_tune.target import parse_target
-    model = build("mobilenet_v2", num_classes=10, resolution=64, width=0.35)
-    params = init_params(model, seed=int(rng.integers(1000)))
-    quiet = dict(batch=8, trainable="last:4", progress=lambda *_: None)
+    quiet = dict(batch=batch, trainable=trainable, progress=lambda *_: None)
     export(str(tmp_path / "cl"), model, params, target, **quiet)
     export(str(tmp_path / "cpu"), model, params, parse_target("llvm"), **quiet)
-    cl, cpu = Session(str(tmp_path / "cl")), Session(str(tmp_path / "cpu"))
+    return Session(str(tmp_path / "cl")), Session(str(tmp_path / "cpu"))
+
+
+def test_exported_mobilenet_matches_llvm(tmp_path, target, rng):
+    from thomas_tune.models import build, init_params
+    model = build("mobilenet_v2", num_classes=10, resolution=64, width=0.35)
+    params = init_params(model, seed=int(rng.integers(1000)))
+    cl, cpu = _opencl_and_llvm(tmp_path, target, model, params, 8, "last:4")
     assert str(cl.device) == "opencl:0"
     x = rng.standard_normal((8, 3, 64, 64)).astype("float32")
     y = rng.integers(0, 10, 8)
@@ -89,16 +95,10 @@ def test_alexnet_training_step_on_opencl_matches_llvm(tmp_path, target, rng):
     """AlexNet's kernels that the generic GPU rules refuse or break (max-pooling's backward with
     its argmax reduction, adaptive pooling with index-dependent windows) get a valid default
     schedule: a full training step on PoCL gives the llvm build's loss."""
-    from thomas_tune.export import export
     from thomas_tune.models import build, init_params
-    from thomas_tune.runtime import Session
-    from thomas_tune.target import parse_target
     model = build("alexnet", num_classes=5, resolution=67, width=0.1)
     params = init_params(model, seed=int(rng.integers(1000)))
-    quiet = dict(batch=4, trainable="all", progress=lambda *_: None)
-    export(str(tmp_path / "cl"), model, params, target, **quiet)
-    export(str(tmp_path / "cpu"), model, params, parse_target("llvm"), **quiet)
-    cl, cpu = Session(str(tmp_path / "cl")), Session(str(tmp_path / "cpu"))
+    cl, cpu = _opencl_and_llvm(tmp_path, target, model, params, 4, "all")
     x = rng.standard_normal((4, 3, 67, 67)).astype("float32")
     y = rng.integers(0, 5, 4)
     np.testing.assert_allclose(cl.predict(x[:1]), cpu.predict(x[:1]), rtol=1e-4, atol=1e-5)
