@@ -161,7 +161,8 @@ def _tune(args, tune_fn, common: list[str], log_dir: str, shipped: str | None,
                 print("[demo] a record could not be timed again; it keeps its shipped time",
                       flush=True)
         rc = tune_fn(["tune", *common, *server, "--trials", str(args.trials), "--top",
-                      str(args.top), "--trials-per-iter", "2", "--population", "32"])
+                      str(args.top), "--trials-per-iter", "2", "--population", "32",
+                      "--max-unroll", str(args.max_unroll), "--refine-top", "0"])
         if rc:
             return rc
     print(f"[demo] tuning done in {time.perf_counter() - t0:.0f} s; servers stopped",
