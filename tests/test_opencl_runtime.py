@@ -1,5 +1,5 @@
 """The OpenCL runtime sidecar on PoCL: kernels with thread bindings against numpy in float64,
-the device timer, exported MobileNetV2 and AlexNet steps against their llvm builds, build
+the device timer, exported MobileNetV1 and AlexNet steps against their llvm builds, build
 options and the build log, compiles at raised niceness, the rewrite of vector reads of local
 memory, dropout masks drawn on the device, and the error messages."""
 
@@ -68,7 +68,7 @@ def _opencl_and_llvm(tmp_path, target, model, params, batch, trainable):
 
 def test_exported_mobilenet_matches_llvm(tmp_path, target, rng):
     from thomas_tune.models import build, init_params
-    model = build("mobilenet_v2", num_classes=10, resolution=64, width=0.35)
+    model = build("mobilenet_v1", num_classes=10, resolution=64, width=0.25)
     params = init_params(model, seed=int(rng.integers(1000)))
     cl, cpu = _opencl_and_llvm(tmp_path, target, model, params, 8, "last:4")
     assert str(cl.device) == "opencl:0"
