@@ -113,7 +113,7 @@ def add_demo(sub) -> None:
     s.add_argument("--max-unroll", type=int, default=16,
                    help="largest unroll limit the demo's own trials choose (default 16, as in "
                    "the shipped log: kernels unrolled further have OpenCL C sources of up to a "
-                   "megabyte, which PoCL compiles for seconds each at their first launch)")
+                   "megabyte, which make the tuned build slower to compile and to check)")
     s.add_argument("--steps", type=int, default=300, help="fine-tuning steps (default 300)")
     s.add_argument("--compare-steps", type=int, default=10,
                    help="batches timed through both the tuned and the untuned build, the two "
