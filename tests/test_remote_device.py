@@ -177,11 +177,14 @@ def test_sessions_are_asked_for_in_whole_seconds(farm, rng):
 @pytest.fixture(scope="module")
 def small_export(tmp_path_factory):
     """A small AlexNet exported for this machine's CPU (llvm): quick to compile; its training
-    state lives in the device server's session process all the same."""
+    state lives in the device server's session process all the same. The learning rate is
+    one that trains a repeated batch without diverging over the hundreds of steps a fast
+    machine fits in the renewals test (at 0.01 three seeds of four reached 1e26 or NaN
+    within 600 steps)."""
     out = str(tmp_path_factory.mktemp("export"))
     model = build("alexnet", **MODEL)
     export(out, model, init_params(model, seed=11), parse_target("llvm"), batch=BATCH,
-           trainable="all", optimizer=OptimizerConfig(name="momentum_sgd", lr=0.01),
+           trainable="all", optimizer=OptimizerConfig(name="momentum_sgd", lr=0.001),
            progress=lambda *_: None)
     return out
 
