@@ -195,7 +195,9 @@ def stats() -> dict:
 def binary_cache_dir() -> str:
     """The folder of the OpenCL program-binary cache ("" when ``THOMAS_TUNE_OPENCL_CACHE=off``):
     ``THOMAS_TUNE_OPENCL_CACHE``, else ``$THOMAS_TUNE_CACHE/opencl``, else
-    ``~/.cache/thomas_tune/opencl``. Read at each program build, so it may change at run time."""
+    ``~/.cache/thomas_tune/opencl``. Read at each program build, so it may change at run time.
+    On PoCL (which keeps its own kernel cache) programs use it only when
+    ``THOMAS_TUNE_OPENCL_CACHE`` names a folder: docs/opencl.md says why."""
     load()
     return str(tvm_ffi.get_global_func("thomas_tune.opencl.cache_dir")())
 
