@@ -54,8 +54,9 @@ def start_from(shipped: str, log_dir: str) -> bool:
 def build_device_programs(export_dir: str, seed: int = 0) -> None:
     """One training step of the export in ``export_dir`` on random inputs: builds the OpenCL
     programs of its training module into the driver's kernel cache (and the program-binary
-    cache on drivers that keep none: docs/opencl.md), so that the next process to run its training step builds none (the demo runs this in
-    the untuned build's child process while it tunes; it never runs that build's inference)."""
+    cache on drivers that keep none: docs/opencl.md), so that the next process to run its
+    training step builds none (the demo runs this in the untuned build's child process while
+    it tunes; it never runs that build's inference)."""
     from .runtime import Session
     rng = np.random.default_rng(seed)
     with Session(export_dir, seed=seed) as s:
