@@ -168,8 +168,12 @@ def test_weight_gradient_with_many_outputs_gets_its_longest_loop_split(target, r
     mod = prim_module(dy, x, dw)
     parts = split_parts(p, f * c, b)
     assert parts == [8, 16]
+    # the candidates are sampled from a fixed random state: this test runs them in its own
+    # process, and one unseeded draw in a full suite run crashed it (a segmentation fault in
+    # the OpenCL read-back); the tuner runs candidates in device-server processes, where a
+    # crash costs only that trial (tests/test_faults.py)
     ctx = ms.TuneContext(mod=mod, target=target, space_generator=space_generator(target),
-                         task_name="dw", num_threads=1,
+                         task_name="dw", num_threads=1, rand_state=7,
                          search_strategy=ms.search_strategy.ReplayTrace())
     split = [sp for sp in ctx.generate_design_space() if "rfactor" in str(sp.trace)]
     assert len(split) == 2 * len(parts)  # per G: a work-group space and a tiled one
