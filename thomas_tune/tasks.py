@@ -7,6 +7,7 @@ database does), with the number of times the graphs call it and its FLOPs per ca
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass, field
 
@@ -159,7 +160,28 @@ def extract(graphs: dict[str, tvm.IRModule], target: tvm.target.Target,
     the tasks of that build only.
 
     Returns tasks sorted by total FLOPs (calls x FLOPs per call), largest first.
+
+    Extraction legalizes and fuses every graph (seconds for a training step), so its tasks are
+    kept for the life of the process per graphs (structural hash), target and Winograd choice:
+    ``remeasure``, ``tune`` and ``export`` of one model in one process (the demo) extract once.
+    Each call returns new :class:`Task` objects (their ``calls`` may be changed); the workload
+    modules are shared (TVM's modules are immutable).
     """
+    memo = (tuple((name, int(tvm_ffi.structural_hash(mod))) for name, mod in graphs.items()),
+            str(target), None if winograd is None else
+            tuple(sorted((name, repr(c if isinstance(c, str) else sorted(map(repr, c or ()))))
+                         for name, c in winograd.items())))
+    if memo not in _EXTRACTED:
+        _EXTRACTED[memo] = _extract(graphs, target, winograd)
+    return [dataclasses.replace(t, calls=dict(t.calls)) for t in _EXTRACTED[memo]]
+
+
+#: extract's tasks made in this process, per graphs, target and Winograd choice
+_EXTRACTED: dict[tuple, list[Task]] = {}
+
+
+def _extract(graphs: dict[str, tvm.IRModule], target: tvm.target.Target,
+             winograd: dict | None) -> list[Task]:
     from . import winograd_form as W
     by_key: dict[int, Task] = {}
     for graph_name, mod in graphs.items():

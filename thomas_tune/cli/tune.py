@@ -147,10 +147,11 @@ def cmd_remeasure(args) -> int:
     logged = ({str(tvm_ffi.structural_hash(m)) for m in log.workloads()}
               if args.top or args.defaults == "logged" else None)
     if args.top:  # the logged tasks where the default schedule costs the most per pass
+        tasks = [t for t in tasks if workload_key(t) in logged]
         known = read_default_times(log.path, target,
                                    {workload_key(t): t.mod for t in tasks}) or {}
-        tasks = sorted((t for t in tasks if workload_key(t) in logged),
-                       key=lambda t: -t.weight * known.get(workload_key(t), 0.0))[:args.top]
+        tasks = sorted(tasks, key=lambda t: -t.weight * known.get(workload_key(t), 0.0)
+                       )[:args.top]
     runner = rpc_runner(tracker, args.key, servers=args.servers or free,
                         trial_timeout_s=args.trial_timeout,
                         compile_timeout_s=args.compile_timeout, repeat=args.repeat,

@@ -62,6 +62,7 @@ def measure_defaults(tasks: list[Task], target, runner, log: TuningLog | None = 
         for k, t in todo:
             mods.append(default_kernel(t.mod, target))
             schedules[k] = str(tvm_ffi.structural_hash(mods[-1]["main"]))
+            _SCHEDULE_KEYS[(str(tvm_ffi.structural_hash(t.mod)), str(target))] = schedules[k]
         builder = Builder(max_workers=builder_workers, timeout_s=120)
         try:
             results = measure_kernels(mods, target, runner, builder)
@@ -196,8 +197,23 @@ def read_default_times(log_path: str, target,
 def default_schedule_key(mod: tvm.IRModule, target) -> str:
     """What a default-schedule time was measured on: the structural hash (decimal) of the
     kernel that :func:`~thomas_tune.kernel_check.default_kernel` makes of workload ``mod`` for
-    ``target``."""
-    return str(tvm_ffi.structural_hash(default_kernel(mod, target)["main"]))
+    ``target``.
+
+    Making that kernel applies the default GPU rules (tens of milliseconds per kernel), so
+    keys are kept for the life of the process, per workload (structural hash) and
+    target: a demo that re-times, tunes and exports one training step (500 workloads, each
+    looked up three times or more) makes each kernel once. The rules are code, so they cannot
+    change within a process."""
+    memo = (str(tvm_ffi.structural_hash(mod)), str(target))
+    key = _SCHEDULE_KEYS.get(memo)
+    if key is None:
+        key = _SCHEDULE_KEYS[memo] = str(tvm_ffi.structural_hash(
+            default_kernel(mod, target)["main"]))
+    return key
+
+
+#: default_schedule_key's keys made in this process: (workload hash, target JSON) -> key
+_SCHEDULE_KEYS: dict[tuple[str, str], str] = {}
 
 
 def defaults_stamp(target) -> str:
