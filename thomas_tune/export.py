@@ -124,30 +124,44 @@ def export(out_dir: str, model, tensors: dict[str, np.ndarray], target: tvm.targ
     train_mod = _with_step_functions(tg.mod, [shapes[n] for n in tg.trainable], tg.optim_state,
                                      list(tg.masks.values()))
     infer_mod = G.inference_module(model, infer_batch)
-    database, wino_infer, wino_train = None, set(), set()
+    rules = STOCK_RULES if stock_defaults else None
+
+    def build_libraries(built: dict | None) -> dict:
+        """Compile both modules with ``built``'s schedules (None: default schedules), write
+        their libraries; returns the Winograd choice they were built with."""
+        database = built["database"] if built else None
+        wino = built["winograd"] if built else {"infer": set(), "train": set()}
+        if wino["infer"] or wino["train"]:
+            progress(f"Winograd form for {len(wino['infer'])} inference and "
+                     f"{len(wino['train'])} training convolution(s): their tuned kernels are "
+                     "faster than the direct ones")
+        t0 = time.perf_counter()
+        infer_exe = compile_graph(infer_mod, target, database, wino["infer"], rules)
+        progress(f"compiled inference module in {time.perf_counter() - t0:.1f} s")
+        t0 = time.perf_counter()
+        train_exe = compile_graph(train_mod, target, database, wino["train"], rules)
+        progress(f"compiled training module in {time.perf_counter() - t0:.1f} s")
+        _atomic_write(os.path.join(out_dir, "inference.so"),
+                      lambda p: export_shared(infer_exe, p, target))
+        _atomic_write(os.path.join(out_dir, "train.so"),
+                      lambda p: export_shared(train_exe, p, target))
+        return wino
+
     checks = {"checked": None, "wrong": {}, "unchecked": "no tuning log"}
-    if log is not None:
+    if log is None:
+        wino = build_libraries(None)
+    else:
+        # the records are checked in a second process while this one compiles with all of
+        # them; a wrong one (rare) means compiling again without it
         built = checked_build(log, target, {"infer": infer_mod, "train": train_mod},
-                              check=check_records, say=progress)
-        database = built["database"]
-        wino_infer, wino_train = built["winograd"]["infer"], built["winograd"]["train"]
+                              check=check_records, say=progress,
+                              meanwhile=build_libraries if check_records else None)
         checks = {k: built[k] for k in ("checked", "wrong", "unchecked")}
         if built["slower"]:
             progress(f"{built['slower']} workload(s) keep their default schedule: their best "
                      "tuning record is slower on the device")
-    if wino_infer or wino_train:
-        progress(f"Winograd form for {len(wino_infer)} inference and {len(wino_train)} training "
-                 "convolution(s): their tuned kernels are faster than the direct ones")
-    t0 = time.perf_counter()
-    rules = STOCK_RULES if stock_defaults else None
-    infer_exe = compile_graph(infer_mod, target, database, wino_infer, rules)
-    progress(f"compiled inference module in {time.perf_counter() - t0:.1f} s")
-    t0 = time.perf_counter()
-    train_exe = compile_graph(train_mod, target, database, wino_train, rules)
-    progress(f"compiled training module in {time.perf_counter() - t0:.1f} s")
-    _atomic_write(os.path.join(out_dir, "inference.so"),
-                  lambda p: export_shared(infer_exe, p, target))
-    _atomic_write(os.path.join(out_dir, "train.so"), lambda p: export_shared(train_exe, p, target))
+        wino = built["meanwhile"] if built.get("as_planned") else build_libraries(built)
+    wino_infer, wino_train = wino["infer"], wino["train"]
     save_checkpoint(os.path.join(out_dir, "params.npz"), model, tensors, classes)
     np.savez(os.path.join(out_dir, "optim_state.npz"),
              **{f"s{i}": a for i, a in enumerate(tg.optim_state)})

@@ -21,6 +21,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import subprocess
+import sys
 import time
 
 import tvm
@@ -112,11 +114,23 @@ def check_records(tasks, database, target, seed: int = 0, progress=None) -> dict
     reason ("wrong result: ...", or the build or run error)}``. Raises
     :class:`CheckUnavailable` when no device here runs the target. ``progress(done, total)``
     is called after each record."""
-    from .tasks import key as workload_key
     dev, device_name = local_device(target)
+    out, todo = _pending(tasks, database, target, device_name)
+    for (key, rid, _, _), why in zip(todo, _run_checks([(t, rec) for _, _, t, rec in todo],
+                                                       target, dev, seed, progress)):
+        out[key] = why
+        _append_cache(rid, why)
+    return out
+
+
+def _pending(tasks, database, target, device_name: str):
+    """The results cached for the records ``database`` applies to ``tasks`` on the device
+    ``device_name`` (workload key -> None or the reason), and the records not checked there
+    yet: (workload key, record id, task, record)."""
+    from .tasks import key as workload_key
     cached = _read_cache()
     out: dict[str, str | None] = {}
-    todo = []  # (key, record id, task, record) of records not checked on this device before
+    todo = []
     for t in tasks:
         rec = database.query_tuning_record(t.mod, target, "main")
         if rec is None:
@@ -126,11 +140,73 @@ def check_records(tasks, database, target, seed: int = 0, progress=None) -> dict
             out[key] = cached[rid]
         else:
             todo.append((key, rid, t, rec))
-    for (key, rid, _, _), why in zip(todo, _run_checks([(t, rec) for _, _, t, rec in todo],
-                                                       target, dev, seed, progress)):
-        out[key] = why
-        _append_cache(rid, why)
-    return out
+    return out, todo
+
+
+def check_in_background(tasks, database, target) -> subprocess.Popen | None:
+    """Start checking, in a second process, the records ``database`` applies to ``tasks`` that
+    were not checked on this machine's device before; the process appends each result to the
+    cache (:func:`check_records` then finds it there). The records travel in a MetaSchedule
+    JSON database in a temporary folder, which the process removes. Returns the process, or
+    None when there is nothing to check or no device here runs the target. Its output goes to
+    ``checks.log`` in that folder, printed by :func:`wait_background` when it fails."""
+    import tempfile
+
+    from tvm.s_tir import meta_schedule as ms
+    try:
+        _, device_name = local_device(target)
+    except CheckUnavailable:
+        return None
+    _, todo = _pending(tasks, database, target, device_name)
+    if not todo:
+        return None
+    folder = tempfile.mkdtemp(prefix="thomas-tune-checks-")
+    db = ms.database.JSONDatabase(os.path.join(folder, "workloads.json"),
+                                  os.path.join(folder, "records.json"), allow_missing=True)
+    for _, _, _, rec in todo:
+        db.commit_tuning_record(ms.database.TuningRecord(
+            rec.trace, db.commit_workload(rec.workload.mod), rec.run_secs, rec.target,
+            rec.args_info))
+    with open(os.path.join(folder, "target.json"), "w") as f:
+        f.write(str(target))
+    with open(os.path.join(folder, "checks.log"), "w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "thomas_tune.record_check", folder],
+                                stdout=log, stderr=subprocess.STDOUT)
+    proc.folder = folder  # type: ignore[attr-defined]
+    return proc
+
+
+def wait_background(proc: subprocess.Popen | None, kill: bool = False, say=print) -> None:
+    """Wait for a process of :func:`check_in_background` (``kill``: stop it first) and remove
+    its folder. A process that failed is reported with the end of its output through ``say``
+    (the records it did not check are then checked by :func:`check_records`)."""
+    import shutil
+    if proc is None:
+        return
+    if kill and proc.poll() is None:
+        proc.kill()
+    proc.wait()
+    if proc.returncode != 0 and not kill:
+        with open(os.path.join(proc.folder, "checks.log"), errors="replace") as f:
+            tail = f.read()[-2000:]
+        say(f"the second process checking tuning records failed (exit status "
+            f"{proc.returncode}); the records it left are checked here:\n{tail}")
+    shutil.rmtree(proc.folder, ignore_errors=True)
+
+
+def _check_folder(folder: str) -> None:
+    """The second process of :func:`check_in_background`: check every record of the JSON
+    database in ``folder`` on this machine's device (results appended to the cache)."""
+    from tvm.s_tir import meta_schedule as ms
+
+    from .tasks import Task
+    with open(os.path.join(folder, "target.json")) as f:
+        target = tvm.target.Target(json.loads(f.read()))
+    db = ms.database.JSONDatabase(os.path.join(folder, "workloads.json"),
+                                  os.path.join(folder, "records.json"), allow_missing=False)
+    tasks = [Task(f"record {i}", rec.workload.mod, 0.0)
+             for i, rec in enumerate(db.get_all_tuning_records())]
+    check_records(tasks, db, target)
 
 
 def _run_checks(items, target, dev, seed: int = 0, progress=None) -> list[str | None]:
@@ -175,7 +251,7 @@ def _run_checks(items, target, dev, seed: int = 0, progress=None) -> list[str | 
 
 
 def checked_build(log, target, graphs: dict[str, tvm.IRModule], check: bool = True,
-                  say=print) -> dict:
+                  say=print, meanwhile=None) -> dict:
     """What a build with tuning log ``log`` compiles ``graphs`` (name -> unfused Relax module)
     with, every applied record checked (:func:`check_records`) unless ``check`` is False:
     ``{"database", "slower", "kernel_ms", "winograd" (graph name -> convolutions in the
@@ -184,7 +260,38 @@ def checked_build(log, target, graphs: dict[str, tvm.IRModule], check: bool = Tr
 
     Leaving a record out can change which convolutions take the Winograd form (the choice
     compares kernel times), and so the tasks: the check runs again on the new tasks until no
-    new record fails. ``say`` gets one line per record left out."""
+    new record fails. ``say`` gets one line per record left out.
+
+    ``meanwhile(plan)``: work on the build that assumes every record right (the compile),
+    done while the records are checked in a second process (:func:`check_in_background`):
+    ``plan`` is this function's result with ``check`` False. Its return value is
+    ``out["meanwhile"]``, and ``out["as_planned"]`` says whether the checks left every record
+    in (else the work must be done again with ``out``). A wrong record is rare, so the checks
+    (a device run of each record: most of an export's time on PoCL) cost no time of their own.
+    """
+    if check and meanwhile is not None:
+        from .tasks import extract
+        plan = checked_build(log, target, graphs, check=False)
+        t0 = time.perf_counter()
+        proc = check_in_background(extract(graphs, target, plan["winograd"]),
+                                   plan["database"], target)
+        try:
+            result = meanwhile(plan)
+        except BaseException:
+            wait_background(proc, kill=True)
+            raise
+        wait_background(proc, say=say)
+        out = _checked_build(log, target, graphs, say, t0)
+        out["meanwhile"], out["as_planned"] = result, not out["wrong"]
+        return out
+    if not check:
+        return _checked_build(log, target, graphs, None, None)
+    return _checked_build(log, target, graphs, say, None)
+
+
+def _checked_build(log, target, graphs, say, started: float | None) -> dict:
+    """:func:`checked_build` without ``meanwhile``: ``say`` None checks nothing; ``started``,
+    when the checks began (for the message; default: now)."""
     from .compile import tuned_build, winograd_choice
     from .tasks import extract
     from .tasks import key as workload_key
@@ -195,11 +302,11 @@ def checked_build(log, target, graphs: dict[str, tvm.IRModule], check: bool = Tr
         database, slower, kernel_ms = tuned_build(log, target, exclude=set(wrong))
         chosen = {name: winograd_choice(mod, kernel_ms) for name, mod in graphs.items()}
         out.update(database=database, slower=slower, kernel_ms=kernel_ms, winograd=chosen)
-        if not check:
+        if say is None:
             return out
         tasks = [t for t in extract(graphs, target, chosen) if workload_key(t) not in checked]
         try:
-            t0 = time.perf_counter()
+            t0 = time.perf_counter() if started is None else started
             results = check_records(tasks, database, target)
         except CheckUnavailable as err:
             out["unchecked"] = str(err)
@@ -215,10 +322,10 @@ def checked_build(log, target, graphs: dict[str, tvm.IRModule], check: bool = Tr
         if results:
             say(f"checked {len(results)} tuning record(s) on this machine's device in "
                 f"{time.perf_counter() - t0:.0f} s: {len(new)} wrong")
+        started = None
         if not new:
             return out
         wrong.update(new)
-
 
 
 def set_aside_wrong(log, target, graphs: dict[str, tvm.IRModule], say=print,
@@ -308,3 +415,8 @@ def _move_aside(log, aside: dict[str, list[tuple[list[float], str]]]) -> int:
                     + "\n")
     rewrite_atomically(log.record_path, kept)
     return len(moved)
+
+
+if __name__ == "__main__":
+    # python -m thomas_tune.record_check FOLDER: see check_in_background
+    _check_folder(sys.argv[1])
