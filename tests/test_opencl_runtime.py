@@ -3,6 +3,7 @@ the device timer, exported MobileNetV1 and AlexNet steps against their llvm buil
 options and the build log, compiles at raised niceness, the rewrite of vector reads of local
 memory, dropout masks drawn on the device, and the error messages."""
 
+import json
 import os
 import subprocess
 import sys
@@ -94,11 +95,31 @@ def test_exported_mobilenet_matches_llvm(tmp_path, target, rng):
 def test_alexnet_training_step_on_opencl_matches_llvm(tmp_path, target, rng):
     """AlexNet's kernels that the generic GPU rules refuse or break (max-pooling's backward with
     its argmax reduction, adaptive pooling with index-dependent windows) get a valid default
-    schedule: a full training step on PoCL gives the llvm build's loss."""
+    schedule: a full training step on PoCL gives the llvm build's loss, also after two
+    warm-up processes shared its compiles."""
     from thomas_tune.models import build, init_params
     model = build("alexnet", num_classes=5, resolution=67, width=0.1)
     params = init_params(model, seed=int(rng.integers(1000)))
     cl, cpu = _opencl_and_llvm(tmp_path, target, model, params, 4, "all")
+    # warm-up shares (THOMAS_TUNE_OPENCL_WARM) split the step's kernel launches between
+    # processes: two shares launch disjoint parts that add up to a whole step's launches
+    code = ("import json; from thomas_tune import demo, opencl; "
+            f"demo.build_device_programs({str(tmp_path / 'cl')!r}); "
+            "print(json.dumps(opencl.stats()))")
+    shares = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True,
+                               env={**os.environ, "THOMAS_TUNE_OPENCL_WARM": f"{i}/2"})
+              for i in range(2)]
+    launches = []
+    for p in shares:
+        out, err = p.communicate(timeout=300)
+        assert p.returncode == 0, err[-2000:]
+        launches.append(json.loads(out.splitlines()[-1])["launches"])
+    from thomas_tune import demo, opencl
+    before = opencl.stats()["launches"]
+    demo.build_device_programs(str(tmp_path / "cl"))
+    launches.append(opencl.stats()["launches"] - before)
+    assert min(launches[:2]) > 0 and launches[0] + launches[1] == launches[2], launches
     x = rng.standard_normal((4, 3, 67, 67)).astype("float32")
     y = rng.integers(0, 5, 4)
     np.testing.assert_allclose(cl.predict(x[:1]), cpu.predict(x[:1]), rtol=1e-4, atol=1e-5)

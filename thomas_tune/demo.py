@@ -51,17 +51,34 @@ def start_from(shipped: str, log_dir: str) -> bool:
     return True
 
 
-def build_device_programs(export_dir: str, seed: int = 0) -> None:
-    """One training step of the export in ``export_dir`` on random inputs: builds the OpenCL
+def build_device_programs(export_dir: str, seed: int = 0, processes: int = 1) -> None:
+    """One training step and one evaluation (the training module's prediction, which the
+    demo's accuracy uses) of the export in ``export_dir``, on random inputs: builds the OpenCL
     programs of its training module into the driver's kernel cache (and the program-binary
-    cache on drivers that keep none: docs/opencl.md), so that the next process to run its
-    training step builds none (the demo runs this in the untuned build's child process while
-    it tunes; it never runs that build's inference)."""
+    cache on drivers that keep none: docs/opencl.md), so that the next process to run them
+    builds none. The demo runs this in the untuned build's child process while it tunes, and
+    for the tuned build before timing it; it never runs their inference module.
+
+    ``processes`` > 1: that many processes first share the compiles (each launches only its
+    share of the kernels, one work-group each: ``THOMAS_TUNE_OPENCL_WARM`` in docs/opencl.md),
+    at once, then the step runs here on what they built. PoCL compiles each kernel at its first
+    launch on one core, so this divides the wait by up to ``processes`` on as many cores. A
+    process that fails leaves its kernels to the step here."""
     from .runtime import Session
+    if processes > 1:
+        helpers = [subprocess.Popen(
+            [sys.executable] + (["-P"] if sys.flags.safe_path else []) +
+            ["-m", "thomas_tune.demo", "warm", export_dir, str(seed)],
+            env={**os.environ, "THOMAS_TUNE_OPENCL_WARM": f"{i}/{processes}"},
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for i in range(processes)]
+        for h in helpers:
+            h.wait()
     rng = np.random.default_rng(seed)
     with Session(export_dir, seed=seed) as s:
-        s.train_step(rng.standard_normal(s.model.input_shape(s.batch)).astype("float32"),
-                     rng.integers(0, s.model.num_classes, s.batch))
+        x = rng.standard_normal(s.model.input_shape(s.batch)).astype("float32")
+        y = rng.integers(0, s.model.num_classes, s.batch)
+        s.train_step(x, y)
+        s.evaluate(x, y)
         s.sync()
 
 
@@ -246,12 +263,13 @@ def run(args, tune_fn) -> int:
     #    step (the order swapped every batch), so that a change in the machine's load or clock
     #    during the timing reaches both alike; ms per step is each build's median
     timing = first_batches(train, args)
+    with busy("[demo] building the tuned device programs"):
+        build_device_programs(dirs["tuned"], args.seed, processes=os.cpu_count() or 1)
     sessions = {}
-    for name in ("untuned", "tuned"):
+    for name in ("untuned", "tuned"):  # programs built: their first steps take seconds
         s = sessions[name] = Session(dirs[name], seed=args.seed)
-        with busy(f"[demo] building the {name} device programs (first step)"):
-            s.train_step(*timing[0])
-            s.sync()
+        s.train_step(*timing[0])
+        s.sync()
     times: dict[str, list[float]] = {"untuned": [], "tuned": []}
     for i, (x, y) in enumerate(timing):
         for name in (("untuned", "tuned") if i % 2 == 0 else ("tuned", "untuned")):
@@ -308,6 +326,10 @@ def export_untuned(init: str, out: str, batch: int, trainable: str, lr: float,
 
 
 if __name__ == "__main__":
-    # python -m thomas_tune.demo INIT OUT BATCH TRAINABLE LR TARGET: see export_untuned
+    # python -m thomas_tune.demo INIT OUT BATCH TRAINABLE LR TARGET: see export_untuned;
+    # python -m thomas_tune.demo warm EXPORT SEED: a warm-up share of build_device_programs
     a = sys.argv[1:]
-    export_untuned(a[0], a[1], int(a[2]), a[3], float(a[4]), a[5])
+    if a[0] == "warm":
+        build_device_programs(a[1], int(a[2]))
+    else:
+        export_untuned(a[0], a[1], int(a[2]), a[3], float(a[4]), a[5])

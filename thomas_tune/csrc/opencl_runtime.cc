@@ -217,6 +217,31 @@ const std::string& BuildOptions() {
   return options;
 }
 
+// Warm-up share, $THOMAS_TUNE_OPENCL_WARM = "I/N" (0 <= I < N): this process only fills the
+// driver's kernel cache for a later process. It launches only the kernels of the program
+// groups G with G % N == I, each as a single work-group (the work-group size, which the
+// compile depends on, as asked), and skips the others; outputs are not computed. N processes
+// with I = 0..N-1 running one training step share the compiles of its kernels (PoCL compiles a
+// kernel at its first launch, on one core), and the next process to run the step finds them
+// all in the cache (thomas_tune.demo.build_device_programs). {-1, 0} when unset or malformed.
+struct WarmShare {
+  int index = -1, count = 0;
+};
+
+const WarmShare& Warm() {
+  static const WarmShare share = [] {
+    WarmShare w;
+    const char* v = std::getenv("THOMAS_TUNE_OPENCL_WARM");
+    int i = -1, n = 0;
+    if (v != nullptr && std::sscanf(v, "%d/%d", &i, &n) == 2 && n > 0 && i >= 0 && i < n) {
+      w.index = i;
+      w.count = n;
+    }
+    return w;
+  }();
+  return share;
+}
+
 // $THOMAS_TUNE_OPENCL_BUILD_LOG, or nullptr when unset. AppendBuildLog appends the compiler's
 // log of a program built from source to that file, after a line naming the program's kernels;
 // the driver's log is otherwise read only when a build fails.
@@ -933,6 +958,10 @@ void KernelLauncher::operator()(PackedArgs args, Any* rv) const {
                               << " arguments and " << slots_.size() << " launch extents, got "
                               << args.size() << " values";
   }
+  const WarmShare& warm = Warm();
+  if (warm.count > 0 && GroupOf(info_.name) % warm.count != static_cast<uint64_t>(warm.index)) {
+    return;  // another warm-up process compiles this kernel
+  }
   const TVMFFIAny* raw = reinterpret_cast<const TVMFFIAny*>(args.data());
   int dev_id = current_device;
   Dev& d = Workspace::Global()->Get(dev_id);
@@ -972,7 +1001,7 @@ void KernelLauncher::operator()(PackedArgs args, Any* rv) const {
   size_t global[3], local[3];
   for (int i = 0; i < work_dim_; ++i) {
     local[i] = ext[3 + i];
-    global[i] = ext[i] * ext[3 + i];
+    global[i] = warm.count > 0 ? local[i] : ext[i] * ext[3 + i];
   }
   cl_event ev = nullptr;
   cl_int launched = clEnqueueNDRangeKernel(d.queue, k, work_dim_, nullptr, global, local, 0,
