@@ -51,13 +51,15 @@ def start_from(shipped: str, log_dir: str) -> bool:
     return True
 
 
-def build_device_programs(export_dir: str, seed: int = 0, processes: int = 1) -> None:
-    """One training step and one evaluation (the training module's prediction, which the
-    demo's accuracy uses) of the export in ``export_dir``, on random inputs: builds the OpenCL
-    programs of its training module into the driver's kernel cache (and the program-binary
-    cache on drivers that keep none: docs/opencl.md), so that the next process to run them
-    builds none. The demo runs this in the untuned build's child process while it tunes, and
-    for the tuned build before timing it; it never runs their inference module.
+def build_device_programs(export_dir: str, seed: int = 0, processes: int = 1,
+                          evaluate: bool = True) -> None:
+    """One training step and (``evaluate``) one evaluation (the training module's prediction,
+    which the demo's accuracy uses) of the export in ``export_dir``, on random inputs: builds
+    the OpenCL programs of its training module into the driver's kernel cache (and the
+    program-binary cache on drivers that keep none: docs/opencl.md), so that the next process
+    to run them builds none. The demo runs this in the untuned build's child process while it
+    tunes (no evaluation: the untuned build is only timed), and for the tuned build before
+    timing it; it never runs their inference module.
 
     ``processes`` > 1: that many processes first share the compiles (each launches only its
     share of the kernels, one work-group each: ``THOMAS_TUNE_OPENCL_WARM`` in docs/opencl.md),
@@ -68,7 +70,7 @@ def build_device_programs(export_dir: str, seed: int = 0, processes: int = 1) ->
     if processes > 1:
         helpers = [subprocess.Popen(
             [sys.executable] + (["-P"] if sys.flags.safe_path else []) +
-            ["-m", "thomas_tune.demo", "warm", export_dir, str(seed)],
+            ["-m", "thomas_tune.demo", "warm", export_dir, str(seed), str(int(evaluate))],
             env={**os.environ, "THOMAS_TUNE_OPENCL_WARM": f"{i}/{processes}"},
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for i in range(processes)]
         for h in helpers:
@@ -78,7 +80,8 @@ def build_device_programs(export_dir: str, seed: int = 0, processes: int = 1) ->
         x = rng.standard_normal(s.model.input_shape(s.batch)).astype("float32")
         y = rng.integers(0, s.model.num_classes, s.batch)
         s.train_step(x, y)
-        s.evaluate(x, y)
+        if evaluate:
+            s.evaluate(x, y)
         s.sync()
 
 
@@ -178,8 +181,9 @@ def _tune(args, tune_fn, common: list[str], log_dir: str, shipped: str | None,
                         "--top", str(args.remeasure_top)]):
                 print("[demo] a record could not be timed again; it keeps its shipped time",
                       flush=True)
+        per_task = max(1, -(-args.trials // max(1, args.top)))  # one batch per task
         rc = tune_fn(["tune", *common, *server, "--trials", str(args.trials), "--top",
-                      str(args.top), "--trials-per-iter", "2", "--population", "32",
+                      str(args.top), "--trials-per-iter", str(per_task), "--population", "32",
                       "--max-unroll", str(args.max_unroll), "--refine-top", "0"])
         if rc:
             return rc
@@ -322,14 +326,15 @@ def export_untuned(init: str, out: str, batch: int, trainable: str, lr: float,
     model, tensors, classes = load_checkpoint(init)
     export(out, model, tensors, parse_target(target), batch=batch, trainable=trainable,
            optimizer=OptimizerConfig(lr=lr), classes=classes)
-    build_device_programs(out)
+    build_device_programs(out, evaluate=False)
 
 
 if __name__ == "__main__":
     # python -m thomas_tune.demo INIT OUT BATCH TRAINABLE LR TARGET: see export_untuned;
-    # python -m thomas_tune.demo warm EXPORT SEED: a warm-up share of build_device_programs
+    # python -m thomas_tune.demo warm EXPORT SEED EVALUATE(0/1): a warm-up share of
+    # build_device_programs
     a = sys.argv[1:]
     if a[0] == "warm":
-        build_device_programs(a[1], int(a[2]))
+        build_device_programs(a[1], int(a[2]), evaluate=bool(int(a[3])))
     else:
         export_untuned(a[0], a[1], int(a[2]), a[3], float(a[4]), a[5])

@@ -108,8 +108,9 @@ def add_demo(sub) -> None:
                    help="opencl (this machine's OpenCL device, PoCL on a CPU) or llvm")
     s.add_argument("--key", default="local-opencl")
     s.add_argument("--trials", type=int, default=16,
-                   help="tuning trials (default 16: two per task of --top)")
-    s.add_argument("--top", type=int, default=8, help="tune the N largest tasks (default 8)")
+                   help="tuning trials (default 16: four per task of --top, each task's in one "
+                   "batch, so that the search runs once per task)")
+    s.add_argument("--top", type=int, default=4, help="tune the N largest tasks (default 4)")
     s.add_argument("--max-unroll", type=int, default=16,
                    help="largest unroll limit the demo's own trials choose (default 16, as in "
                    "the shipped log: kernels unrolled further have OpenCL C sources of up to a "
@@ -126,9 +127,9 @@ def add_demo(sub) -> None:
     s.add_argument("--save", help="write the fine-tuned checkpoint here")
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--log", help="tuning-log folder (default: inside --work)")
-    s.add_argument("--remeasure-top", type=int, default=16, help="tasks of the shipped log "
+    s.add_argument("--remeasure-top", type=int, default=8, help="tasks of the shipped log "
                    "whose best record and default schedule are timed again on this device: "
-                   "those whose default schedule costs the most per step (default 16)")
+                   "those whose default schedule costs the most per step (default 8)")
     s.add_argument("--no-shipped-log", action="store_true", help="tune from the default "
                    "schedules only, not from the tuning log shipped for PoCL on x86-64")
     s.add_argument("--work", help="folder for the log and the exports (default: a temp folder)")
