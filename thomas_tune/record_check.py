@@ -13,7 +13,9 @@ GPU target's kernels run on PoCL's CPU device as long as its work-group and loca
 limits fit PoCL's (4,096 work-items; the H100 target asks for at most 256), which is how CI
 checks the committed GPU logs. Results are cached per record, target and device in
 ``$THOMAS_TUNE_CACHE/record_checks.jsonl`` (default ``~/.cache/thomas_tune``): a second
-export of the same log checks nothing again.
+export of the same log checks nothing again. ``export`` runs the checks in a second process
+while it compiles with every record (:func:`checked_build`'s ``meanwhile``), and compiles again
+only when a record turns out wrong.
 """
 
 from __future__ import annotations
@@ -170,7 +172,8 @@ def check_in_background(tasks, database, target) -> subprocess.Popen | None:
     with open(os.path.join(folder, "target.json"), "w") as f:
         f.write(str(target))
     with open(os.path.join(folder, "checks.log"), "w") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "thomas_tune.record_check", folder],
+        proc = subprocess.Popen([sys.executable] + (["-P"] if sys.flags.safe_path else []) +
+                                ["-m", "thomas_tune.record_check", folder],
                                 stdout=log, stderr=subprocess.STDOUT)
     proc.folder = folder  # type: ignore[attr-defined]
     return proc
