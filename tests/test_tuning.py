@@ -228,11 +228,11 @@ def test_pipelined_scheduler_searches_while_the_device_measures(tmp_path, small_
     with rpc.loopback(key="test-cpu", servers=1, lifetime=600) as addr:
         for in_flight in (1, 3):
             log = TuningLog(str(tmp_path / f"log{in_flight}"))
-            # repeats of 400 ms, 3 per trial (max_number lets a kernel of microseconds run
+            # repeats of 600 ms, 3 per trial (max_number lets a kernel of microseconds run
             # that long; the default caps it at 1,000 runs, 1 ms here), 6 trials per batch and
-            # a small search population: the first batch is measured (7.2 s and more) for
+            # a small search population: the first batch is measured (10.8 s and more) for
             # longer than the second takes to search and build (2.3 s on 2 busy cores)
-            runner = Watched(addr, "test-cpu", min_repeat_ms=400.0, max_number=10**7)
+            runner = Watched(addr, "test-cpu", min_repeat_ms=600.0, max_number=10**7)
             report = tune(small_tasks, target, log, runner, trials=12, trials_per_iter=6,
                           show_progress=False, max_in_flight=in_flight, seed=in_flight,
                           population=16)
