@@ -149,9 +149,10 @@ def check_in_background(tasks, database, target) -> subprocess.Popen | None:
     """Start checking, in a second process, the records ``database`` applies to ``tasks`` that
     were not checked on this machine's device before; the process appends each result to the
     cache (:func:`check_records` then finds it there). The records travel in a MetaSchedule
-    JSON database in a temporary folder, which the process removes. Returns the process, or
-    None when there is nothing to check or no device here runs the target. Its output goes to
-    ``checks.log`` in that folder, printed by :func:`wait_background` when it fails."""
+    JSON database in a temporary folder, which :func:`wait_background` removes. Returns the
+    process, or None when there is nothing to check or no device here runs the target. Its
+    output goes to ``checks.log`` in that folder, printed by :func:`wait_background` when it
+    fails."""
     import tempfile
 
     from tvm.s_tir import meta_schedule as ms
@@ -284,17 +285,15 @@ def checked_build(log, target, graphs: dict[str, tvm.IRModule], check: bool = Tr
             wait_background(proc, kill=True)
             raise
         wait_background(proc, say=say)
-        out = _checked_build(log, target, graphs, say, t0)
+        out = _checked_build(log, target, graphs, True, say, t0)
         out["meanwhile"], out["as_planned"] = result, not out["wrong"]
         return out
-    if not check:
-        return _checked_build(log, target, graphs, None, None)
-    return _checked_build(log, target, graphs, say, None)
+    return _checked_build(log, target, graphs, check, say, None)
 
 
-def _checked_build(log, target, graphs, say, started: float | None) -> dict:
-    """:func:`checked_build` without ``meanwhile``: ``say`` None checks nothing; ``started``,
-    when the checks began (for the message; default: now)."""
+def _checked_build(log, target, graphs, check: bool, say, started: float | None) -> dict:
+    """:func:`checked_build` without ``meanwhile``; ``started``: when the checks began (for the
+    message; None: now)."""
     from .compile import tuned_build, winograd_choice
     from .tasks import extract
     from .tasks import key as workload_key
@@ -305,7 +304,7 @@ def _checked_build(log, target, graphs, say, started: float | None) -> dict:
         database, slower, kernel_ms = tuned_build(log, target, exclude=set(wrong))
         chosen = {name: winograd_choice(mod, kernel_ms) for name, mod in graphs.items()}
         out.update(database=database, slower=slower, kernel_ms=kernel_ms, winograd=chosen)
-        if say is None:
+        if not check:
             return out
         tasks = [t for t in extract(graphs, target, chosen) if workload_key(t) not in checked]
         try:
