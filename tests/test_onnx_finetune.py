@@ -184,11 +184,13 @@ class Theirs:
         return float(np.mean(logits.argmax(1).numpy() == data.y[:n]))
 
 
-def _check_lr0(pre, model, tg, vm, tensors, rng, steps=10, within=0.005):
+def _check_lr0(pre, model, tg, vm, tensors, rng, steps=10, within=0.005, drift=0.05):
     """(b): ``steps`` training steps at learning rate 0 on the pretraining task (only the
     running statistics move) leave the held-out accuracy where PyTorch's ends after the same
-    steps on the original network, within ``within`` (0.5 point), and both within 2 points of
-    where they started. (The running statistics of batches of 8 move PyTorch's accuracy too.)"""
+    steps on the original network, within ``within`` (0.5 point), and both within ``drift``
+    (5 points) of where they started, so that the comparison is made on a network that still
+    classifies. The running statistics of batches of 8 move PyTorch's accuracy too, by a
+    pretraining- and batch-dependent amount (2.0 points for one pair of seeds)."""
     ours, theirs = Ours(tg, vm, tensors), Theirs(model, pre.tensors, set())
     before = ours.accuracy(pre.test)
     assert before == theirs.accuracy(pre.test) and before > 0.8, before
@@ -200,7 +202,7 @@ def _check_lr0(pre, model, tg, vm, tensors, rng, steps=10, within=0.005):
         theirs.step(x, y, masks, update=False)
     after, want = ours.accuracy(pre.test), theirs.accuracy(pre.test)
     print(f"held-out accuracy {before:.4f} -> {after:.4f} (PyTorch {want:.4f})")
-    assert abs(after - want) <= within and abs(after - before) <= 0.02, (before, after, want)
+    assert abs(after - want) <= within and abs(after - before) <= drift, (before, after, want)
 
 
 def _masks(tg, rng):
