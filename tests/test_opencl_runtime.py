@@ -177,6 +177,37 @@ def test_build_options_reach_the_compiler(tmp_path):
     assert bad.returncode != 0 and "TT_FAIL set" in bad.stderr, bad.stderr[-2000:]
 
 
+def _adds(x, n):
+    return lambda i: x[i] + float(n)
+
+
+def test_contraction_kernels_are_built_in_programs_of_their_own(tmp_path, monkeypatch, target):
+    """The sidecar deals a module's kernels into programs by a hash of their names, the
+    contraction kernels (convolutions, matrix products) into groups of their own: a tuned and
+    an untuned build, which differ mostly in those, then build the same programs for the other
+    kernels (docs/opencl.md). Forty elementwise kernels and one named ``conv2d``: each program
+    built holds contraction kernels only or none; by name alone, ``add3`` would share
+    ``conv2d``'s program."""
+    import tvm_ffi
+    log = tmp_path / "build.log"
+    monkeypatch.setenv("THOMAS_TUNE_OPENCL_BUILD_LOG", str(log))
+    a = te.placeholder((16, 16), name="a")
+    k = te.reduce_axis((0, 16), name="k")
+    funcs = {"conv2d": te.create_prim_func(
+        [a, te.compute((16, 16), lambda i, j: te.sum(a[i, k] * a[k, j], axis=k), name="c")])}
+    for n in range(40):
+        x = te.placeholder((64,), name="x")
+        funcs[f"add{n}"] = te.create_prim_func([x, te.compute((64,), _adds(x, n), name="y")])
+    mod = tvm.IRModule({name: f.with_attr("global_symbol", name) for name, f in funcs.items()})
+    lib = tvm.compile(default_gpu_schedules(mod, target), target)
+    assert tvm_ffi.get_global_func("thomas_tune.opencl.build_programs")(lib.mod, 0) == 1
+    programs = [line.split("== program of ", 1)[1].split(" (options")[0].split(", ")
+                for line in log.read_text().splitlines() if line.startswith("== program of ")]
+    assert sorted(k for p in programs for k in p) == sorted(f"{n}_kernel" for n in funcs)
+    assert ["conv2d_kernel"] in programs, programs
+    assert 10 < len(programs) <= 25, programs  # 1 + at most 24 groups of the elementwise ones
+
+
 def test_kernel_build_failure_shows_the_build_log():
     import tvm_ffi
     blob = bytearray()

@@ -15,16 +15,19 @@
 //
 // Programs: one per group of kernels. TVM's code generator marks each kernel with a
 // "// Function: NAME" line; the sidecar deals the kernels into kProgramGroups groups by a hash of
-// their names, and a group's program is the module's shared header (what precedes the first
-// kernel's definition, less the kernel prototypes) and its kernels' definitions in name order,
-// built the first time one of them is used. Why groups: a program costs a fixed ~0.2 s to
-// build on PoCL whatever it holds, and PoCL compiles a kernel at its first launch from the whole
-// program that holds it, so one program of a training step's ~500 kernels costs time
-// quadratic in its size. Why by name: two modules that hold the same kernels (a tuned and an
-// untuned build of one training step differ in a few) then build the same programs for every
+// their names, contraction kernels (convolutions, matrix products) into groups of their own,
+// and a group's program is the module's shared header (what precedes the first kernel's
+// definition, less the kernel prototypes) and its kernels' definitions in name order, built the
+// first time one of them is used. Why groups: a program costs a fixed ~0.2 s to build on PoCL
+// whatever it holds, and PoCL compiles a kernel at its first launch from the whole program that
+// holds it, so one program of a training step's ~500 kernels costs time quadratic in its size.
+// Why by name: two modules that hold the same kernels then build the same programs for every
 // group their differences miss, which the caches below and the driver's own (PoCL's kernel
-// cache) serve once. A source without the markers, or a group whose program fails to build,
-// uses the whole module's source as one program.
+// cache) serve once. Why contractions apart: a tuned and an untuned build of one training step
+// differ mostly in contraction kernels (the ones a tuner tunes), so the groups of the other
+// kernels stay the same programs; dealt by name alone, nearly every group held some changed
+// kernel. A source without the markers, or a group whose program fails to build, uses the whole
+// module's source as one program.
 //
 // Program binaries: each program is built from source once per device and its
 // binary (clGetProgramInfo(CL_PROGRAM_BINARIES)) written to a cache folder, keyed by platform,
@@ -660,10 +663,27 @@ class KernelLauncher {
 std::atomic<uint64_t> KernelLauncher::next_id_{0};
 
 constexpr uint64_t kProgramGroups = 32;
+// Of the kProgramGroups, the groups of contraction kernels (see IsContraction).
+constexpr uint64_t kContractionGroups = 8;
 
-// The group of kernel ``name`` (see "Programs" at the top).
+// True for the kernels of contractions: convolutions (conv2d, its transposes and Winograd
+// forms, the depthwise gradients) and matrix products (matmul, dense), by the operator names
+// that TVM's kernel names carry ("fused_conv2d3_add44_..._kernel"). A tuner spends its trials on
+// them, the costliest kernels of a step; the elementwise, reduction and optimizer kernels
+// around them mostly keep their default schedules in a tuned build.
+bool IsContraction(const std::string& name) {
+  for (const char* op : {"conv2d", "depthwise", "matmul", "dense"}) {
+    if (name.find(op) != std::string::npos) return true;
+  }
+  return false;
+}
+
+// The group of kernel ``name`` (see "Programs" at the top): contraction kernels in groups
+// 0..kContractionGroups-1, the others in the rest, each by a hash of the name.
 uint64_t GroupOf(const std::string& name) {
-  return Fnv1a(name.data(), name.size(), 3) % kProgramGroups;
+  uint64_t h = Fnv1a(name.data(), name.size(), 3);
+  if (IsContraction(name)) return h % kContractionGroups;
+  return kContractionGroups + h % (kProgramGroups - kContractionGroups);
 }
 
 // The program sources of a module's OpenCL C by group (see "Programs" at the top): group ->
