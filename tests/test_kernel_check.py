@@ -151,10 +151,11 @@ def test_tuner_runner_rejects_wrong_candidates_and_times_the_right_one(target):
         assert why.startswith("wrong result: max rel err"), f"{name}: {why}"
 
 
-def test_export_and_replay_leave_out_a_wrong_record(tmp_path, target, rng):
+def test_export_leaves_out_and_replay_refuses_a_wrong_record(tmp_path, target, rng):
     """A tuning log whose record for the ReLU6 gradient is the vectorized ``where``: export
     leaves it out and says so in the manifest, and the step's loss and every gradient then
-    agree with PyTorch in float64 (:mod:`thomas_tune.step_check`); replay fails on the log."""
+    agree with PyTorch in float64 (:mod:`thomas_tune.step_check`); replay fails on the log
+    before it compiles."""
     pytest.importorskip("torch")
     from tvm.s_tir import meta_schedule as ms
     from tvm.s_tir.meta_schedule.arg_info import ArgInfo
@@ -181,6 +182,7 @@ def test_export_and_replay_leave_out_a_wrong_record(tmp_path, target, rng):
     assert right.ok, right.line()
     report = replay(model, target, log, batch=4, trainable=TRAINABLE, say=lambda *_: None)
     assert set(report.records_wrong) == {key(task)} and report.records_checked >= 1
+    assert not report.compiled  # a wrong record fails the replay before it compiles
 
 
 def test_step_check_names_the_parameters_a_wrong_kernel_breaks(rng):

@@ -45,6 +45,7 @@ class ReplayReport:
     records_checked: int | None = None
     records_wrong: dict[str, str] = field(default_factory=dict)
     records_unchecked: str | None = None
+    compiled: bool = False  # the graphs were compiled (not when the replay failed before)
 
     @property
     def task_coverage(self) -> float:
@@ -96,10 +97,12 @@ def _rel_err(got: np.ndarray, ref: np.ndarray) -> float:
 
 
 def check_numbers(model, target, database, batch: int, trainable: str, seed: int,
-                  winograd=None) -> dict:
+                  winograd=None, tuned=None) -> dict:
     """Max relative error (max |got - ref| / max |ref|) of logits, loss and every gradient.
     ``winograd``: the convolutions the tuned build computes in the Winograd form
-    (:func:`thomas_tune.compile.winograd_choice`)."""
+    (:func:`thomas_tune.compile.winograd_choice`). ``tuned``: the tuned training graph
+    (``G.training_module(model, batch, trainable).mod``) already compiled with ``database``
+    and ``winograd``, or None to compile it here."""
     rng = np.random.default_rng(seed)
     tensors = init_params(model, seed=seed)
     for k in tensors:  # non-trivial BN statistics and biases
@@ -110,7 +113,9 @@ def check_numbers(model, target, database, batch: int, trainable: str, seed: int
     tg32 = G.training_module(model, batch, trainable)
     tg64 = G.training_module(model, batch, trainable, dtype="float64")
     dev = tvm.cpu()
-    vm32 = relax.VirtualMachine(compile_graph(tg32.mod, target, database, winograd), dev)
+    if tuned is None:
+        tuned = compile_graph(tg32.mod, target, database, winograd)
+    vm32 = relax.VirtualMachine(tuned, dev)
     vm32_default = relax.VirtualMachine(compile_graph(tg32.mod, target, None), dev)
     vm64 = relax.VirtualMachine(compile_graph(tg64.mod, target, None), dev)
     x = rng.standard_normal(model.input_shape(batch))
@@ -158,10 +163,11 @@ def replay(model, target, log: TuningLog, batch: int = 8, infer_batch: int = 1,
     listed in the report), and on llvm targets of this machine the compiled graphs are
     compared with float64 (:func:`check_numbers`). ``say`` gets the check's messages.
 
-    When the log's FLOP coverage is below ``min_flops_coverage`` (0..1), or its time coverage
-    below ``min_time_coverage`` (0..1; a log without default-schedule times has none and fails
-    any minimum above 0), the replay has failed already: nothing is compiled or checked
-    (:func:`failed_minimum` says which).
+    When a checked record computes wrong numbers (``report.records_wrong``), or the log's FLOP
+    coverage is below ``min_flops_coverage`` (0..1), or its time coverage below
+    ``min_time_coverage`` (0..1; a log without default-schedule times has none and fails any
+    minimum above 0), the replay has failed already: nothing is compiled or checked
+    (:func:`failed_minimum` says which minimum).
 
     Raises ValueError when the log folder has no records at all.
     """
@@ -180,14 +186,15 @@ def replay(model, target, log: TuningLog, batch: int = 8, infer_batch: int = 1,
     times = time_coverage(tasks, database, log.path, target)
     if times is not None:
         report.time_s, report.tuned_time_s = times
-    if failed_minimum(report, min_flops_coverage, min_time_coverage):
+    if report.records_wrong or failed_minimum(report, min_flops_coverage, min_time_coverage):
         return report
-    for name, mod in graphs.items():
-        compile_graph(mod, target, database, chosen[name])
+    executables = {name: compile_graph(mod, target, database, chosen[name])
+                   for name, mod in graphs.items()}
+    report.compiled = True
     from .target import is_cross
     if check and target.kind.name == "llvm" and not is_cross(target):  # runs on this machine
         report.errors = check_numbers(model, target, database, batch, trainable, seed,
-                                      chosen["train"])
+                                      chosen["train"], tuned=executables["train"])
         report.checked = True
     return report
 

@@ -81,6 +81,8 @@ def cmd_replay(args) -> int:
             print(f"max relative error of {k} vs float64 reference: {e[k]:.2e} "
                   f"({'ok' if good else 'FAIL'}, tolerance {tol[k]:.1e})")
         print(f"(float32 with default schedules: gradients {e['gradients_default_schedules']:.2e})")
+    elif not report.compiled:
+        print("nothing compiled: the replay failed before (above)")
     else:
         print("float64 check of the whole graphs not run: it runs llvm targets of this "
               "machine only")
