@@ -151,7 +151,7 @@ def export(out_dir: str, model, tensors: dict[str, np.ndarray], target: tvm.targ
     if log is None:
         wino = build_libraries(None)
     else:
-        # the records are checked in a second process while this one compiles with all of
+        # the records are checked in child processes while this one compiles with all of
         # them; a wrong one (rare) means compiling again without it
         built = checked_build(log, target, {"infer": infer_mod, "train": train_mod},
                               check=check_records, say=progress,

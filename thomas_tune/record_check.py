@@ -13,9 +13,9 @@ GPU target's kernels run on PoCL's CPU device as long as its work-group and loca
 limits fit PoCL's (4,096 work-items; the H100 target asks for at most 256), which is how CI
 checks the committed GPU logs. Results are cached per record, target and device in
 ``$THOMAS_TUNE_CACHE/record_checks.jsonl`` (default ``~/.cache/thomas_tune``): a second
-export of the same log checks nothing again. ``export`` runs the checks in a second process
-while it compiles with every record (:func:`checked_build`'s ``meanwhile``), and compiles again
-only when a record turns out wrong.
+export of the same log checks nothing again. ``export`` runs the checks in child processes
+(one per core, at most 4, each with a share of the records) while it compiles with every record
+(:func:`checked_build`'s ``meanwhile``), and compiles again only when a record turns out wrong.
 """
 
 from __future__ import annotations
@@ -110,16 +110,19 @@ def record_id(record, target, device_name: str) -> str:
     return h.hexdigest()
 
 
-def check_records(tasks, database, target, seed: int = 0, progress=None) -> dict[str, str | None]:
+def check_records(tasks, database, target, seed: int = 0, progress=None,
+                  build_workers: int | None = None) -> dict[str, str | None]:
     """Check the record ``database`` applies to each task of ``tasks`` (those with one) on
     this machine's device (:func:`local_device`). Returns ``{workload key: None (right) or the
     reason ("wrong result: ...", or the build or run error)}``. Raises
     :class:`CheckUnavailable` when no device here runs the target. ``progress(done, total)``
-    is called after each record."""
+    is called after each record; ``build_workers``: processes building the kernels (None: one
+    per core)."""
     dev, device_name = local_device(target)
     out, todo = _pending(tasks, database, target, device_name)
     for (key, rid, _, _), why in zip(todo, _run_checks([(t, rec) for _, _, t, rec in todo],
-                                                       target, dev, seed, progress)):
+                                                       target, dev, seed, progress,
+                                                       build_workers)):
         out[key] = why
         _append_cache(rid, why)
     return out
@@ -145,14 +148,25 @@ def _pending(tasks, database, target, device_name: str):
     return out, todo
 
 
-def check_in_background(tasks, database, target) -> subprocess.Popen | None:
-    """Start checking, in a second process, the records ``database`` applies to ``tasks`` that
-    were not checked on this machine's device before; the process appends each result to the
-    cache (:func:`check_records` then finds it there). The records travel in a MetaSchedule
-    JSON database in a temporary folder, which :func:`wait_background` removes. Returns the
-    process, or None when there is nothing to check or no device here runs the target. Its
-    output goes to ``checks.log`` in that folder, printed by :func:`wait_background` when it
-    fails."""
+class BackgroundChecks:
+    """Records being checked in child processes (``python -m thomas_tune.record_check FOLDER
+    WORKERS``), each with its share of the records in a MetaSchedule JSON database in a
+    temporary folder of its own; :func:`wait_background` waits for them and removes the
+    folders."""
+
+    def __init__(self):
+        self.children: list[tuple[subprocess.Popen, str]] = []  # (process, its folder)
+
+
+def check_in_background(tasks, database, target,
+                        processes: int | None = None) -> BackgroundChecks | None:
+    """Start checking, in child processes, the records ``database`` applies to ``tasks`` that
+    were not checked on this machine's device before; each child appends its results to the
+    cache (:func:`check_records` then finds them there). ``processes``: how many children
+    share the records (None: one per core, at most 4), so that the device runs, which compile
+    each kernel on one core on PoCL, use the cores that the caller's own work leaves. Returns
+    None when there is nothing to check or no device here runs the target. A child's output
+    goes to ``checks.log`` in its folder, printed by :func:`wait_background` when it fails."""
     import tempfile
 
     from tvm.s_tir import meta_schedule as ms
@@ -163,44 +177,52 @@ def check_in_background(tasks, database, target) -> subprocess.Popen | None:
     _, todo = _pending(tasks, database, target, device_name)
     if not todo:
         return None
-    folder = tempfile.mkdtemp(prefix="thomas-tune-checks-")
-    db = ms.database.JSONDatabase(os.path.join(folder, "workloads.json"),
-                                  os.path.join(folder, "records.json"), allow_missing=True)
-    for _, _, _, rec in todo:
-        db.commit_tuning_record(ms.database.TuningRecord(
-            rec.trace, db.commit_workload(rec.workload.mod), rec.run_secs, rec.target,
-            rec.args_info))
-    with open(os.path.join(folder, "target.json"), "w") as f:
-        f.write(str(target))
-    with open(os.path.join(folder, "checks.log"), "w") as log:
-        proc = subprocess.Popen([sys.executable] + (["-P"] if sys.flags.safe_path else []) +
-                                ["-m", "thomas_tune.record_check", folder],
-                                stdout=log, stderr=subprocess.STDOUT)
-    proc.folder = folder  # type: ignore[attr-defined]
-    return proc
+    cores = os.cpu_count() or 1
+    n = max(1, min(len(todo), processes or min(cores, 4)))
+    checks = BackgroundChecks()
+    for i in range(n):
+        folder = tempfile.mkdtemp(prefix="thomas-tune-checks-")
+        db = ms.database.JSONDatabase(os.path.join(folder, "workloads.json"),
+                                      os.path.join(folder, "records.json"), allow_missing=True)
+        for _, _, _, rec in todo[i::n]:  # dealt in turn: each share has large and small tasks
+            db.commit_tuning_record(ms.database.TuningRecord(
+                rec.trace, db.commit_workload(rec.workload.mod), rec.run_secs, rec.target,
+                rec.args_info))
+        with open(os.path.join(folder, "target.json"), "w") as f:
+            f.write(str(target))
+        with open(os.path.join(folder, "checks.log"), "w") as log:
+            proc = subprocess.Popen(
+                [sys.executable] + (["-P"] if sys.flags.safe_path else []) +
+                ["-m", "thomas_tune.record_check", folder, str(max(1, cores // n))],
+                stdout=log, stderr=subprocess.STDOUT)
+        checks.children.append((proc, folder))
+    return checks
 
 
-def wait_background(proc: subprocess.Popen | None, kill: bool = False, say=print) -> None:
-    """Wait for a process of :func:`check_in_background` (``kill``: stop it first) and remove
-    its folder. A process that failed is reported with the end of its output through ``say``
-    (the records it did not check are then checked by :func:`check_records`)."""
+def wait_background(checks: BackgroundChecks | None, kill: bool = False, say=print) -> None:
+    """Wait for the children of :func:`check_in_background` (``kill``: stop them first) and
+    remove their folders. A child that failed is reported with the end of its output through
+    ``say`` (the records it did not check are then checked by :func:`check_records`)."""
     import shutil
-    if proc is None:
+    if checks is None:
         return
-    if kill and proc.poll() is None:
-        proc.kill()
-    proc.wait()
-    if proc.returncode != 0 and not kill:
-        with open(os.path.join(proc.folder, "checks.log"), errors="replace") as f:
-            tail = f.read()[-2000:]
-        say(f"the second process checking tuning records failed (exit status "
-            f"{proc.returncode}); the records it left are checked here:\n{tail}")
-    shutil.rmtree(proc.folder, ignore_errors=True)
+    for proc, _ in checks.children:
+        if kill and proc.poll() is None:
+            proc.kill()
+    for proc, folder in checks.children:
+        proc.wait()
+        if proc.returncode != 0 and not kill:
+            with open(os.path.join(folder, "checks.log"), errors="replace") as f:
+                tail = f.read()[-2000:]
+            say(f"a process checking tuning records failed (exit status {proc.returncode}); "
+                f"the records it left are checked here:\n{tail}")
+        shutil.rmtree(folder, ignore_errors=True)
 
 
-def _check_folder(folder: str) -> None:
-    """The second process of :func:`check_in_background`: check every record of the JSON
-    database in ``folder`` on this machine's device (results appended to the cache)."""
+def _check_folder(folder: str, build_workers: int | None = None) -> None:
+    """A child of :func:`check_in_background`: check every record of the JSON database in
+    ``folder`` on this machine's device (results appended to the cache), its kernels built by
+    ``build_workers`` processes (None: one per core)."""
     from tvm.s_tir import meta_schedule as ms
 
     from .tasks import Task
@@ -210,13 +232,14 @@ def _check_folder(folder: str) -> None:
                                   os.path.join(folder, "records.json"), allow_missing=False)
     tasks = [Task(f"record {i}", rec.workload.mod, 0.0)
              for i, rec in enumerate(db.get_all_tuning_records())]
-    check_records(tasks, db, target)
+    check_records(tasks, db, target, build_workers=build_workers)
 
 
-def _run_checks(items, target, dev, seed: int = 0, progress=None) -> list[str | None]:
+def _run_checks(items, target, dev, seed: int = 0, progress=None,
+                build_workers: int | None = None) -> list[str | None]:
     """Check each (task, record) of ``items`` on ``dev``: None (right) or the reason. Both
-    kernels of every record are built at once, on every core; then they run one after
-    another."""
+    kernels of every record are built at once by ``build_workers`` processes (None: one per
+    core); then they run one after another."""
     import shutil
 
     from tvm.s_tir import meta_schedule as ms
@@ -225,7 +248,7 @@ def _run_checks(items, target, dev, seed: int = 0, progress=None) -> list[str | 
     from .measure.runner import error_line
     if not items:
         return []
-    builder = Builder(max_workers=os.cpu_count() or 1, timeout_s=600)
+    builder = Builder(max_workers=build_workers or os.cpu_count() or 1, timeout_s=600)
     try:
         built = builder.build([ms.builder.BuilderInput(m, target) for t, rec in items
                                for m in (kc.default_kernel(t.mod, target), kc.record_kernel(rec))])
@@ -267,7 +290,7 @@ def checked_build(log, target, graphs: dict[str, tvm.IRModule], check: bool = Tr
     new record fails. ``say`` gets one line per record left out.
 
     ``meanwhile(plan)``: work on the build that assumes every record right (the compile),
-    done while the records are checked in a second process (:func:`check_in_background`):
+    done while the records are checked in child processes (:func:`check_in_background`):
     ``plan`` is this function's result with ``check`` False. Its return value is
     ``out["meanwhile"]``, and ``out["as_planned"]`` says whether the checks left every record
     in (else the work must be done again with ``out``). A wrong record is rare, so the checks
@@ -277,14 +300,14 @@ def checked_build(log, target, graphs: dict[str, tvm.IRModule], check: bool = Tr
         from .tasks import extract
         plan = checked_build(log, target, graphs, check=False)
         t0 = time.perf_counter()
-        proc = check_in_background(extract(graphs, target, plan["winograd"]),
-                                   plan["database"], target)
+        checks = check_in_background(extract(graphs, target, plan["winograd"]),
+                                     plan["database"], target)
         try:
             result = meanwhile(plan)
         except BaseException:
-            wait_background(proc, kill=True)
+            wait_background(checks, kill=True)
             raise
-        wait_background(proc, say=say)
+        wait_background(checks, say=say)
         out = _checked_build(log, target, graphs, True, say, t0)
         out["meanwhile"], out["as_planned"] = result, not out["wrong"]
         return out
@@ -420,5 +443,5 @@ def _move_aside(log, aside: dict[str, list[tuple[list[float], str]]]) -> int:
 
 
 if __name__ == "__main__":
-    # python -m thomas_tune.record_check FOLDER: see check_in_background
-    _check_folder(sys.argv[1])
+    # python -m thomas_tune.record_check FOLDER [BUILD_WORKERS]: see check_in_background
+    _check_folder(sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else None)
