@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import functools
+import hashlib
+import os
+import tempfile
 
 import tvm
 from tvm.s_tir import dlight as dl
@@ -252,29 +256,110 @@ def default_gpu_schedules(mod: tvm.IRModule, target: tvm.target.Target,
     them in this TVM), is skipped, as is a schedule that stages more in shared memory than the
     target allows; then ``Fallback`` (thread-bound loops), and :class:`LeadingLoops` last.
     Kernels with a tuple reduction (:func:`tuple_reduction`) go straight to those two.
+
+    Each kernel's schedule is kept (:func:`cached_schedule`): a kernel met again, in this
+    process or another (the untuned and the tuned build of one step share most kernels), is
+    not scheduled again. Raises ValueError naming a kernel no rule schedules.
     """
     out = tvm.IRModule(mod.functions, attrs=mod.attrs)
-    smem = int(target.attrs.get("max_shared_memory_per_block", 16384))
+    rules = GPU_RULES if rule_classes is None else tuple(rule_classes)
     for gv, func in mod.functions.items():
         if not isinstance(func, tvm.tirx.PrimFunc) or func.attrs is not None and \
                 func.attrs.get("tir.is_scheduled", False):
             continue
-        sch = None
-        rules = ([r() for r in (GPU_RULES if rule_classes is None else rule_classes)]
-                 if not tuple_reduction(func) else [])
-        for rule in (*rules, dl.gpu.Fallback(), LeadingLoops()):
-            try:
-                with target:
-                    sch = rule.apply(func, target, False)
-            except Exception:  # a rule that cannot handle this kernel: try the next
-                sch = None
-            if isinstance(sch, list):
-                sch = sch[0] if sch else None
-            if sch is not None and shared_bytes(sch.mod["main"], target) > smem:
-                sch = None  # (dlight stages whole tensors of some backward kernels in shared)
-            if sch is not None:
-                break
-        if sch is None:
+        scheduled = cached_schedule(func, target, rules, _schedule_one)
+        if scheduled is None:
             raise ValueError(f"no GPU schedule for kernel {gv.name_hint}")
-        out[gv] = sch.mod["main"].with_attr("tir.is_scheduled", True)
+        out[gv] = scheduled
     return out
+
+
+def _schedule_one(func: tvm.tirx.PrimFunc, target: tvm.target.Target, rule_classes
+                  ) -> tvm.tirx.PrimFunc | None:
+    """``func`` with the first default schedule that applies (see
+    :func:`default_gpu_schedules`), marked scheduled; None when none does."""
+    smem = int(target.attrs.get("max_shared_memory_per_block", 16384))
+    sch = None
+    rules = [r() for r in rule_classes] if not tuple_reduction(func) else []
+    for rule in (*rules, dl.gpu.Fallback(), LeadingLoops()):
+        try:
+            with target:
+                sch = rule.apply(func, target, False)
+        except Exception:  # a rule that cannot handle this kernel: try the next
+            sch = None
+        if isinstance(sch, list):
+            sch = sch[0] if sch else None
+        if sch is not None and shared_bytes(sch.mod["main"], target) > smem:
+            sch = None  # (dlight stages whole tensors of some backward kernels in shared)
+        if sch is not None:
+            return sch.mod["main"].with_attr("tir.is_scheduled", True)
+    return None
+
+
+_SCHEDULED: dict[str, tvm.tirx.PrimFunc] = {}  # key -> scheduled kernel, for this process
+
+
+@functools.cache
+def _rules_version() -> str:
+    """sha256 of this folder's Python sources and TVM's version: what a kept schedule was made
+    with (a change of either makes every kept schedule stale)."""
+    h = hashlib.sha256(tvm.__version__.encode())
+    here = os.path.dirname(os.path.abspath(__file__))
+    for name in sorted(os.listdir(here)):
+        if name.endswith(".py"):
+            with open(os.path.join(here, name), "rb") as f:
+                h.update(name.encode() + b"\0" + f.read())
+    return h.hexdigest()
+
+
+def _schedule_dir() -> str | None:
+    """The on-disk store of default schedules, ``$THOMAS_TUNE_CACHE/default_schedules`` (else
+    ``~/.cache/thomas_tune/default_schedules``); None when ``THOMAS_TUNE_SCHEDULE_CACHE=off``
+    (schedules are then kept for the process only)."""
+    if os.environ.get("THOMAS_TUNE_SCHEDULE_CACHE") == "off":
+        return None
+    base = os.environ.get("THOMAS_TUNE_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "thomas_tune")
+    return os.path.join(base, "default_schedules")
+
+
+def cached_schedule(func: tvm.tirx.PrimFunc, target: tvm.target.Target, rule_classes,
+                    schedule) -> tvm.tirx.PrimFunc | None:
+    """``schedule(func, target, rule_classes)``, kept per kernel: in this process, and on disk
+    (:func:`_schedule_dir`, one JSON file per kernel written atomically) for other processes.
+    The key is the sha256 of the rules' version (:func:`_rules_version`), the rule classes'
+    names, the target and the kernel's TVM JSON, so a kept schedule is only reused for the same
+    kernel under the same rules. A kept file that does not load is scheduled again and
+    rewritten."""
+    h = hashlib.sha256()
+    for part in (_rules_version(), ",".join(f"{r.__module__}.{r.__qualname__}"
+                                            for r in rule_classes),
+                 str(target), tvm.ir.save_json(func)):
+        h.update(part.encode())
+        h.update(b"\0")
+    key = h.hexdigest()
+    if key in _SCHEDULED:
+        return _SCHEDULED[key]
+    folder = _schedule_dir()
+    path = os.path.join(folder, key[:2], key + ".json") if folder else None
+    if path is not None and os.path.exists(path):
+        try:
+            with open(path) as f:
+                _SCHEDULED[key] = tvm.ir.load_json(f.read())
+            return _SCHEDULED[key]
+        except Exception:  # damaged or torn (TVM raises its own errors): make it again
+            pass
+    scheduled = schedule(func, target, rule_classes)
+    if scheduled is None:
+        return None
+    _SCHEDULED[key] = scheduled
+    if path is not None:
+        try:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".tmp")
+            with os.fdopen(fd, "w") as f:
+                f.write(tvm.ir.save_json(scheduled))
+            os.replace(tmp, path)
+        except OSError:  # a read-only or full cache: the schedule is kept for this process
+            pass
+    return scheduled

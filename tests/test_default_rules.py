@@ -122,3 +122,38 @@ def test_wide_matmul_gets_a_tiled_default_schedule(target, rng):
         img[b_, rc, i + rh, j + rw] * wt[o, rc, rh, rw], axis=[rc, rh, rw]), name="conv")
     assert LongGeneralReduction().apply(te.create_prim_func([img, wt, conv]), target,
                                         False) is None
+
+
+def test_default_schedules_are_kept_on_disk_per_kernel(tmp_path, monkeypatch, target, rng):
+    """A kernel's default schedule is kept on disk: asked again with this process's copies
+    cleared (as in another process), it is read back, not made again, the same schedule, and
+    its kernel matches numpy in float64; a damaged file is made again and rewritten."""
+    import pytest
+    import tvm_ffi
+
+    from thomas_tune.schedules import defaults
+    monkeypatch.setenv("THOMAS_TUNE_CACHE", str(tmp_path))
+    monkeypatch.setattr(defaults, "_SCHEDULED", {})
+    a = te.placeholder((48, 40), name="a")
+    b = te.placeholder((40, 24), name="b")
+    k = te.reduce_axis((0, 40), name="k")
+    c = te.compute((48, 24), lambda i, j: te.sum(a[i, k] * b[k, j], axis=k), name="c")
+    mod = tvm.IRModule({"main": te.create_prim_func([a, b, c])})
+    first = default_gpu_schedules(mod, target)
+    files = list((tmp_path / "default_schedules").rglob("*.json"))
+    assert len(files) == 1
+    made = defaults._schedule_one
+    monkeypatch.setattr(defaults, "_SCHEDULED", {})
+    monkeypatch.setattr(defaults, "_schedule_one", lambda *_: pytest.fail("scheduled again"))
+    second = default_gpu_schedules(mod, target)
+    assert tvm_ffi.structural_equal(first["main"], second["main"])
+    x, y = rng.standard_normal((48, 40)), rng.standard_normal((40, 24))
+    got = run_kernel(second, target, [x, y], (48, 24))
+    ref = x.astype("float32").astype("float64") @ y.astype("float32").astype("float64")
+    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+    files[0].write_text("{damaged")
+    monkeypatch.setattr(defaults, "_SCHEDULED", {})
+    monkeypatch.setattr(defaults, "_schedule_one", made)
+    third = default_gpu_schedules(mod, target)
+    assert tvm_ffi.structural_equal(first["main"], third["main"])
+    assert tvm_ffi.structural_equal(tvm.ir.load_json(files[0].read_text()), first["main"])
