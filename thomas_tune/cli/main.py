@@ -107,8 +107,8 @@ def add_demo(sub) -> None:
     s.add_argument("--target", default="opencl",
                    help="opencl (this machine's OpenCL device, PoCL on a CPU) or llvm")
     s.add_argument("--key", default="local-opencl")
-    s.add_argument("--trials", type=int, default=16,
-                   help="tuning trials (default 16: four per task of --top, each task's in one "
+    s.add_argument("--trials", type=int, default=12,
+                   help="tuning trials (default 12: three per task of --top, each task's in one "
                    "batch, so that the search runs once per task)")
     s.add_argument("--top", type=int, default=4, help="tune the N largest tasks (default 4)")
     s.add_argument("--max-unroll", type=int, default=16,
@@ -127,9 +127,9 @@ def add_demo(sub) -> None:
     s.add_argument("--save", help="write the fine-tuned checkpoint here")
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--log", help="tuning-log folder (default: inside --work)")
-    s.add_argument("--remeasure-top", type=int, default=8, help="tasks of the shipped log "
+    s.add_argument("--remeasure-top", type=int, default=6, help="tasks of the shipped log "
                    "whose best record and default schedule are timed again on this device: "
-                   "those whose default schedule costs the most per step (default 8)")
+                   "those whose default schedule costs the most per step (default 6)")
     s.add_argument("--no-shipped-log", action="store_true", help="tune from the default "
                    "schedules only, not from the tuning log shipped for PoCL on x86-64")
     s.add_argument("--work", help="folder for the log and the exports (default: a temp folder)")
