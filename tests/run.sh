@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # The README's test command: the whole suite (real tracker/servers on 127.0.0.1, real kernels),
 # one pytest worker per core (pytest-xdist), each test file on one worker so that its
-# module-scoped exports are built once.
+# module-scoped exports are built once; the costliest files first (tests/conftest.py).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-python3 -m pytest -q -p no:cacheprovider -n auto --dist loadfile --durations=10 tests "$@"
+python3 -m pytest -q -p no:cacheprovider -n auto --dist loadfile --no-loadscope-reorder \
+  --durations=10 tests "$@"
 rc=$?
 # pytest's 5 means "no test collected": that is a failure here, not a pass.
 exit $rc
