@@ -318,9 +318,8 @@ def _schedule_dir() -> str | None:
     (schedules are then kept for the process only)."""
     if os.environ.get("THOMAS_TUNE_SCHEDULE_CACHE") == "off":
         return None
-    base = os.environ.get("THOMAS_TUNE_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "thomas_tune")
-    return os.path.join(base, "default_schedules")
+    from ..opencl import _cache_dir  # the sidecar's, which every thomas_tune cache shares
+    return os.path.join(_cache_dir(), "default_schedules")
 
 
 def cached_schedule(func: tvm.tirx.PrimFunc, target: tvm.target.Target, rule_classes,
