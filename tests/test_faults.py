@@ -340,9 +340,10 @@ def test_tuner_killed_and_restarted(tracker, rng, tmp_path):
     # Tuners start from a fork server: a single-threaded process that imported the CLI and
     # MetaSchedule's tensor intrinsics once (tens of seconds), so each run skips that import.
     # A plain fork of this test process would copy the locks its other threads hold (tracker,
-    # servers, TVM's pools) and a child could hang on one, signals and all.
+    # servers, TVM's pools) and a child could hang on one, signals and all. thomas_tune first:
+    # it imports TVM without PyTorch, as the command does.
     ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["tvm.s_tir.tensor_intrin", "thomas_tune.cli"])
+    ctx.set_forkserver_preload(["thomas_tune.cli", "tvm.s_tir.tensor_intrin"])
     kept: list[str] = []  # the log's records after each run: never lost afterwards
     try:
         rpc.wait_for_key(tracker, key, timeout=60)

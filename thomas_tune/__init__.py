@@ -9,7 +9,8 @@ of a second start's time (2.6 s -> 0.8 s to import :mod:`thomas_tune.runtime` on
 x86-64 host with the CPU build of torch 2.13). So TVM is imported here with PyTorch hidden,
 unless PyTorch is already imported or ``THOMAS_TUNE_TVM_WITH_TORCH=1``; ``import torch`` later
 works as usual (the bench and the tests compare with it), only tvm_ffi's automatic conversion
-of torch tensors is off, which thomas_tune does not use.
+of torch tensors is off, which thomas_tune does not use. The processes this one starts get the
+same for TVM's pool workers (builders, runners, device servers): :mod:`thomas_tune.startup`.
 
 Running an export needs no compiler: with ``TVM_USE_RUNTIME_LIB=1`` in the environment before
 TVM is imported, TVM loads only ``libtvm_runtime.so`` and skips ``tvm.relax``, which halves
@@ -24,15 +25,14 @@ without the variable, and the CLI's compiling verbs exit with status 2 saying so
 import os as _os
 import sys as _sys
 
+from .startup.sitecustomize import HideTorch as _HideTorch
 
-class _HideTorch:
-    """A meta-path finder under which ``import torch`` raises ImportError."""
-
-    def find_spec(self, name, path=None, target=None):
-        if name == "torch" or name.startswith("torch."):
-            raise ImportError("torch is hidden while thomas_tune imports TVM")
-        return None
-
+if _os.environ.get("THOMAS_TUNE_TVM_WITH_TORCH") != "1":
+    # this process's children: TVM's pool workers hide torch too (thomas_tune.startup)
+    _startup = _os.path.join(_os.path.dirname(_os.path.abspath(__file__)), "startup")
+    _path = _os.environ.get("PYTHONPATH", "")
+    if _path.split(_os.pathsep)[0] != _startup:
+        _os.environ["PYTHONPATH"] = _startup + (_os.pathsep + _path if _path else "")
 
 if "torch" not in _sys.modules and _os.environ.get("THOMAS_TUNE_TVM_WITH_TORCH") != "1":
     _hide = _HideTorch()

@@ -1,0 +1,42 @@
+"""TVM's pool workers started by a thomas_tune process do not import PyTorch
+(:mod:`thomas_tune.startup`); other child processes import it as usual, and a start-up hook
+further on the path still runs."""
+
+import subprocess
+import sys
+
+import pytest
+from tvm.support.popen_pool import PopenWorker
+
+import thomas_tune  # noqa: F401  (puts the start-up hook on the children's path)
+
+pytest.importorskip("torch")
+
+
+# evaluated in the worker (a function of this file would not unpickle there)
+TORCH_LOADED = "__import__('sys').modules.get('torch') is not None"
+
+
+def test_tvm_pool_workers_do_not_import_torch():
+    worker = PopenWorker()
+    try:
+        worker.send(eval, (TORCH_LOADED,))
+        assert worker.recv() is False  # TVM is imported there, without torch
+        worker.send(__import__, ("torch",))
+        with pytest.raises(ImportError, match="torch is hidden"):
+            worker.recv()
+    finally:
+        worker.kill()
+
+
+def test_other_children_import_torch_and_run_a_further_hook(tmp_path, monkeypatch):
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "sitecustomize.py").write_text("import os\nos.environ['FURTHER_HOOK'] = 'ran'\n")
+    import os
+    monkeypatch.setenv("PYTHONPATH", os.environ["PYTHONPATH"] + os.pathsep + str(other))
+    code = "import os, torch; print(torch.__name__, os.environ.get('FURTHER_HOOK'))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["torch", "ran"]
