@@ -23,27 +23,16 @@ without the variable, and the CLI's compiling verbs exit with status 2 saying so
 """
 
 import os as _os
-import sys as _sys
 
-from .startup.sitecustomize import HideTorch as _HideTorch
+from .startup.sitecustomize import import_tvm_without_torch
 
 if _os.environ.get("THOMAS_TUNE_TVM_WITH_TORCH") != "1":
-    # this process's children: TVM's pool workers hide torch too (thomas_tune.startup)
+    # this process's children: TVM's pool workers import TVM without torch too
     _startup = _os.path.join(_os.path.dirname(_os.path.abspath(__file__)), "startup")
     _path = _os.environ.get("PYTHONPATH", "")
     if _path.split(_os.pathsep)[0] != _startup:
         _os.environ["PYTHONPATH"] = _startup + (_os.pathsep + _path if _path else "")
-
-if "torch" not in _sys.modules and _os.environ.get("THOMAS_TUNE_TVM_WITH_TORCH") != "1":
-    _hide = _HideTorch()
-    _sys.meta_path.insert(0, _hide)
-    try:
-        import tvm_ffi  # noqa: F401
-        # with TVM's compiler, tvm imports tvm.relax (tvm.relax.base_py_module imports torch
-        # too); under TVM_USE_RUNTIME_LIB=1 only the runtime's modules
-        import tvm  # noqa: F401
-    finally:
-        _sys.meta_path.remove(_hide)
+import_tvm_without_torch()
 
 from .models.layers import compiler_available  # noqa: E402,F401
 from . import opencl as _opencl  # noqa: E402

@@ -4,13 +4,13 @@ Importing :mod:`thomas_tune` puts this folder first on ``PYTHONPATH`` for the pr
 children, so that Python's ``site`` imports this module in each of them before its main module
 (``site`` imports the first ``sitecustomize`` on the path). In TVM's pool workers
 (``python -m tvm.exec.popen_worker``: the builders' and runners' workers, the device servers)
-it hides PyTorch for the life of the process, as :mod:`thomas_tune` does for its own import of
-TVM: tvm_ffi imports torch at its own import whenever torch is installed, and no worker uses it.
+it imports TVM with PyTorch hidden, as :mod:`thomas_tune` does: tvm_ffi imports torch at its
+own import whenever torch is installed, and no worker uses it (``import torch`` later works).
 That import made each worker's start 2.6 s longer (``import tvm``: 4.7 s against 1.7 s, CPU
 build of torch 2.13, 2-core x86-64), and the tuning tests 1.6x slower. Every other process is
-left as it was, and a ``sitecustomize`` further on the path (a distribution's, a virtual
-environment's) is then imported as Python would have imported it. ``THOMAS_TUNE_TVM_WITH_TORCH=1``
-keeps torch importable in workers too.
+left as it was. A ``sitecustomize`` further on the path (a distribution's, a virtual
+environment's) is imported first, as Python would have imported it.
+``THOMAS_TUNE_TVM_WITH_TORCH=1`` lets TVM import torch, in workers too.
 """
 
 import os
@@ -48,8 +48,23 @@ def _import_next_sitecustomize() -> None:
     spec.loader.exec_module(module)
 
 
+def import_tvm_without_torch() -> None:
+    """Import TVM (``tvm_ffi``, then ``tvm``) with ``import torch`` failing, unless torch is
+    already imported or ``THOMAS_TUNE_TVM_WITH_TORCH=1``; afterwards torch imports as usual."""
+    if "torch" in sys.modules or os.environ.get("THOMAS_TUNE_TVM_WITH_TORCH") == "1":
+        return
+    hide = HideTorch()
+    sys.meta_path.insert(0, hide)
+    try:
+        import tvm_ffi  # noqa: F401
+        # with TVM's compiler, tvm imports tvm.relax (tvm.relax.base_py_module imports torch
+        # too); under TVM_USE_RUNTIME_LIB=1 only the runtime's modules
+        import tvm  # noqa: F401
+    finally:
+        sys.meta_path.remove(hide)
+
+
 if __name__ == "sitecustomize":
-    if (_is_tvm_worker(getattr(sys, "orig_argv", sys.argv))
-            and os.environ.get("THOMAS_TUNE_TVM_WITH_TORCH") != "1"):
-        sys.meta_path.insert(0, HideTorch())
     _import_next_sitecustomize()
+    if _is_tvm_worker(getattr(sys, "orig_argv", sys.argv)):
+        import_tvm_without_torch()  # the worker's first statement imports TVM anyway
