@@ -206,20 +206,41 @@ def test_pipelined_scheduler_searches_while_the_device_measures(tmp_path, small_
     """With ``max_in_flight`` 3, batches are sent to the runner while earlier ones are still
     being measured (the host searches and builds meanwhile); with 1, never. Both runs spend
     the budget exactly, and every trial ends up in the log."""
+    import fcntl
+    import threading
+
+    from thomas_tune.measure.priority import device_lock_path
     from thomas_tune.measure.runner import FarmRunner
 
     class Watched(FarmRunner._cls):
-        """The product's runner, noting at each batch how many earlier trials are unfinished."""
+        """The product's runner, noting at each batch how many earlier trials are unfinished;
+        ``busy``: the device stays busy until the second batch is sent."""
 
-        def __init__(self, *a, **k):
+        def __init__(self, *a, busy=None, **k):
             super().__init__(*a, **k)
-            self.futures, self.pending_at_submit = [], []
+            self.futures, self.pending_at_submit, self.busy = [], [], busy
 
         def run(self, runner_inputs):
             self.pending_at_submit.append(sum(1 for f in self.futures if not f.done()))
+            if self.busy is not None and len(self.pending_at_submit) == 2:
+                self.busy.set()
             out = super().run(runner_inputs)
             self.futures += out
             return out
+
+    def keep_device_busy(until: threading.Event) -> None:
+        """Hold the device lock that a device server takes for its timed runs (as another
+        tuner's timed runs on the same device hold it) until ``until`` is set, 120 s at most:
+        the first batch cannot finish before the second is sent, however fast its trials."""
+        fd = os.open(device_lock_path(), os.O_CREAT | os.O_RDWR, 0o666)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+
+        def release():
+            until.wait(120)
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            os.close(fd)
+
+        threading.Thread(target=release, daemon=True).start()
 
     from tvm.ir.utils import derived_object
     Watched = derived_object(Watched)
@@ -228,15 +249,19 @@ def test_pipelined_scheduler_searches_while_the_device_measures(tmp_path, small_
     with rpc.loopback(key="test-cpu", servers=1, lifetime=600) as addr:
         for in_flight in (1, 3):
             log = TuningLog(str(tmp_path / f"log{in_flight}"))
-            # repeats of 600 ms, 3 per trial (max_number lets a kernel of microseconds run
-            # that long; the default caps it at 1,000 runs, 1 ms here), 6 trials per batch and
-            # a small search population: the first batch is measured (10.8 s and more) for
-            # longer than the second takes to search and build (2.3 s on 2 busy cores)
-            runner = Watched(addr, "test-cpu", min_repeat_ms=600.0, max_number=10**7)
-            report = tune(small_tasks, target, log, runner, trials=12, trials_per_iter=6,
-                          show_progress=False, max_in_flight=in_flight, seed=in_flight,
-                          population=16)
+            busy = threading.Event() if in_flight > 1 else None
+            runner = Watched(addr, "test-cpu", busy=busy)
+            if busy is not None:
+                keep_device_busy(busy)
+            try:
+                report = tune(small_tasks, target, log, runner, trials=12, trials_per_iter=6,
+                              show_progress=False, max_in_flight=in_flight, seed=in_flight,
+                              population=16)
+            finally:
+                if busy is not None:
+                    busy.set()
             assert report.trials == 12 and len(_records(log)) == 12
+            assert all(float(r[1][1][0]) < 1e9 for r in _records(log)), "a trial failed"
             seen[in_flight] = runner.pending_at_submit
             split = report.time_split()
             assert split["search"] > 0 and split["build"] > 0 and 0 < split["lanes_busy"] <= 1

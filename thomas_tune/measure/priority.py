@@ -76,6 +76,12 @@ def register_low_priority_build() -> None:
                              build_low_priority, override=True)
 
 
+def device_lock_path() -> str:
+    """The default device lock of :func:`register_device_lock`: one file per user in the temp
+    folder."""
+    return os.path.join(tempfile.gettempdir(), f"thomas-tune-device-{os.getuid()}.lock")
+
+
 def register_device_lock(path: str | None = None) -> str:
     """Register ``thomas_tune.device_lock(on)`` in this (device server) process.
 
@@ -88,7 +94,7 @@ def register_device_lock(path: str | None = None) -> str:
 
     import tvm
 
-    path = path or os.path.join(tempfile.gettempdir(), f"thomas-tune-device-{os.getuid()}.lock")
+    path = path or device_lock_path()
     held: dict[str, int] = {}
 
     def device_lock(on: int) -> int:
