@@ -12,7 +12,9 @@ arithmetic (a bias followed by BatchNorm: the normalisation removes it) is judge
 thousandth of the step's gradients, not against its own rounding-level size. The loss is
 compared relative to its value.
 
-Tolerances. The loss: 1e-4 relative. A gradient: a build with default schedules (untuned) may
+Tolerances. The loss: 1e-3 relative (float32 rounding reaches 1.8e-4 on a right build of a
+small MobileNetV2 whose last BatchNorms normalise 4 values per channel; a kernel that writes
+nothing or wrong elements moves the loss by far more). A gradient: a build with default schedules (untuned) may
 differ from float64 by up to :data:`BROKEN` = 0.5 of the gradient's scale; any other build by
 up to ``max(GRAD_TOL, 4 x the untuned build's error for that parameter)`` (:data:`GRAD_TOL` =
 2e-2). The float32 step's own rounding, which grows with depth, with the sums' lengths and with
@@ -36,7 +38,7 @@ BROKEN = 0.5
 #: a tuned build's gradient error may be this many times the untuned build's
 YARDSTICK_FACTOR = 4.0
 #: largest accepted relative loss error
-LOSS_TOL = 1e-4
+LOSS_TOL = 1e-3
 #: the floor of a gradient's scale, as a share of the step's largest gradient
 FLOOR = 1e-3
 
