@@ -14,8 +14,9 @@ compared relative to its value.
 
 Tolerances. The loss: 1e-3 relative (float32 rounding reaches 1.8e-4 on a right build of a
 small MobileNetV2 whose last BatchNorms normalise 4 values per channel; a kernel that writes
-nothing or wrong elements moves the loss by far more). A gradient: a build with default schedules (untuned) may
-differ from float64 by up to :data:`BROKEN` = 0.5 of the gradient's scale; any other build by
+nothing or wrong elements moves the loss by far more). A gradient: a build with default
+schedules (untuned) may differ from float64 by up to :data:`BROKEN` = 0.5 of the gradient's
+scale; any other build by
 up to ``max(GRAD_TOL, 4 x the untuned build's error for that parameter)`` (:data:`GRAD_TOL` =
 2e-2). The float32 step's own rounding, which grows with depth, with the sums' lengths and with
 BatchNorm over few elements, is what the untuned build's error measures on the same graph,
