@@ -12,17 +12,16 @@ arithmetic (a bias followed by BatchNorm: the normalisation removes it) is judge
 thousandth of the step's gradients, not against its own rounding-level size. The loss is
 compared relative to its value.
 
-Tolerances. The loss: 1e-3 relative (float32 rounding reaches 1.8e-4 on a right build of a
-small MobileNetV2 whose last BatchNorms normalise 4 values per channel; a kernel that writes
-nothing or wrong elements moves the loss by far more). A gradient: a build with default
-schedules (untuned) may differ from float64 by up to :data:`BROKEN` = 0.5 of the gradient's
-scale; any other build by
+Tolerances. The loss: 1e-3 relative (float32 rounding reaches 1.8e-4 on a right build of a small
+MobileNetV2 whose last BatchNorms normalise 4 values per channel; a kernel that writes nothing or
+wrong elements moves the loss by far more). A gradient: a build with default schedules (untuned)
+may differ from float64 by up to :data:`BROKEN` = 0.5 of the gradient's scale; any other build by
 up to ``max(GRAD_TOL, 4 x the untuned build's error for that parameter)`` (:data:`GRAD_TOL` =
 2e-2). The float32 step's own rounding, which grows with depth, with the sums' lengths and with
-BatchNorm over few elements, is what the untuned build's error measures on the same graph,
-batch and device: a tuned kernel sums in another order, not less precisely. A kernel that
-writes nothing, zeros or wrong elements moves a gradient by about 1 (every gradient upstream
-of it is then 0 or unrelated), over both bounds.
+BatchNorm over few elements, is what the untuned build's error measures on the same graph, batch
+and device: a tuned kernel sums in another order, not less precisely. A kernel that writes nothing,
+zeros or wrong elements moves a gradient by about 1 (every gradient upstream of it is then 0 or
+unrelated), over both bounds.
 """
 
 from __future__ import annotations
