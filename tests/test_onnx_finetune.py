@@ -208,10 +208,7 @@ def _check_lr0(pre, model, tg, vm, tensors, rng, steps=10, within=0.005, drift=0
 def _torch_batchnorm_output_statistics(model, tensors, images, batch=64):
     """{BatchNorm name: (mean, biased variance)} per channel, float64, of every BatchNorm's
     output in PyTorch (float64, eval mode) on ``images`` (N, 3, R, R)."""
-    names = {q.name for q in spec(model).params}
-    p = {k: torch.tensor(np.asarray(v, "float64")) for k, v in tensors.items() if k in names}
-    st = {k: torch.tensor(np.asarray(v, "float64")) for k, v in tensors.items()
-          if k not in names}
+    ref = Theirs(model, tensors, set())
     sums = {}
 
     class Seen(TorchGraph):
@@ -224,8 +221,8 @@ def _torch_batchnorm_output_statistics(model, tensors, images, batch=64):
 
     with torch.no_grad():
         for i in range(0, len(images), batch):
-            model.forward(Seen(p, st, {}, False), torch.tensor(images[i:i + batch],
-                                                              dtype=torch.float64))
+            model.forward(Seen(ref.p, ref.st, {}, False),
+                          torch.tensor(images[i:i + batch], dtype=torch.float64))
     return {k: (s1 / n, s2 / n - (s1 / n) ** 2) for k, (n, s1, s2) in sums.items()}
 
 

@@ -2,6 +2,7 @@
 (:mod:`thomas_tune.startup`); other child processes are as before, and a start-up hook
 further on the path still runs."""
 
+import os
 import subprocess
 import sys
 
@@ -32,7 +33,6 @@ def test_other_children_import_torch_and_run_a_further_hook(tmp_path, monkeypatc
     other = tmp_path / "other"
     other.mkdir()
     (other / "sitecustomize.py").write_text("import os\nos.environ['FURTHER_HOOK'] = 'ran'\n")
-    import os
     monkeypatch.setenv("PYTHONPATH", os.environ["PYTHONPATH"] + os.pathsep + str(other))
     code = "import os, torch; print(torch.__name__, os.environ.get('FURTHER_HOOK'))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

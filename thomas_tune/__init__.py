@@ -22,16 +22,9 @@ without the variable, and the CLI's compiling verbs exit with status 2 saying so
 :func:`compiler_available` says which kind of process this is.
 """
 
-import os as _os
+from .startup.sitecustomize import hook_children, import_tvm_without_torch
 
-from .startup.sitecustomize import import_tvm_without_torch
-
-if _os.environ.get("THOMAS_TUNE_TVM_WITH_TORCH") != "1":
-    # this process's children: TVM's pool workers import TVM without torch too
-    _startup = _os.path.join(_os.path.dirname(_os.path.abspath(__file__)), "startup")
-    _path = _os.environ.get("PYTHONPATH", "")
-    if _path.split(_os.pathsep)[0] != _startup:
-        _os.environ["PYTHONPATH"] = _startup + (_os.pathsep + _path if _path else "")
+hook_children()  # this process's children: TVM's pool workers import TVM without torch too
 import_tvm_without_torch()
 
 from .models.layers import compiler_available  # noqa: E402,F401

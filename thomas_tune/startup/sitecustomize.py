@@ -6,9 +6,8 @@ children, so that Python's ``site`` imports this module in each of them before i
 (``python -m tvm.exec.popen_worker``: the builders' and runners' workers, the device servers)
 it imports TVM with PyTorch hidden, as :mod:`thomas_tune` does: tvm_ffi imports torch at its
 own import whenever torch is installed, and no worker uses it (``import torch`` later works).
-That import made each worker's start 2.6 s longer (``import tvm``: 4.7 s against 1.7 s, CPU
-build of torch 2.13, 2-core x86-64), and the tuning tests 1.6x slower. Every other process is
-left as it was. A ``sitecustomize`` further on the path (a distribution's, a virtual
+That import is most of a worker's start (docs/opencl.md gives the figures). Every other
+process is left as it was. A ``sitecustomize`` further on the path (a distribution's, a virtual
 environment's) is imported first, as Python would have imported it.
 ``THOMAS_TUNE_TVM_WITH_TORCH=1`` lets TVM import torch, in workers too.
 """
@@ -18,6 +17,8 @@ import sys
 
 #: the module a TVM pool worker runs (``tvm.support.popen_pool.PopenWorker``)
 TVM_WORKER = "tvm.exec.popen_worker"
+#: this folder, which :func:`hook_children` puts first on the children's ``PYTHONPATH``
+HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 class HideTorch:
@@ -38,8 +39,7 @@ def _import_next_sitecustomize() -> None:
     """Import the ``sitecustomize`` that this one hides on the path, if there is one."""
     import importlib.machinery
     import importlib.util
-    here = os.path.dirname(os.path.abspath(__file__))
-    rest = [p for p in sys.path if os.path.abspath(p or os.curdir) != here]
+    rest = [p for p in sys.path if os.path.abspath(p or os.curdir) != HERE]
     spec = importlib.machinery.PathFinder.find_spec("sitecustomize", rest)
     if spec is None or spec.loader is None:
         return
@@ -48,10 +48,24 @@ def _import_next_sitecustomize() -> None:
     spec.loader.exec_module(module)
 
 
+def _torch_kept() -> bool:
+    return os.environ.get("THOMAS_TUNE_TVM_WITH_TORCH") == "1"
+
+
+def hook_children() -> None:
+    """Put this folder first on ``PYTHONPATH`` in this process's environment, once, so that the
+    processes it starts run this hook (unless ``THOMAS_TUNE_TVM_WITH_TORCH=1``)."""
+    if _torch_kept():
+        return
+    path = os.environ.get("PYTHONPATH", "")
+    if path.split(os.pathsep)[0] != HERE:
+        os.environ["PYTHONPATH"] = HERE + (os.pathsep + path if path else "")
+
+
 def import_tvm_without_torch() -> None:
     """Import TVM (``tvm_ffi``, then ``tvm``) with ``import torch`` failing, unless torch is
     already imported or ``THOMAS_TUNE_TVM_WITH_TORCH=1``; afterwards torch imports as usual."""
-    if "torch" in sys.modules or os.environ.get("THOMAS_TUNE_TVM_WITH_TORCH") == "1":
+    if "torch" in sys.modules or _torch_kept():
         return
     hide = HideTorch()
     sys.meta_path.insert(0, hide)
