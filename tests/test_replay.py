@@ -22,6 +22,26 @@ def test_replay_committed_log(capsys):
     assert rc == 0, out
 
 
+def test_float32_yardstick_is_built_only_above_the_gradient_tolerance(rng):
+    """The float32 graph with default schedules (the yardstick of float32 rounding) is built
+    and run only when the checked build's gradient error is above the tolerance; both errors
+    are then float32 rounding against the float64 reference."""
+    from conftest import SMALL
+
+    from thomas_tune.models import build
+    from thomas_tune.replay import check_numbers
+    from thomas_tune.target import parse_target
+    model = build("alexnet", **SMALL["alexnet"])
+    seed = int(rng.integers(1 << 30))
+    args = (model, parse_target("llvm"), None, 2, "last:2", seed)
+    above = check_numbers(*args, grad_tolerance=0.0)
+    assert 0 < above["gradients_default_schedules"] < 1e-4, above
+    assert 0 < above["gradients"] < 1e-4 and above["logits"] < 1e-5, above
+    below = check_numbers(*args, grad_tolerance=1.0)
+    assert below["gradients_default_schedules"] is None
+    assert below["gradients"] == above["gradients"]
+
+
 def test_replay_fails_under_threshold(tmp_path, capsys):
     rc = cli.main(["replay", "--log", LOG, "--min-flops-coverage", "1.0", "--no-check",
                    "--width", "0.35", "--resolution", "64", "--classes", "10", "--batch", "8"])

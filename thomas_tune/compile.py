@@ -143,6 +143,20 @@ def winograd_choice(mod: tvm.IRModule, times: dict[str, float] | None) -> set:
     return choose_winograd(mod, times.get)
 
 
+def reference_target(target: tvm.target.Target) -> tvm.target.Target:
+    """``target``, an ``llvm`` target, with LLVM's optimisation off (``opt-level`` 0): for
+    builds whose numbers are a reference and whose speed does not matter (the float64 graphs
+    that tuned builds are checked against). The arithmetic is the same at every level (TVM
+    turns on no fast-math), and LLVM's optimisation passes are most of an llvm build's time:
+    the float64 MobileNetV2 training graph builds and loads about twice as fast at level 0.
+
+    Raises ValueError for a target of another kind."""
+    if target.kind.name != "llvm":
+        raise ValueError(f"reference builds run on this machine's CPU: target {target} is "
+                         "not an llvm target")
+    return tvm.target.Target(dict(target.export(), **{"opt-level": 0}))
+
+
 def compile_graph(mod: tvm.IRModule, target: tvm.target.Target,
                   database: ms.Database | None = None, winograd=None,
                   rule_classes=None) -> relax.VMExecutable:

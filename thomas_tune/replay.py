@@ -21,7 +21,7 @@ import tvm
 from tvm import relax
 
 from . import graph as G
-from .compile import compile_graph
+from .compile import compile_graph, reference_target
 from .record_check import checked_build
 from .models import init_params, spec
 from .tasks import extract
@@ -97,12 +97,21 @@ def _rel_err(got: np.ndarray, ref: np.ndarray) -> float:
 
 
 def check_numbers(model, target, database, batch: int, trainable: str, seed: int,
-                  winograd=None, tuned=None) -> dict:
-    """Max relative error (max |got - ref| / max |ref|) of logits, loss and every gradient.
+                  winograd=None, tuned=None, grad_tolerance: float | None = None) -> dict:
+    """Max relative error (max |got - ref| / max |ref|) of logits, loss and every gradient
+    (keys ``logits``, ``loss``, ``gradients``) of the tuned float32 build against the float64
+    graph, both run on this machine's CPU (``target``: an llvm target of this machine).
     ``winograd``: the convolutions the tuned build computes in the Winograd form
     (:func:`thomas_tune.compile.winograd_choice`). ``tuned``: the tuned training graph
     (``G.training_module(model, batch, trainable).mod``) already compiled with ``database``
-    and ``winograd``, or None to compile it here."""
+    and ``winograd``, or None to compile it here.
+
+    ``gradients_default_schedules``: the same error of the float32 graph with default
+    schedules, the yardstick of how well float32 can do on this graph (BatchNorm over few
+    elements amplifies rounding). It is computed only when the tuned gradients' error is
+    above ``grad_tolerance`` (None: always), as it only matters then; else it is None. The
+    float64 graph and the yardstick are built at LLVM ``opt-level`` 0
+    (:func:`thomas_tune.compile.reference_target`)."""
     rng = np.random.default_rng(seed)
     tensors = init_params(model, seed=seed)
     for k in tensors:  # non-trivial BN statistics and biases
@@ -116,8 +125,7 @@ def check_numbers(model, target, database, batch: int, trainable: str, seed: int
     if tuned is None:
         tuned = compile_graph(tg32.mod, target, database, winograd)
     vm32 = relax.VirtualMachine(tuned, dev)
-    vm32_default = relax.VirtualMachine(compile_graph(tg32.mod, target, None), dev)
-    vm64 = relax.VirtualMachine(compile_graph(tg64.mod, target, None), dev)
+    vm64 = relax.VirtualMachine(compile_graph(tg64.mod, reference_target(target), None), dev)
     x = rng.standard_normal(model.input_shape(batch))
     y = rng.integers(0, model.num_classes, batch)
     masks = [(rng.random(shape) >= p) / (1 - p) for shape, p in tg32.masks.values()]
@@ -134,7 +142,6 @@ def check_numbers(model, target, database, batch: int, trainable: str, seed: int
         return logits, loss, [g.numpy() for g in grads]
 
     l32, loss32, g32 = run(vm32, "float32")
-    _, _, g32_default = run(vm32_default, "float32")
     l64, loss64, g64 = run(vm64, "float64")
     errors = {"logits": _rel_err(l32, l64), "loss": _rel_err(loss32, loss64)}
     # Gradients that are zero in exact arithmetic (a bias followed by BatchNorm) are compared
@@ -146,22 +153,25 @@ def check_numbers(model, target, database, batch: int, trainable: str, seed: int
                    for a, b in zip(gs, g64))
 
     errors["gradients"] = grad_err(g32)
-    # the same float32 graph with default schedules: how well float32 can do on this graph
-    # (BatchNorm over few elements amplifies rounding), the yardstick for the tuned kernels
-    errors["gradients_default_schedules"] = grad_err(g32_default)
+    errors["gradients_default_schedules"] = None
+    if grad_tolerance is None or errors["gradients"] > grad_tolerance:
+        default = compile_graph(tg32.mod, reference_target(target), None)
+        _, _, g32_default = run(relax.VirtualMachine(default, dev), "float32")
+        errors["gradients_default_schedules"] = grad_err(g32_default)
     return errors
 
 
 def replay(model, target, log: TuningLog, batch: int = 8, infer_batch: int = 1,
            trainable: str = "all", check: bool = True, seed: int = 0,
            min_flops_coverage: float = 0.0, min_time_coverage: float = 0.0,
-           say=print) -> ReplayReport:
+           grad_tolerance: float = 1e-3, say=print) -> ReplayReport:
     """Compile ``model``'s inference and training graphs with ``log``; see the module docstring.
 
     ``check``: each applied record is first run on this machine's device against its default
     schedule (:func:`thomas_tune.record_check.checked_build`; wrong ones are left out and
     listed in the report), and on llvm targets of this machine the compiled graphs are
-    compared with float64 (:func:`check_numbers`). ``say`` gets the check's messages.
+    compared with float64 (:func:`check_numbers`; ``grad_tolerance``: the gradient error
+    under which it builds no float32 yardstick). ``say`` gets the check's messages.
 
     When a checked record computes wrong numbers (``report.records_wrong``), or the log's FLOP
     coverage is below ``min_flops_coverage`` (0..1), or its time coverage below
@@ -194,7 +204,8 @@ def replay(model, target, log: TuningLog, batch: int = 8, infer_batch: int = 1,
     from .target import is_cross
     if check and target.kind.name == "llvm" and not is_cross(target):  # runs on this machine
         report.errors = check_numbers(model, target, database, batch, trainable, seed,
-                                      chosen["train"], tuned=executables["train"])
+                                      chosen["train"], tuned=executables["train"],
+                                      grad_tolerance=grad_tolerance)
         report.checked = True
     return report
 
