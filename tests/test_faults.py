@@ -313,6 +313,8 @@ def _tuner(argv, out_path):
     os.dup2(fd, 2)
     sys.stdout = open(1, "w", closefd=False)
     sys.stderr = open(2, "w", closefd=False)
+    # the fork server's import (tests/tuner_preload.py) is this process's too
+    print(f"tensor intrinsics preloaded: {'tvm.s_tir.tensor_intrin' in sys.modules}", flush=True)
     try:
         rc = cli.main(argv)
     except SystemExit as stop:
@@ -329,7 +331,7 @@ def _complete_lines(path) -> list[str]:
         return [ln for ln in f if ln.endswith("\n")]
 
 
-def test_tuner_killed_and_restarted(tracker, rng, tmp_path):
+def test_tuner_killed_and_restarted(tracker, rng, tmp_path, monkeypatch):
 
     key = _key(rng, "resume")
     server = rpc.start_server(tracker, key, port=9400)
@@ -338,12 +340,16 @@ def test_tuner_killed_and_restarted(tracker, rng, tmp_path):
             "--trials", "400", "--top", "2", "--trials-per-iter", "4", "--population", "16",
             "--log", log.path, "--build-workers", "1", "--seed", str(int(rng.integers(1000)))]
     # Tuners start from a fork server: a single-threaded process that imported the CLI and
-    # MetaSchedule's tensor intrinsics once (tens of seconds), so each run skips that import.
-    # A plain fork of this test process would copy the locks its other threads hold (tracker,
-    # servers, TVM's pools) and a child could hang on one, signals and all. thomas_tune first:
-    # it imports TVM without PyTorch, as the command does.
+    # MetaSchedule's tensor intrinsics once (tests/tuner_preload.py), so each run skips that
+    # import. A plain fork of this test process would copy the locks its other threads hold
+    # (tracker, servers, TVM's pools) and a child could hang on one, signals and all. The fork
+    # server finds that module through PYTHONPATH: Python 3.11's fork server leaves out the
+    # sys.path it is given, and skips a preload module it cannot import without a word.
+    here = os.path.dirname(os.path.abspath(__file__))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
+        [here] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
     ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["thomas_tune.cli", "tvm.s_tir.tensor_intrin"])
+    ctx.set_forkserver_preload(["tuner_preload"])
     kept: list[str] = []  # the log's records after each run: never lost afterwards
     try:
         rpc.wait_for_key(tracker, key, timeout=60)
@@ -361,6 +367,7 @@ def test_tuner_killed_and_restarted(tracker, rng, tmp_path):
             os.kill(child.pid, sig)
             child.join(60)
             text = open(out).read()
+            assert text.startswith("tensor intrinsics preloaded: True"), text[:200]
             lines = _complete_lines(log.record_path)
             assert lines[:before] == kept, "records of earlier runs changed"
             if sig == signal.SIGKILL:
