@@ -8,12 +8,13 @@ from tvm import relax
 
 from conftest import SMALL, TorchGraph, random_tensors
 from thomas_tune import graph as G
-from thomas_tune.compile import compile_graph
+from thomas_tune.compile import compile_graph, reference_target
 from thomas_tune.models import build, spec
 from thomas_tune.target import parse_target
 
 torch = pytest.importorskip("torch")
 RTOL = 1e-7  # float64 on both sides; only summation order differs
+REFERENCE = reference_target(parse_target("llvm"))  # builds whose speed does not matter
 
 
 def _torch_reference(model, tensors, x, y, masks, training):
@@ -42,7 +43,7 @@ def test_training_graph_matches_pytorch(arch, rng):
     batch = 4
     tensors = {k: v.astype("float64") for k, v in random_tensors(model, rng).items()}
     tg = G.training_module(model, batch, "all", dtype="float64")
-    vm = relax.VirtualMachine(compile_graph(tg.mod, parse_target("llvm")), tvm.cpu())
+    vm = relax.VirtualMachine(compile_graph(tg.mod, REFERENCE), tvm.cpu())
     x = rng.standard_normal(model.input_shape(batch))
     y = rng.integers(0, model.num_classes, batch)
     masks = {k: (rng.random(shape) >= p) / (1 - p) for k, (shape, p) in tg.masks.items()}
@@ -115,7 +116,7 @@ def test_optimizer_update_matches_pytorch(name, rng):
     cfg = G.OptimizerConfig(name=name, lr=0.05, weight_decay=0.01)
     opt = cfg.build().init(params)
     mod = G.optimizer_module(opt)
-    vm = relax.VirtualMachine(compile_graph(mod, parse_target("llvm")), tvm.cpu())
+    vm = relax.VirtualMachine(compile_graph(mod, REFERENCE), tvm.cpu())
     p0 = [rng.standard_normal(s) for s in shapes]
     tp = [torch.tensor(v, requires_grad=True) for v in p0]
     if name == "adam":

@@ -28,7 +28,7 @@ import tvm
 from tvm import relax
 
 from thomas_tune import graph as G
-from thomas_tune.compile import compile_graph
+from thomas_tune.compile import compile_graph, reference_target
 from thomas_tune.models import build, replace_head, spec
 from thomas_tune.models.onnx_import import (calibrate_batchnorms, identity_batchnorms,
                                             import_onnx)
@@ -37,6 +37,7 @@ from thomas_tune.target import parse_target
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("onnx")
+REFERENCE = reference_target(parse_target("llvm"))  # builds whose speed does not matter
 
 RES = 64
 ARCHS = {"mobilenet_v2": 0.35, "mobilenet_v1": 0.25}
@@ -102,7 +103,7 @@ def compiled():
         if key not in cache:
             tg = G.training_module(model, BATCH, trainable, G.OptimizerConfig(lr=lr),
                                    dtype="float64")
-            cache[key] = (tg, relax.VirtualMachine(compile_graph(tg.mod, parse_target("llvm")),
+            cache[key] = (tg, relax.VirtualMachine(compile_graph(tg.mod, REFERENCE),
                                                    tvm.cpu()))
         return cache[key]
 

@@ -8,13 +8,14 @@ import tvm
 
 from conftest import random_tensors, torch_module
 from thomas_tune import graph as G
-from thomas_tune.compile import compile_graph
+from thomas_tune.compile import compile_graph, reference_target
 from thomas_tune.models import build, load_checkpoint, replace_head, spec
 from thomas_tune.models.onnx_import import import_onnx
 from thomas_tune.target import parse_target
 
 torch = pytest.importorskip("torch")
 ort = pytest.importorskip("onnxruntime")
+REFERENCE = reference_target(parse_target("llvm"))  # builds whose speed does not matter
 
 CASES = [("mobilenet_v2", dict(num_classes=6, resolution=64, width=0.35), True),
          ("mobilenet_v2", dict(num_classes=6, resolution=64, width=0.35), False),
@@ -31,7 +32,7 @@ def _export_onnx(model, tensors, path, optimize=True):
 def _predict(model, tensors, x):
     s = spec(model)
     vm = tvm.relax.VirtualMachine(
-        compile_graph(G.inference_module(model, x.shape[0]), parse_target("llvm")), tvm.cpu())
+        compile_graph(G.inference_module(model, x.shape[0]), REFERENCE), tvm.cpu())
     args = [tvm.runtime.tensor(tensors[q.name]) for q in s.params + s.states]
     return vm[G.PREDICT](tvm.runtime.tensor(x), *args).numpy()
 
