@@ -4,6 +4,11 @@
 # module-scoped exports are built once; the costliest files first (tests/conftest.py).
 set -uo pipefail
 cd "$(dirname "$0")/.."
+# One thread per worker for the CPU thread pools of the tests' own processes (PyTorch's OpenMP,
+# TVM's CPU runtime): with one worker per core, pools of one thread per core in every worker
+# oversubscribe the cores and slow both workers (docs/journal/suite.md). PoCL, the device
+# under test, keeps its own threads.
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" TVM_NUM_THREADS="${TVM_NUM_THREADS:-1}"
 python3 -m pytest -q -p no:cacheprovider -n auto --dist loadfile --no-loadscope-reorder \
   --durations=10 tests "$@"
 rc=$?
