@@ -6,15 +6,13 @@ import pytest
 import tvm
 from tvm import relax
 
-from conftest import SMALL, TorchGraph, random_tensors
+from conftest import REFERENCE, SMALL, TorchGraph, random_tensors
 from thomas_tune import graph as G
-from thomas_tune.compile import compile_graph, reference_target
+from thomas_tune.compile import compile_graph
 from thomas_tune.models import build, spec
-from thomas_tune.target import parse_target
 
 torch = pytest.importorskip("torch")
 RTOL = 1e-7  # float64 on both sides; only summation order differs
-REFERENCE = reference_target(parse_target("llvm"))  # builds whose speed does not matter
 
 
 def _torch_reference(model, tensors, x, y, masks, training):

@@ -27,17 +27,16 @@ import pytest
 import tvm
 from tvm import relax
 
+from conftest import REFERENCE
 from thomas_tune import graph as G
-from thomas_tune.compile import compile_graph, reference_target
+from thomas_tune.compile import compile_graph
 from thomas_tune.models import build, replace_head, spec
 from thomas_tune.models.onnx_import import (calibrate_batchnorms, identity_batchnorms,
                                             import_onnx)
 from thomas_tune.reference import TorchGraph, torch_module, torch_pretrain
-from thomas_tune.target import parse_target
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("onnx")
-REFERENCE = reference_target(parse_target("llvm"))  # builds whose speed does not matter
 
 RES = 64
 ARCHS = {"mobilenet_v2": 0.35, "mobilenet_v1": 0.25}

@@ -59,13 +59,13 @@ def _opencl_and_llvm(tmp_path, target, model, params, batch, trainable):
     """``model`` with ``params`` exported for ``target`` (OpenCL) and for llvm with default
     schedules (LLVM ``opt-level`` 0: the reference's speed does not matter); returns the two
     sessions (OpenCL first)."""
-    from thomas_tune.compile import reference_target
+    from conftest import REFERENCE
+
     from thomas_tune.export import export
     from thomas_tune.runtime import Session
-    from thomas_tune.target import parse_target
     quiet = dict(batch=batch, trainable=trainable, progress=lambda *_: None)
     export(str(tmp_path / "cl"), model, params, target, **quiet)
-    export(str(tmp_path / "cpu"), model, params, reference_target(parse_target("llvm")), **quiet)
+    export(str(tmp_path / "cpu"), model, params, REFERENCE, **quiet)
     return Session(str(tmp_path / "cl")), Session(str(tmp_path / "cpu"))
 
 

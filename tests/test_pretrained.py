@@ -6,16 +6,15 @@ import numpy as np
 import pytest
 import tvm
 
-from conftest import random_tensors, torch_module
+from conftest import REFERENCE, random_tensors, torch_module
 from thomas_tune import graph as G
-from thomas_tune.compile import compile_graph, reference_target
+from thomas_tune.compile import compile_graph
 from thomas_tune.models import build, load_checkpoint, replace_head, spec
 from thomas_tune.models.onnx_import import import_onnx
 from thomas_tune.target import parse_target
 
 torch = pytest.importorskip("torch")
 ort = pytest.importorskip("onnxruntime")
-REFERENCE = reference_target(parse_target("llvm"))  # builds whose speed does not matter
 
 CASES = [("mobilenet_v2", dict(num_classes=6, resolution=64, width=0.35), True),
          ("mobilenet_v2", dict(num_classes=6, resolution=64, width=0.35), False),
