@@ -147,8 +147,8 @@ def reference_target(target: tvm.target.Target) -> tvm.target.Target:
     """``target``, an ``llvm`` target, with LLVM's optimisation off (``opt-level`` 0): for
     builds whose numbers are a reference and whose speed does not matter (the float64 graphs
     that tuned builds are checked against). The arithmetic is the same at every level (TVM
-    turns on no fast-math), and LLVM's optimisation passes are most of an llvm build's time:
-    the float64 MobileNetV2 training graph builds and loads about twice as fast at level 0.
+    turns on no fast-math), and LLVM's optimisation passes are most of an llvm build's time
+    and of its loading into the VM (figures: ``docs/journal/suite.md``).
 
     Raises ValueError for a target of another kind."""
     if target.kind.name != "llvm":
