@@ -228,3 +228,20 @@ def test_every_session_was_asked_for_in_whole_seconds(farm):
     _, _, options_log = farm
     asked = _requested_timeouts(options_log)
     assert asked and all(t.isdigit() and int(t) > 0 for t in asked), asked
+
+
+def test_gpu_host_code_is_generated_unoptimised():
+    """A GPU target's host code is generated at LLVM opt-level 0 unless its host names a level;
+    the device part of the target, and an llvm target, are unchanged."""
+    from thomas_tune.target import GPU_HOST_OPT_LEVEL, codegen_target, parse_target
+    gpu = parse_target("opencl", host="linux-aarch64")
+    built = codegen_target(gpu)
+    assert int(built.host.attrs["opt-level"]) == GPU_HOST_OPT_LEVEL == 0
+    assert built.host.attrs["mtriple"] == "aarch64-linux-gnu"
+    device = {k: v for k, v in gpu.export().items() if k != "host"}
+    assert {k: v for k, v in built.export().items() if k != "host"} == device
+    assert "opt-level" not in gpu.host.export()  # the given target is left as it was
+    own = parse_target('{"kind": "opencl", "host": {"kind": "llvm", "opt-level": 2}}')
+    assert int(codegen_target(own).host.attrs["opt-level"]) == 2
+    cpu = parse_target("llvm")
+    assert codegen_target(cpu).export() == cpu.export()

@@ -12,7 +12,7 @@ from tvm import relax
 from tvm.s_tir import meta_schedule as ms
 
 from .schedules import default_gpu_schedules
-from .target import is_gpu
+from .target import codegen_target, is_gpu
 from .tasks import choose_winograd, fuse
 
 
@@ -167,7 +167,9 @@ def compile_graph(mod: tvm.IRModule, target: tvm.target.Target,
     :class:`thomas_tune.winograd_form.Conv`, :func:`winograd_choice`), None for none.
     ``rule_classes``: the default GPU rules of kernels without a record
     (:func:`thomas_tune.schedules.default_gpu_schedules`; None: thomas_tune's).
+    The schedules are chosen for ``target``; the code is generated for
+    :func:`thomas_tune.target.codegen_target` (a GPU target's host code unoptimised).
     """
     with tvm.transform.PassContext(opt_level=3):
-        return tvm.compile(mod, target, relax_pipeline=_pipeline(target, database, winograd,
-                                                                 rule_classes))
+        return tvm.compile(mod, codegen_target(target),
+                           relax_pipeline=_pipeline(target, database, winograd, rule_classes))

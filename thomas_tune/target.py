@@ -125,6 +125,33 @@ def is_gpu(target: tvm.target.Target) -> bool:
     return target.kind.name in GPU_KINDS
 
 
+#: LLVM's optimisation level for the host code of GPU targets (:func:`codegen_target`)
+GPU_HOST_OPT_LEVEL = 0
+
+
+def codegen_target(target: tvm.target.Target) -> tvm.target.Target:
+    """The target to generate code with for ``target``: for a GPU target whose ``llvm`` host
+    names no ``opt-level``, the same target with the host at LLVM opt-level 0
+    (:data:`GPU_HOST_OPT_LEVEL`); any other target unchanged. The kernels are the device's code
+    and do not change (the same OpenCL source, the same numbers).
+
+    Why: a GPU target's host code is one wrapper per kernel that checks and unpacks the
+    arguments and launches the kernel; LLVM's optimisation of those wrappers is most of the
+    host code generation and of ``export_library``'s time, and gains nothing a launch can
+    measure (a launch is the device API's enqueue, microseconds). Figures:
+    ``docs/journal/suite.md``. A host dict with its own ``opt-level`` keeps it.
+
+    Only the code generation takes this target: tuning records, the logs and the caches keep
+    ``target``."""
+    host = target.host
+    if not is_gpu(target) or host is None or host.kind.name != "llvm":
+        return target
+    spec = host.export()
+    if "opt-level" in spec:
+        return target
+    return tvm.target.Target(target, host=dict(spec, **{"opt-level": GPU_HOST_OPT_LEVEL}))
+
+
 def device_kind(target: tvm.target.Target) -> str:
     """The runtime device name for a target (``cpu``, ``opencl``, ...)."""
     return "cpu" if target.kind.name == "llvm" else target.kind.name

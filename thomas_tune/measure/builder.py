@@ -32,12 +32,16 @@ def build_candidate(mod, target, _params=None):
 
     MetaSchedule's default also imports ``tvm.s_tir.tensor_intrin`` in every worker (CUDA/ROCm
     intrinsic tables, tens of seconds); kernels tuned here use no tensor intrinsics, so it is
-    skipped. The weight-layout rewrite blocks are dropped as MetaSchedule does.
+    skipped. The weight-layout rewrite blocks are dropped as MetaSchedule does. The code is
+    generated for :func:`thomas_tune.target.codegen_target` (a GPU target's host code
+    unoptimised: the runner times the kernel with the device's timer).
     """
     from tvm.driver import build as tvm_build
     from tvm.s_tir.transform import RemoveWeightLayoutRewriteBlock
 
-    return tvm_build(RemoveWeightLayoutRewriteBlock(skip_tensor_rewrite=True)(mod), target=target)
+    from ..target import codegen_target
+    return tvm_build(RemoveWeightLayoutRewriteBlock(skip_tensor_rewrite=True)(mod),
+                     target=codegen_target(target))
 
 
 def export_candidate(rt_mod, target) -> str:
