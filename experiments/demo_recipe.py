@@ -128,13 +128,13 @@ def recalibrate_bn(net, model, train, batches: int, seed: int) -> None:
     sums: dict[str, torch.Tensor] = {}
 
     class BatchStats(TorchGraph):
-        def batch_norm(self, name, x, eps=1e-5, momentum=0.1):
+        def batch_norm(self, name, x, eps=1e-5, momentum=0.1, act=None):
             dims = [0, 2, 3]
             for key, v in (("running_mean", x.mean(dims)),
                            ("running_var", x.var(dims, unbiased=True))):
                 k = f"{name}.{key}"
                 sums[k] = sums[k] + v if k in sums else v.clone()
-            return super().batch_norm(name, x, eps, momentum)
+            return super().batch_norm(name, x, eps, momentum, act)
 
     params = dict(net.named_parameters())
     bufs = dict(net.named_buffers())

@@ -99,7 +99,7 @@ class ShapeGraph(Records):
             self.param(f"{name}.bias", (out_channels,), "zeros")
         return self._window(x, kernel, stride, padding, out_channels)
 
-    def batch_norm(self, name, x, eps=1e-5, momentum=0.1):
+    def batch_norm(self, name, x, eps=1e-5, momentum=0.1, act=None):
         c = x[1]
         self.param(f"{name}.weight", (c,), "ones")
         self.param(f"{name}.bias", (c,), "zeros")

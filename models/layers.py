@@ -148,31 +148,55 @@ class Graph(Records):
             y = self.emit(R.add(y, R.reshape(b, (1, out_channels, 1, 1))))
         return y
 
-    def batch_norm(self, name, x, eps=1e-5, momentum=0.1):
-        """BatchNorm2d over axis 1 (Ioffe & Szegedy 2015) with PyTorch's running-stat rule."""
+    def batch_norm(self, name, x, eps=1e-5, momentum=0.1, act=None):
+        """BatchNorm2d over axis 1 (Ioffe & Szegedy 2015) with PyTorch's running-stat rule,
+        followed by ``act`` (None, ``"relu"`` or ``"relu6"``).
+
+        In training mode the normalisation and its activation are the kernels of
+        :mod:`models.batchnorm` (statistics in one pass, the backward in two kernels); in
+        inference mode the running statistics are used, element-wise operators that fuse into
+        the convolution before them."""
         n, c, h, w = shape_of(x)
         gamma = self.param(f"{name}.weight", (c,), "ones")
         beta = self.param(f"{name}.bias", (c,), "zeros")
         mean = self.state(f"{name}.running_mean", (c,), "zeros")
         var = self.state(f"{name}.running_var", (c,), "ones")
         if self.training:
-            bmean = self.emit(R.mean(x, axis=[0, 2, 3]))
-            bvar = self.emit(R.variance(x, axis=[0, 2, 3]))
-            count = n * h * w
-            unbiased = R.multiply(bvar, relax.const(count / max(count - 1, 1), self.dtype))
-            m = relax.const(momentum, self.dtype)
-            keep = relax.const(1.0 - momentum, self.dtype)
-            self.new_states[f"{name}.running_mean"] = self.emit(
-                R.add(R.multiply(mean, keep), R.multiply(bmean, m)))
-            self.new_states[f"{name}.running_var"] = self.emit(
-                R.add(R.multiply(var, keep), R.multiply(unbiased, m)))
-            mean, var = bmean, bvar
+            return self._batch_norm_train(name, x, gamma, beta, mean, var, eps, momentum, act)
         shape4 = (1, c, 1, 1)
         inv = R.divide(relax.const(1.0, self.dtype),
                        R.sqrt(R.add(R.reshape(var, shape4), relax.const(eps, self.dtype))))
         scale = self.emit(R.multiply(R.reshape(gamma, shape4), inv))
         y = R.multiply(R.subtract(x, R.reshape(mean, shape4)), scale)
-        return self.emit(R.add(y, R.reshape(beta, shape4)))
+        return self._activate(self.emit(R.add(y, R.reshape(beta, shape4))), act)
+
+    def _batch_norm_train(self, name, x, gamma, beta, mean, var, eps, momentum, act):
+        """The training form (:mod:`models.batchnorm`): the statistics, the running-statistics
+        update and ``act(normalised)``, whose gradient is registered under
+        :data:`models.batchnorm.GRADIENT` (by ``thomas_tune.gradients``)."""
+        from . import batchnorm as B
+
+        bb = self.bb
+        sums = bb.emit_te(B.bn_stats, x, primfunc_name_hint="bn_stats")
+        s0, s1 = (self.emit(relax.TupleGetItem(sums, i)) for i in range(2))
+        running = bb.emit_te(B.bn_running, x, s0, s1, mean, var, momentum,
+                             primfunc_name_hint="bn_running")
+        self.new_states[f"{name}.running_mean"] = self.emit(relax.TupleGetItem(running, 0))
+        self.new_states[f"{name}.running_var"] = self.emit(relax.TupleGetItem(running, 1))
+        # the statistics' own gradient is part of the one registered for bn_act
+        s0, s1 = self.emit(R.grad.no_grad(s0)), self.emit(R.grad.no_grad(s1))
+        return self.emit(bb.call_te_with_grad(
+            B.bn_act, x, s0, s1, gamma, beta, eps, act, primfunc_name_hint="bn_act",
+            te_grad_name=B.GRADIENT, te_grad_kwargs={"eps": float(eps), "act": act or ""}))
+
+    def _activate(self, x, act):
+        if act is None:
+            return x
+        if act == "relu":
+            return self.relu(x)
+        if act == "relu6":
+            return self.relu6(x)
+        raise ValueError(f"BatchNorm activation {act!r}: use None, 'relu' or 'relu6'")
 
     def relu(self, x):
         return self.emit(R.nn.relu(x))

@@ -37,14 +37,15 @@ class MobileNetV1:
     def forward(self, g: Graph, x):
         ch = max(8, int(32 * self.width))
         with g.block("features.0"):
-            x = g.relu(g.batch_norm("features.0.bn", g.conv2d("features.0.conv", x, ch, 3, 2, 1)))
+            x = g.batch_norm("features.0.bn", g.conv2d("features.0.conv", x, ch, 3, 2, 1),
+                             act="relu")
         for i, (out, stride) in enumerate(BLOCKS, start=1):
             out = max(8, int(out * self.width))
             with g.block(f"features.{i}"):
                 x = g.conv2d(f"features.{i}.dw", x, ch, 3, stride, 1, groups=ch)
-                x = g.relu(g.batch_norm(f"features.{i}.dw_bn", x))
+                x = g.batch_norm(f"features.{i}.dw_bn", x, act="relu")
                 x = g.conv2d(f"features.{i}.pw", x, out, 1)
-                x = g.relu(g.batch_norm(f"features.{i}.pw_bn", x))
+                x = g.batch_norm(f"features.{i}.pw_bn", x, act="relu")
             ch = out
         with g.block("classifier"):
             x = g.flatten(g.adaptive_avg_pool2d(x, 1))

@@ -53,8 +53,7 @@ class MobileNetV2:
 
     def _conv_bn(self, g: Graph, name: str, x, out, k, stride, groups=1, act=True):
         x = g.conv2d(f"{name}.0", x, out, k, stride, (k - 1) // 2, groups)
-        x = g.batch_norm(f"{name}.1", x)
-        return g.relu6(x) if act else x
+        return g.batch_norm(f"{name}.1", x, act="relu6" if act else None)
 
     def forward(self, g: Graph, x):
         in_ch = make_divisible(32 * self.width)

@@ -353,13 +353,13 @@ def _statistics_module(model, batch: int, names: list[str]):
             super().__init__(bb, "infer")
             self.stats = {}
 
-        def batch_norm(self, name, x, eps=BN_EPS, momentum=0.1):
+        def batch_norm(self, name, x, eps=BN_EPS, momentum=0.1, act=None):
             if name in wanted:
                 n, _, h, w = shape_of(x)
                 counts[name] = n * h * w
                 self.stats[name] = (self.emit(R.mean(x, axis=[0, 2, 3])),
                                     self.emit(R.variance(x, axis=[0, 2, 3])))
-            return super().batch_norm(name, x, eps, momentum)
+            return super().batch_norm(name, x, eps, momentum, act)
 
     bb = relax.BlockBuilder()
     g = StatsGraph(bb)

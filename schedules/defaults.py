@@ -255,7 +255,8 @@ def default_gpu_schedules(mod: tvm.IRModule, target: tvm.target.Target,
     that does not match, or fails on an unusual backward kernel (some dlight rules assert on
     them in this TVM), is skipped, as is a schedule that stages more in shared memory than the
     target allows; then ``Fallback`` (thread-bound loops), and :class:`LeadingLoops` last.
-    Kernels with a tuple reduction (:func:`tuple_reduction`) go straight to those two.
+    Kernels with a tuple reduction (:func:`tuple_reduction`) get :class:`LongReduction`
+    (threads split the sum) where their sums are long, else go straight to those two.
 
     Each kernel's schedule is kept (:func:`cached_schedule`): a kernel met again, in this
     process or another (the untuned and the tuned build of one step share most kernels), is
@@ -280,7 +281,8 @@ def _schedule_one(func: tvm.tirx.PrimFunc, target: tvm.target.Target, rule_class
     :func:`default_gpu_schedules`), marked scheduled; None when none does."""
     smem = int(target.attrs.get("max_shared_memory_per_block", 16384))
     sch = None
-    rules = [r() for r in rule_classes] if not tuple_reduction(func) else []
+    # a tuple reduction (two sums in one pass) can be split across threads, not rfactored
+    rules = [r() for r in rule_classes] if not tuple_reduction(func) else [LongReduction()]
     for rule in (*rules, dl.gpu.Fallback(), LeadingLoops()):
         try:
             with target:

@@ -212,12 +212,12 @@ def _torch_batchnorm_output_statistics(model, tensors, images, batch=64):
     sums = {}
 
     class Seen(TorchGraph):
-        def batch_norm(self, name, x, eps=1e-5, momentum=0.1):
+        def batch_norm(self, name, x, eps=1e-5, momentum=0.1, act=None):
             y = super().batch_norm(name, x, eps, momentum)
             n, s1, s2 = sums.get(name, (0, 0.0, 0.0))
             sums[name] = (n + y.numel() // y.shape[1], s1 + y.sum((0, 2, 3)).numpy(),
                           s2 + (y * y).sum((0, 2, 3)).numpy())
-            return y
+            return self._activate(y, act)
 
     with torch.no_grad():
         for i in range(0, len(images), batch):

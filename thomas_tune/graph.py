@@ -28,12 +28,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import tvm
-from tvm import relax, te, tirx
+from tvm import relax
 from tvm.relax.training import SetupTrainer
 from tvm.relax.training import loss as rloss
 from tvm.relax.training import optimizer as ropt
 
 from . import gradients  # noqa: F401  (registers the missing gradients)
+from . import multi_tensor as MT
 from .manifest import ADJOINT, OPTIMIZER, PREDICT  # the exported functions' names
 from .models import spec, trace
 from .models.layers import Graph
@@ -64,58 +65,93 @@ class _Adam(ropt.Adam):
         return self
 
 
-def _momentum_update(p: te.Tensor, g: te.Tensor, v: te.Tensor, lr: float, momentum: float,
-                     weight_decay: float):
-    """One parameter's momentum-SGD update as one kernel with two outputs:
-    ``(p - lr * v_new, v_new)``, ``v_new = momentum * v + g + weight_decay * p``. One pass
-    reads p, g, v and writes both results: 5 tensors of traffic, where an update in two
-    kernels (``v_new``, then ``p_new`` reading ``v_new`` back) moves 6."""
-    dt = p.dtype
+def _emit_multi_tensor(bb: relax.BlockBuilder, name: str, tensors: list[list[relax.Expr]],
+                       shapes: list[tuple[int, ...]], inputs: tuple[str, ...],
+                       outputs: dict[str, str], dtype: str) -> list[list[relax.Expr]]:
+    """Emit the update of every parameter as multi-tensor kernels
+    (:func:`thomas_tune.multi_tensor.update_kernel`, one per group of
+    :data:`~thomas_tune.multi_tensor.GROUP` parameters). ``tensors[j]``: parameter j's inputs in
+    the order of ``inputs``. Returns, per parameter, its outputs in the order of ``outputs``."""
+    results: list[list[relax.Expr]] = []
+    for group in MT.groups(len(shapes)):
+        kernel = MT.update_kernel([shapes[j] for j in group], inputs, outputs, dtype)
+        gv = bb.add_func(kernel, name)
+        args = [t for j in group for t in tensors[j]]
+        out_types = [relax.TensorType(shapes[j], dtype) for j in group for _ in outputs]
+        call = bb.emit(relax.call_tir(gv, args, out_types))
+        k = len(outputs)
+        for i, _ in enumerate(group):
+            results.append([bb.emit(relax.TupleGetItem(call, i * k + o)) for o in range(k)])
+    return results
 
-    def v_new(*i):
-        grad = g(*i) + tirx.const(weight_decay, dt) * p(*i) if weight_decay else g(*i)
-        return tirx.const(momentum, dt) * v(*i) + grad
 
-    return te.compute(p.shape, lambda *i: (p(*i) - tirx.const(lr, dt) * v_new(*i), v_new(*i)),
-                      name="momentum_update")
+def _shape(p: relax.Var) -> tuple[int, ...]:
+    return tuple(int(d) for d in p.ty.shape.values)
 
 
-class _MomentumSGD(ropt.MomentumSGD):
-    """``relax.training.optimizer.MomentumSGD`` (no dampening, no Nesterov: PyTorch's SGD
-    with ``momentum``) whose update of each parameter is one kernel
-    (:func:`_momentum_update`), not two: the same function signature and state layout
-    ``(steps int64, v...)``, the same arithmetic in the same order."""
+class _MultiTensor:
+    """Mixin of the optimizers whose update of all parameters is a few multi-tensor kernels
+    (:mod:`thomas_tune.multi_tensor`), with the function signature and state layout of
+    ``relax.training.optimizer``: ``(params, grads, (steps int64, buffers...)) -> (new
+    params, (steps + 1, new buffers...))``. ``buffers``: the per-parameter state tensors
+    (momentum: one per parameter; SGD: none)."""
+
+    buffers: tuple[str, ...] = ()
+
+    def exprs(self) -> dict[str, str]:
+        raise NotImplementedError
 
     def get_function(self) -> relax.Function:
         self._check_init()
         plist = self.param_list
+        dtype = str(plist[0].ty.dtype)
         param_var = relax.Var("params", relax.TupleType([p.ty for p in plist]))
         grad_var = relax.Var("gradients", relax.TupleType([p.ty for p in plist]))
         state_var = relax.Var("optim_states", relax.TupleType(
-            [relax.TensorType((), "int64"), *(p.ty for p in plist)]))
+            [relax.TensorType((), "int64")] + [p.ty for _ in self.buffers for p in plist]))
+        n = len(plist)
         bb = relax.BlockBuilder()
         with bb.function(self.name, [param_var, grad_var, state_var]):
             with bb.dataflow():
                 steps = bb.emit(relax.TupleGetItem(state_var, 0), "num_steps")
-                new_params = []
-                new_state = [bb.emit(relax.op.add(steps, relax.const(1, "int64")),
-                                     "num_steps_new")]
-                for i, param in enumerate(plist):
-                    p = bb.emit(relax.TupleGetItem(param_var, i), param.name)
-                    g = bb.emit(relax.TupleGetItem(grad_var, i), param.name + "_grad")
-                    v = bb.emit(relax.TupleGetItem(state_var, i + 1), param.name + "_v")
-                    both = bb.emit(bb.call_te(_momentum_update, p, g, v, self.lr, self.momentum,
-                                              self.weight_decay,
-                                              primfunc_name_hint="momentum_update"))
-                    new_params.append(bb.emit(relax.TupleGetItem(both, 0), param.name + "_new"))
-                    new_state.append(bb.emit(relax.TupleGetItem(both, 1), param.name + "_v_new"))
-                params_out = bb.emit_output(relax.Tuple(new_params), "params_new")
-                state_out = bb.emit_output(relax.Tuple(new_state), "optim_states_new")
+                tensors = [[bb.emit(relax.TupleGetItem(param_var, j)),
+                            bb.emit(relax.TupleGetItem(grad_var, j)),
+                            *(bb.emit(relax.TupleGetItem(state_var, 1 + b * n + j))
+                              for b in range(len(self.buffers)))] for j in range(n)]
+                outs = _emit_multi_tensor(bb, self.name + "_update", tensors,
+                                          [_shape(p) for p in plist],
+                                          ("p", "g", *self.buffers), self.exprs(), dtype)
+                # outputs: the new buffers in order, then the new parameter (exprs' order)
+                params_out = bb.emit_output(relax.Tuple([o[-1] for o in outs]), "params_new")
+                state_out = bb.emit_output(relax.Tuple(
+                    [bb.emit(relax.op.add(steps, relax.const(1, "int64")), "num_steps_new"),
+                     *(o[b] for b in range(len(self.buffers)) for o in outs)]),
+                    "optim_states_new")
             bb.emit_func_output((params_out, state_out))
         built = bb.get()
         self.kernels = {gv: f for gv, f in built.functions.items()
                         if isinstance(f, tvm.tirx.PrimFunc)}
         return built[self.name]
+
+
+class _MomentumSGD(_MultiTensor, ropt.MomentumSGD):
+    """``relax.training.optimizer.MomentumSGD`` (no dampening, no Nesterov: PyTorch's SGD
+    with ``momentum``) as multi-tensor kernels: the same signature, state layout ``(steps
+    int64, v...)`` and arithmetic (:func:`thomas_tune.multi_tensor.momentum_sgd_exprs`)."""
+
+    buffers = ("v",)
+
+    def exprs(self) -> dict[str, str]:
+        return MT.momentum_sgd_exprs(self.lr, self.momentum, self.weight_decay,
+                                     str(self.param_list[0].ty.dtype))
+
+
+class _SGD(_MultiTensor, ropt.SGD):
+    """``relax.training.optimizer.SGD`` as multi-tensor kernels: state ``(steps int64,)``,
+    ``p -= lr * (g + weight_decay * p)``."""
+
+    def exprs(self) -> dict[str, str]:
+        return MT.sgd_exprs(self.lr, self.weight_decay, str(self.param_list[0].ty.dtype))
 
 
 def optimizer_module(opt: ropt.Optimizer, name: str = OPTIMIZER) -> tvm.IRModule:
@@ -131,8 +167,9 @@ def optimizer_module(opt: ropt.Optimizer, name: str = OPTIMIZER) -> tvm.IRModule
 class OptimizerConfig:
     """Optimizer of the training step: ``momentum_sgd`` or ``adam``.
 
-    ``momentum_sgd``: v = momentum * v + g + weight_decay * p; p -= lr * v (PyTorch's SGD),
-    one kernel per parameter (:class:`_MomentumSGD`).
+    ``momentum_sgd``: v = momentum * v + g + weight_decay * p; p -= lr * v (PyTorch's SGD);
+    ``sgd``: p -= lr * (g + weight_decay * p); both as multi-tensor kernels, one launch per
+    group of parameters (:mod:`thomas_tune.multi_tensor`).
     ``adam``: Kingma & Ba 2015, Algorithm 1, with ``betas`` and ``eps``.
     """
 
@@ -147,7 +184,7 @@ class OptimizerConfig:
         if self.name == "momentum_sgd":
             return _MomentumSGD(self.lr, self.momentum, weight_decay=self.weight_decay)
         if self.name == "sgd":
-            return ropt.SGD(self.lr, weight_decay=self.weight_decay)
+            return _SGD(self.lr, weight_decay=self.weight_decay)
         if self.name == "adam":
             return _Adam(self.lr, self.betas, self.eps, weight_decay=self.weight_decay)
         raise ValueError(f"unknown optimizer {self.name!r}; use momentum_sgd, sgd or adam")
@@ -196,10 +233,10 @@ class FrozenBatchNormGraph(Graph):
     running statistics used, not updated (each new running statistic is the old one), dropout
     still in its training form (masks). See the module docstring."""
 
-    def batch_norm(self, name, x, eps=1e-5, momentum=0.1):
+    def batch_norm(self, name, x, eps=1e-5, momentum=0.1, act=None):
         self.training = False
         try:
-            y = super().batch_norm(name, x, eps, momentum)
+            y = super().batch_norm(name, x, eps, momentum, act)
         finally:
             self.training = True
         for k in ("running_mean", "running_var"):

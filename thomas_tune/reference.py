@@ -40,7 +40,8 @@ class TorchGraph:
         b = self.p[f"{name}.bias"] if bias else None
         return self.F.conv2d(x, self.p[f"{name}.weight"], b, stride, padding, 1, groups)
 
-    def batch_norm(self, name, x, eps=1e-5, momentum=0.1):
+    def batch_norm(self, name, x, eps=1e-5, momentum=0.1, act=None):
+        """``F.batch_norm`` (training or inference form), then ``act`` (None, relu, relu6)."""
         rm = self.s[f"{name}.running_mean"].clone()
         rv = self.s[f"{name}.running_var"].clone()
         y = self.F.batch_norm(x, rm, rv, self.p[f"{name}.weight"], self.p[f"{name}.bias"],
@@ -48,7 +49,11 @@ class TorchGraph:
         if self.training:
             self.new_states[f"{name}.running_mean"] = rm
             self.new_states[f"{name}.running_var"] = rv
-        return y
+        return self._activate(y, act)
+
+    def _activate(self, x, act):
+        """``x`` after ``act``: None (identity), ``"relu"`` or ``"relu6"``."""
+        return x if act is None else {"relu": self.relu, "relu6": self.relu6}[act](x)
 
     def relu(self, x):
         return self.F.relu(x)

@@ -1,0 +1,126 @@
+"""Multi-tensor optimizer kernels: the update of many parameters in one kernel launch.
+
+An optimizer step written per parameter launches one kernel per trainable tensor (158 for
+MobileNetV2), each too small to fill a GPU, and on a phone each launch costs more than the
+arithmetic it runs. Here one kernel updates a group of parameters: its one loop runs over the
+elements of all of them, flattened and laid end to end, and each element finds its tensor by a
+binary search over the group's offsets (``if i < offset`` nested ``log2(group)`` deep; the
+neighbouring work-items of a GPU take the same branch except at a boundary).
+
+A group holds at most :data:`GROUP` parameters so that a kernel's arguments fit every OpenCL
+device: the OpenCL 3.0 specification (``clGetDeviceInfo``, ``CL_DEVICE_MAX_PARAMETER_SIZE``)
+guarantees 1,024 bytes of kernel arguments on a full-profile device, 128 buffers of 8 bytes;
+momentum SGD passes 5 buffers per parameter (p, g, v in; p, v out), 120 for a group of 24.
+
+The kernel is written in TVMScript (an ``s_tir`` block over the flattened elements, each
+tensor read and written through a flat view of its data); the default GPU schedules bind its
+loop to work-groups, and on a CPU it is a plain loop.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import tvm
+
+GROUP = 24  # parameters per kernel: 5 buffers each within OpenCL's 1,024 bytes of arguments
+
+
+def groups(n: int, size: int = GROUP) -> list[range]:
+    """Indices 0..n-1 in consecutive groups of at most ``size``, as even as possible."""
+    k = max(1, -(-n // size))
+    bounds = np.linspace(0, n, k + 1).round().astype(int)
+    return [range(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
+
+
+def _f(value: float, dtype: str) -> str:
+    return f"T.{dtype}({float(value)!r})"
+
+
+def update_kernel(shapes: list[tuple[int, ...]], inputs: tuple[str, ...],
+                  outputs: dict[str, str], dtype: str = "float32") -> tvm.tirx.PrimFunc:
+    """A PrimFunc updating len(shapes) tensors in one loop.
+
+    Its arguments are, per tensor ``j`` in order, one buffer per name of ``inputs``; then, per
+    tensor in order, one per key of ``outputs`` (all of shape ``shapes[j]`` and ``dtype``), as
+    ``call_tir`` passes them. ``outputs`` maps
+    each output's name to its expression: TVMScript over the inputs' names (each stands for
+    the element being updated) and the outputs before it, e.g. ``{"v_new": "0.9 * v + g",
+    "p_new": "p - 0.01 * v_new"}``; numbers in it are written as ``T.float32(...)`` by the
+    caller. Raises ValueError for an empty list of shapes."""
+    if not shapes:
+        raise ValueError("update_kernel: no tensor to update")
+    sizes = [int(np.prod(s)) if len(s) else 1 for s in shapes]
+    offsets = np.cumsum([0, *sizes]).tolist()
+    total = offsets[-1]
+    names = (*inputs, *outputs)
+
+    def region(name, j):
+        shape = shapes[j]
+        return f"{name}{j}[{', '.join(f'0:{d}' for d in shape)}]" if shape else f"{name}{j}[()]"
+
+    def arg(name, j):
+        return f"{name}{j}: T.Buffer({tuple(shapes[j])}, '{dtype}')"
+
+    # call_tir's order: every input, then every output
+    args = [arg(name, j) for j in range(len(shapes)) for name in inputs] + \
+        [arg(name, j) for j in range(len(shapes)) for name in outputs]
+    views = [f"{name}{j}_ = T.decl_buffer(({sizes[j]},), '{dtype}', data={name}{j}.data)"
+             for j in range(len(shapes)) for name in names]
+    body: list[str] = []
+
+    def leaf(j: int, indent: str) -> None:
+        i = f"vi - {offsets[j]}"
+        env = {name: f"{name}{j}_[{i}]" for name in inputs}
+        for out, expr in outputs.items():
+            text = expr
+            for name in sorted(env, key=len, reverse=True):
+                text = _substitute(text, name, env[name])
+            body.append(f"{indent}{out}{j}_[{i}] = {text}")
+            env[out] = f"({text})"  # recomputed, not read back
+
+    def chain(lo: int, hi: int, indent: str) -> None:
+        if hi - lo == 1:
+            leaf(lo, indent)
+            return
+        mid = (lo + hi) // 2
+        body.append(f"{indent}if vi < {offsets[mid]}:")
+        chain(lo, mid, indent + "    ")
+        body.append(f"{indent}else:")
+        chain(mid, hi, indent + "    ")
+
+    chain(0, len(shapes), " " * 12)
+    reads = ", ".join(region(n, j) for j in range(len(shapes)) for n in inputs)
+    writes = ", ".join(region(n, j) for j in range(len(shapes)) for n in outputs)
+    text = "\n".join([
+        "@T.prim_func(s_tir=True)",
+        f"def main({', '.join(args)}):",
+        "    T.func_attr({'tirx.noalias': True})",
+        f"    for i in range({total}):",
+        "        with T.sblock('update'):",
+        f"            vi = T.axis.spatial({total}, i)",
+        f"            T.reads({reads})",
+        f"            T.writes({writes})",
+        *("            " + v for v in views),
+        *body, ""])
+    return tvm.script.from_source(text)
+
+
+def _substitute(text: str, name: str, value: str) -> str:
+    """``text`` with the identifier ``name`` (whole word) replaced by ``value``."""
+    import re
+    return re.sub(rf"(?<![\w.]){re.escape(name)}(?!\w)", value, text)
+
+
+def momentum_sgd_exprs(lr: float, momentum: float, weight_decay: float,
+                       dtype: str = "float32") -> dict[str, str]:
+    """The outputs of one momentum-SGD update (PyTorch's SGD with ``momentum``, no
+    dampening): ``v_new = momentum * v + g + weight_decay * p``, ``p_new = p - lr * v_new``."""
+    grad = f"g + {_f(weight_decay, dtype)} * p" if weight_decay else "g"
+    return {"v_new": f"{_f(momentum, dtype)} * v + ({grad})",
+            "p_new": f"p - {_f(lr, dtype)} * v_new"}
+
+
+def sgd_exprs(lr: float, weight_decay: float, dtype: str = "float32") -> dict[str, str]:
+    """The output of one plain SGD update: ``p_new = p - lr * (g + weight_decay * p)``."""
+    grad = f"g + {_f(weight_decay, dtype)} * p" if weight_decay else "g"
+    return {"p_new": f"p - {_f(lr, dtype)} * ({grad})"}
