@@ -180,6 +180,9 @@ def export(out_dir: str, model, tensors: dict[str, np.ndarray], target: tvm.targ
         "states": [p.name for p in s.states],
         "trainable": tg.trainable,
         "frozen": tg.frozen,
+        # the BatchNorm mode of the step, and the BatchNorms it runs in inference form
+        "batchnorm": tg.batchnorm,
+        "frozen_bn": sorted(tg.frozen_bn),
         "masks": {k: {"shape": list(v[0]), "p": v[1]} for k, v in tg.masks.items()},  # in order
         "optimizer": dataclasses.asdict(tg.optimizer),
         "tuning_log": log.path if log is not None else None,

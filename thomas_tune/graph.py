@@ -11,15 +11,21 @@ case pays only for the backward of those layers). It returns ``((loss, new_state
 (grads...))``. ``optimizer(params, grads, optim_state)`` returns ``(new_params, new_state)``.
 ``predict(x, params..., states...)`` is the inference graph (BatchNorm on running statistics).
 
-BatchNorm in the training step is in one of two forms (:data:`BATCHNORM_MODES`):
+BatchNorm in the training step takes one of three modes (:data:`BATCHNORM_MODES`):
 
-* ``train`` (default): normalised with the batch statistics, running statistics updated
-  (Ioffe & Szegedy 2015, Algorithm 1; PyTorch's ``BatchNorm2d`` in ``train()`` mode);
-* ``frozen``: the inference form in the training step, ``gamma * (x - running_mean) /
+* ``frozen-part`` (the default): the BatchNorms of frozen layers in the inference form (below),
+  those of trainable layers in the training form. A frozen layer then computes what it computes
+  at inference, conv + BatchNorm + activation in one kernel, and keeps nothing for a backward
+  that never runs: fine-tuning the last layers pays for little more than their own work. With
+  ``all`` it is ``train``.
+* ``train``: every BatchNorm normalised with the batch statistics, running statistics updated
+  (Ioffe & Szegedy 2015, Algorithm 1; PyTorch's ``BatchNorm2d`` in ``train()`` mode), frozen
+  layers included: their statistics adapt to the new data. A ``,train-bn`` suffix of the
+  trainable set (``last:2,train-bn``).
+* ``frozen``: every BatchNorm in the inference form, ``gamma * (x - running_mean) /
   sqrt(running_var + eps) + beta``, running statistics used and returned unchanged (PyTorch's
   ``BatchNorm2d`` in ``eval()`` mode while the rest of the network trains). ``gamma`` and
-  ``beta`` stay trainable when their layer is. Asked for with a ``,frozen-bn`` suffix of the
-  trainable set (``all,frozen-bn``, ``last:2,frozen-bn``) or ``batchnorm="frozen"``.
+  ``beta`` stay trainable when their layer is. A ``,frozen-bn`` suffix (``all,frozen-bn``).
 """
 
 from __future__ import annotations
@@ -39,8 +45,10 @@ from .manifest import ADJOINT, OPTIMIZER, PREDICT  # the exported functions' nam
 from .models import spec, trace
 from .models.layers import Graph
 
-BATCHNORM_MODES = ("train", "frozen")
+BATCHNORM_MODES = ("frozen-part", "train", "frozen")
 FROZEN_BN = "frozen-bn"  # suffix of a trainable set: "all,frozen-bn", "last:2,frozen-bn"
+TRAIN_BN = "train-bn"  # suffix of a trainable set: "last:2,train-bn"
+_SUFFIXES = {FROZEN_BN: "frozen", TRAIN_BN: "train"}
 
 
 class _Adam(ropt.Adam):
@@ -191,16 +199,19 @@ class OptimizerConfig:
 
 
 def parse_trainable(trainable: str) -> tuple[str, str]:
-    """Split a ``--trainable`` value into (parameter set, BatchNorm mode).
+    """Split a ``--trainable`` value into (parameter set, BatchNorm mode; module docstring).
 
-    ``"all"`` and ``"last:K"`` train BatchNorm in its training form (``"train"``);
-    ``"all,frozen-bn"`` and ``"last:K,frozen-bn"`` keep every BatchNorm in its inference form
-    (``"frozen"``, module docstring). Raises ValueError for another suffix."""
+    ``"all"`` and ``"last:K"``: ``"frozen-part"`` (frozen layers' BatchNorms in inference
+    form; with ``all`` there are none); a ``,train-bn`` suffix: ``"train"`` (every BatchNorm in
+    training form); a ``,frozen-bn`` suffix: ``"frozen"`` (every BatchNorm in inference
+    form). Raises ValueError for another suffix."""
     base, _, suffix = str(trainable).partition(",")
-    if suffix and suffix != FROZEN_BN:
-        raise ValueError(f"--trainable {trainable!r}: the only suffix is ',{FROZEN_BN}' "
-                         f"(e.g. 'all,{FROZEN_BN}' or 'last:2,{FROZEN_BN}')")
-    return base, ("frozen" if suffix else "train")
+    if suffix and suffix not in _SUFFIXES:
+        raise ValueError(f"--trainable {trainable!r}: the suffixes are ',{FROZEN_BN}' (every "
+                         f"BatchNorm in inference form, e.g. 'all,{FROZEN_BN}') and "
+                         f"',{TRAIN_BN}' (every BatchNorm in training form, frozen layers "
+                         f"too, e.g. 'last:2,{TRAIN_BN}')")
+    return base, _SUFFIXES.get(suffix, "frozen-part")
 
 
 def select_trainable(model, trainable: str) -> list[str]:
@@ -228,12 +239,36 @@ def select_trainable(model, trainable: str) -> list[str]:
                      f"',{FROZEN_BN}'")
 
 
+def frozen_batchnorms(model, trainable: list[str], batchnorm: str) -> set[str]:
+    """Names of the BatchNorms of ``model`` that a training step in mode ``batchnorm`` (module
+    docstring) runs in inference form, for the trainable parameter names ``trainable``: none
+    (``train``), every one (``frozen``), or those whose ``weight`` is frozen
+    (``frozen-part``). Raises ValueError for another mode."""
+    if batchnorm not in BATCHNORM_MODES:
+        raise ValueError(f"BatchNorm mode {batchnorm!r}: use one of {BATCHNORM_MODES}")
+    s = spec(model)
+    names = {q.name[:-len(".running_mean")] for q in s.states
+             if q.name.endswith(".running_mean")}
+    if batchnorm == "train":
+        return set()
+    if batchnorm == "frozen":
+        return names
+    train = set(trainable)
+    return {n for n in names if f"{n}.weight" not in train}
+
+
 class FrozenBatchNormGraph(Graph):
-    """A training-mode :class:`models.layers.Graph` whose BatchNorms are in inference form:
-    running statistics used, not updated (each new running statistic is the old one), dropout
-    still in its training form (masks). See the module docstring."""
+    """A training-mode :class:`models.layers.Graph` whose BatchNorms named in ``frozen`` are
+    in inference form: running statistics used, not updated (each new running statistic is the
+    old one), dropout still in its training form (masks). See the module docstring."""
+
+    def __init__(self, bb, mode, dtype, frozen: set[str]):
+        super().__init__(bb, mode, dtype)
+        self.frozen = frozen
 
     def batch_norm(self, name, x, eps=1e-5, momentum=0.1, act=None):
+        if name not in self.frozen:
+            return super().batch_norm(name, x, eps, momentum, act)
         self.training = False
         try:
             y = super().batch_norm(name, x, eps, momentum, act)
@@ -244,14 +279,14 @@ class FrozenBatchNormGraph(Graph):
         return y
 
 
-def _trace_training(model, batch: int, dtype: str, batchnorm: str):
-    """``models.trace(model, batch, "train", dtype)``, with :class:`FrozenBatchNormGraph` for
-    ``batchnorm == "frozen"``."""
-    if batchnorm == "train":
+def _trace_training(model, batch: int, dtype: str, frozen: set[str]):
+    """``models.trace(model, batch, "train", dtype)``, with :class:`FrozenBatchNormGraph` when
+    some BatchNorms (``frozen``) are in inference form."""
+    if not frozen:
         return trace(model, batch, "train", dtype)
     bb = relax.BlockBuilder()
     x = relax.Var("x", relax.TensorType(model.input_shape(batch), dtype))
-    return bb, FrozenBatchNormGraph(bb, "train", dtype), x
+    return bb, FrozenBatchNormGraph(bb, "train", dtype, frozen), x
 
 
 @dataclass
@@ -260,7 +295,8 @@ class TrainingGraph:
 
     ``inputs`` lists the argument names of ``train_adjoint`` in order (``targets`` last, int64 of
     shape (batch,)); ``optim_state`` the optimizer state's initial values (float32/int64 arrays);
-    ``batchnorm`` the BatchNorm form of the step (``train`` or ``frozen``, module docstring).
+    ``batchnorm`` the BatchNorm mode of the step (module docstring), ``frozen_bn`` the
+    BatchNorms it runs in inference form (:func:`frozen_batchnorms`).
     """
 
     mod: tvm.IRModule
@@ -272,7 +308,8 @@ class TrainingGraph:
     masks: dict[str, tuple[tuple[int, ...], float]]
     optimizer: OptimizerConfig
     optim_state: list[np.ndarray] = field(default_factory=list)
-    batchnorm: str = "train"
+    batchnorm: str = "frozen-part"
+    frozen_bn: set[str] = field(default_factory=set)
 
     @property
     def params(self) -> list[str]:
@@ -301,16 +338,16 @@ def training_module(model, batch: int, trainable: str | list[str] = "all",
 
     ``trainable``: a ``--trainable`` string (:func:`parse_trainable`) or a list of parameter
     names; ``dtype``: float32, or float64 for reference computations; ``batchnorm``: ``train``
-    or ``frozen`` (default: the trainable string's suffix, else ``train``). With ``frozen`` the
-    adjoint still returns the running statistics after the loss, unchanged. Raises ValueError
+    ``frozen`` or ``frozen-part`` (default: the trainable string's, :func:`parse_trainable`;
+    ``frozen-part`` for a list). The adjoint returns every running statistic after the loss,
+    those of BatchNorms in inference form unchanged. Raises ValueError
     when no parameter is trainable, a name is unknown, or the BatchNorm mode is unknown.
     """
     optimizer = optimizer or OptimizerConfig()
-    bn_mode = parse_trainable(trainable)[1] if isinstance(trainable, str) else "train"
+    bn_mode = parse_trainable(trainable)[1] if isinstance(trainable, str) else "frozen-part"
     batchnorm = batchnorm or bn_mode
-    if batchnorm not in BATCHNORM_MODES:
-        raise ValueError(f"BatchNorm mode {batchnorm!r}: use one of {BATCHNORM_MODES}")
     names = select_trainable(model, trainable) if isinstance(trainable, str) else list(trainable)
+    frozen_bn = frozen_batchnorms(model, names, batchnorm)
     s = spec(model, batch)
     known = {p.name for p in s.params}
     unknown = [n for n in names if n not in known]
@@ -318,7 +355,7 @@ def training_module(model, batch: int, trainable: str | list[str] = "all",
         raise ValueError(f"trainable parameters {unknown or names} are not parameters of "
                          f"{model.arch} (it has {len(known)}, e.g. {sorted(known)[:3]})")
     train_set = set(names)
-    bb, g, x = _trace_training(model, batch, dtype, batchnorm)
+    bb, g, x = _trace_training(model, batch, dtype, frozen_bn)
     with bb.function("backbone"):
         with bb.dataflow():
             logits = bb.emit_output(model.forward(g, x))
@@ -352,4 +389,5 @@ def training_module(model, batch: int, trainable: str | list[str] = "all",
         trainable=[n for n in g.params if n in train_set],
         frozen=[n for n in g.params if n not in train_set],
         states=list(g.states), masks={k: (v[0], v[1]) for k, v in g.masks.items()},
-        optimizer=optimizer, optim_state=[t.numpy() for t in opt.state], batchnorm=batchnorm)
+        optimizer=optimizer, optim_state=[t.numpy() for t in opt.state], batchnorm=batchnorm,
+        frozen_bn=frozen_bn)

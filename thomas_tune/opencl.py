@@ -186,10 +186,21 @@ def stats() -> dict:
     ``binary_loads`` (programs created from the on-disk binary cache), ``binary_rejected``
     (cache files not used: damaged or refused by the driver; the program was then built from
     source), ``binary_writes`` / ``write_failures`` (cache files written / not written),
-    ``launches`` (kernels enqueued), ``source_build_s`` / ``binary_load_s`` (seconds spent)."""
+    ``launches`` (kernels enqueued), ``source_build_s`` / ``binary_load_s`` (seconds spent);
+    device memory in bytes: ``device_bytes`` (buffers allocated and not yet released, the
+    runtime's pooled workspaces included), ``device_peak_bytes`` (the most since
+    :func:`reset_peak`, or since the process began), ``launch_arg_bytes`` (the sizes of the
+    buffers given to each kernel launched, summed over launches: what the kernels may read and
+    write, an upper bound of their memory traffic)."""
     import json
     load()
     return json.loads(str(tvm_ffi.get_global_func("thomas_tune.opencl.stats")()))
+
+
+def reset_peak() -> None:
+    """Start a new ``device_peak_bytes`` (:func:`stats`) from the bytes allocated now."""
+    load()
+    tvm_ffi.get_global_func("thomas_tune.opencl.reset_peak")()
 
 
 def binary_cache_dir() -> str:

@@ -21,7 +21,8 @@ class TorchGraph:
     desktop training); new running statistics land in ``new_states``. Dropout multiplies by
     ``masks[name + ".mask"]`` when given, else draws with ``torch.nn.functional.dropout``.
     ``frozen_bn``: in training, BatchNorm in its inference form (running statistics used and
-    not updated), as ``BatchNorm2d.eval()`` in a network that is otherwise in ``train()``.
+    not updated), as ``BatchNorm2d.eval()`` in a network that is otherwise in ``train()``:
+    True for every BatchNorm, or a set of BatchNorm names.
     """
 
     def __init__(self, params, states, masks, training, frozen_bn=False):
@@ -29,7 +30,9 @@ class TorchGraph:
         self.torch = torch
         self.F = torch.nn.functional
         self.p, self.s, self.masks, self.training = params, states, masks, training
-        self.bn_training = training and not frozen_bn
+        named = isinstance(frozen_bn, (set, frozenset, list, tuple))
+        self.bn_training = training and (named or not frozen_bn)
+        self.frozen_bn = set(frozen_bn) if named else set()
         self.new_states = {}
 
     @contextlib.contextmanager
@@ -45,8 +48,8 @@ class TorchGraph:
         rm = self.s[f"{name}.running_mean"].clone()
         rv = self.s[f"{name}.running_var"].clone()
         y = self.F.batch_norm(x, rm, rv, self.p[f"{name}.weight"], self.p[f"{name}.bias"],
-                              self.bn_training, momentum, eps)
-        if self.training:
+                              self.bn_training and name not in self.frozen_bn, momentum, eps)
+        if self.training:  # (unchanged where in inference form)
             self.new_states[f"{name}.running_mean"] = rm
             self.new_states[f"{name}.running_var"] = rv
         return self._activate(y, act)

@@ -125,7 +125,8 @@ def torch_step(model, tensors: dict[str, np.ndarray], trainable: list[str], x: n
                dtype: str = "float64") -> tuple[float, dict[str, np.ndarray]]:
     """Loss and gradients (float64 arrays) of ``trainable`` of the same step in PyTorch,
     computed in ``dtype``, dropout off, BatchNorm in training form (``frozen_bn``: inference
-    form). ``device``: a torch device (default: CUDA when available, else the CPU). Needs
+    form, True for every BatchNorm or a set of names). ``device``: a torch device (default: CUDA
+    when available, else the CPU). Needs
     torch."""
     import torch
     import torch.nn.functional as F
@@ -178,18 +179,22 @@ def compare_step(loss: float, grads: dict[str, np.ndarray], loss_ref: float,
                      errors, failing, bounds)
 
 
-def check_export(export_dir: str, seed: int = 0, frozen_bn: bool = False,
+def check_export(export_dir: str, seed: int = 0, frozen_bn: bool | set | None = None,
                  yardstick: StepCheck | None = None) -> StepCheck:
     """Check an export's training step against PyTorch (see the module docstring) on a batch
     drawn from ``seed`` (:func:`batch`), from the export's own parameters. ``yardstick``: the
     check of the untuned export of the same step and seed, whose errors bound this one's
-    (None: this export is judged as an untuned build). Needs torch."""
+    (None: this export is judged as an untuned build). ``frozen_bn``: the BatchNorms of the
+    reference in inference form (None: those the export's step runs so, from its manifest).
+    Needs torch."""
     from .manifest import read_manifest
     from .models import load_checkpoint
     m = read_manifest(export_dir)
     model, tensors, _ = load_checkpoint(os.path.join(export_dir, "params.npz"))
     x, y = batch(model, m["batch"], seed)
     loss, grads = export_step(export_dir, x, y)
+    if frozen_bn is None:
+        frozen_bn = set(m.get("frozen_bn", []))
     loss_ref, grads_ref = torch_step(model, tensors, m["trainable"], x, y, frozen_bn)
     return compare_step(loss, grads, loss_ref, grads_ref,
                         yardstick.errors if yardstick is not None else None)

@@ -76,12 +76,23 @@ def time_export(export_dir: str, steps: int, warmup: int = 2, seed: int = 0) -> 
     ``warmup``; a fresh random batch for every run, copied to the device before the step's
     clock starts, as :func:`time_torch` does; the step's dropout masks are drawn on the
     device inside it) of an export on this machine's device;
-    kernel launches per training step on OpenCL. Returns a dict with ``train_ms``,
-    ``infer_ms``, ``batch``, ``infer_batch``, ``launches_per_step`` (None off OpenCL)."""
+    kernel launches per training step on OpenCL, and there the device memory the runtime
+    counts (:func:`thomas_tune.opencl.stats`): the most bytes allocated on the device while
+    the session trains (its parameters, states, optimizer state, the step's buffers and the
+    runtime's pools; from before the session is created to the last timed step), and the bytes
+    of the buffers given to the step's launches. Returns a dict with ``train_ms``,
+    ``infer_ms``, ``batch``, ``infer_batch``, ``launches_per_step``,
+    ``device_peak_bytes`` and ``launch_arg_bytes_per_step`` (the last three None off
+    OpenCL)."""
+    from ..manifest import read_manifest
     from ..runtime import Session
+    opencl_kind = read_manifest(export_dir)["target"]["kind"] == "opencl"
+    if opencl_kind:
+        from .. import opencl
+        base = opencl.stats()["device_bytes"]
+        opencl.reset_peak()
     s = Session(export_dir, seed=seed)
     rng = np.random.default_rng(seed)
-    opencl_kind = s.manifest["target"]["kind"] == "opencl"
 
     def batch(n):
         return rng.standard_normal(s.model.input_shape(n)).astype("float32")
@@ -93,10 +104,9 @@ def time_export(export_dir: str, steps: int, warmup: int = 2, seed: int = 0) -> 
         s.train_step(batch(s.batch), labels())
         s.predict(batch(s.infer_batch))
     s.sync()
-    launches = None
+    launches = peak = arg_bytes = None
     if opencl_kind:
-        from .. import opencl
-        before = opencl.stats()["launches"]
+        before = opencl.stats()
     times = []
     for _ in range(steps):
         x, y = s.upload(batch(s.batch), labels())  # on the device before the clock starts,
@@ -106,7 +116,10 @@ def time_export(export_dir: str, steps: int, warmup: int = 2, seed: int = 0) -> 
         s.sync()
         times.append(time.perf_counter() - t0)
     if opencl_kind:
-        launches = (opencl.stats()["launches"] - before) / steps
+        after = opencl.stats()
+        launches = (after["launches"] - before["launches"]) / steps
+        arg_bytes = (after["launch_arg_bytes"] - before["launch_arg_bytes"]) / steps
+        peak = after["device_peak_bytes"] - base
     itimes = []
     for _ in range(steps):
         x = batch(s.infer_batch)
@@ -114,7 +127,8 @@ def time_export(export_dir: str, steps: int, warmup: int = 2, seed: int = 0) -> 
         s.predict(x)
         itimes.append(time.perf_counter() - t0)
     return {"train_ms": float(np.median(times)) * 1e3, "infer_ms": float(np.median(itimes)) * 1e3,
-            "batch": s.batch, "infer_batch": s.infer_batch, "launches_per_step": launches}
+            "batch": s.batch, "infer_batch": s.infer_batch, "launches_per_step": launches,
+            "device_peak_bytes": peak, "launch_arg_bytes_per_step": arg_bytes}
 
 
 def _same_export(out_dir: str, want: dict) -> bool:

@@ -52,6 +52,8 @@ def run_bench(model, tensors, target, exports: dict, cfg: BenchConfig, log_path:
                          "print(o.devices())\"'")
     tg = training_module(model, batch, trainable, optimizer)
     train_mod = exported_training_module(model, tg)
+    from ..memory import training_memory
+    estimate = training_memory(model, batch, trainable, optimizer)
     res = {"model": {"arch": model.arch, **model.config()}, "batch": batch,
            "infer_batch": infer_batch, "trainable": trainable,
            "trainable_params": len(tg.trainable), "optimizer": tg.optimizer.name,
@@ -63,7 +65,8 @@ def run_bench(model, tensors, target, exports: dict, cfg: BenchConfig, log_path:
     step_flops = sum(k.flops * k.calls for k in kernels)
     step_bytes = sum(k.bytes * k.calls for k in kernels)
     res["step"] = {"kernels": len(kernels), "calls": sum(k.calls for k in kernels),
-                   "gflop": step_flops / 1e9, "argument_gbytes": step_bytes / 1e9}
+                   "gflop": step_flops / 1e9, "argument_gbytes": step_bytes / 1e9,
+                   "memory_estimate_bytes": estimate.peak}
     # the tuned build may compute some convolutions in the Winograd form (its manifest lists
     # them): its own kernels
     own = {variant: list(kernels) for variant in exports}
@@ -115,7 +118,7 @@ def run_bench(model, tensors, target, exports: dict, cfg: BenchConfig, log_path:
             say(f"[bench] timing PyTorch eager on {td} ...")
             res["variants"]["torch"] = time_torch(model, tensors, tg.trainable, tg.optimizer,
                                                   batch, infer_batch, cfg.steps, cfg.warmup,
-                                                  cfg.seed)
+                                                  cfg.seed, frozen_bn=tg.frozen_bn)
     for variant, r in res["variants"].items():
         r["train_images_per_s"] = 1e3 * r["batch"] / r["train_ms"]
         r["infer_images_per_s"] = 1e3 * r["infer_batch"] / r["infer_ms"]
@@ -163,9 +166,12 @@ def format_report(res: dict, top: int = 12) -> str:
              f"{res['peaks']['gflops']:.1f} GFLOP/s, {res['peaks']['gbytes_per_s']:.1f} GB/s "
              f"({res['peaks']['method']})",
              f"training step: {res['step']['calls']} kernel calls, {res['step']['gflop']:.3f} "
-             f"GFLOP, {res['step']['argument_gbytes'] * 1e3:.1f} MB of kernel arguments", ""]
+             f"GFLOP, {res['step']['argument_gbytes'] * 1e3:.1f} MB of kernel arguments; "
+             f"'thomas-tune memory' estimates a peak of "
+             f"{res['step'].get('memory_estimate_bytes', 0) / 1e6:.1f} MB", ""]
     hdr = (f"{'variant':<9} {'train ms':>9} {'img/s':>8} {'infer ms':>9} {'img/s':>8} "
-           f"{'%peak FLOP':>10} {'%peak BW':>9} {'launches':>8} {'kernels ms':>10} "
+           f"{'%peak FLOP':>10} {'%peak BW':>9} {'launches':>8} {'peak MB':>8} "
+           f"{'kernels ms':>10} "
            f"{'1st start s':>11} {'2nd start s':>11}")
     lines.append(hdr)
     for name, c in res.get("checks", {}).items():
@@ -181,6 +187,7 @@ def format_report(res: dict, top: int = 12) -> str:
             f"{r['infer_ms']:>9.3f} {r['infer_images_per_s']:>8.1f} "
             f"{100 * r['share_of_peak_flops']:>9.2f}% {100 * r['share_of_peak_bandwidth']:>8.2f}% "
             f"{_fmt(r.get('launches_per_step'), '.0f'):>8} "
+            f"{_fmt(r.get('device_peak_bytes') and r['device_peak_bytes'] / 1e6, '.1f'):>8} "
             f"{_fmt(r.get('kernel_sum_ms'), '.2f'):>10} "
             f"{_fmt(st.get('first', {}).get('total_s'), '.2f'):>11} "
             f"{_fmt(st.get('second', {}).get('total_s'), '.2f'):>11}")

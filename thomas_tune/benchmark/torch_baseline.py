@@ -41,16 +41,22 @@ def torchvision_module(model, tensors):
 
 
 def time_torch(model, tensors, trainable: list[str], optimizer, batch: int, infer_batch: int,
-               steps: int, warmup: int = 2, seed: int = 0, use_torchvision: bool = True) -> dict:
+               steps: int, warmup: int = 2, seed: int = 0, use_torchvision: bool = True,
+               frozen_bn: set[str] = frozenset()) -> dict:
     """PyTorch eager float32 (TF32 off) on :func:`torch_device`, with ``cudnn.benchmark`` off
     and on (CUDA; the faster is reported, both are kept): torchvision's network where
     torchvision has it (:func:`torchvision_module`; ``use_torchvision``), else the same
     architecture
     (:func:`thomas_tune.reference.torch_module`), batch, trainable set (others frozen) and
-    optimizer (momentum SGD, SGD or Adam with the same settings). ms per training step (forward,
+    optimizer (momentum SGD, SGD or Adam with the same settings), the BatchNorms of
+    ``frozen_bn`` in ``eval()`` while the network trains (as the step being compared runs them:
+    ``TrainingGraph.frozen_bn``; frozen parameters need no gradient, so autograd records
+    nothing of the frozen part). ms per training step (forward,
     cross-entropy, backward, optimizer step) and per inference pass (``eval()``, no grad):
-    medians over ``steps`` runs on fresh random batches, synchronised. Raises RuntimeError when
-    torch is not installed."""
+    medians over ``steps`` runs on fresh random batches, synchronised. On CUDA,
+    ``device_peak_bytes`` is ``torch.cuda.max_memory_allocated`` over the training steps (the
+    network, its gradients, the optimizer state and the step's activations; None on the CPU).
+    Raises RuntimeError when torch is not installed."""
     dev_name = torch_device()
     if dev_name is None:
         raise RuntimeError("torch is not installed")
@@ -94,7 +100,15 @@ def time_torch(model, tensors, trainable: list[str], optimizer, batch: int, infe
         sync()
         return time.perf_counter() - t0
 
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
     net.train()
+    if impl == "torchvision":
+        for name, mod in net.named_modules():
+            if name in frozen_bn:
+                mod.eval()
+    else:
+        net.frozen_bn = set(frozen_bn)
     by_setting = {}
     # cudnn.benchmark picks convolution algorithms by timing them; which setting is faster
     # depends on the network: both are timed and the faster one is reported
@@ -106,6 +120,7 @@ def time_torch(model, tensors, trainable: list[str], optimizer, batch: int, infe
     faster = min(by_setting, key=lambda k: np.median(by_setting[k]))
     torch.backends.cudnn.benchmark = faster
     times = by_setting[faster]
+    peak = torch.cuda.max_memory_allocated() if dev.type == "cuda" else None
     net.eval()
     itimes = []
     with torch.no_grad():
@@ -120,6 +135,7 @@ def time_torch(model, tensors, trainable: list[str], optimizer, batch: int, infe
     name = torch.cuda.get_device_name(0) if dev.type == "cuda" else "cpu"
     return {"train_ms": float(np.median(times)) * 1e3, "infer_ms": float(np.median(itimes)) * 1e3,
             "batch": batch, "infer_batch": infer_batch, "launches_per_step": None,
+            "device_peak_bytes": peak,
             "device": f"torch {torch.__version__} {dev_name} ({name}), {impl}",
             "implementation": impl,
             "cudnn_benchmark": faster if dev.type == "cuda" else None,

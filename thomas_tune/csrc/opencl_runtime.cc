@@ -144,13 +144,32 @@ struct Recording {
 };
 thread_local Recording recording;
 
-// Counters for tests and benchmarks (thomas_tune.opencl.stats).
+// Counters for tests and benchmarks (thomas_tune.opencl.stats). device_bytes: bytes of the
+// buffers allocated on the devices and not yet released (pooled workspaces included: they hold
+// device memory); device_peak_bytes: the largest device_bytes since the last reset_peak;
+// launch_arg_bytes: the sizes of the buffers given to each launched kernel, summed over
+// launches (what the kernels may read and write: an upper bound of their traffic).
 struct Stats {
   std::atomic<int64_t> source_builds{0}, binary_loads{0}, binary_rejected{0}, binary_writes{0},
       write_failures{0}, launches{0};
   std::atomic<int64_t> source_build_ns{0}, binary_load_ns{0};
+  std::atomic<int64_t> device_bytes{0}, device_peak_bytes{0}, launch_arg_bytes{0};
+
+  void Allocated(int64_t n) {
+    int64_t now = device_bytes.fetch_add(n) + n;
+    int64_t peak = device_peak_bytes.load();
+    while (now > peak && !device_peak_bytes.compare_exchange_weak(peak, now)) {
+    }
+  }
 };
 Stats stats;
+
+int64_t BufferBytes(cl_mem m) {
+  size_t n = 0;
+  if (m == nullptr || clGetMemObjectInfo(m, CL_MEM_SIZE, sizeof(n), &n, nullptr) != CL_SUCCESS)
+    return 0;
+  return static_cast<int64_t>(n);
+}
 
 // FNV-1a, 64 bit (Fowler, Noll, Vo; http://www.isthe.com/chongo/tech/comp/fnv/), with a seed
 // folded into the offset basis so that two seeds give two independent 64-bit halves of a key.
@@ -459,11 +478,14 @@ class Workspace final : public DeviceAPI {
                               &err);
     TT_CL_CHECK(err, "allocating " << nbytes << " bytes on " << d.name
                                    << " (device out of memory?)");
+    stats.Allocated(static_cast<int64_t>(nbytes == 0 ? 1 : nbytes));
     return m;
   }
 
   void FreeDataSpace(Device dev, void* ptr) final {
-    if (ptr != nullptr) clReleaseMemObject(static_cast<cl_mem>(ptr));
+    if (ptr == nullptr) return;
+    stats.device_bytes -= BufferBytes(static_cast<cl_mem>(ptr));
+    clReleaseMemObject(static_cast<cl_mem>(ptr));
   }
 
   // Workspaces (a kernel's intermediate buffers, e.g. the partial sums of a split reduction)
@@ -995,6 +1017,7 @@ void KernelLauncher::operator()(PackedArgs args, Any* rv) const {
       if (raw[i].type_index == kTVMFFITensor) p = TVMFFITensorGetDLTensorPtr(raw[i].v_obj)->data;
       cl_mem m = static_cast<cl_mem>(p);
       err = clSetKernelArg(k, i, sizeof(cl_mem), &m);
+      stats.launch_arg_bytes += BufferBytes(m);
     } else if (t.code == kDLFloat && t.bits == 32) {
       float v = static_cast<float>(raw[i].v_float64);
       err = clSetKernelArg(k, i, sizeof(v), &v);
@@ -1203,9 +1226,17 @@ TVM_FFI_STATIC_INIT_BLOCK() {
                 << ", \"binary_writes\": " << stats.binary_writes
                 << ", \"write_failures\": " << stats.write_failures
                 << ", \"launches\": " << stats.launches
+                << ", \"device_bytes\": " << stats.device_bytes
+                << ", \"device_peak_bytes\": " << stats.device_peak_bytes
+                << ", \"launch_arg_bytes\": " << stats.launch_arg_bytes
                 << ", \"source_build_s\": " << stats.source_build_ns * 1e-9
                 << ", \"binary_load_s\": " << stats.binary_load_ns * 1e-9 << "}";
              return tvm::ffi::String(os.str());
+           })
+      .def("thomas_tune.opencl.reset_peak",
+           []() {
+             using thomas_tune::opencl::stats;
+             stats.device_peak_bytes = stats.device_bytes.load();
            })
       .def("thomas_tune.opencl.build_programs", thomas_tune::opencl::BuildPrograms)
       .def("thomas_tune.opencl.cache_dir",
