@@ -16,6 +16,12 @@
 #           the first job's log as recorded and with less unrolling (experiments/compile_cost.py, its
 #           options in CC_ARGS), in the background; its output is $TT/out/JOB.compile_cost.*
 #   py      python3 with the arguments that follow, in this set-up's environment
+#   rows    set up (carry .devcarry/last on a fresh machine), then in the background: export the
+#           README's four rows at 224 px, batch 32, with the committed logs (records checked on
+#           this device), and 'thomas-tune bench --export' each (its step checked against
+#           PyTorch, then timed beside PyTorch eager), one after another; ROWS picks rows
+#           (default "mnv2-all mnv2-last2 alexnet-all alexnet-last3"), BENCH_ARGS adds options;
+#           'rows-status' prints progress and returns $TT/rows as $OUT/rows.tgz
 #   bench   'thomas-tune bench' with the arguments that follow (result JSON and PNG -> $OUT);
 #           sets up first on a fresh machine (carry .devcarry/last there), and unpacks the
 #           committed log of a '--log /tmp/tt/logs/NAME' that is not there yet
@@ -169,7 +175,35 @@ watch() {
   status
 }
 
+rows_job() {
+  local C="--width 1.0 --resolution 224 --classes 1000 --batch 32 --target targets/h100_opencl.json"
+  mkdir -p $TT/rows
+  for row in ${ROWS:-mnv2-all mnv2-last2 alexnet-all alexnet-last3}; do
+    case $row in
+      mnv2-all) args="--model mobilenet_v2 --trainable all" log=mobilenet_v2-w1-r224-c1000-b32 ;;
+      mnv2-last2) args="--model mobilenet_v2 --trainable last:2" log=mobilenet_v2-w1-r224-c1000-b32 ;;
+      alexnet-all) args="--model alexnet --trainable all" log=alexnet-w1-r224-c1000-b32 ;;
+      alexnet-last3) args="--model alexnet --trainable last:3" log=alexnet-w1-r224-c1000-b32 ;;
+      *) echo "unknown row $row"; continue ;;
+    esac
+    committed_log $log
+    echo "== $row: export $(date +%T)"
+    [ -s $TT/rows/$row/manifest.json ] || $PY export $args $C --log $TT/logs/$log \
+      --out $TT/rows/$row > $TT/rows/$row.export.out 2>&1 || { echo "$row: export failed"; continue; }
+    echo "== $row: bench $(date +%T)"
+    $PY bench --export $TT/rows/$row --steps ${STEPS:-20} --kernels 0 --no-startup --quiet \
+      ${BENCH_ARGS:-} --json $TT/rows/$row.bench.json > $TT/rows/$row.bench.out 2>&1
+    echo "== $row: done $(date +%T)"
+  done
+}
+
 case "${1:-status}" in
+  rows) setup || exit $?
+    setsid nohup bash tools/gpu_tune.sh rows-job > $TT/rows.log 2>&1 < /dev/null &
+    sleep 2; echo "rows started" ;;
+  rows-job) rows_job ;;
+  rows-status) cat $TT/rows.log; for f in $TT/rows/*.out; do echo "-- $f"; tail -5 $f; done
+    [ -n "${OUT:-}" ] && tar -C $TT -czf $OUT/rows.tgz --exclude='*.so' --exclude='*.npz' rows ;;
   park) cp .devcarry/p[0-9]*/tvm.part.* $TT/ && ls -la $TT ;;
   start) setup && start_services && start_jobs && watch ;;
   status) status ;;
