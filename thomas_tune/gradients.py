@@ -3,12 +3,11 @@
 Importing this module registers them for: ``relax.clip`` (ReLU6), ``relax.nn.batch_norm``,
 ``relax.nn.dropout``, ``relax.nn.adaptive_avg_pool2d`` and ``relax.flatten``. Each is checked
 against float64 finite differences in ``tests/test_gradients.py``. Registration is idempotent and
-never replaces a gradient that TVM itself registers (see :func:`missing_gradients`), with two
-exceptions: depthwise convolutions get their own backward kernels (:func:`_conv2d_grad`), since
+never replaces a gradient that TVM itself registers (see :func:`missing_gradients`), with one
+exception: depthwise convolutions get their own backward kernels (:func:`_conv2d_grad`), since
 TVM's form of them (a transposed and a grouped convolution over batch x channels) held most of
-a MobileNet training step on a GPU and its schedule space had no valid GPU schedule; and relu's
-gradient reads relu's output, not its input (:func:`_relu_grad`), so that relu fuses into the
-layer before it. Two more are new: ``relax.grad.no_grad`` (no gradient passes) and the
+a MobileNet training step on a GPU and its schedule space had no valid GPU schedule. Two more
+are new: ``relax.grad.no_grad`` (no gradient passes) and the
 backward of the training-form BatchNorm (:mod:`models.batchnorm`, :func:`_bn_act_grad`).
 """
 
@@ -230,17 +229,6 @@ def _conv2d_grad(orig_var, orig_call, output_grad, ctx):
     return [dx, dw]
 
 
-def _relu_grad(orig_var, orig_call, output_grad, ctx):
-    """y = relu(x): dx = dy where y > 0, else 0 (PyTorch's ``threshold_backward`` reads the
-    output too). Written on the output, not on the input as TVM's own gradient is, so that the
-    input is read by relu alone: the layer before it (a convolution and its bias) then fuses
-    relu into its kernel, and the step keeps y for the backward instead of x (the same
-    size)."""
-    dt = _dtype(orig_var)
-    return [R.where(R.greater(orig_var, relax.const(0.0, dt)), output_grad,
-                    relax.const(0.0, dt))]
-
-
 def _no_grad_grad(orig_var, orig_call, output_grad, ctx):
     """y = no_grad(x): no gradient reaches x (the op is the identity in the forward pass)."""
     return [no_grad(orig_call.args[0])]
@@ -306,7 +294,6 @@ def register() -> None:
     if _tvm_conv2d_grad is None:
         _tvm_conv2d_grad = current
         register_gradient("relax.nn.conv2d", _conv2d_grad, level=11)
-        register_gradient("relax.nn.relu", _relu_grad, level=11)
 
 
 register()

@@ -76,11 +76,9 @@ def time_export(export_dir: str, steps: int, warmup: int = 2, seed: int = 0) -> 
     ``warmup``; a fresh random batch for every run, copied to the device before the step's
     clock starts, as :func:`time_torch` does; the step's dropout masks are drawn on the
     device inside it) of an export on this machine's device;
-    kernel launches per training step on OpenCL, and there the device memory the runtime
-    counts (:func:`thomas_tune.opencl.stats`): the most bytes allocated on the device while
-    the session trains (its parameters, states, optimizer state, the step's buffers and the
-    runtime's pools; from before the session is created to the last timed step), and the bytes
-    of the buffers given to the step's launches. Returns a dict with ``train_ms``,
+    kernel launches per training step on OpenCL, and there the bytes of the buffers given to
+    the step's launches and the device memory of a session that trains
+    (:func:`device_memory`). Returns a dict with ``train_ms``,
     ``infer_ms``, ``batch``, ``infer_batch``, ``launches_per_step``,
     ``device_peak_bytes`` and ``launch_arg_bytes_per_step`` (the last three None off
     OpenCL)."""
@@ -89,8 +87,6 @@ def time_export(export_dir: str, steps: int, warmup: int = 2, seed: int = 0) -> 
     opencl_kind = read_manifest(export_dir)["target"]["kind"] == "opencl"
     if opencl_kind:
         from .. import opencl
-        base = opencl.stats()["device_bytes"]
-        opencl.reset_peak()
     s = Session(export_dir, seed=seed)
     rng = np.random.default_rng(seed)
 
@@ -119,7 +115,7 @@ def time_export(export_dir: str, steps: int, warmup: int = 2, seed: int = 0) -> 
         after = opencl.stats()
         launches = (after["launches"] - before["launches"]) / steps
         arg_bytes = (after["launch_arg_bytes"] - before["launch_arg_bytes"]) / steps
-        peak = after["device_peak_bytes"] - base
+        peak = device_memory(export_dir, seed=seed)
     itimes = []
     for _ in range(steps):
         x = batch(s.infer_batch)
@@ -129,6 +125,40 @@ def time_export(export_dir: str, steps: int, warmup: int = 2, seed: int = 0) -> 
     return {"train_ms": float(np.median(times)) * 1e3, "infer_ms": float(np.median(itimes)) * 1e3,
             "batch": s.batch, "infer_batch": s.infer_batch, "launches_per_step": launches,
             "device_peak_bytes": peak, "launch_arg_bytes_per_step": arg_bytes}
+
+
+_MEMORY_PROBE = """
+import json, sys
+import numpy as np
+from thomas_tune import opencl
+from thomas_tune.runtime import Session
+s = Session(sys.argv[1], seed=int(sys.argv[2]))
+rng = np.random.default_rng(int(sys.argv[2]))
+for _ in range(int(sys.argv[3])):
+    x = rng.standard_normal(s.model.input_shape(s.batch)).astype("float32")
+    s.train_step(x, rng.integers(0, s.model.num_classes, s.batch))
+s.sync()
+print(json.dumps(opencl.stats()))
+"""
+
+
+def device_memory(export_dir: str, steps: int = 3, seed: int = 0) -> int:
+    """The most bytes allocated on the OpenCL device by a fresh process that opens a
+    :class:`~thomas_tune.runtime.Session` on the export and runs ``steps`` training steps:
+    the parameters, BatchNorm statistics and optimizer state, the step's buffers, and what
+    the runtime's memory pools keep (counted by the sidecar, :func:`thomas_tune.opencl.stats`).
+    A fresh process, because the runtime's pools outlive a session and serve the next one.
+    Raises RuntimeError when the probe fails (its last output line in the message)."""
+    import json
+    import subprocess
+    import sys
+    p = subprocess.run([sys.executable, "-c", _MEMORY_PROBE, export_dir, str(seed), str(steps)],
+                       capture_output=True, text=True)
+    lines = p.stdout.strip().splitlines()
+    if p.returncode != 0 or not lines:
+        tail = (p.stderr.strip().splitlines() or ["no output"])[-1]
+        raise RuntimeError(f"device memory of {export_dir}: the probe failed: {tail}")
+    return int(json.loads(lines[-1])["device_peak_bytes"])
 
 
 def _same_export(out_dir: str, want: dict) -> bool:
