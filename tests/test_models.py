@@ -138,3 +138,68 @@ def test_optimizer_update_matches_pytorch(name, rng):
         from thomas_tune.tasks import fuse
         kernels = [f for f in fuse(mod).functions.values() if isinstance(f, tvm.tirx.PrimFunc)]
         assert len(kernels) == 2 + 1
+
+
+def test_last_layers_train_with_frozen_batchnorms_in_inference_form(rng):
+    """``last:K`` (BatchNorm mode ``frozen-part``): the frozen layers' BatchNorms run on their
+    running statistics (PyTorch's ``eval()`` on those modules) and keep them; the trainable
+    layers' BatchNorms normalise with the batch's. Loss, gradients and new statistics match
+    PyTorch in float64; no statistics kernel runs for a frozen BatchNorm."""
+    from thomas_tune.tasks import callees, fuse
+    model = build("mobilenet_v2", **SMALL["mobilenet_v2"])
+    batch = 4
+    tensors = {k: v.astype("float64") for k, v in random_tensors(model, rng).items()}
+    tg = G.training_module(model, batch, "last:3", dtype="float64")
+    assert tg.batchnorm == "frozen-part"
+    bns = {q.name.rsplit(".", 1)[0] for q in spec(model).states}
+    trained_bns = {n for n in bns if f"{n}.weight" in tg.trainable}
+    assert trained_bns and tg.frozen_bn == bns - trained_bns
+    vm = relax.VirtualMachine(compile_graph(tg.mod, REFERENCE), tvm.cpu())
+    x = rng.standard_normal(model.input_shape(batch))
+    y = rng.integers(0, model.num_classes, batch)
+    masks = {k: (rng.random(shape) >= q) / (1 - q) for k, (shape, q) in tg.masks.items()}
+    t = lambda a: tvm.runtime.tensor(np.asarray(a))  # noqa: E731
+    ret, grads = vm[G.ADJOINT](t(x), *[t(masks[k]) for k in tg.masks],
+                               *[t(tensors[n]) for n in tg.frozen + tg.trainable + tg.states],
+                               t(y.astype("int64")))
+    p = {k: torch.tensor(v, requires_grad=k in tg.trainable) for k, v in tensors.items()
+         if k not in tg.states}
+    st = {k: torch.tensor(tensors[k]) for k in tg.states}
+    g = TorchGraph(p, st, {k: torch.tensor(v) for k, v in masks.items()}, True,
+                   frozen_bn=tg.frozen_bn)
+    loss = torch.nn.functional.cross_entropy(model.forward(g, torch.tensor(x)),
+                                             torch.tensor(y))
+    loss.backward()
+    _close(float(ret[0].numpy()), float(loss.detach()), "loss")
+    for name, grad in zip(tg.trainable, grads):
+        _close(grad.numpy(), p[name].grad.numpy(), f"gradient of {name}")
+    for name, value in zip(tg.states, list(ret)[1:]):
+        layer = name.rsplit(".", 1)[0]
+        want = tensors[name] if layer in tg.frozen_bn else g.new_states[name].numpy()
+        _close(value.numpy(), want, f"running statistic {name}")
+    calls = callees(fuse(tg.mod)[G.ADJOINT])
+    assert sum(n for k, n in calls.items() if k.startswith("bn_stats")) == len(trained_bns)
+
+
+def test_batchnorm_and_optimizer_kernels_per_step():
+    """The training form of each BatchNorm is five kernels (statistics, running statistics,
+    normalisation with its activation, two for the backward), and momentum SGD updates the
+    parameters in one kernel per group of 24 (and one for the step counter)."""
+    from thomas_tune.tasks import callees, fuse
+    model = build("mobilenet_v2", **SMALL["mobilenet_v2"])
+    tg = G.training_module(model, 2, "all")
+    mod = fuse(tg.mod)
+    calls = callees(mod[G.ADJOINT])
+    n_bn = sum(1 for q in spec(model).states if q.name.endswith(".running_mean"))
+
+    def count(prefix):
+        return sum(n for k, n in calls.items() if k.startswith(prefix)
+                   or k.startswith(f"fused_{prefix}"))
+
+    for kernel in ("bn_stats", "bn_running", "bn_act_reduce", "bn_act_dx"):
+        assert count(kernel) == n_bn, kernel
+    assert count("bn_act") - count("bn_act_reduce") - count("bn_act_dx") == n_bn
+    # nothing else of BatchNorm's generic form is left (mean, variance, their backward)
+    assert not [k for k in calls if "variance" in k or "mean" in k]
+    n_params = len(tg.trainable)
+    assert sum(callees(mod[G.OPTIMIZER]).values()) == -(-n_params // 24) + 1

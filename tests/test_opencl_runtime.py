@@ -359,3 +359,33 @@ def test_dropout_masks_drawn_on_the_device_match_numpy(target, rng):
     first, second = draws[0][0].ravel()[:200_000] == 0, draws[0][1] == 0
     both = (first & second).mean()  # two streams of one seed: 0.5 * 0.2
     assert abs(both - 0.1) < 5 * np.sqrt(0.1 * 0.9 / 200_000)
+
+
+def test_the_runtime_counts_device_memory_and_launch_bytes(target, rng):
+    """The sidecar counts the bytes allocated on the device (current and peak, a fresh peak
+    from reset_peak) and, per launch, the bytes of the buffers a kernel is given."""
+    from thomas_tune import opencl
+    dev = tvm.opencl(0)
+    n = int(rng.integers(1000, 5000))
+    base = opencl.stats()["device_bytes"]
+    opencl.reset_peak()
+    a = tvm.runtime.tensor(rng.standard_normal(n).astype("float32"), dev)
+    b = tvm.runtime.tensor(rng.standard_normal(2 * n).astype("float32"), dev)
+    s = opencl.stats()
+    assert s["device_bytes"] - base == 12 * n and s["device_peak_bytes"] == s["device_bytes"]
+    del b
+    s = opencl.stats()
+    assert s["device_bytes"] - base == 4 * n and s["device_peak_bytes"] - base == 12 * n
+    opencl.reset_peak()
+    assert opencl.stats()["device_peak_bytes"] == opencl.stats()["device_bytes"]
+    x = te.placeholder((n,), name="x")
+    y = te.compute((n,), lambda i: x[i] * 2.0, name="y")
+    lib = tvm.compile(default_gpu_schedules(prim_module(x, y), target), target)
+    out = tvm.runtime.empty((n,), "float32", dev)
+    before = opencl.stats()
+    lib["main"](a, out)
+    dev.sync()
+    after = opencl.stats()
+    assert after["launches"] - before["launches"] == 1
+    assert after["launch_arg_bytes"] - before["launch_arg_bytes"] == 8 * n
+    np.testing.assert_allclose(out.numpy(), a.numpy() * 2.0)
