@@ -23,8 +23,11 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--batch", type=int, default=8, help="images per training step (default 8)")
     g.add_argument("--infer-batch", type=int, default=1, help="batch of the inference module")
     g.add_argument("--trainable", default="all",
-                   help="'all' or 'last:K' (the last K layers train, the rest are frozen); "
-                        "',frozen-bn' after either keeps every BatchNorm in inference form")
+                   help="'all' or 'last:K' (the last K layers train, the rest are frozen, "
+                        "their BatchNorms in inference form); ',train-bn' after last:K keeps "
+                        "the frozen layers' BatchNorms in training form (their statistics "
+                        "adapt), ',frozen-bn' after either keeps every BatchNorm in inference "
+                        "form")
     g.add_argument("--from-scratch", action="store_true",
                    help="fresh random weights even if --checkpoint is given (all trainable)")
     g.add_argument("--optimizer", default="momentum_sgd", choices=["momentum_sgd", "sgd", "adam"])
