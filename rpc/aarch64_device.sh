@@ -91,9 +91,13 @@ PYEOF
 # dependencies come along: LLVM, clang and binutils, which PoCL uses to compile kernels).
 # vendors/pocl.icd names the root's libpocl by its path on this machine: PoCL looks for its
 # kernel library relative to its own file with faccessat, a call qemu-user does not map into
-# the root. Prints the root's path.
+# the root. PoCL links each kernel by running a linker (clang's driver looks for one on this
+# machine's file system and starts it as a process of this machine, outside the emulation):
+# bin/ld runs this machine's aarch64 cross linker, found through COMPILER_PATH, with the
+# folder of the cross compiler's libgcc (PoCL links -lgcc -lgcc_s; the root has no gcc).
+# Prints the root's path.
 opencl_root() {
-  need qemu-aarch64 mmdebstrap
+  need qemu-aarch64 mmdebstrap aarch64-linux-gnu-ld
   local base="$cache/opencl-$suite"
   local r="$base/root"
   if [ -e "$base/.complete" ]; then echo "$r"; return 0; fi
@@ -110,6 +114,11 @@ opencl_root() {
   local lib
   lib="$(cd "$r" && ls usr/lib/aarch64-linux-gnu/libpocl.so.* | head -n 1)"
   echo "$r/$lib" > "$base/vendors/pocl.icd"
+  need aarch64-linux-gnu-gcc
+  mkdir -p "$base/bin"
+  printf '#!/bin/sh\nexec %s "$@" -L%s\n' "$(command -v aarch64-linux-gnu-ld)" \
+    "$(dirname "$(aarch64-linux-gnu-gcc -print-libgcc-file-name)")" > "$base/bin/ld"
+  chmod +x "$base/bin/ld"
   touch "$base/.complete"
   echo "arm64 OpenCL root ready in $((SECONDS - t0)) s: $r" >&2
   echo "$r"

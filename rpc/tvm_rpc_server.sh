@@ -8,7 +8,8 @@
 # an arm64 Debian root with Debian's arm64 PoCL (rpc/aarch64_device.sh opencl-root, built once
 # and cached): TVM's OpenCL wrapper opens the root's libOpenCL.so, whose ICD file names the
 # root's libpocl by its path on this machine (PoCL finds its kernel library next to itself,
-# and qemu-user maps only some system calls into the root: faccessat is not one of them).
+# and qemu-user maps only some system calls into the root: faccessat is not one of them), and
+# PoCL links its kernels with this machine's aarch64 cross linker (COMPILER_PATH).
 #
 # The server binds the first free port in [P, P+1) (default 9090), serves one session at a
 # time, each in a forked process, and keeps its session files in D/.cache (default:
@@ -39,6 +40,7 @@ case "$machine" in
   183)
     root="$(bash "$here/aarch64_device.sh" opencl-root | tail -n 1)"
     exec qemu-aarch64 -L "$root" -E "LD_LIBRARY_PATH=$build/lib" \
-      -E "OCL_ICD_VENDORS=$(dirname "$root")/vendors" "$build/tvm_rpc" "${args[@]}" ;;
+      -E "OCL_ICD_VENDORS=$(dirname "$root")/vendors" -E "COMPILER_PATH=$(dirname "$root")/bin" \
+      "$build/tvm_rpc" "${args[@]}" ;;
   *) echo "error: $build/tvm_rpc is neither x86-64 nor aarch64 (ELF machine $machine)" >&2; exit 2 ;;
 esac

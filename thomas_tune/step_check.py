@@ -111,8 +111,10 @@ def export_step(export_dir: str, x: np.ndarray, y: np.ndarray, device=None, rpc_
     if rpc_session is None:
         lib = tvm.runtime.load_module(os.path.join(export_dir, "train.so"))
     else:
-        rpc_session.upload(os.path.join(export_dir, "train.so"))
-        lib = rpc_session.load_module("train.so")
+        # its own name: writing over a library the server has loaded (a Session's train.so)
+        # ends the server's session process
+        rpc_session.upload(os.path.join(export_dir, "train.so"), "step_check_train.so")
+        lib = rpc_session.load_module("step_check_train.so")
     vm = VirtualMachine(lib, dev)
     _, tensors, _ = load_checkpoint(os.path.join(export_dir, "params.npz"))
 
