@@ -112,3 +112,33 @@ def test_dlight_adreno_configuration_is_kept_out_of_default_schedules(rng):
     assert tvm_ffi.structural_equal(default["main"], kc.default_kernel(one, generic)["main"])
     assert kc.compare(kc.run_checked(build_candidate(default, adreno)["main"], dev, args),
                       expected, spec.tol) is None
+
+
+def test_tuned_records_for_the_adreno_target_compute_the_float64_step(tmp_path, rng):
+    """AlexNet tuned for ``qcom/adreno-opencl`` on PoCL (a few trials over a loopback
+    tracker), exported with its tuning log: the applied records are checked, and the step's
+    loss and gradients stay within the untuned build's error of float64."""
+    pytest.importorskip("torch")
+    from thomas_tune import rpc
+    from thomas_tune.cli import main
+    from thomas_tune.logs import TuningLog
+    model = build("alexnet", **SMALL["alexnet"])
+    tensors = random_tensors(model, rng)
+    log = tmp_path / "log"
+    small = ["--model", "alexnet", "--width", "0.1", "--resolution", "67", "--classes", "5",
+             "--batch", str(BATCH), "--target", "qcom/adreno-opencl"]
+    with rpc.loopback(key="pocl-adreno", servers=1, lifetime=600) as addr:
+        assert main(["tune", *small, "--tracker", f"{addr[0]}:{addr[1]}", "--key",
+                     "pocl-adreno", "--top", "2", "--trials", "6", "--trials-per-iter", "3",
+                     "--population", "8", "--genetic-iters", "1", "--log", str(log)]) == 0
+    target = parse_target("qcom/adreno-opencl")
+    quiet = dict(batch=BATCH, trainable="all", progress=lambda *_: None)
+    untuned, tuned = str(tmp_path / "untuned"), str(tmp_path / "tuned")
+    export(untuned, model, tensors, target, **quiet)
+    manifest = export(tuned, model, tensors, target, log=TuningLog(str(log)), **quiet)
+    assert manifest["record_check"]["checked"] >= 1 and not manifest["record_check"]["wrong"]
+    seed = int(rng.integers(1 << 30))
+    base = check_export(untuned, seed=seed)
+    checked = check_export(tuned, seed=seed, yardstick=base)
+    print(f"tuned for qcom/adreno-opencl: {checked.line()} (untuned: {base.line()})")
+    assert base.ok and checked.ok, checked.line()
