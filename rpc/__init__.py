@@ -38,12 +38,16 @@ def whole_seconds(seconds, what: str = "session timeout") -> int:
 
     A client asks for a session lifetime by appending ``-timeout=N`` to its key
     (``python/tvm/rpc/client.py``: ``key += f" -timeout={session_timeout}"``). TVM's C++ server
-    (``apps/cpp_rpc/rpc_server.cc``, ``GetTimeOutFromOpts``) accepts only digits
-    (``support::IsNumber``, then ``std::stoi``) and fails on ``900.0``; TVM's Java server, the
-    one in TVM's Android app (``jvm/core/.../rpc/ConnectTrackerServerProcessor.java``), parses it
-    with ``Integer.parseInt``. A timeout of 0 sends no option at all (the client skips a falsy
-    timeout), and the Java server then applies its ``HARD_TIMEOUT_DEFAULT`` of 300 s: 0 is
-    refused here, so that every session has a bound the caller stated.
+    ``tvm_rpc`` (``apps/cpp_rpc/rpc_server.cc``, ``GetTimeOutFromOpts``) accepts only digits
+    (``support::IsNumber``, then ``std::stoi``); for anything else, such as ``900.0``, it throws
+    outside the ``try`` of its listening loop and the whole server process ends. TVM's Java
+    server (TVM's Android app, ``jvm/core/.../rpc/ConnectTrackerServerProcessor.java``) parses
+    it with ``Integer.parseInt``. A timeout of 0 sends no option at all (the client skips a
+    falsy timeout): ``tvm_rpc`` then sets no bound (a session whose client is lost holds the
+    device until the server restarts), the Java server its ``HARD_TIMEOUT_DEFAULT`` of 300 s;
+    0 is refused here, so that every session has a bound the caller stated. At the bound
+    ``tvm_rpc`` ends the session's process with SIGTERM (docs/android.md, "Sessions and their
+    bound").
     Raises ValueError naming ``what`` for a value that is not a finite number > 0."""
     try:
         value = float(seconds)

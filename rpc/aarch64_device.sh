@@ -5,6 +5,8 @@
 #   rpc/aarch64_device.sh setup                      build the root once (cached); prints its path
 #   rpc/aarch64_device.sh server --tracker H:P --key K [--duration S]
 #                                                    a device server under emulation
+#   rpc/aarch64_device.sh opencl-root                an arm64 root with Debian's arm64 PoCL
+#                                                    for an aarch64 tvm_rpc (rpc/tvm_rpc_server.sh)
 #
 # Needs qemu-user and mmdebstrap (apt-get install qemu-user mmdebstrap) and pip on this machine;
 # export libraries for it with TVM_NDK_CC=aarch64-linux-gnu-g++ (apt-get install
@@ -84,12 +86,51 @@ PYEOF
   echo "$root"
 }
 
+# An arm64 root with an OpenCL device for TVM's C++ server tvm_rpc cross-built for aarch64
+# (rpc/build_tvm_rpc.sh): libstdc++ and Debian's arm64 PoCL with its ICD loader (their
+# dependencies come along: LLVM, clang and binutils, which PoCL uses to compile kernels).
+# vendors/pocl.icd names the root's libpocl by its path on this machine: PoCL looks for its
+# kernel library relative to its own file with faccessat, a call qemu-user does not map into
+# the root. PoCL links each kernel by running a linker (clang's driver looks for one on this
+# machine's file system and starts it as a process of this machine, outside the emulation):
+# bin/ld runs this machine's aarch64 cross linker, found through COMPILER_PATH, with the
+# folder of the cross compiler's libgcc (PoCL links -lgcc -lgcc_s; the root has no gcc).
+# Prints the root's path.
+opencl_root() {
+  need qemu-aarch64 mmdebstrap aarch64-linux-gnu-ld
+  local base="$cache/opencl-$suite"
+  local r="$base/root"
+  if [ -e "$base/.complete" ]; then echo "$r"; return 0; fi
+  mkdir -p "$cache"
+  exec 9>"$cache/.lock"
+  flock -w 1800 9 || { echo "error: $cache/.lock held for 30 minutes" >&2; exit 1; }
+  if [ -e "$base/.complete" ]; then echo "$r"; return 0; fi
+  local t0=$SECONDS
+  rm -rf "$base"
+  mkdir -p "$base/vendors"
+  timeout 900 mmdebstrap --quiet --variant=extract --arch=arm64 \
+    --include=libstdc++6,pocl-opencl-icd,ocl-icd-libopencl1,ocl-icd-opencl-dev \
+    "$suite" "$r" "$mirror" >&2
+  local lib
+  lib="$(cd "$r" && ls usr/lib/aarch64-linux-gnu/libpocl.so.* | head -n 1)"
+  echo "$r/$lib" > "$base/vendors/pocl.icd"
+  need aarch64-linux-gnu-gcc
+  mkdir -p "$base/bin"
+  printf '#!/bin/sh\nexec %s "$@" -L%s\n' "$(command -v aarch64-linux-gnu-ld)" \
+    "$(dirname "$(aarch64-linux-gnu-gcc -print-libgcc-file-name)")" > "$base/bin/ld"
+  chmod +x "$base/bin/ld"
+  touch "$base/.complete"
+  echo "arm64 OpenCL root ready in $((SECONDS - t0)) s: $r" >&2
+  echo "$r"
+}
+
 case "${1:-}" in
   setup) setup ;;
+  opencl-root) opencl_root ;;
   server)
     shift
     r="$(setup | tail -n 1)"
     export TVM_USE_RUNTIME_LIB=1
     exec qemu-aarch64 -L "$r" "$r/usr/bin/python3.11" "$here/device_server.py" "$@" ;;
-  *) sed -n '2,13p' "$0" | sed 's/^# \{0,1\}//'; exit 2 ;;
+  *) sed -n '2,15p' "$0" | sed 's/^# \{0,1\}//'; exit 2 ;;
 esac

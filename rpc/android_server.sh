@@ -10,7 +10,7 @@
 # the phone, default /data/local/tmp/tvm). ADB names the adb binary (default: adb).
 #
 # push copies tvm_rpc and the runtime libraries of a TVM build made with the Android NDK's
-# CMake toolchain (docs/android.md: build/tvm_rpc, build/lib/libtvm_runtime.so,
+# CMake toolchain (rpc/build_tvm_rpc.sh --arch android-aarch64: tvm_rpc, lib/libtvm_runtime.so,
 # libtvm_ffi.so, libtvm_runtime_opencl.so, libtvm_runtime_extra.so) and the NDK's
 # libc++_shared.so for arm64-v8a. start makes the tracker on this machine reachable from the
 # phone at 127.0.0.1 (adb reverse), the server's port reachable from here (adb forward), and
@@ -62,12 +62,12 @@ is_aarch64_elf() {  # ELF magic, then e_machine 183 (0xb7, little-endian) at byt
 }
 
 files_to_push() {
-  [ -n "$BUILD" ] || die "push needs --build: the TVM build folder made with the NDK's CMake toolchain (docs/android.md)"
+  [ -n "$BUILD" ] || die "push needs --build: the build folder of rpc/build_tvm_rpc.sh --arch android-aarch64 (docs/android.md)"
   local f lib=$BUILD/lib
   [ -d "$lib" ] || lib=$BUILD
   for f in "$BUILD/tvm_rpc" "$lib/libtvm_runtime.so" "$lib/libtvm_ffi.so" "$lib/libtvm_runtime_opencl.so"; do
-    [ -f "$f" ] || die "$f is missing: build it with USE_CPP_RPC=ON and USE_OPENCL=ON (docs/android.md)"
-    is_aarch64_elf "$f" || die "$f is not an aarch64 ELF file: build with -DANDROID_ABI=arm64-v8a"
+    [ -f "$f" ] || die "$f is missing: build it with rpc/build_tvm_rpc.sh --arch android-aarch64 (docs/android.md)"
+    is_aarch64_elf "$f" || die "$f is not an aarch64 ELF file: build with rpc/build_tvm_rpc.sh --arch android-aarch64"
     echo "$f"
   done
   if [ -f "$lib/libtvm_runtime_extra.so" ]; then

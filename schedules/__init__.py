@@ -16,8 +16,8 @@ what they share. This package re-exports their public names.
 
 from .blocks import contraction, padding_block, strided_read, tuple_reduction
 from .defaults import (GPU_RULES, STOCK_RULES, LeadingLoops, LongGeneralReduction, LongReduction,
-                       LongRowReduction, WideMatmul, default_gpu_schedules, reduction_shape,
-                       shared_bytes)
+                       LongRowReduction, WideMatmul, default_gpu_schedules, dlight_target,
+                       reduction_shape, shared_bytes)
 from .intrinsics import load_tensor_intrinsics
 from .padding import (KEEP_PADDING, PaddingInFill, pad_in_fill, pads_a_contraction,
                       with_padding_in_fill)
@@ -35,6 +35,7 @@ __all__ = [
     "STOCK_RULES", "UNROLL_STEPS", "LeadingLoops", "LongGeneralReduction", "LongReduction",
     "LongRowReduction", "PaddingInFill", "SplitReduction", "Tiling", "WideMatmul",
     "WinogradTransform", "anchor_key", "before_postproc", "contraction", "default_gpu_schedules",
+    "dlight_target",
     "gpu_mutators", "gpu_postprocs", "gpu_rules", "json_default", "load_tensor_intrinsics",
     "pad_in_fill", "padding_block", "pads_a_contraction", "plain_json", "postprocessed",
     "reduction_shape", "sampled_unroll", "shared_bytes", "space_generator", "split_parts",

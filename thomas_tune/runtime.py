@@ -9,13 +9,15 @@ optimizer's tuples are made and kept on the device (``pack_trainable``, then the
 own outputs) and single tensors are read from them there.
 
 Every RPC session is asked for a stated lifetime in whole seconds (``RemoteDevice``,
-``connect``): TVM's C++ server ``tvm_rpc`` accepts only digits after ``-timeout=``, and a
-server asked for no bound may apply one of its own. A run longer than that bound renews its
-session between steps (:meth:`Session.renew`): the parameters, states and optimizer state are
-read back from the device while the old session still lives, a new session is requested,
-the libraries are uploaded and loaded again and the state is uploaded; the training goes on
-from the same numbers (a server ends a session's process, and all it held, at the bound, so
-nothing on the device outlives it).
+``connect``): TVM's C++ server ``tvm_rpc`` accepts only digits after ``-timeout=`` (anything
+else ends the server), and sets no bound at all when asked for none. A run longer than that
+bound renews its session between steps (:meth:`Session.renew`): the parameters, states and
+optimizer state are read back from the device while the old session still lives, a new
+session is requested, the libraries are uploaded and loaded again and the state is uploaded;
+the training goes on from the same numbers (a server ends a session's process, and all it
+held, at the bound: ``tvm_rpc`` with SIGTERM, so nothing in the device's memory outlives it;
+the files the session uploaded stay in the server's folder until a later session ends by
+itself).
 
 Nothing here needs TVM's compiler: a process started with ``TVM_USE_RUNTIME_LIB=1`` (TVM loads
 only ``libtvm_runtime.so``, no ``tvm.relax``) imports this module in about half the time and

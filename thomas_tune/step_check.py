@@ -92,12 +92,14 @@ def batch(model, batch_size: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
     return x, rng.integers(0, model.num_classes, batch_size).astype("int64")
 
 
-def export_step(export_dir: str, x: np.ndarray, y: np.ndarray, device=None
+def export_step(export_dir: str, x: np.ndarray, y: np.ndarray, device=None, rpc_session=None
                 ) -> tuple[float, dict[str, np.ndarray]]:
     """Loss and gradients (parameter name -> float64 array) of the export's training step on
     ``x`` (float32, the export's batch) and ``y`` (int64), dropout masks of ones, from the
     export's own parameters, run on this machine (``device``: default, the export target's
-    device 0)."""
+    device 0) or, with ``rpc_session`` (a ``tvm.rpc`` session), on that device server: there
+    ``train.so`` is uploaded and loaded, and the step's tuple of results stays on the device,
+    its tensors read one by one (``ffi.ArrayGetItem``, which every TVM runtime registers)."""
     import tvm
     from tvm.relax import VirtualMachine
 
@@ -105,8 +107,15 @@ def export_step(export_dir: str, x: np.ndarray, y: np.ndarray, device=None
     from .models import load_checkpoint
     from .runtime import device_for
     m = read_manifest(export_dir)
-    dev = device or device_for(m["target"]["kind"])
-    vm = VirtualMachine(tvm.runtime.load_module(os.path.join(export_dir, "train.so")), dev)
+    dev = device or device_for(m["target"]["kind"], rpc_session)
+    if rpc_session is None:
+        lib = tvm.runtime.load_module(os.path.join(export_dir, "train.so"))
+    else:
+        # its own name: writing over a library the server has loaded (a Session's train.so)
+        # ends the server's session process
+        rpc_session.upload(os.path.join(export_dir, "train.so"), "step_check_train.so")
+        lib = rpc_session.load_module("step_check_train.so")
+    vm = VirtualMachine(lib, dev)
     _, tensors, _ = load_checkpoint(os.path.join(export_dir, "params.npz"))
 
     def t(a):
@@ -114,8 +123,15 @@ def export_step(export_dir: str, x: np.ndarray, y: np.ndarray, device=None
 
     masks = [t(np.ones(v["shape"], "float32")) for v in m["masks"].values()]
     ordered = [t(tensors[n]) for n in (*m["frozen"], *m["trainable"], *m["states"])]
-    ret, grads = vm[ADJOINT](t(x), *masks, *ordered, t(y.astype("int64")))
-    loss = ret[0] if m["states"] else ret
+    out = vm[ADJOINT](t(x), *masks, *ordered, t(y.astype("int64")))
+    if rpc_session is None:
+        ret, grads = out
+        loss = ret[0] if m["states"] else ret
+    else:
+        get = rpc_session.get_function("ffi.ArrayGetItem")
+        ret, handle = get(out, 0), get(out, 1)
+        loss = get(ret, 0) if m["states"] else ret
+        grads = [get(handle, i) for i in range(len(m["trainable"]))]
     return (float(loss.numpy()),
             {n: g.numpy().astype("float64") for n, g in zip(m["trainable"], grads)})
 
@@ -180,19 +196,20 @@ def compare_step(loss: float, grads: dict[str, np.ndarray], loss_ref: float,
 
 
 def check_export(export_dir: str, seed: int = 0, frozen_bn: bool | set | None = None,
-                 yardstick: StepCheck | None = None) -> StepCheck:
+                 yardstick: StepCheck | None = None, rpc_session=None) -> StepCheck:
     """Check an export's training step against PyTorch (see the module docstring) on a batch
     drawn from ``seed`` (:func:`batch`), from the export's own parameters. ``yardstick``: the
     check of the untuned export of the same step and seed, whose errors bound this one's
     (None: this export is judged as an untuned build). ``frozen_bn``: the BatchNorms of the
     reference in inference form (None: those the export's step runs so, from its manifest).
+    ``rpc_session``: run the export's step on that device server (:func:`export_step`).
     Needs torch."""
     from .manifest import read_manifest
     from .models import load_checkpoint
     m = read_manifest(export_dir)
     model, tensors, _ = load_checkpoint(os.path.join(export_dir, "params.npz"))
     x, y = batch(model, m["batch"], seed)
-    loss, grads = export_step(export_dir, x, y)
+    loss, grads = export_step(export_dir, x, y, rpc_session=rpc_session)
     if frozen_bn is None:
         frozen_bn = set(m.get("frozen_bn", []))
     loss_ref, grads_ref = torch_step(model, tensors, m["trainable"], x, y, frozen_bn)
