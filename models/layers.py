@@ -156,8 +156,12 @@ class Graph(Records):
         mean = self.state(f"{name}.running_mean", (c,), "zeros")
         var = self.state(f"{name}.running_var", (c,), "ones")
         if self.training:
-            bmean = self.emit(R.mean(x, axis=[0, 2, 3]))
-            bvar = self.emit(R.variance(x, axis=[0, 2, 3]))
+            # per-sample sums over (H, W) first, then over the batch: two sums of H*W and N
+            # terms, not one of N*H*W (float32 rounding grows with a sum's length); the
+            # variance in two passes, of the deviations from the batch mean
+            bmean = self.emit(R.mean(R.mean(x, axis=[2, 3]), axis=[0]))
+            dev = self.emit(R.subtract(x, R.reshape(bmean, (1, c, 1, 1))))
+            bvar = self.emit(R.mean(R.mean(R.multiply(dev, dev), axis=[2, 3]), axis=[0]))
             count = n * h * w
             unbiased = R.multiply(bvar, relax.const(count / max(count - 1, 1), self.dtype))
             m = relax.const(momentum, self.dtype)

@@ -111,3 +111,35 @@ def test_packed_log_reads_as_the_plain_one_and_refuses_writes(tmp_path, monkeypa
     assert cli.main(["log", "unpack", str(log)]) == 0
     assert {n: (log / n).read_bytes() for n in (WORKLOADS, RECORDS)} == plain
     assert not is_packed(str(log)) and not TuningLog(str(log)).packed
+
+
+def _replay_without_opencl(tmp_path, *extra):
+    """`thomas-tune replay` of the committed H100 log in a process that sees no OpenCL device
+    (the ICD loader pointed at an empty vendor folder): (exit status, stdout + stderr)."""
+    import subprocess
+    import sys
+    vendors = tmp_path / "no_vendors"
+    vendors.mkdir(exist_ok=True)
+    gpu_log = os.path.join(ROOT, "tuning_logs", "h100", "mobilenet_v2-w0.35-r64-c10-b8")
+    env = dict(os.environ, OCL_ICD_VENDORS=str(vendors), OCL_ICD_FILENAMES="")
+    env.pop("THOMAS_TUNE_REQUIRE_OPENCL", None)
+    run = subprocess.run(
+        [sys.executable, "-c", "import sys; from thomas_tune import cli; "
+         "sys.exit(cli.main(sys.argv[1:]))", "replay", "--log", gpu_log, "--width", "0.35",
+         "--resolution", "64", "--classes", "10", "--batch", "8", "--target",
+         os.path.join(ROOT, "targets", "h100_opencl.json"), "--min-flops-coverage", "0",
+         *extra], capture_output=True, text=True, env=env, timeout=600)
+    return run.returncode, run.stdout + run.stderr
+
+
+def test_replay_that_can_check_nothing_fails_unless_told_not_to_check(tmp_path):
+    """On a machine with no OpenCL device the GPU log's records cannot be run: the replay
+    fails, naming why and the way out, before it compiles anything; with --no-check the same
+    replay gets past the records (and here fails on the time coverage asked for instead)."""
+    rc, out = _replay_without_opencl(tmp_path)
+    assert rc == 1, out
+    assert "cannot be checked on this machine" in out and "no OpenCL device" in out, out
+    assert "--no-check" in out and "nothing compiled" in out, out
+    rc, out = _replay_without_opencl(tmp_path, "--no-check", "--min-time-coverage", "0.99")
+    assert rc == 1 and "below --min-time-coverage 0.99" in out, out
+    assert "cannot be checked" not in out, out

@@ -180,6 +180,7 @@ def export(out_dir: str, model, tensors: dict[str, np.ndarray], target: tvm.targ
         "states": [p.name for p in s.states],
         "trainable": tg.trainable,
         "frozen": tg.frozen,
+        "batchnorm": tg.batchnorm,  # the training step's BatchNorm form: train or frozen
         "masks": {k: {"shape": list(v[0]), "p": v[1]} for k, v in tg.masks.items()},  # in order
         "optimizer": dataclasses.asdict(tg.optimizer),
         "tuning_log": log.path if log is not None else None,
