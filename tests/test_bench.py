@@ -17,8 +17,7 @@ from tvm import te
 
 from thomas_tune import opencl
 
-needs_opencl = pytest.mark.skipif(not opencl.available(),
-                                  reason="no OpenCL device (install pocl-opencl-icd)")
+from opencl_kernels import NEEDS_OPENCL as needs_opencl  # the one OpenCL guard
 
 CHILD = r"""
 import json, sys

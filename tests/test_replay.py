@@ -3,6 +3,8 @@ the tuned module computes the float64 reference's numbers."""
 
 import os
 
+import tvm
+
 from thomas_tune import cli
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -22,24 +24,43 @@ def test_replay_committed_log(capsys):
     assert rc == 0, out
 
 
-def test_float32_yardstick_is_built_only_above_the_gradient_tolerance(rng):
-    """The float32 graph with default schedules (the yardstick of float32 rounding) is built
-    and run only when the checked build's gradient error is above the tolerance; both errors
-    are then float32 rounding against the float64 reference."""
+def test_replay_check_uses_the_step_checks_formula_and_fails_a_wrong_build(rng):
+    """replay's float64 check of a build is the step check's (one formula, one set of bounds):
+    a right build passes with its errors at float32 rounding and no yardstick built; a build
+    one of whose gradient kernels is 1% off (the ReLU's backward scaled) fails, by name, against
+    the default schedules' float32 error."""
     from conftest import SMALL
 
+    from thomas_tune import graph as G
+    from thomas_tune.compile import compile_graph
     from thomas_tune.models import build
     from thomas_tune.replay import check_numbers
     from thomas_tune.target import parse_target
+    from tvm.relax.op.base import register_gradient
+
+    from thomas_tune import gradients  # noqa: F401
     model = build("alexnet", **SMALL["alexnet"])
     seed = int(rng.integers(1 << 30))
-    args = (model, parse_target("llvm"), None, 2, "last:2", seed)
-    above = check_numbers(*args, grad_tolerance=0.0)
-    assert 0 < above["gradients_default_schedules"] < 1e-4, above
-    assert 0 < above["gradients"] < 1e-4 and above["logits"] < 1e-5, above
-    below = check_numbers(*args, grad_tolerance=1.0)
-    assert below["gradients_default_schedules"] is None
-    assert below["gradients"] == above["gradients"]
+    llvm = parse_target("llvm")
+    right = check_numbers(model, llvm, None, 2, "last:2", seed)
+    assert right["step"].ok, right["step"].line()
+    assert right["gradients_default_schedules"] is None
+    assert right["gradients"] < 1e-4 and right["logits"] < 1e-5, right
+    relu = tvm.ir.Op.get("relax.nn.relu").get_attr("FPrimalGradient")
+
+    def one_percent_off(orig_var, orig_call, output_grad, ctx):
+        from tvm import relax
+        return [relax.op.multiply(relu(orig_var, orig_call, output_grad, ctx)[0],
+                                  relax.const(1.01, "float32"))]
+
+    register_gradient("relax.nn.relu", one_percent_off, level=300)
+    try:
+        wrong_build = compile_graph(G.training_module(model, 2, "last:2").mod, llvm)
+    finally:
+        register_gradient("relax.nn.relu", relu, level=301)
+    wrong = check_numbers(model, llvm, None, 2, "last:2", seed, tuned=wrong_build)
+    assert not wrong["step"].ok and wrong["step"].failing, wrong["step"].line()
+    assert wrong["gradients"] > 5e-3 and wrong["gradients_default_schedules"] < 1e-4, wrong
 
 
 def test_replay_fails_under_threshold(tmp_path, capsys):
