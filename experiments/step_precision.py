@@ -5,7 +5,12 @@ against PyTorch float64, by the step check's error formula, over many check batc
         --batch 8 --seeds 20 [--trainable all] [--out bench/results/step_precision_mnv2.json]
 
 Per seed (weights and batch drawn from it): the worst gradient error of each step, its
-parameter, and each parameter's error, written to ``--out`` as JSON.
+parameter, and each parameter's error, written to ``--out`` as JSON. ``--summary FILE`` reads
+such a file and prints what the step check's bounds rest on: how many seeds have a flipped
+kink (worst error above 1e-2) in each step, and, over groups of three consecutive seeds (the
+check's three batches: per parameter the smallest error of the group), the largest ratio of the
+untuned build's error to max(PyTorch float32's, 1e-4), and of the loss errors to max(PyTorch's,
+2e-6).
 """
 
 import argparse
@@ -32,7 +37,10 @@ def main():
     ap.add_argument("--trainable", default="all")
     ap.add_argument("--seeds", type=int, default=20)
     ap.add_argument("--out")
+    ap.add_argument("--summary", help="print the summary of a result file and stop")
     a = ap.parse_args()
+    if a.summary:
+        return summary(a.summary)
     model = build(a.arch, num_classes=a.classes, resolution=a.resolution, width=a.width)
     tg = G.training_module(model, a.batch, a.trainable)
     dev = tvm.cpu()
@@ -41,7 +49,8 @@ def main():
     def t(v, dt="float32"):
         return tvm.runtime.tensor(np.ascontiguousarray(np.asarray(v, dt)), dev)
 
-    rows = []
+    rows = {"untuned": [], "torch_float32": [], "untuned_loss_err": [],
+            "torch_float32_loss_err": [], "seeds": []}
     for seed in range(a.seeds):
         t0 = time.time()
         tensors = init_params(model, seed)
@@ -57,14 +66,40 @@ def main():
         l32, r32 = torch_step(model, tensors, tg.trainable, x, y, dtype="float32",
                               frozen_bn=tg.batchnorm == "frozen")
         ours, theirs = compare_step(loss, g32, l64, r64), compare_step(l32, r32, l64, r64)
-        rows.append({"seed": seed, "tvm": ours.errors, "torch": theirs.errors,
-                     "tvm_loss_err": ours.loss_err, "torch_loss_err": theirs.loss_err})
+        for k, v in (("untuned", [ours.errors[n] for n in tg.trainable]),
+                     ("torch_float32", [theirs.errors[n] for n in tg.trainable]),
+                     ("untuned_loss_err", ours.loss_err),
+                     ("torch_float32_loss_err", theirs.loss_err), ("seeds", seed)):
+            rows[k].append(v)
         print(f"seed {seed:2d}: untuned {ours.worst[1]:.1e} ({ours.worst[0]}), PyTorch float32 "
               f"{theirs.worst[1]:.1e} ({theirs.worst[0]}); loss {ours.loss_err:.1e} / "
               f"{theirs.loss_err:.1e} ({time.time() - t0:.1f} s)", flush=True)
     if a.out:
         with open(a.out, "w") as f:
-            json.dump({"args": vars(a), "rows": rows}, f, indent=1)
+            json.dump({"args": vars(a), "parameters": tg.trainable, **rows}, f,
+                      separators=(",", ":"))
+
+
+def summary(path: str, group: int = 3, floor: float = 1e-4, loss_floor: float = 2e-6):
+    with open(path) as f:
+        d = json.load(f)
+    ours, theirs = np.array(d["untuned"]), np.array(d["torch_float32"])
+    lo, lt = np.array(d["untuned_loss_err"]), np.array(d["torch_float32_loss_err"])
+    print(f"{len(ours)} seeds; worst error above 1e-2 (a flipped kink): untuned "
+          f"{int((ours.max(1) > 1e-2).sum())}, PyTorch float32 {int((theirs.max(1) > 1e-2).sum())}")
+    calm = (ours.max(1) < 1e-2) & (theirs.max(1) < 1e-2)
+    print(f"seeds with neither: median worst untuned {np.median(ours.max(1)[calm]):.1e}, "
+          f"PyTorch float32 {np.median(theirs.max(1)[calm]):.1e}")
+    n = len(ours) // group
+    g_ours = np.array([ours[i * group:(i + 1) * group].min(0) for i in range(n)])
+    g_theirs = np.array([theirs[i * group:(i + 1) * group].min(0) for i in range(n)])
+    ratio = (g_ours / np.maximum(g_theirs, floor)).max(1)
+    g_lo = np.array([lo[i * group:(i + 1) * group].max() for i in range(n)])
+    g_lt = np.array([lt[i * group:(i + 1) * group].max() for i in range(n)])
+    loss_ratio = g_lo / np.maximum(g_lt, loss_floor)
+    print(f"{n} groups of {group}: largest gradient ratio per group (sorted) "
+          f"{np.round(np.sort(ratio), 2).tolist()}; loss ratio largest {loss_ratio.max():.2f}, "
+          f"median {np.median(loss_ratio):.2f}")
 
 
 if __name__ == "__main__":

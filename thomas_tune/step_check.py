@@ -17,14 +17,15 @@ value.
 Why several batches. The gradient of a network of ReLUs and max pools is discontinuous: where a
 pre-activation lies within float32 rounding of 0 (or of 6 for ReLU6), a float32 step may take
 the other side of the kink than the float64 step, and the gradient of that element, with all
-it feeds upstream, moves by up to its whole size. On a small MobileNetV2 (0.35@32, batch 8,
-BatchNorm over 8 values in the last blocks) such a flip moves the worst parameter by 0.02-0.3
-on 3 of 20 batches in PyTorch's own float32 step (``experiments/step_precision.py``); every
-kernel of the step, run alone on the float64 step's inputs, is within 1e-6 of float64. A wrong
+it feeds upstream, moves by up to its whole size: PyTorch's own float32 step is 2e-2 to 3e-1
+from float64 on about a quarter of the batches of a small MobileNetV2 (``docs/journal/
+precision.md``), while every kernel of the step, run alone on the float64 step's inputs, stays
+within float32 rounding of float64 (``experiments/kernel_precision.py``). A wrong
 kernel is wrong on every batch, a flip is on one: the error of a parameter is the smallest over
 the batches (and the yardstick's likewise), the loss error the largest.
 
-Bounds (measured over 60 batches, ``docs/journal/precision.md``): a gradient's error may be at
+Bounds (measured over 20 groups of three batches, ``docs/journal/precision.md``, with
+``experiments/step_precision.py``): a gradient's error may be at
 most :data:`FACTOR` times PyTorch float32's on the same batches, or :data:`FACTOR` times
 :data:`ROUNDING` where PyTorch's is below that (float32 rounding of the step's sums, not a
 defect of either). The loss error at most :data:`FACTOR` times PyTorch float32's, or
