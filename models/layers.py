@@ -155,13 +155,22 @@ class Graph(Records):
         beta = self.param(f"{name}.bias", (c,), "zeros")
         mean = self.state(f"{name}.running_mean", (c,), "zeros")
         var = self.state(f"{name}.running_var", (c,), "ones")
+        shape4 = (1, c, 1, 1)
         if self.training:
-            # per-sample sums over (H, W) first, then over the batch: two sums of H*W and N
-            # terms, not one of N*H*W (float32 rounding grows with a sum's length); the
-            # variance in two passes, of the deviations from the batch mean
-            bmean = self.emit(R.mean(R.mean(x, axis=[2, 3]), axis=[0]))
-            dev = self.emit(R.subtract(x, R.reshape(bmean, (1, c, 1, 1))))
-            bvar = self.emit(R.mean(R.mean(R.multiply(dev, dev), axis=[2, 3]), axis=[0]))
+            # The batch statistics in float32 as exactly as float64 would give them: sums over
+            # each sample's H*W values, then over the batch (two short sums, not one of N*H*W
+            # terms in a row), and the corrected two-pass variance (Chan, Golub & LeVeque 1983,
+            # "Algorithms for computing the sample variance", eq. 1.7): the deviations from the
+            # rounded mean are exact float32 differences, their own mean is that mean's
+            # rounding error, and it is taken out of both the variance and the normalisation.
+            # A channel whose values lie close together (|mean| >> std) otherwise loses the
+            # rounding of its mean, relative to its spread, in every normalised value.
+            mu = self.emit(R.mean(R.mean(x, axis=[2, 3]), axis=[0]))
+            dev = self.emit(R.subtract(x, R.reshape(mu, shape4)))
+            shift = self.emit(R.mean(R.mean(dev, axis=[2, 3]), axis=[0]))
+            square = self.emit(R.mean(R.mean(R.multiply(dev, dev), axis=[2, 3]), axis=[0]))
+            bvar = self.emit(R.subtract(square, R.multiply(shift, shift)))
+            bmean = self.emit(R.add(mu, shift))
             count = n * h * w
             unbiased = R.multiply(bvar, relax.const(count / max(count - 1, 1), self.dtype))
             m = relax.const(momentum, self.dtype)
@@ -170,13 +179,13 @@ class Graph(Records):
                 R.add(R.multiply(mean, keep), R.multiply(bmean, m)))
             self.new_states[f"{name}.running_var"] = self.emit(
                 R.add(R.multiply(var, keep), R.multiply(unbiased, m)))
-            mean, var = bmean, bvar
-        shape4 = (1, c, 1, 1)
+            centred, var = R.subtract(dev, R.reshape(shift, shape4)), bvar
+        else:
+            centred = R.subtract(x, R.reshape(mean, shape4))
         inv = R.divide(relax.const(1.0, self.dtype),
                        R.sqrt(R.add(R.reshape(var, shape4), relax.const(eps, self.dtype))))
         scale = self.emit(R.multiply(R.reshape(gamma, shape4), inv))
-        y = R.multiply(R.subtract(x, R.reshape(mean, shape4)), scale)
-        return self.emit(R.add(y, R.reshape(beta, shape4)))
+        return self.emit(R.add(R.multiply(centred, scale), R.reshape(beta, shape4)))
 
     def relu(self, x):
         return self.emit(R.nn.relu(x))

@@ -105,6 +105,9 @@ WRONG = {"writes nothing": _writes_nothing, "writes zeros": _writes_zeros, "race
 # gradient as an elementwise kernel of its own (in fewer blocks each mask is fused into a
 # convolution's data gradient): 285 tasks, against 474 when every layer trains.
 TRAINABLE = "last:6"
+# 8 images of 32x32: the last BatchNorms normalise 8 values per channel, the fewest the step
+# check's bounds hold for (thomas_tune.step_check.MIN_BN_VALUES)
+BATCH = 8
 
 
 def _relu6_mask_task(target):
@@ -116,7 +119,7 @@ def _relu6_mask_task(target):
     from thomas_tune.models import build
     from thomas_tune.tasks import extract
     model = build("mobilenet_v2", num_classes=5, resolution=32, width=0.35)
-    tasks = extract({"train": G.training_module(model, 4, TRAINABLE).mod}, target)
+    tasks = extract({"train": G.training_module(model, BATCH, TRAINABLE).mod}, target)
     task = next(t for t in tasks if t.name.startswith("fused_greater") and "where" in t.name)
     sch = tvm.s_tir.Schedule(task.mod)
     blocks = sch.get_child_blocks(sch.get_sblock("root"))
@@ -212,13 +215,13 @@ def test_export_leaves_out_and_replay_refuses_a_wrong_record(tmp_path, target, r
     database.commit_tuning_record(ms.database.TuningRecord(
         sch.trace, workload, [1e-7], target, ArgInfo.from_prim_func(task.mod["main"])))
     params = init_params(model, seed=1)
-    quiet = dict(batch=4, trainable=TRAINABLE, progress=lambda *_: None)
+    quiet = dict(batch=BATCH, trainable=TRAINABLE, progress=lambda *_: None)
     checked = export(str(tmp_path / "checked"), model, params, target, log=log, **quiet)
     assert set(checked["record_check"]["wrong"]) == {key(task)}
     assert checked["record_check"]["wrong"][key(task)].startswith("wrong result")
     right = check_export(str(tmp_path / "checked"), seed=int(rng.integers(1 << 30)))
     assert right.ok, right.line()
-    report = replay(model, target, log, batch=4, trainable=TRAINABLE, say=lambda *_: None)
+    report = replay(model, target, log, batch=BATCH, trainable=TRAINABLE, say=lambda *_: None)
     assert set(report.records_wrong) == {key(task)} and report.records_checked >= 1
     assert not report.compiled  # a wrong record fails the replay before it compiles
 
@@ -280,3 +283,21 @@ def test_a_dead_layer_is_named_and_fails_the_check(rng):
     dead = reference_steps(model, tensors, names, 2, int(rng.integers(1 << 30)))["yardstick"]
     assert "classifier.4.weight" in dead.dead and "classifier.4.bias" not in dead.dead
     assert not dead.ok and "dead layer" in dead.line(), dead.line()
+
+
+def test_a_batchnorm_over_too_few_values_is_not_checked_to_the_bounds():
+    """A small MobileNetV2 at 4 images of 32x32 normalises 4 values per channel in its last
+    BatchNorms, under the 8 the bounds were measured for: the check fails it as not
+    checkable, naming the layer; at 8 images it does not."""
+    pytest.importorskip("torch")
+    from thomas_tune import graph as G
+    from thomas_tune.models import build, init_params
+    from thomas_tune.step_check import MIN_BN_VALUES, reference_steps
+    model = build("mobilenet_v2", num_classes=5, resolution=32, width=0.35)
+    tensors = init_params(model, seed=2)
+    names = G.select_trainable(model, "last:1")
+    few = reference_steps(model, tensors, names, 4, seed=3, batches=1)["yardstick"]
+    assert few.few_bn_values is not None and few.few_bn_values[1] == 4 < MIN_BN_VALUES
+    assert not few.ok and "not checkable" in few.line(), few.line()
+    enough = reference_steps(model, tensors, names, 8, seed=3, batches=1)["yardstick"]
+    assert enough.few_bn_values is None

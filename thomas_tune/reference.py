@@ -31,6 +31,8 @@ class TorchGraph:
         self.p, self.s, self.masks, self.training = params, states, masks, training
         self.bn_training = training and not frozen_bn
         self.new_states = {}
+        #: layer name -> values per channel each training-form BatchNorm normalised (N*H*W)
+        self.bn_values = {}
 
     @contextlib.contextmanager
     def block(self, name):
@@ -41,6 +43,8 @@ class TorchGraph:
         return self.F.conv2d(x, self.p[f"{name}.weight"], b, stride, padding, 1, groups)
 
     def batch_norm(self, name, x, eps=1e-5, momentum=0.1):
+        if self.bn_training:
+            self.bn_values[name] = x.shape[0] * x.shape[2] * x.shape[3]
         rm = self.s[f"{name}.running_mean"].clone()
         rv = self.s[f"{name}.running_var"].clone()
         y = self.F.batch_norm(x, rm, rv, self.p[f"{name}.weight"], self.p[f"{name}.bias"],
