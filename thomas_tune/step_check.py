@@ -44,8 +44,10 @@ import numpy as np
 
 #: batches a step is checked on (module docstring: why more than one)
 CHECK_BATCHES = 3
-#: a gradient's error may be this many times PyTorch float32's on the same batches
-FACTOR = 3.0
+#: a gradient's (and the loss's) error may be this many times PyTorch float32's on the same
+#: batches: the largest ratio of a right build's, over 40 groups of three batches, was 2.8
+#: (docs/journal/precision.md), and a bound must hold on every draw
+FACTOR = 4.0
 #: the smallest yardstick of a gradient's error: float32 rounding of the step's sums
 ROUNDING = 1e-4
 #: the smallest yardstick of the loss's relative error
