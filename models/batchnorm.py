@@ -80,9 +80,13 @@ class _Channel:
         return self.x[0, c, 0, 0] + m1, var
 
     def normalized(self, n, c, h, w):
-        mean, var = self.mean_var(c)
+        # (x - shift) - S0/M, not x - mean: the difference from the shift is exact for values
+        # near it, and a channel whose mean is large against its spread keeps the rounding of
+        # its mean out of every normalised value
+        m1 = self.s[0][c] * self.inv_m
+        var = tirx.max(self.s[1][c] * self.inv_m - m1 * m1, tirx.const(0.0, self.dt))
         rstd = tirx.const(1.0, self.dt) / tirx.sqrt(var + tirx.const(self.eps, self.dt))
-        return (self.x[n, c, h, w] - mean) * rstd, rstd
+        return ((self.x[n, c, h, w] - self.x[0, c, 0, 0]) - m1) * rstd, rstd
 
 
 def _activate(y, act, dt):

@@ -17,8 +17,7 @@ from tvm import te
 
 from thomas_tune import opencl
 
-needs_opencl = pytest.mark.skipif(not opencl.available(),
-                                  reason="no OpenCL device (install pocl-opencl-icd)")
+from opencl_kernels import NEEDS_OPENCL as needs_opencl  # the one OpenCL guard
 
 CHILD = r"""
 import json, sys
@@ -307,3 +306,27 @@ def test_compiling_verbs_refuse_a_runtime_only_process(tmp_path):
                           capture_output=True, text=True, env=env, timeout=120)
     assert proc.returncode == 2 and "TVM_USE_RUNTIME_LIB" in proc.stderr, proc.stderr
     assert not (tmp_path / "x").exists()
+
+
+def test_an_unchecked_time_is_marked_and_enters_no_ratio():
+    """A build whose numbers were not checked (no PyTorch, or the check off) is printed marked
+    unchecked and is in no speed-up; with both builds checked the ratio is printed."""
+    from thomas_tune.benchmark.run import format_report
+
+    def variant(ms, checked):
+        return {"train_ms": ms, "train_images_per_s": 8e3 / ms, "infer_ms": ms / 3,
+                "infer_images_per_s": 3e3 / ms, "share_of_peak_flops": 0.1,
+                "share_of_peak_bandwidth": 0.2, "checked": checked}
+
+    res = {"model": {"arch": "alexnet", "width": 0.1, "resolution": 67, "num_classes": 5},
+           "batch": 8, "infer_batch": 1, "trainable": "all", "trainable_params": 16,
+           "optimizer": "momentum_sgd", "device": "cpu",
+           "peaks": {"gflops": 100.0, "gbytes_per_s": 10.0, "method": "fma loop"},
+           "step": {"calls": 40, "gflop": 0.1, "argument_gbytes": 0.01}, "checks": {},
+           "variants": {"default": variant(10.0, False), "tuned": variant(5.0, False)}}
+    text = format_report(res)
+    assert text.count("(unchecked: its numbers were not compared)") == 2, text
+    assert "speed-up" not in text and "2.00x" not in text, text
+    res["variants"] = {"default": variant(10.0, True), "tuned": variant(5.0, True)}
+    text = format_report(res)
+    assert "unchecked" not in text and "tuned vs default: 2.00x (training)" in text, text

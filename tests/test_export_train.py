@@ -131,6 +131,36 @@ def test_train_out_leaves_an_export_that_infers_with_the_fine_tuned_weights(tmp_
     assert printed.startswith(f"{image}: ") and printed.split(": ")[1].split(" ")[0] in classes
 
 
+def test_divergence_names_a_rising_loss_a_non_finite_one_and_chance_accuracy():
+    from thomas_tune.train import TrainReport, divergence, likely_cause
+    rng = np.random.default_rng(0)
+    learning = TrainReport(0.2, 0.9, 100, losses=list(np.linspace(1.6, 0.3, 100)
+                                                      + 0.2 * rng.random(100)))
+    assert divergence(learning, 5, 200) == []
+    rising = TrainReport(0.6, 0.2, 150, losses=list(np.linspace(1.0, 1.6, 150)))
+    signs = divergence(rising, 5, 200)
+    assert len(signs) == 2 and "the loss rose" in signs[0] and "chance" in signs[1], signs
+    assert "not finite from step 4" in divergence(
+        TrainReport(0.2, 0.1, 10, losses=[1.0, 2.0, 9.0, float("nan")] + [0.0] * 6), 5, 200)[0]
+    # accuracy above chance by more than two standard errors is no sign
+    assert divergence(TrainReport(0.5, 0.30, 150, losses=[1.0] * 150), 5, 200) == []
+    manifest = {"optimizer": {"lr": 0.01}, "batchnorm": "frozen", "frozen": []}
+    assert "0.01" in likely_cause(manifest) and "frozen-bn" in likely_cause(manifest)
+    assert "frozen-bn" not in likely_cause(dict(manifest, batchnorm="train"))
+
+
+def test_train_warns_when_the_run_diverges(tmp_path, rng, capsys):
+    """A real run at a learning rate far too high: the loss leaves its start and ``train``
+    says the run diverged, naming the learning rate."""
+    _write_images(tmp_path / "data", ["cat", "dog", "eel"], 10, rng)
+    assert cli.main(["train", "--model", "mobilenet_v1", "--width", "0.25", "--resolution",
+                     "32", "--classes", "3", "--batch", "4", "--trainable", "last:2",
+                     "--data", str(tmp_path / "data"), "--steps", "30", "--lr", "1000",
+                     "--quiet"]) == 0
+    err = capsys.readouterr().err
+    assert "warning: the run diverged" in err and "learning rate (1000)" in err, err
+
+
 def test_cli_errors(capsys):
     assert cli.main(["tasks", "--target", "no-such-kind"]) == 2
     assert "target" in capsys.readouterr().err

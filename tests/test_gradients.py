@@ -48,8 +48,13 @@ def _check(build_out, shapes, rng, data=None, tol=1e-6):
         np.testing.assert_allclose(got, num, rtol=tol, atol=tol * max(1.0, np.abs(num).max()))
 
 
-def test_all_missing_gradients_are_registered():
+def test_missing_gradients_finds_ops_without_one_and_none_of_ours_is_missing():
+    """``missing_gradients`` names an op with no gradient in the pinned TVM (argmax, which
+    thomas_tune does not register), and none of the ops thomas_tune registers."""
+    assert gradients.missing_gradients(("relax.argmax", "relax.nn.relu")) == ["relax.argmax"]
     assert gradients.missing_gradients() == []
+    gradients.register()  # a second registration changes nothing
+    assert gradients.missing_gradients(gradients.OPS + ("relax.argmax",)) == ["relax.argmax"]
 
 
 def test_clip_relu6(rng):

@@ -3,6 +3,8 @@ the tuned module computes the float64 reference's numbers."""
 
 import os
 
+import tvm
+
 from thomas_tune import cli
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -22,24 +24,43 @@ def test_replay_committed_log(capsys):
     assert rc == 0, out
 
 
-def test_float32_yardstick_is_built_only_above_the_gradient_tolerance(rng):
-    """The float32 graph with default schedules (the yardstick of float32 rounding) is built
-    and run only when the checked build's gradient error is above the tolerance; both errors
-    are then float32 rounding against the float64 reference."""
+def test_replay_check_uses_the_step_checks_formula_and_fails_a_wrong_build(rng):
+    """replay's float64 check of a build is the step check's (one formula, one set of bounds):
+    a right build passes with its errors at float32 rounding and no yardstick built; a build
+    one of whose gradient kernels is 1% off (the ReLU's backward scaled) fails, by name, against
+    the default schedules' float32 error."""
     from conftest import SMALL
 
+    from thomas_tune import graph as G
+    from thomas_tune.compile import compile_graph
     from thomas_tune.models import build
     from thomas_tune.replay import check_numbers
     from thomas_tune.target import parse_target
+    from tvm.relax.op.base import register_gradient
+
+    from thomas_tune import gradients  # noqa: F401
     model = build("alexnet", **SMALL["alexnet"])
     seed = int(rng.integers(1 << 30))
-    args = (model, parse_target("llvm"), None, 2, "last:2", seed)
-    above = check_numbers(*args, grad_tolerance=0.0)
-    assert 0 < above["gradients_default_schedules"] < 1e-4, above
-    assert 0 < above["gradients"] < 1e-4 and above["logits"] < 1e-5, above
-    below = check_numbers(*args, grad_tolerance=1.0)
-    assert below["gradients_default_schedules"] is None
-    assert below["gradients"] == above["gradients"]
+    llvm = parse_target("llvm")
+    right = check_numbers(model, llvm, None, 2, "last:2", seed)
+    assert right["step"].ok, right["step"].line()
+    assert right["gradients_default_schedules"] is None
+    assert right["gradients"] < 1e-4 and right["logits"] < 1e-5, right
+    relu = tvm.ir.Op.get("relax.nn.relu").get_attr("FPrimalGradient")
+
+    def one_percent_off(orig_var, orig_call, output_grad, ctx):
+        from tvm import relax
+        return [relax.op.multiply(relu(orig_var, orig_call, output_grad, ctx)[0],
+                                  relax.const(1.01, "float32"))]
+
+    register_gradient("relax.nn.relu", one_percent_off, level=300)
+    try:
+        wrong_build = compile_graph(G.training_module(model, 2, "last:2").mod, llvm)
+    finally:
+        register_gradient("relax.nn.relu", relu, level=301)
+    wrong = check_numbers(model, llvm, None, 2, "last:2", seed, tuned=wrong_build)
+    assert not wrong["step"].ok and wrong["step"].failing, wrong["step"].line()
+    assert wrong["gradients"] > 5e-3 and wrong["gradients_default_schedules"] < 1e-4, wrong
 
 
 def test_replay_fails_under_threshold(tmp_path, capsys):
@@ -111,3 +132,35 @@ def test_packed_log_reads_as_the_plain_one_and_refuses_writes(tmp_path, monkeypa
     assert cli.main(["log", "unpack", str(log)]) == 0
     assert {n: (log / n).read_bytes() for n in (WORKLOADS, RECORDS)} == plain
     assert not is_packed(str(log)) and not TuningLog(str(log)).packed
+
+
+def _replay_without_opencl(tmp_path, *extra):
+    """`thomas-tune replay` of the committed H100 log in a process that sees no OpenCL device
+    (the ICD loader pointed at an empty vendor folder): (exit status, stdout + stderr)."""
+    import subprocess
+    import sys
+    vendors = tmp_path / "no_vendors"
+    vendors.mkdir(exist_ok=True)
+    gpu_log = os.path.join(ROOT, "tuning_logs", "h100", "mobilenet_v2-w0.35-r64-c10-b8")
+    env = dict(os.environ, OCL_ICD_VENDORS=str(vendors), OCL_ICD_FILENAMES="")
+    env.pop("THOMAS_TUNE_REQUIRE_OPENCL", None)
+    run = subprocess.run(
+        [sys.executable, "-c", "import sys; from thomas_tune import cli; "
+         "sys.exit(cli.main(sys.argv[1:]))", "replay", "--log", gpu_log, "--width", "0.35",
+         "--resolution", "64", "--classes", "10", "--batch", "8", "--target",
+         os.path.join(ROOT, "targets", "h100_opencl.json"), "--min-flops-coverage", "0",
+         *extra], capture_output=True, text=True, env=env, timeout=600)
+    return run.returncode, run.stdout + run.stderr
+
+
+def test_replay_that_can_check_nothing_fails_unless_told_not_to_check(tmp_path):
+    """On a machine with no OpenCL device the GPU log's records cannot be run: the replay
+    fails, naming why and the way out, before it compiles anything; with --no-check the same
+    replay gets past the records (and here fails on the time coverage asked for instead)."""
+    rc, out = _replay_without_opencl(tmp_path)
+    assert rc == 1, out
+    assert "cannot be checked on this machine" in out and "no OpenCL device" in out, out
+    assert "--no-check" in out and "nothing compiled" in out, out
+    rc, out = _replay_without_opencl(tmp_path, "--no-check", "--min-time-coverage", "0.99")
+    assert rc == 1 and "below --min-time-coverage 0.99" in out, out
+    assert "cannot be checked" not in out, out

@@ -287,8 +287,10 @@ def test_gradient_starts_from_the_default_schedule_time():
     s.history = [[2.0, 1.0, 0.2], [2.0, 2.0, 2.0]]
     # the first task improved fast (backward term) yet its time is small; the second is stuck
     g0, g1 = s._gradient(0, 1.0), s._gradient(1, 1.0)
-    assert g0 == pytest.approx(0.2 * (2.0 - 0.2) / 2 + 0.8 * 0.2 / 3)
-    assert g1 == pytest.approx(0.8 * 2.0 / 3)
+    assert g1 > g0 > 0  # a stuck task holding 10x the time ranks above a small fast one
+    assert s._gradient(1, 3.0) == pytest.approx(3 * g1)  # three calls per step: 3x the gain
+    s.history = [[2.0, 1.0, 0.2], [2.0, 1.0, 0.6]]  # same start, the second improved less
+    assert s._gradient(0, 1.0) < s._gradient(1, 1.0)  # ... and has more time left to win
     with pytest.raises(ValueError, match="max_in_flight"):
         PipelinedGradient(max_in_flight=0)
 

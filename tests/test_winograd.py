@@ -16,8 +16,7 @@ from thomas_tune import opencl
 from thomas_tune import winograd_form as W
 from thomas_tune.tasks import choose_winograd, extract, fuse, kernel_calls, workload_key
 
-needs_opencl = pytest.mark.skipif(not opencl.available(),
-                                  reason="no OpenCL device (install pocl-opencl-icd)")
+from opencl_kernels import NEEDS_OPENCL as needs_opencl  # the one OpenCL guard
 
 
 @pytest.mark.parametrize("m,r", [(2, 3), (2, 5), (4, 3)])

@@ -8,7 +8,7 @@ For a model, batch and trainable set this counts, in bytes:
   counter; Adam: two per parameter);
 * ``activations_kept``: tensors the forward pass computes that the backward pass reads (what
   training must keep that inference can drop), found in ``train_adjoint``: forward bindings
-  used by a binding of the gradient pass (``*_adjoint`` variables);
+  used by a binding of the gradient pass (which begins at the first ``*_adjoint`` variable);
 * ``peak``: the largest sum of live tensors over the whole step, by liveness over the bindings of
   ``train_adjoint`` in order (a tensor lives from its binding to its last use; inputs live all
   along; tuple items alias their tuple) and then over the optimizer update, where the old and
@@ -70,11 +70,15 @@ def _liveness_peak(func: relax.Function) -> tuple[int, int]:
         else:
             sizes[b.var] = _bytes(b.var.ty)
     uses = [_vars_in(b.value) for b in bindings]
+    # the gradient pass appends the backward after the forward: it starts at the first
+    # "*_adjoint" binding, and its own intermediates are not all named so
+    backward = next((i for i, b in enumerate(bindings) if b.var.name.endswith("_adjoint")),
+                    len(bindings))
     last_use, read_by_backward = {}, set()
     for i, b in enumerate(bindings):
         for u in uses[i]:
             last_use[u] = i
-            if b.var.name.endswith("_adjoint"):
+            if i >= backward:
                 read_by_backward.add(u)
     for u in _vars_in(func.body.body):
         last_use[u] = len(bindings)
@@ -93,8 +97,7 @@ def _liveness_peak(func: relax.Function) -> tuple[int, int]:
         peak = max(peak, resident + live)
         for var in ends.get(i, []):
             live -= sizes.get(var, 0)
-    kept = sum(sizes[b.var] for b in bindings
-               if not b.var.name.endswith("_adjoint") and b.var in read_by_backward)
+    kept = sum(sizes[b.var] for b in bindings[:backward] if b.var in read_by_backward)
     return peak, kept
 
 

@@ -34,6 +34,8 @@ class TorchGraph:
         self.bn_training = training and (named or not frozen_bn)
         self.frozen_bn = set(frozen_bn) if named else set()
         self.new_states = {}
+        #: layer name -> values per channel each training-form BatchNorm normalised (N*H*W)
+        self.bn_values = {}
 
     @contextlib.contextmanager
     def block(self, name):
@@ -45,6 +47,8 @@ class TorchGraph:
 
     def batch_norm(self, name, x, eps=1e-5, momentum=0.1, act=None):
         """``F.batch_norm`` (training or inference form), then ``act`` (None, relu, relu6)."""
+        if self.bn_training and name not in self.frozen_bn:
+            self.bn_values[name] = x.shape[0] * x.shape[2] * x.shape[3]
         rm = self.s[f"{name}.running_mean"].clone()
         rv = self.s[f"{name}.running_var"].clone()
         y = self.F.batch_norm(x, rm, rv, self.p[f"{name}.weight"], self.p[f"{name}.bias"],

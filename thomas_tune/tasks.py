@@ -43,7 +43,48 @@ def fuse(mod: tvm.IRModule, winograd=None) -> tvm.IRModule:
         relax.transform.FuseTIR(),
     ])
     with tvm.transform.PassContext(opt_level=3):
-        return seq(mod)
+        return short_kernel_names(seq(mod))
+
+
+#: the longest kernel name a fused PrimFunc keeps. FuseOps names a fused kernel after its
+#: operators and cuts the name at about 250 characters; PoCL fails to link an OpenCL kernel whose
+#: name (with the ``_kernel`` suffix the code generator adds) reaches 254 characters, and the
+#: process then dies.
+MAX_KERNEL_NAME = 200
+
+
+def short_kernel_names(mod: tvm.IRModule) -> tvm.IRModule:
+    """``mod`` with every PrimFunc whose name is longer than :data:`MAX_KERNEL_NAME` renamed to
+    its first 180 characters, ``_`` and 8 hex digits of the SHA-1 of the whole name (distinct
+    names stay distinct), and the Relax functions' calls to it renamed too. Workload keys do
+    not change: they hash the function alone (:func:`workload_key`)."""
+    import hashlib
+    from tvm.relax.expr import _update_type
+    new = {}
+    for gv, f in mod.functions.items():
+        if isinstance(f, tvm.tirx.PrimFunc) and len(gv.name_hint) > MAX_KERNEL_NAME:
+            new[gv] = tvm.ir.GlobalVar(f"{gv.name_hint[:180]}_"
+                                       f"{hashlib.sha1(gv.name_hint.encode()).hexdigest()[:8]}")
+            _update_type(new[gv], gv.ty)  # the callers' normalisation needs the callee's type
+    if not new:
+        return mod
+
+    @relax.expr_functor.mutator
+    class _Rename(relax.PyExprMutator):
+        def visit_global_var_(self, op):
+            return new.get(op, op)
+
+    out = tvm.IRModule(attrs=mod.attrs)
+    for gv, func in mod.functions.items():
+        if gv in new:
+            if func.attrs is not None and "global_symbol" in func.attrs:
+                func = func.with_attr("global_symbol", new[gv].name_hint)
+            out[new[gv]] = func
+        elif isinstance(func, relax.Function):
+            out[gv] = _Rename().visit_expr(func)
+        else:
+            out[gv] = func
+    return out
 
 
 def workload_key(func: tvm.tirx.PrimFunc) -> str:

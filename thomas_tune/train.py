@@ -46,3 +46,52 @@ def fine_tune(session: Session, train: Dataset, test: Dataset, steps: int, seed:
     report.acc_after = session.evaluate(test.x, test.y)
     report.accuracy_curve.append((steps, report.acc_after))
     return report
+
+
+def divergence(report: TrainReport, classes: int, held_out: int) -> list[str]:
+    """Signs that a fine-tuning run diverged, as sentences (empty: none).
+
+    - the loss is not finite;
+    - the loss rose: the mean of the last tenth of the steps (at least 5) is above the mean
+      of the first tenth (a run that learns lowers it; single batches are noisy, means of a
+      tenth are not);
+    - the held-out accuracy ends at chance: at most ``1/classes`` plus two binomial standard
+      errors over the ``held_out`` images (``sqrt(p (1 - p) / n)``), and below the accuracy
+      before (a run that starts at chance and stays there trained nothing: that is said too
+      when it ran at least 50 steps). Runs of fewer than 20 steps are not judged on accuracy.
+    """
+    out = []
+    losses = np.asarray(report.losses, "float64")
+    if losses.size and not np.all(np.isfinite(losses)):
+        first_bad = int(np.argmin(np.isfinite(losses)))
+        return [f"the loss is not finite from step {first_bad + 1} on"]
+    k = max(5, losses.size // 10)
+    if losses.size >= 2 * k:
+        first, last = float(losses[:k].mean()), float(losses[-k:].mean())
+        if last > first:
+            out.append(f"the loss rose: {first:.3f} over the first {k} steps, {last:.3f} over "
+                       f"the last {k}")
+    chance = 1.0 / max(1, classes)
+    at_chance = chance + 2.0 * np.sqrt(chance * (1 - chance) / max(1, held_out))
+    if report.steps >= 20 and report.acc_after <= at_chance and (
+            report.acc_after < report.acc_before or report.steps >= 50):
+        out.append(f"held-out accuracy ends at {100 * report.acc_after:.1f}%, chance for "
+                   f"{classes} classes ({100 * chance:.1f}%; before: "
+                   f"{100 * report.acc_before:.1f}%)")
+    return out
+
+
+def likely_cause(manifest: dict) -> str:
+    """The likely cause of a diverged run of the export of ``manifest``, and what to try."""
+    opt = manifest.get("optimizer") or {}
+    lr = opt.get("lr")
+    frozen_bn = manifest.get("batchnorm") == "frozen"
+    all_layers = not manifest.get("frozen")
+    cause = (f"a learning rate ({lr:g}) too high for this network and trainable set: try half "
+             f"of it, or fewer trainable layers (--trainable last:K)" if lr is not None else
+             "a learning rate too high for this network and trainable set")
+    if frozen_bn and all_layers:
+        cause += ("; with every layer trainable and BatchNorm frozen (',frozen-bn') nothing "
+                  "re-normalises the activations the changing weights produce: train "
+                  "BatchNorm ('--trainable all'), or freeze the early layers ('last:K,frozen-bn')")
+    return cause

@@ -91,6 +91,7 @@ def run_bench(model, tensors, target, exports: dict, cfg: BenchConfig, log_path:
             continue
         say(f"[bench] timing {variant}: {cfg.steps} training steps and inference passes ...")
         r = time_export(folder, cfg.steps, cfg.warmup, cfg.seed)
+        r["checked"] = variant in checks  # a time whose numbers were not checked: no ratio
         res["variants"][variant] = r
         if cfg.kernels:
             ks = own[variant]
@@ -119,6 +120,7 @@ def run_bench(model, tensors, target, exports: dict, cfg: BenchConfig, log_path:
             res["variants"]["torch"] = time_torch(model, tensors, tg.trainable, tg.optimizer,
                                                   batch, infer_batch, cfg.steps, cfg.warmup,
                                                   cfg.seed, frozen_bn=tg.frozen_bn)
+            res["variants"]["torch"]["checked"] = True  # the reference itself
     for variant, r in res["variants"].items():
         r["train_images_per_s"] = 1e3 * r["batch"] / r["train_ms"]
         r["infer_images_per_s"] = 1e3 * r["infer_batch"] / r["infer_ms"]
@@ -182,6 +184,7 @@ def format_report(res: dict, top: int = 12) -> str:
                          f"bound: {worst}")
     for name, r in res["variants"].items():
         st = r.get("startup") or {}
+        mark = "" if r.get("checked", True) else " (unchecked: its numbers were not compared)"
         lines.append(
             f"{name:<9} {r['train_ms']:>9.2f} {r['train_images_per_s']:>8.1f} "
             f"{r['infer_ms']:>9.3f} {r['infer_images_per_s']:>8.1f} "
@@ -190,21 +193,26 @@ def format_report(res: dict, top: int = 12) -> str:
             f"{_fmt(r.get('device_peak_bytes') and r['device_peak_bytes'] / 1e6, '.1f'):>8} "
             f"{_fmt(r.get('kernel_sum_ms'), '.2f'):>10} "
             f"{_fmt(st.get('first', {}).get('total_s'), '.2f'):>11} "
-            f"{_fmt(st.get('second', {}).get('total_s'), '.2f'):>11}")
+            f"{_fmt(st.get('second', {}).get('total_s'), '.2f'):>11}{mark}")
+    # ratios of checked builds only: a time whose numbers may be wrong is no speed-up
     v = res["variants"]
+    good = {n: r for n, r in v.items() if r.get("checked", True)}
     ratios = []
     for a, b in (("default", "tuned"), ("stock", "tuned"), ("stock", "default"),
                  ("torch", "tuned"), ("torch", "default")):
-        if a in v and b in v:
+        if a in good and b in good:
             ratios.append(f"{b} vs {a}: {v[a]['train_ms'] / v[b]['train_ms']:.2f}x (training), "
                           f"{v[a]['infer_ms'] / v[b]['infer_ms']:.2f}x (inference)")
     if ratios:
         lines += ["", "speed-up (>1: the first named is faster): " + "; ".join(ratios)]
     for name, c in res.get("checks", {}).items():
         if c["ok"]:
+            yard = c.get("torch_float32_errors") or {}
+            beside = (f" (PyTorch float32 {yard[c['worst'][0]]:.1e})"
+                      if c["worst"][0] in yard else "")
             lines.append(f"numbers of {name}: loss {c['loss']:.6f} (PyTorch float64 "
                          f"{c['loss_ref']:.6f}), worst gradient {c['worst'][0]} "
-                         f"{c['worst'][1]:.1e}")
+                         f"{c['worst'][1]:.1e}{beside}")
     for name, r in v.items():
         st = r.get("startup")
         if st:

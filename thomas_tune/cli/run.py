@@ -40,7 +40,7 @@ def _warn_identity_batchnorms(session, args) -> None:
 
 
 def cmd_train(args) -> int:
-    from ..train import fine_tune
+    from ..train import divergence, fine_tune, likely_cause
     checkpoint = args.checkpoint if args.export else None  # else compiled in below
     args.export_given = bool(args.export)
     if not args.export:
@@ -66,6 +66,10 @@ def cmd_train(args) -> int:
     print(f"accuracy before {100 * r.acc_before:.1f}%  after {100 * r.acc_after:.1f}%  "
           f"({r.steps} steps, loss {r.losses[0]:.3f} -> {r.losses[-1]:.3f}, "
           f"{r.ms_per_step:.1f} ms per training step)")
+    signs = divergence(r, len(data.classes), len(test.y))
+    if signs:  # a run that diverged is no ordinary result
+        print(f"warning: the run diverged: {'; '.join(signs)}. Likely cause: "
+              f"{likely_cause(session.manifest)}", file=sys.stderr)
     if session.renewals:  # sessions of --session-timeout s, renewed with the state kept
         print(f"{len(session.renewals)} session renewal(s) on the device server")
     if args.save:

@@ -1,0 +1,79 @@
+"""The whole-step check fails a build with one deliberately broken backward kernel (real llvm
+exports of a small MobileNetV2 against PyTorch in float64), and passes the same build
+unbroken."""
+
+import contextlib
+import itertools
+
+import pytest
+from tvm.relax.op.base import register_gradient
+
+from thomas_tune import gradients
+
+torch = pytest.importorskip("torch")
+
+_LEVEL = itertools.count(100)
+
+
+@contextlib.contextmanager
+def broken_relu6_backward(factor: float):
+    """ReLU6's gradient (``relax.clip``) with its first use in a backward pass (the network's
+    last ReLU6) multiplied by ``factor``: -1 is a wrong sign, 1.01 a gradient 1% too large.
+    Every other ReLU6 keeps the right gradient; the right one is registered again on exit."""
+    calls = itertools.count()
+
+    def grad(orig_var, orig_call, output_grad, ctx):
+        parts = gradients._clip_grad(orig_var, orig_call, output_grad, ctx)
+        if next(calls) == 0:
+            from tvm import relax
+            from tvm.relax import op as R
+            dt = gradients._dtype(orig_call.args[0])
+            parts[0] = R.multiply(parts[0], relax.const(factor, dt))
+        return parts
+
+    register_gradient("relax.clip", grad, level=next(_LEVEL))
+    try:
+        yield
+    finally:
+        register_gradient("relax.clip", gradients._clip_grad, level=next(_LEVEL))
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """The model, its parameters and PyTorch's steps on the check batches."""
+    from thomas_tune import graph as G
+    from thomas_tune.models import build, init_params
+    from thomas_tune.step_check import reference_steps
+    model = build("mobilenet_v2", num_classes=5, resolution=32, width=0.35)
+    tensors = init_params(model, seed=11)
+    names = G.select_trainable(model, TRAINABLE)
+    return model, tensors, reference_steps(model, tensors, names, 8, seed=5)
+
+
+TRAINABLE = "last:4"
+
+
+def _export(tmp_path, model, tensors, name):
+    from thomas_tune.export import export
+    from thomas_tune.target import parse_target
+    out = str(tmp_path / name)
+    export(out, model, tensors, parse_target("llvm"), batch=8, trainable=TRAINABLE,
+           progress=lambda *_: None)
+    return out
+
+
+@pytest.mark.parametrize("factor", [None, -1.0, 1.01], ids=["right", "wrong-sign", "1.01x"])
+def test_step_check_fails_one_backward_with_a_wrong_sign_or_one_percent_off(
+        tmp_path, reference, factor):
+    from thomas_tune.step_check import check_export
+    model, tensors, ref = reference
+    with broken_relu6_backward(factor) if factor else contextlib.nullcontext():
+        out = _export(tmp_path, model, tensors, "build")
+    check = check_export(out, reference=ref)
+    print(check.line())
+    if factor is None:
+        assert check.ok, check.line()
+        return
+    assert not check.ok and check.failing, check.line()
+    assert abs(check.loss_err) <= check.loss_bound  # the forward pass is untouched
+    assert min(check.errors[n] for n in check.failing) > 5e-3, check.line()
