@@ -51,40 +51,23 @@ TRAIN_BN = "train-bn"  # suffix of a trainable set: "last:2,train-bn"
 _SUFFIXES = {FROZEN_BN: "frozen", TRAIN_BN: "train"}
 
 
-class _Adam(ropt.Adam):
-    """``relax.training.optimizer.Adam`` with a working ``init``: the pinned TVM builds its
-    scalar states with ``np.ones((), self.dtype)``, and ``self.dtype`` is a TVM type numpy
-    cannot read. Same state layout: (steps int64, beta1^t, beta2^t, first moments...,
-    second moments...)."""
-
-    def init(self, params):
-        params = params if isinstance(params, list) else [params]
-        self._set_params_and_dtype(params)
-        dtype = str(self.dtype.dtype)
-
-        def zeros(p):
-            return tvm.runtime.tensor(np.zeros([int(d) for d in p.ty.shape.values], dtype))
-
-        self.state = (tvm.runtime.tensor(np.zeros((), "int64")),
-                      tvm.runtime.tensor(np.ones((), dtype)),
-                      tvm.runtime.tensor(np.ones((), dtype)),
-                      *(zeros(p) for p in self.param_list),
-                      *(zeros(p) for p in self.param_list))
-        return self
-
-
 def _emit_multi_tensor(bb: relax.BlockBuilder, name: str, tensors: list[list[relax.Expr]],
                        shapes: list[tuple[int, ...]], inputs: tuple[str, ...],
-                       outputs: dict[str, str], dtype: str) -> list[list[relax.Expr]]:
+                       outputs: dict[str, str], dtype: str,
+                       shared: dict[str, relax.Expr] | None = None) -> list[list[relax.Expr]]:
     """Emit the update of every parameter as multi-tensor kernels
-    (:func:`thomas_tune.multi_tensor.update_kernel`, one per group of
-    :data:`~thomas_tune.multi_tensor.GROUP` parameters). ``tensors[j]``: parameter j's inputs in
-    the order of ``inputs``. Returns, per parameter, its outputs in the order of ``outputs``."""
+    (:func:`thomas_tune.multi_tensor.update_kernel`, as many parameters per kernel as its
+    arguments allow). ``tensors[j]``: parameter j's inputs in the order of ``inputs``;
+    ``shared``: 0-d tensors every update reads, by name. Returns, per parameter, its outputs in
+    the order of ``outputs``."""
+    shared = shared or {}
+    size = MT.group_size(len(inputs) + len(outputs), len(shared))
     results: list[list[relax.Expr]] = []
-    for group in MT.groups(len(shapes)):
-        kernel = MT.update_kernel([shapes[j] for j in group], inputs, outputs, dtype)
+    for group in MT.groups(len(shapes), size):
+        kernel = MT.update_kernel([shapes[j] for j in group], inputs, outputs, dtype,
+                                  tuple(shared))
         gv = bb.add_func(kernel, name)
-        args = [t for j in group for t in tensors[j]]
+        args = [*shared.values(), *(t for j in group for t in tensors[j])]
         out_types = [relax.TensorType(shapes[j], dtype) for j in group for _ in outputs]
         call = bb.emit(relax.call_tir(gv, args, out_types))
         k = len(outputs)
@@ -100,11 +83,16 @@ def _shape(p: relax.Var) -> tuple[int, ...]:
 class _MultiTensor:
     """Mixin of the optimizers whose update of all parameters is a few multi-tensor kernels
     (:mod:`thomas_tune.multi_tensor`), with the function signature and state layout of
-    ``relax.training.optimizer``: ``(params, grads, (steps int64, buffers...)) -> (new
-    params, (steps + 1, new buffers...))``. ``buffers``: the per-parameter state tensors
-    (momentum: one per parameter; SGD: none)."""
+    ``relax.training.optimizer``: ``(params, grads, (steps int64, scalars..., buffers...)) ->
+    (new params, (steps + 1, new scalars..., new buffers...))``. ``scalars``: 0-d states, each
+    multiplied by its factor at every step and read by every update under its name (Adam's
+    beta1^t, beta2^t); ``buffers``: the per-parameter state tensors (momentum: one per
+    parameter; Adam: two; SGD: none), one run of all parameters each."""
 
     buffers: tuple[str, ...] = ()
+
+    def scalars(self) -> dict[str, float]:
+        return {}
 
     def exprs(self) -> dict[str, str]:
         raise NotImplementedError
@@ -113,26 +101,33 @@ class _MultiTensor:
         self._check_init()
         plist = self.param_list
         dtype = str(plist[0].ty.dtype)
+        scalars = self.scalars()
         param_var = relax.Var("params", relax.TupleType([p.ty for p in plist]))
         grad_var = relax.Var("gradients", relax.TupleType([p.ty for p in plist]))
         state_var = relax.Var("optim_states", relax.TupleType(
-            [relax.TensorType((), "int64")] + [p.ty for _ in self.buffers for p in plist]))
-        n = len(plist)
+            [relax.TensorType((), "int64")] + [relax.TensorType((), dtype) for _ in scalars]
+            + [p.ty for _ in self.buffers for p in plist]))
+        n, first = len(plist), 1 + len(scalars)
         bb = relax.BlockBuilder()
         with bb.function(self.name, [param_var, grad_var, state_var]):
             with bb.dataflow():
                 steps = bb.emit(relax.TupleGetItem(state_var, 0), "num_steps")
+                shared = {name: bb.emit(relax.op.multiply(relax.TupleGetItem(state_var, 1 + i),
+                                                          relax.const(factor, dtype)), name)
+                          for i, (name, factor) in enumerate(scalars.items())}
                 tensors = [[bb.emit(relax.TupleGetItem(param_var, j)),
                             bb.emit(relax.TupleGetItem(grad_var, j)),
-                            *(bb.emit(relax.TupleGetItem(state_var, 1 + b * n + j))
+                            *(bb.emit(relax.TupleGetItem(state_var, first + b * n + j))
                               for b in range(len(self.buffers)))] for j in range(n)]
                 outs = _emit_multi_tensor(bb, self.name + "_update", tensors,
                                           [_shape(p) for p in plist],
-                                          ("p", "g", *self.buffers), self.exprs(), dtype)
+                                          ("p", "g", *self.buffers), self.exprs(), dtype,
+                                          shared)
                 # outputs: the new buffers in order, then the new parameter (exprs' order)
                 params_out = bb.emit_output(relax.Tuple([o[-1] for o in outs]), "params_new")
                 state_out = bb.emit_output(relax.Tuple(
                     [bb.emit(relax.op.add(steps, relax.const(1, "int64")), "num_steps_new"),
+                     *shared.values(),
                      *(o[b] for b in range(len(self.buffers)) for o in outs)]),
                     "optim_states_new")
             bb.emit_func_output((params_out, state_out))
@@ -162,6 +157,38 @@ class _SGD(_MultiTensor, ropt.SGD):
         return MT.sgd_exprs(self.lr, self.weight_decay, str(self.param_list[0].ty.dtype))
 
 
+class _Adam(_MultiTensor, ropt.Adam):
+    """``relax.training.optimizer.Adam`` as multi-tensor kernels
+    (:func:`thomas_tune.multi_tensor.adam_exprs`), with a working ``init``: the pinned TVM
+    builds its scalar states with ``np.ones((), self.dtype)``, and ``self.dtype`` is a TVM
+    type numpy cannot read. Same state layout: (steps int64, beta1^t, beta2^t, first
+    moments..., second moments...)."""
+
+    buffers = ("m", "v")
+
+    def scalars(self) -> dict[str, float]:
+        return {"b1t": self.beta1, "b2t": self.beta2}
+
+    def exprs(self) -> dict[str, str]:
+        return MT.adam_exprs(self.lr, self.beta1, self.beta2, self.eps, self.weight_decay,
+                             str(self.param_list[0].ty.dtype))
+
+    def init(self, params):
+        params = params if isinstance(params, list) else [params]
+        self._set_params_and_dtype(params)
+        dtype = str(self.dtype.dtype)
+
+        def zeros(p):
+            return tvm.runtime.tensor(np.zeros([int(d) for d in p.ty.shape.values], dtype))
+
+        self.state = (tvm.runtime.tensor(np.zeros((), "int64")),
+                      tvm.runtime.tensor(np.ones((), dtype)),
+                      tvm.runtime.tensor(np.ones((), dtype)),
+                      *(zeros(p) for p in self.param_list),
+                      *(zeros(p) for p in self.param_list))
+        return self
+
+
 def optimizer_module(opt: ropt.Optimizer, name: str = OPTIMIZER) -> tvm.IRModule:
     """A module of ``opt``'s function (``init`` called) under ``name``, with the kernels it
     calls (:class:`_MomentumSGD` builds its update as kernels of its own)."""
@@ -173,11 +200,11 @@ def optimizer_module(opt: ropt.Optimizer, name: str = OPTIMIZER) -> tvm.IRModule
 
 @dataclass(frozen=True)
 class OptimizerConfig:
-    """Optimizer of the training step: ``momentum_sgd`` or ``adam``.
+    """Optimizer of the training step: ``momentum_sgd``, ``sgd`` or ``adam``, each as
+    multi-tensor kernels, one launch per group of parameters (:mod:`thomas_tune.multi_tensor`).
 
     ``momentum_sgd``: v = momentum * v + g + weight_decay * p; p -= lr * v (PyTorch's SGD);
-    ``sgd``: p -= lr * (g + weight_decay * p); both as multi-tensor kernels, one launch per
-    group of parameters (:mod:`thomas_tune.multi_tensor`).
+    ``sgd``: p -= lr * (g + weight_decay * p);
     ``adam``: Kingma & Ba 2015, Algorithm 1, with ``betas`` and ``eps``.
     """
 

@@ -7,10 +7,11 @@ elements of all of them, flattened and laid end to end, and each element finds i
 binary search over the group's offsets (``if i < offset`` nested ``log2(group)`` deep; the
 neighbouring work-items of a GPU take the same branch except at a boundary).
 
-A group holds at most :data:`GROUP` parameters so that a kernel's arguments fit every OpenCL
-device: the OpenCL 3.0 specification (``clGetDeviceInfo``, ``CL_DEVICE_MAX_PARAMETER_SIZE``)
-guarantees 1,024 bytes of kernel arguments on a full-profile device, 128 buffers of 8 bytes;
-momentum SGD passes 5 buffers per parameter (p, g, v in; p, v out), 120 for a group of 24.
+A group holds as many parameters as a kernel's arguments allow on every OpenCL device: the
+OpenCL 3.0 specification (``clGetDeviceInfo``, ``CL_DEVICE_MAX_PARAMETER_SIZE``) guarantees
+1,024 bytes of kernel arguments on a full-profile device, :data:`MAX_BUFFERS` buffers of 8
+bytes. Momentum SGD passes 5 buffers per parameter (p, g, v in; p, v out): 25 parameters a
+kernel; Adam 7 and two shared scalars: 18.
 
 The kernel is written in TVMScript (an ``s_tir`` block over the flattened elements, each
 tensor read and written through a flat view of its data); the default GPU schedules bind its
@@ -19,13 +20,25 @@ loop to work-groups, and on a CPU it is a plain loop.
 
 from __future__ import annotations
 
+from decimal import Decimal
+
 import numpy as np
 import tvm
 
-GROUP = 24  # parameters per kernel: 5 buffers each within OpenCL's 1,024 bytes of arguments
+MAX_BUFFERS = 128  # buffer arguments of one kernel: OpenCL's 1,024 bytes of arguments / 8
 
 
-def groups(n: int, size: int = GROUP) -> list[range]:
+def group_size(per_tensor: int, shared: int = 0) -> int:
+    """Parameters one kernel updates when each takes ``per_tensor`` buffers and the kernel
+    ``shared`` more (:data:`MAX_BUFFERS` in all). Raises ValueError when not even one fits."""
+    size = (MAX_BUFFERS - shared) // max(per_tensor, 1)
+    if size < 1:
+        raise ValueError(f"a multi-tensor kernel of {per_tensor} buffers per tensor and "
+                         f"{shared} shared ones exceeds {MAX_BUFFERS} arguments")
+    return size
+
+
+def groups(n: int, size: int) -> list[range]:
     """Indices 0..n-1 in consecutive groups of at most ``size``, as even as possible."""
     k = max(1, -(-n // size))
     bounds = np.linspace(0, n, k + 1).round().astype(int)
@@ -37,10 +50,13 @@ def _f(value: float, dtype: str) -> str:
 
 
 def update_kernel(shapes: list[tuple[int, ...]], inputs: tuple[str, ...],
-                  outputs: dict[str, str], dtype: str = "float32") -> tvm.tirx.PrimFunc:
+                  outputs: dict[str, str], dtype: str = "float32",
+                  shared: tuple[str, ...] = ()) -> tvm.tirx.PrimFunc:
     """A PrimFunc updating len(shapes) tensors in one loop.
 
-    Its arguments are, per tensor ``j`` in order, one buffer per name of ``inputs``; then, per
+    Its arguments are one 0-d buffer per name of ``shared`` (scalars every tensor's update
+    reads, e.g. Adam's bias corrections), then, per tensor ``j`` in order, one buffer per
+    name of ``inputs``; then, per
     tensor in order, one per key of ``outputs`` (all of shape ``shapes[j]`` and ``dtype``), as
     ``call_tir`` passes them. ``outputs`` maps
     each output's name to its expression: TVMScript over the inputs' names (each stands for
@@ -62,7 +78,8 @@ def update_kernel(shapes: list[tuple[int, ...]], inputs: tuple[str, ...],
         return f"{name}{j}: T.Buffer({tuple(shapes[j])}, '{dtype}')"
 
     # call_tir's order: every input, then every output
-    args = [arg(name, j) for j in range(len(shapes)) for name in inputs] + \
+    args = [f"{name}: T.Buffer((), '{dtype}')" for name in shared] + \
+        [arg(name, j) for j in range(len(shapes)) for name in inputs] + \
         [arg(name, j) for j in range(len(shapes)) for name in outputs]
     views = [f"{name}{j}_ = T.decl_buffer(({sizes[j]},), '{dtype}', data={name}{j}.data)"
              for j in range(len(shapes)) for name in names]
@@ -71,6 +88,7 @@ def update_kernel(shapes: list[tuple[int, ...]], inputs: tuple[str, ...],
     def leaf(j: int, indent: str) -> None:
         i = f"vi - {offsets[j]}"
         env = {name: f"{name}{j}_[{i}]" for name in inputs}
+        env.update({name: f"{name}[()]" for name in shared})
         for out, expr in outputs.items():
             text = expr
             for name in sorted(env, key=len, reverse=True):
@@ -89,7 +107,8 @@ def update_kernel(shapes: list[tuple[int, ...]], inputs: tuple[str, ...],
         chain(mid, hi, indent + "    ")
 
     chain(0, len(shapes), " " * 12)
-    reads = ", ".join(region(n, j) for j in range(len(shapes)) for n in inputs)
+    reads = ", ".join([f"{name}[()]" for name in shared]
+                      + [region(n, j) for j in range(len(shapes)) for n in inputs])
     writes = ", ".join(region(n, j) for j in range(len(shapes)) for n in outputs)
     text = "\n".join([
         "@T.prim_func(s_tir=True)",
@@ -124,3 +143,23 @@ def sgd_exprs(lr: float, weight_decay: float, dtype: str = "float32") -> dict[st
     """The output of one plain SGD update: ``p_new = p - lr * (g + weight_decay * p)``."""
     grad = f"g + {_f(weight_decay, dtype)} * p" if weight_decay else "g"
     return {"p_new": f"p - {_f(lr, dtype)} * ({grad})"}
+
+
+def adam_exprs(lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
+               dtype: str = "float32") -> dict[str, str]:
+    """The outputs of one Adam update (Kingma & Ba 2015, Algorithm 1, as
+    ``relax.training.optimizer.Adam`` computes it): with ``g' = g + weight_decay * p``,
+    ``m_new = beta1 * m + (1 - beta1) * g'``, ``v_new = beta2 * v + (1 - beta2) * g'^2``,
+    ``p_new = p - lr * (m_new / (1 - b1t)) / (sqrt(v_new / (1 - b2t)) + eps)``; ``b1t`` and
+    ``b2t`` (beta^t of this step) are the kernel's shared scalars."""
+    def f(v):
+        return _f(v, dtype)
+
+    def one_minus(b):  # as relax.training does: 1 - 0.999 is 0.001, not 0.0010000000000000009
+        return float(Decimal("1") - Decimal(str(b)))
+
+    grad = f"(g + {f(weight_decay)} * p)" if weight_decay else "g"
+    return {"m_new": f"{f(beta1)} * m + {f(one_minus(beta1))} * {grad}",
+            "v_new": f"{f(beta2)} * v + {f(one_minus(beta2))} * ({grad} * {grad})",
+            "p_new": f"p - {f(lr)} * ((m_new / ({f(1.0)} - b1t)) / "
+                     f"(T.sqrt(v_new / ({f(1.0)} - b2t)) + {f(eps)}))"}
