@@ -35,12 +35,9 @@ def _close(got, ref, what):
     assert err < RTOL, f"{what}: relative error {err:.2e}"
 
 
-@pytest.mark.parametrize("arch", sorted(SMALL))
-def test_training_graph_matches_pytorch(arch, rng):
-    model = build(arch, **SMALL[arch])
-    batch = 4
-    tensors = {k: v.astype("float64") for k, v in random_tensors(model, rng).items()}
-    tg = G.training_module(model, batch, "all", dtype="float64")
+def _run_adjoint(model, tg, tensors, batch, rng):
+    """A fresh batch, labels and dropout masks, and ``train_adjoint`` of ``tg`` compiled for
+    the float64 reference target run on them: (x, y, masks, ret, grads, the VM)."""
     vm = relax.VirtualMachine(compile_graph(tg.mod, REFERENCE), tvm.cpu())
     x = rng.standard_normal(model.input_shape(batch))
     y = rng.integers(0, model.num_classes, batch)
@@ -49,6 +46,17 @@ def test_training_graph_matches_pytorch(arch, rng):
     ret, grads = vm[G.ADJOINT](t(x), *[t(masks[k]) for k in tg.masks],
                                *[t(tensors[n]) for n in tg.frozen + tg.trainable + tg.states],
                                t(y.astype("int64")))
+    return x, y, masks, ret, grads, vm
+
+
+@pytest.mark.parametrize("arch", sorted(SMALL))
+def test_training_graph_matches_pytorch(arch, rng):
+    model = build(arch, **SMALL[arch])
+    batch = 4
+    tensors = {k: v.astype("float64") for k, v in random_tensors(model, rng).items()}
+    tg = G.training_module(model, batch, "all", dtype="float64")
+    x, y, masks, ret, grads, vm = _run_adjoint(model, tg, tensors, batch, rng)
+    t = lambda a: tvm.runtime.tensor(np.asarray(a))  # noqa: E731
     loss = ret[0] if tg.states else ret
     ref_logits, ref_loss, p, new_states = _torch_reference(model, tensors, x, y, masks, True)
     _close(float(loss.numpy()), ref_loss, "loss")
@@ -156,14 +164,7 @@ def test_last_layers_train_with_frozen_batchnorms_in_inference_form(rng):
     bns = {q.name.rsplit(".", 1)[0] for q in spec(model).states}
     trained_bns = {n for n in bns if f"{n}.weight" in tg.trainable}
     assert trained_bns and tg.frozen_bn == bns - trained_bns
-    vm = relax.VirtualMachine(compile_graph(tg.mod, REFERENCE), tvm.cpu())
-    x = rng.standard_normal(model.input_shape(batch))
-    y = rng.integers(0, model.num_classes, batch)
-    masks = {k: (rng.random(shape) >= q) / (1 - q) for k, (shape, q) in tg.masks.items()}
-    t = lambda a: tvm.runtime.tensor(np.asarray(a))  # noqa: E731
-    ret, grads = vm[G.ADJOINT](t(x), *[t(masks[k]) for k in tg.masks],
-                               *[t(tensors[n]) for n in tg.frozen + tg.trainable + tg.states],
-                               t(y.astype("int64")))
+    x, y, masks, ret, grads, _ = _run_adjoint(model, tg, tensors, batch, rng)
     p = {k: torch.tensor(v, requires_grad=k in tg.trainable) for k, v in tensors.items()
          if k not in tg.states}
     st = {k: torch.tensor(tensors[k]) for k in tg.states}
