@@ -165,7 +165,7 @@ class StepCheck:
         return "; ".join(parts)
 
     def as_dict(self) -> dict:
-        return {"ok": self.ok, "loss": self.loss, "loss_ref": self.loss_ref,
+        return {"ok": self.ok, "line": self.line(), "loss": self.loss, "loss_ref": self.loss_ref,
                 "loss_err": self.loss_err, "loss_bound": self.loss_bound,
                 "worst": list(self.worst), "failing": self.failing, "dead": self.dead,
                 "errors": self.errors, "bounds": self.bounds,
