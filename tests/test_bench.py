@@ -153,8 +153,10 @@ def test_kernels_of_the_step_are_those_of_the_export(small_export):
                                                         if not np.isfinite(k.ms["default"])]
     kernel_ms = sum(k.ms["default"] * k.calls for k in kernels)
     step = time_export(small_export, steps=5)
-    # each kernel alone vs the whole step (host overhead, caches): same order of magnitude
-    assert 0.1 < kernel_ms / step["train_ms"] < 3, (kernel_ms, step)
+    # the step runs these kernels once each per call, plus the VM's host work: the kernels
+    # timed alone sum to a little less than the step (0.75-0.92 of it over 20 runs on 2 loaded
+    # cores); a kernel list that misses half the step, or counts calls twice, is outside
+    assert 0.4 < kernel_ms / step["train_ms"] < 1.25, (kernel_ms, step)
 
 
 LOCAL_LOG = os.path.join(os.path.dirname(os.path.dirname(__file__)), "tuning_logs", "local-cpu",
@@ -204,7 +206,9 @@ def test_bench_verb_on_an_export(small_export, tmp_path, capsys):
     # timed only after its loss and every gradient were checked against PyTorch float64
     check = res["checks"]["default"]
     assert check["ok"] and check["worst"][1] < 1e-2 and len(check["errors"]) == 16, check
-    assert 0 < v["share_of_peak_flops"] < 1.5 and res["peaks"]["gflops"] > 0
+    # the small AlexNet's step reached 2.0-2.6% of the measured FMA peak over 20 runs on 2
+    # loaded cores: a FLOP count or a peak off by 4x either way is outside
+    assert 0.005 < v["share_of_peak_flops"] < 0.1 and res["peaks"]["gflops"] > 0, v
     assert len(res["kernels"]) == res["step"]["kernels"]
     text = capsys.readouterr().out
     assert "slowest kernels of the default training step" in text

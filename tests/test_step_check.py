@@ -1,6 +1,6 @@
 """The whole-step check fails a build with one deliberately broken backward kernel (real llvm
-exports of a small MobileNetV2 against PyTorch in float64), and passes the same build
-unbroken."""
+exports of a small MobileNetV2 against PyTorch in float64). A right build of the same kind
+passes it in tests/test_kernel_check.py (on PoCL) and tests/test_bench.py (llvm)."""
 
 import contextlib
 import itertools
@@ -62,18 +62,15 @@ def _export(tmp_path, model, tensors, name):
     return out
 
 
-@pytest.mark.parametrize("factor", [None, -1.0, 1.01], ids=["right", "wrong-sign", "1.01x"])
+@pytest.mark.parametrize("factor", [-1.0, 1.01], ids=["wrong-sign", "1.01x"])
 def test_step_check_fails_one_backward_with_a_wrong_sign_or_one_percent_off(
         tmp_path, reference, factor):
     from thomas_tune.step_check import check_export
     model, tensors, ref = reference
-    with broken_relu6_backward(factor) if factor else contextlib.nullcontext():
+    with broken_relu6_backward(factor):
         out = _export(tmp_path, model, tensors, "build")
     check = check_export(out, reference=ref)
     print(check.line())
-    if factor is None:
-        assert check.ok, check.line()
-        return
     assert not check.ok and check.failing, check.line()
     assert abs(check.loss_err) <= check.loss_bound  # the forward pass is untouched
     assert min(check.errors[n] for n in check.failing) > 5e-3, check.line()

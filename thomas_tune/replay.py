@@ -199,6 +199,12 @@ def replay(model, target, log: TuningLog, batch: int = 8, infer_batch: int = 1,
     """
     if not log.exists():
         raise ValueError(f"tuning log {log.path!r} has no records; tune first or fix the path")
+    if check:  # a check that cannot run fails first, before the log is read
+        from .record_check import CheckUnavailable, local_device
+        try:
+            local_device(target)
+        except CheckUnavailable as err:
+            return ReplayReport(records_unchecked=str(err))
     graphs = {"infer": G.inference_module(model, infer_batch),
               "train": G.training_module(model, batch, trainable).mod}
     # what `export` compiles with: every applied record checked on this machine's device

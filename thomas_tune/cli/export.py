@@ -46,6 +46,11 @@ def cmd_replay(args) -> int:
                     infer_batch=args.infer_batch, trainable=args.trainable,
                     check=not args.no_check, min_flops_coverage=args.min_flops_coverage,
                     min_time_coverage=args.min_time_coverage)
+    if report.records_unchecked and not report.tasks:  # a check that cannot run is no pass
+        print(f"FAIL: the tuning records cannot be checked on this machine: "
+              f"{report.records_unchecked}; give --no-check to replay without the checks "
+              "(nothing compiled)", file=sys.stderr)
+        return 1
     time_part = ("" if report.time_coverage is None else
                  f", {100 * report.time_coverage:.1f}% of the untuned kernel time "
                  f"{1e3 * report.time_s:.2f} ms measured on the device")
