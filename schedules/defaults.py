@@ -243,6 +243,48 @@ GPU_RULES = (WinogradTransform, WideMatmul, LongReduction, dl.gpu.Matmul, dl.gpu
              LongRowReduction, LongGeneralReduction)
 
 
+def split_tuple_sums(mod: tvm.IRModule, parts: int = 256, min_terms: int = 2048,
+                     only_tuples: bool = False) -> tvm.IRModule:
+    """``mod`` with each unscheduled kernel that sums several quantities in one pass (a tuple
+    reduction, :func:`tuple_reduction`: BatchNorm's statistics and its backward) of at least
+    ``min_terms`` terms per output split into ``parts`` partial sums and their sum
+    (``rfactor``), for a CPU target, whose loops run in order: a float32 sum of N*H*W terms in a
+    row loses up to N*H*W roundings, a sum of partial sums about N*H*W / ``parts`` + ``parts``
+    (what a GPU's work-group gets from :class:`LongReduction`). A kernel the split does not fit
+    is left as it is."""
+    from .blocks import reduction_blocks
+
+    out = tvm.IRModule(mod.functions, attrs=mod.attrs)
+    for gv, func in mod.functions.items():
+        if not isinstance(func, tvm.tirx.PrimFunc) or (only_tuples and not tuple_reduction(func)) \
+                or func.attrs is not None and func.attrs.get("tir.is_scheduled", False):
+            continue
+        blocks = reduction_blocks(func)
+        if len(blocks) != 1:
+            continue
+        try:
+            sch = tvm.s_tir.Schedule(func)
+            name = blocks[0].name_hint
+            block = sch.get_sblock(name)
+            for other in sch.get_child_blocks(sch.get_sblock("root")):
+                if sch.get(other).name_hint != name:
+                    sch.compute_inline(other)
+            kinds = [iv.iter_type for iv in sch.get(block).iter_vars]
+            loops = sch.get_loops(block)
+            r_loops = [lp for lp, k in zip(loops, kinds) if k == tvm.tirx.IterVar.CommReduce]
+            terms = 1
+            for lp in r_loops:
+                terms *= int(sch.get(lp).extent)
+            if terms < min_terms:
+                continue
+            outer, _ = sch.split(sch.fuse(*r_loops), [parts, None])
+            sch.rfactor(outer, 0)
+            out[gv] = sch.mod["main"]
+        except Exception:  # the kernel stays unsplit (right, with longer sums)
+            continue
+    return out
+
+
 def default_gpu_schedules(mod: tvm.IRModule, target: tvm.target.Target,
                           rule_classes=None) -> tvm.IRModule:
     """Give every kernel without a schedule (no tuning record) dlight's default GPU schedule.

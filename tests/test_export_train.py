@@ -155,7 +155,7 @@ def test_train_warns_when_the_run_diverges(tmp_path, rng, capsys):
     _write_images(tmp_path / "data", ["cat", "dog", "eel"], 10, rng)
     assert cli.main(["train", "--model", "mobilenet_v1", "--width", "0.25", "--resolution",
                      "32", "--classes", "3", "--batch", "4", "--trainable", "last:2",
-                     "--data", str(tmp_path / "data"), "--steps", "30", "--lr", "1000",
+                     "--data", str(tmp_path / "data"), "--steps", "60", "--lr", "1000",
                      "--quiet"]) == 0
     err = capsys.readouterr().err
     assert "warning: the run diverged" in err and "learning rate (1000)" in err, err

@@ -244,7 +244,9 @@ def test_kept_batchnorm_trains_as_pytorch(arch, pretrained, compiled, rng):
     model, tensors, report = import_onnx(pre.files["kept"], arch, width=ARCHS[arch])
     assert not report.fused_batchnorms and not identity_batchnorms(model, tensors)
     tg, vm = compiled(model, TRAINABLE[arch])
-    ours, theirs = Ours(tg, vm, tensors), Theirs(model, pre.tensors, set(tg.trainable))
+    # the frozen layers' BatchNorms in inference form on both sides (the default of last:K)
+    ours = Ours(tg, vm, tensors)
+    theirs = Theirs(model, pre.tensors, set(tg.trainable), frozen_bn=tg.frozen_bn)
     batches = pre.ft_train.batches(BATCH, rng)
     for step in range(5):
         x, y = next(batches)
