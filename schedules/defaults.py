@@ -243,20 +243,19 @@ GPU_RULES = (WinogradTransform, WideMatmul, LongReduction, dl.gpu.Matmul, dl.gpu
              LongRowReduction, LongGeneralReduction)
 
 
-def split_long_sums(mod: tvm.IRModule, parts: int = 256, min_terms: int = 2048,
-                     only_tuples: bool = False) -> tvm.IRModule:
-    """``mod`` with each unscheduled kernel of one reduction (``only_tuples``: of one tuple
-    reduction, :func:`tuple_reduction`) of at least ``min_terms`` terms per output split into
-    ``parts`` partial sums and their sum (``rfactor``), for a CPU target, whose loops run in
-    order: a float32 sum of N*H*W terms in a row loses up to N*H*W roundings, a sum of partial
+def split_long_sums(mod: tvm.IRModule, parts: int = 256, min_terms: int = 2048
+                    ) -> tvm.IRModule:
+    """``mod`` with each unscheduled kernel of one reduction of at least ``min_terms`` terms
+    per output split into ``parts`` partial sums and their sum (``rfactor``), for a CPU target,
+    whose loops run in order: a float32 sum of N*H*W terms in a row loses up to N*H*W roundings, a sum of partial
     sums about N*H*W / ``parts`` + ``parts`` (what a GPU's work-group gets from
     :class:`LongReduction`). A kernel the split does not fit is left as it is."""
     from .blocks import reduction_blocks
 
     out = tvm.IRModule(mod.functions, attrs=mod.attrs)
     for gv, func in mod.functions.items():
-        if not isinstance(func, tvm.tirx.PrimFunc) or (only_tuples and not tuple_reduction(func)) \
-                or func.attrs is not None and func.attrs.get("tir.is_scheduled", False):
+        if not isinstance(func, tvm.tirx.PrimFunc) or \
+                func.attrs is not None and func.attrs.get("tir.is_scheduled", False):
             continue
         blocks = reduction_blocks(func)
         if len(blocks) != 1:
