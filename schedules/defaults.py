@@ -249,7 +249,8 @@ def split_long_sums(mod: tvm.IRModule, parts: int = 256, min_terms: int = 2048
     per output split into ``parts`` partial sums and their sum (``rfactor``), for a CPU target,
     whose loops run in order: a float32 sum of N*H*W terms in a row loses up to N*H*W
     roundings, a sum of partial sums about N*H*W / ``parts`` + ``parts`` (what a GPU's
-    work-group gets from :class:`LongReduction`). A kernel the split does not fit is left as it is."""
+    work-group gets from :class:`LongReduction`). A kernel the split does not fit is left as
+    it is."""
     from .blocks import reduction_blocks
 
     out = tvm.IRModule(mod.functions, attrs=mod.attrs)
