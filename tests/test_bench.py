@@ -216,6 +216,35 @@ def test_bench_verb_on_an_export(small_export, tmp_path, capsys):
 
 
 @needs_opencl
+def test_device_timer_spans_the_recorded_kernels(kernel_library, rng):
+    """record_start/record_stop time exactly the kernels launched between them, by the
+    device's profiling events: n launches give n kernels, their busy time lies within their
+    span, and the span within the host's clock around them (it cannot include work before
+    the first launch or after the last); a second recording starts empty."""
+    import time
+    dev = tvm.opencl(0)
+    lib = tvm.runtime.load_module(kernel_library)
+    x = rng.standard_normal(4099).astype("float32")
+    a, c = tvm.runtime.tensor(x, dev), tvm.runtime.tensor(np.empty(4099, "float32"), dev)
+    lib["main"](a, c)
+    dev.sync()
+    n = int(rng.integers(3, 9))
+    opencl.record_start()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        lib["main"](a, c)
+    dev.sync()
+    wall_ms = (time.perf_counter() - t0) * 1e3
+    r = opencl.record_stop()
+    assert r["kernels"] == n, r
+    assert 0 < r["busy_ms"] <= r["span_ms"] * (1 + 1e-6) + 1e-6, r
+    assert r["span_ms"] <= wall_ms, (r, wall_ms)
+    opencl.record_start()
+    assert opencl.record_stop() == {"kernels": 0, "busy_ms": 0.0, "span_ms": 0.0}
+    np.testing.assert_allclose(c.numpy(), x * 3.0 + np.exp(x * 0.25), rtol=1e-5, atol=1e-5)
+
+
+@needs_opencl
 def test_opencl_peaks_cached_per_device(tmp_path, monkeypatch):
     import tvm
     from thomas_tune.benchmark import measure_peaks
@@ -333,4 +362,4 @@ def test_an_unchecked_time_is_marked_and_enters_no_ratio():
     assert "speed-up" not in text and "2.00x" not in text, text
     res["variants"] = {"default": variant(10.0, True), "tuned": variant(5.0, True)}
     text = format_report(res)
-    assert "unchecked" not in text and "tuned vs default: 2.00x (training)" in text, text
+    assert "unchecked" not in text and "tuned vs default: 2.00x (training, host clock)" in text, text

@@ -203,6 +203,29 @@ def reset_peak() -> None:
     tvm_ffi.get_global_func("thomas_tune.opencl.reset_peak")()
 
 
+def record_start() -> None:
+    """Start recording the kernels this thread launches (an OpenCL event per launch; the
+    sidecar's queues are created with ``CL_QUEUE_PROFILING_ENABLE``), for
+    :func:`record_stop`."""
+    load()
+    tvm_ffi.get_global_func("thomas_tune.opencl.record_start")()
+
+
+def record_stop() -> dict:
+    """Stop recording (:func:`record_start`), wait for the recorded kernels and return the
+    device's own timing of them from their profiling events (``CL_PROFILING_COMMAND_START`` /
+    ``END``, OpenCL 1.2 section 5.12): ``kernels`` (how many), ``busy_ms`` (the sum of their
+    execution times), ``span_ms`` (from the first one's start to the last one's end: the
+    gaps in which the device waited for the host's next launch included; the figure that
+    compares with a CUDA event pair around the same work), milliseconds. Raises
+    tvm.error.InternalError (with the OpenCL error) when waiting for a kernel fails."""
+    import json
+    load()
+    r = json.loads(str(tvm_ffi.get_global_func("thomas_tune.opencl.record_stop")()))
+    return {"kernels": r["kernels"], "busy_ms": r["busy_ns"] * 1e-6,
+            "span_ms": r["span_ns"] * 1e-6}
+
+
 def binary_cache_dir() -> str:
     """The folder of the OpenCL program-binary cache ("" when ``THOMAS_TUNE_OPENCL_CACHE=off``):
     ``THOMAS_TUNE_OPENCL_CACHE``, else ``$THOMAS_TUNE_CACHE/opencl``, else

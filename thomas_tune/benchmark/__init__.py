@@ -3,9 +3,10 @@
 Variants: the model compiled (a) with a tuning log ("tuned"), (b) with default schedules
 ("default"), (c) PyTorch eager on the same device class ("torch": CUDA when
 ``torch.cuda.is_available()``, else the CPU; skipped when torch is not installed). For each:
-ms per training step and per inference pass (median wall time over ``steps`` runs on fresh
-random inputs, after warm-up), images/s, and the share of the device's measured peak FLOP/s and
-bandwidth. For the compiled variants also:
+ms per training step and per inference pass (median and interquartile range over ``steps``
+interleaved rounds on fresh random inputs, after warm-up, by the host's clock and by the
+device's timer: :mod:`.timing`), images/s, and the share of the device's measured peak FLOP/s
+and bandwidth. For the compiled variants also:
 
 - kernels: every kernel (PrimFunc) of the training step timed alone with ``time_evaluator``
   (device timer on OpenCL) on random inputs of its shapes; calls per step; GFLOP/s; whether
@@ -23,8 +24,9 @@ until a record beats it, x its calls per step. Peaks are measured once per devic
 of this package (:func:`.peaks.measure_peaks`) and cached in ``<cache>/peaks.json``.
 
 Modules: :mod:`.run` (the whole bench and its report), :mod:`.checks` (each build's step
-against PyTorch before it is timed), :mod:`.exports` (the compiled variants, start-up and steady
-state), :mod:`.kernels` (the kernel table), :mod:`.peaks`, :mod:`.curve`, :mod:`.torch_baseline`.
+against PyTorch before it is timed), :mod:`.exports` (the compiled variants, start-up,
+counters), :mod:`.timing` (the builds timed side by side), :mod:`.kernels` (the kernel table),
+:mod:`.peaks`, :mod:`.curve`, :mod:`.torch_baseline`.
 """
 
 from .checks import check_variants, torch_float32_check

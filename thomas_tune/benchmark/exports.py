@@ -9,7 +9,6 @@ import sys
 import tempfile
 import time
 
-import numpy as np
 
 from .kernels import exported_training_module
 
@@ -72,59 +71,41 @@ def startup(export_dir: str, seed: int = 0) -> dict:
 
 
 def time_export(export_dir: str, steps: int, warmup: int = 2, seed: int = 0) -> dict:
-    """ms per training step and per inference pass (median wall time of ``steps`` runs, after
-    ``warmup``; a fresh random batch for every run, copied to the device before the step's
-    clock starts, as :func:`time_torch` does; the step's dropout masks are drawn on the
-    device inside it) of an export on this machine's device;
-    kernel launches per training step on OpenCL, and there the bytes of the buffers given to
-    the step's launches and the device memory of a session that trains
-    (:func:`device_memory`). Returns a dict with ``train_ms``,
-    ``infer_ms``, ``batch``, ``infer_batch``, ``launches_per_step``,
-    ``device_peak_bytes`` and ``launch_arg_bytes_per_step`` (the last three None off
-    OpenCL)."""
-    from ..manifest import read_manifest
-    from ..runtime import Session
-    opencl_kind = read_manifest(export_dir)["target"]["kind"] == "opencl"
-    if opencl_kind:
-        from .. import opencl
-    s = Session(export_dir, seed=seed)
-    rng = np.random.default_rng(seed)
+    """ms per training step and per inference pass of an export alone on this machine's device
+    (:class:`~thomas_tune.benchmark.timing.ExportSide`: fresh random batches, each copied to
+    the device before the step's clocks start; the step's dropout masks are drawn on the device
+    inside it): medians of ``steps`` runs after ``warmup``, host clock (``train_ms``,
+    ``infer_ms``) and OpenCL profiling events (``train_device_ms``, ``infer_device_ms``; None
+    off OpenCL), with spreads; plus :func:`export_counters`. ``run_bench`` times several
+    builds interleaved instead (:func:`~thomas_tune.benchmark.timing.time_interleaved`)."""
+    from .timing import ExportSide, as_result, time_interleaved
+    side = ExportSide(export_dir, seed)
+    timed = time_interleaved({"export": side}, steps, warmup)["export"]
+    return {**as_result(timed), **export_counters(side, export_dir, seed)}
 
-    def batch(n):
-        return rng.standard_normal(s.model.input_shape(n)).astype("float32")
 
-    def labels():
-        return rng.integers(0, s.model.num_classes, s.batch)
-
-    for _ in range(warmup):
-        s.train_step(batch(s.batch), labels())
-        s.predict(batch(s.infer_batch))
-    s.sync()
-    launches = peak = arg_bytes = None
-    if opencl_kind:
-        before = opencl.stats()
-    times = []
+def export_counters(side, export_dir: str, seed: int = 0, steps: int = 3) -> dict:
+    """What an export's training step asks of an OpenCL device, counted by the sidecar over
+    ``steps`` steps of ``side`` (an :class:`~thomas_tune.benchmark.timing.ExportSide` on
+    ``export_dir``): ``launches_per_step`` (kernels enqueued), ``launch_arg_bytes_per_step``
+    (bytes of the buffers given to them: an upper bound of the step's memory traffic), and
+    ``device_peak_bytes`` (:func:`device_memory`, a fresh process); all None off OpenCL.
+    ``batch`` and ``infer_batch`` are the export's."""
+    out = {"batch": side.batch, "infer_batch": side.infer_batch, "launches_per_step": None,
+           "launch_arg_bytes_per_step": None, "device_peak_bytes": None}
+    if not side.opencl:
+        return out
+    from .. import opencl
+    side.session.sync()
+    before = opencl.stats()
     for _ in range(steps):
-        x, y = s.upload(batch(s.batch), labels())  # on the device before the clock starts,
-        s.sync()                                   # as PyTorch's batch is (time_torch)
-        t0 = time.perf_counter()
-        s.train_step(x, y)
-        s.sync()
-        times.append(time.perf_counter() - t0)
-    if opencl_kind:
-        after = opencl.stats()
-        launches = (after["launches"] - before["launches"]) / steps
-        arg_bytes = (after["launch_arg_bytes"] - before["launch_arg_bytes"]) / steps
-        peak = device_memory(export_dir, seed=seed)
-    itimes = []
-    for _ in range(steps):
-        x = batch(s.infer_batch)
-        t0 = time.perf_counter()
-        s.predict(x)
-        itimes.append(time.perf_counter() - t0)
-    return {"train_ms": float(np.median(times)) * 1e3, "infer_ms": float(np.median(itimes)) * 1e3,
-            "batch": s.batch, "infer_batch": s.infer_batch, "launches_per_step": launches,
-            "device_peak_bytes": peak, "launch_arg_bytes_per_step": arg_bytes}
+        side.train_once()
+    after = opencl.stats()
+    out["launches_per_step"] = (after["launches"] - before["launches"]) / steps
+    out["launch_arg_bytes_per_step"] = (after["launch_arg_bytes"]
+                                        - before["launch_arg_bytes"]) / steps
+    out["device_peak_bytes"] = device_memory(export_dir, seed=seed)
+    return out
 
 
 _MEMORY_PROBE = """

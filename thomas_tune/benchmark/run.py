@@ -8,10 +8,11 @@ from dataclasses import dataclass
 
 from .checks import check_variants
 from .curve import tuning_curve
-from .exports import startup, time_export
+from .exports import export_counters, startup
 from .kernels import exported_training_module, mark_tuned, step_kernels, time_kernels
 from .peaks import device_description, measure_peaks
-from .torch_baseline import time_torch, torch_device
+from .timing import ExportSide, TorchSide, as_result, time_interleaved
+from .torch_baseline import torch_device, torch_result
 
 
 @dataclass
@@ -85,12 +86,34 @@ def run_bench(model, tensors, target, exports: dict, cfg: BenchConfig, log_path:
         res["step"]["tuned_kernels"] = sum(k.tuned for k in tuned_ks)
     checks = check_variants(exports, cfg.seed, say) if cfg.check else {}
     res["checks"] = {k: c.as_dict() for k, c in checks.items()}
+    sides = {}
     for variant, folder in exports.items():
         if variant in checks and not checks[variant].ok:
             say(f"[bench] {variant}: not timed, its numbers are wrong")
             continue
-        say(f"[bench] timing {variant}: {cfg.steps} training steps and inference passes ...")
-        r = time_export(folder, cfg.steps, cfg.warmup, cfg.seed)
+        sides[variant] = ExportSide(folder, cfg.seed)
+    torch_by_setting = None
+    if cfg.torch:
+        td = torch_device()
+        if td is None:
+            say("[bench] PyTorch is not installed: no PyTorch column")
+        else:
+            sides["torch"] = TorchSide(model, tensors, tg.trainable, tg.optimizer, batch,
+                                       infer_batch, cfg.seed, frozen_bn=tg.frozen_bn)
+            if td == "cuda":
+                say("[bench] PyTorch eager on cuda: cudnn.benchmark off and on ...")
+            torch_by_setting = sides["torch"].choose_cudnn_benchmark(cfg.steps, cfg.warmup)
+    say(f"[bench] timing {', '.join(sides)} side by side: {cfg.steps} interleaved rounds of "
+        "training steps, then of inference passes ...")
+    timed = time_interleaved(sides, cfg.steps, cfg.warmup)
+    for variant, side in sides.items():
+        if variant == "torch":
+            r = torch_result(side, torch_by_setting, timed[variant])
+            r["checked"] = True  # the reference itself
+            res["variants"][variant] = r
+            continue
+        folder = exports[variant]
+        r = {**as_result(timed[variant]), **export_counters(side, folder, cfg.seed)}
         r["checked"] = variant in checks  # a time whose numbers were not checked: no ratio
         res["variants"][variant] = r
         if cfg.kernels:
@@ -111,16 +134,7 @@ def run_bench(model, tensors, target, exports: dict, cfg: BenchConfig, log_path:
             say(f"[bench] start-up of the {variant} export: first start (empty program "
                 "cache), then second start ...")
             r["startup"] = startup(folder, cfg.seed)
-    if cfg.torch:
-        td = torch_device()
-        if td is None:
-            say("[bench] PyTorch is not installed: no PyTorch column")
-        else:
-            say(f"[bench] timing PyTorch eager on {td} ...")
-            res["variants"]["torch"] = time_torch(model, tensors, tg.trainable, tg.optimizer,
-                                                  batch, infer_batch, cfg.steps, cfg.warmup,
-                                                  cfg.seed, frozen_bn=tg.frozen_bn)
-            res["variants"]["torch"]["checked"] = True  # the reference itself
+    sides.clear()
     for variant, r in res["variants"].items():
         r["train_images_per_s"] = 1e3 * r["batch"] / r["train_ms"]
         r["infer_images_per_s"] = 1e3 * r["infer_batch"] / r["infer_ms"]
@@ -156,6 +170,23 @@ def _fmt(v, spec=".1f", none="-"):
     return format(v, spec)
 
 
+def _iqr(sp) -> str:
+    if not sp or sp.get("q1") is None:
+        return "-"
+    return f"{sp['q1']:.2f}-{sp['q3']:.2f}"
+
+
+def speedup(slow: dict, fast: dict, what: str = "train") -> tuple[float, str]:
+    """How many times faster the variant ``fast`` is than ``slow`` (bench variant dicts) at
+    ``what`` ("train" or "infer"): the ratio of their device-timer medians when both have a
+    device timer (OpenCL events, CUDA events), else of their host-clock medians; returns
+    (ratio, "device timer" or "host clock")."""
+    key = f"{what}_device_ms"
+    if slow.get(key) and fast.get(key):
+        return slow[key] / fast[key], "device timer"
+    return slow[f"{what}_ms"] / fast[f"{what}_ms"], "host clock"
+
+
 def format_report(res: dict, top: int = 12) -> str:
     """The bench result as text tables (what ``thomas-tune bench`` prints)."""
     m = res["model"]
@@ -171,7 +202,8 @@ def format_report(res: dict, top: int = 12) -> str:
              f"GFLOP, {res['step']['argument_gbytes'] * 1e3:.1f} MB of kernel arguments; "
              f"'thomas-tune memory' estimates a peak of "
              f"{res['step'].get('memory_estimate_bytes', 0) / 1e6:.1f} MB", ""]
-    hdr = (f"{'variant':<9} {'train ms':>9} {'img/s':>8} {'infer ms':>9} {'img/s':>8} "
+    hdr = (f"{'variant':<9} {'train ms':>9} {'IQR':>13} {'device ms':>9} {'IQR':>13} "
+           f"{'img/s':>8} {'infer ms':>9} {'device ms':>9} {'img/s':>8} "
            f"{'%peak FLOP':>10} {'%peak BW':>9} {'launches':>8} {'peak MB':>8} "
            f"{'kernels ms':>10} "
            f"{'1st start s':>11} {'2nd start s':>11}")
@@ -183,8 +215,11 @@ def format_report(res: dict, top: int = 12) -> str:
         st = r.get("startup") or {}
         mark = "" if r.get("checked", True) else " (unchecked: its numbers were not compared)"
         lines.append(
-            f"{name:<9} {r['train_ms']:>9.2f} {r['train_images_per_s']:>8.1f} "
-            f"{r['infer_ms']:>9.3f} {r['infer_images_per_s']:>8.1f} "
+            f"{name:<9} {r['train_ms']:>9.2f} {_iqr(r.get('train_ms_spread')):>13} "
+            f"{_fmt(r.get('train_device_ms'), '.2f'):>9} "
+            f"{_iqr(r.get('train_device_ms_spread')):>13} {r['train_images_per_s']:>8.1f} "
+            f"{r['infer_ms']:>9.3f} {_fmt(r.get('infer_device_ms'), '.3f'):>9} "
+            f"{r['infer_images_per_s']:>8.1f} "
             f"{100 * r['share_of_peak_flops']:>9.2f}% {100 * r['share_of_peak_bandwidth']:>8.2f}% "
             f"{_fmt(r.get('launches_per_step'), '.0f'):>8} "
             f"{_fmt(r.get('device_peak_bytes') and r['device_peak_bytes'] / 1e6, '.1f'):>8} "
@@ -198,8 +233,12 @@ def format_report(res: dict, top: int = 12) -> str:
     for a, b in (("default", "tuned"), ("stock", "tuned"), ("stock", "default"),
                  ("torch", "tuned"), ("torch", "default")):
         if a in good and b in good:
-            ratios.append(f"{b} vs {a}: {v[a]['train_ms'] / v[b]['train_ms']:.2f}x (training), "
-                          f"{v[a]['infer_ms'] / v[b]['infer_ms']:.2f}x (inference)")
+            parts = []
+            for what in ("train", "infer"):
+                ratio, timer = speedup(v[a], v[b], what)
+                parts.append(f"{ratio:.2f}x ({'training' if what == 'train' else 'inference'}"
+                             f", {timer})")
+            ratios.append(f"{b} vs {a}: " + ", ".join(parts))
     if ratios:
         lines += ["", "speed-up (>1: the first named is faster): " + "; ".join(ratios)]
     for name, c in res.get("checks", {}).items():

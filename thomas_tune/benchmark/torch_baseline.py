@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 
 import numpy as np
 
@@ -40,23 +39,21 @@ def torchvision_module(model, tensors):
     return net.eval()
 
 
-def time_torch(model, tensors, trainable: list[str], optimizer, batch: int, infer_batch: int,
-               steps: int, warmup: int = 2, seed: int = 0, use_torchvision: bool = True,
+def torch_step(model, tensors, trainable: list[str], optimizer, batch: int, infer_batch: int,
+               seed: int = 0, use_torchvision: bool = True,
                frozen_bn: set[str] = frozenset()) -> dict:
-    """PyTorch eager float32 (TF32 off) on :func:`torch_device`, with ``cudnn.benchmark`` off
-    and on (CUDA; the faster is reported, both are kept): torchvision's network where
-    torchvision has it (:func:`torchvision_module`; ``use_torchvision``), else the same
-    architecture
-    (:func:`thomas_tune.reference.torch_module`), batch, trainable set (others frozen) and
-    optimizer (momentum SGD, SGD or Adam with the same settings), the BatchNorms of
-    ``frozen_bn`` in ``eval()`` while the network trains (as the step being compared runs them:
-    ``TrainingGraph.frozen_bn``; frozen parameters need no gradient, so autograd records
-    nothing of the frozen part). ms per training step (forward,
-    cross-entropy, backward, optimizer step) and per inference pass (``eval()``, no grad):
-    medians over ``steps`` runs on fresh random batches, synchronised. On CUDA,
-    ``device_peak_bytes`` is ``torch.cuda.max_memory_allocated`` over the training steps (the
-    network, its gradients, the optimizer state and the step's activations; None on the CPU).
-    Raises RuntimeError when torch is not installed."""
+    """PyTorch's side of a bench, set up: float32 (TF32 off) on :func:`torch_device`,
+    torchvision's network where torchvision has it (:func:`torchvision_module`;
+    ``use_torchvision``), else the same architecture (:func:`thomas_tune.reference.
+    torch_module`), the same trainable set (the others frozen: no gradient, so autograd records
+    nothing of the frozen part) and optimizer (momentum SGD, SGD or Adam with the same
+    settings), the BatchNorms of ``frozen_bn`` in ``eval()`` while the network trains (as the
+    step being compared runs them: ``TrainingGraph.frozen_bn``). Returns a dict: ``torch``,
+    ``dev``, ``net``, ``impl`` (which network), ``step(x, y)`` (forward, cross-entropy,
+    backward, optimizer step), ``infer(x)`` (``eval()``, no grad, back in training mode
+    after), ``new_batch()`` / ``new_images()`` (fresh random float32 images and integer
+    labels of ``seed``'s generator, on the device). Raises RuntimeError when torch is not
+    installed."""
     dev_name = torch_device()
     if dev_name is None:
         raise RuntimeError("torch is not installed")
@@ -84,60 +81,78 @@ def time_torch(model, tensors, trainable: list[str], optimizer, batch: int, infe
                               else 0.0)
     gen = torch.Generator(device="cpu").manual_seed(seed)
 
-    def sync():
-        if dev.type == "cuda":
-            torch.cuda.synchronize()
+    def training_mode():
+        net.train()
+        if impl == "torchvision":
+            for name, mod in net.named_modules():
+                if name in frozen_bn:
+                    mod.eval()
+        else:
+            net.frozen_bn = set(frozen_bn)
 
-    def step():
-        x = torch.randn(model.input_shape(batch), generator=gen).to(dev)
-        y = torch.randint(0, model.num_classes, (batch,), generator=gen).to(dev)
-        sync()
-        t0 = time.perf_counter()
+    def step(x, y):
         loss = torch.nn.functional.cross_entropy(net(x), y)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
-        sync()
-        return time.perf_counter() - t0
 
+    def infer(x):
+        net.eval()
+        with torch.no_grad():
+            net(x)
+        training_mode()
+
+    def new_images(n=infer_batch):
+        return torch.randn(model.input_shape(n), generator=gen).to(dev)
+
+    def new_batch():
+        return (new_images(batch),
+                torch.randint(0, model.num_classes, (batch,), generator=gen).to(dev))
+
+    training_mode()
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    net.train()
-    if impl == "torchvision":
-        for name, mod in net.named_modules():
-            if name in frozen_bn:
-                mod.eval()
-    else:
-        net.frozen_bn = set(frozen_bn)
-    by_setting = {}
-    # cudnn.benchmark picks convolution algorithms by timing them; which setting is faster
-    # depends on the network: both are timed and the faster one is reported
-    for bench_algos in ((False, True) if dev.type == "cuda" else (False,)):
-        torch.backends.cudnn.benchmark = bench_algos
-        for _ in range(warmup):
-            step()
-        by_setting[bench_algos] = [step() for _ in range(steps)]
-    faster = min(by_setting, key=lambda k: np.median(by_setting[k]))
-    torch.backends.cudnn.benchmark = faster
-    times = by_setting[faster]
-    peak = torch.cuda.max_memory_allocated() if dev.type == "cuda" else None
-    net.eval()
-    itimes = []
-    with torch.no_grad():
-        for i in range(warmup + steps):
-            x = torch.randn(model.input_shape(infer_batch), generator=gen).to(dev)
-            sync()
-            t0 = time.perf_counter()
-            net(x)
-            sync()
-            if i >= warmup:
-                itimes.append(time.perf_counter() - t0)
+    return {"torch": torch, "dev": dev, "net": net, "impl": impl, "step": step,
+            "infer": infer, "new_batch": new_batch, "new_images": new_images}
+
+
+def torch_description(side) -> dict:
+    """What a :class:`~thomas_tune.benchmark.timing.TorchSide` ran: ``device`` (torch version,
+    device and its name, network), ``implementation``, ``cudnn_benchmark`` (None on the
+    CPU)."""
+    torch, dev = side.torch, side.dev
     name = torch.cuda.get_device_name(0) if dev.type == "cuda" else "cpu"
-    return {"train_ms": float(np.median(times)) * 1e3, "infer_ms": float(np.median(itimes)) * 1e3,
-            "batch": batch, "infer_batch": infer_batch, "launches_per_step": None,
-            "device_peak_bytes": peak,
-            "device": f"torch {torch.__version__} {dev_name} ({name}), {impl}",
-            "implementation": impl,
-            "cudnn_benchmark": faster if dev.type == "cuda" else None,
-            "train_ms_by_cudnn_benchmark": {str(k): float(np.median(v)) * 1e3
-                                            for k, v in by_setting.items()}}
+    return {"device": f"torch {torch.__version__} {dev.type} ({name}), {side.impl}",
+            "implementation": side.impl,
+            "cudnn_benchmark": getattr(side, "cudnn_benchmark", None)}
+
+
+def time_torch(model, tensors, trainable: list[str], optimizer, batch: int, infer_batch: int,
+               steps: int, warmup: int = 2, seed: int = 0, use_torchvision: bool = True,
+               frozen_bn: set[str] = frozenset()) -> dict:
+    """PyTorch eager alone (:func:`torch_step`'s network, trainable set and optimizer), with
+    ``cudnn.benchmark`` off and on on CUDA (the faster is kept, both are reported). ms per
+    training step and per inference pass: medians over ``steps`` runs on fresh random
+    batches already on the device, host clock (``train_ms``, ``infer_ms``) and CUDA events
+    (``train_device_ms``, ``infer_device_ms``; None on the CPU), with their spreads
+    (:func:`thomas_tune.benchmark.timing.spread`). On CUDA, ``device_peak_bytes`` is
+    ``torch.cuda.max_memory_allocated`` over the training steps (the network, its gradients,
+    the optimizer state and the step's activations; None on the CPU). Raises RuntimeError
+    when torch is not installed."""
+    from .timing import TorchSide, time_interleaved
+    side = TorchSide(model, tensors, trainable, optimizer, batch, infer_batch, seed,
+                     use_torchvision, frozen_bn)
+    return torch_result(side, side.choose_cudnn_benchmark(steps, warmup),
+                        time_interleaved({"torch": side}, steps, warmup)["torch"])
+
+
+def torch_result(side, by_setting: dict, timed: dict) -> dict:
+    """The result dict of PyTorch's side (see :func:`time_torch`) from its timings
+    (:func:`thomas_tune.benchmark.timing.time_interleaved`'s entry) and the medians by
+    ``cudnn.benchmark`` setting."""
+    from .timing import as_result
+    cuda = side.dev.type == "cuda"
+    peak = side.torch.cuda.max_memory_allocated() if cuda else None
+    return {**as_result(timed), "batch": side.batch, "infer_batch": side.infer_batch,
+            "launches_per_step": None, "device_peak_bytes": peak, **torch_description(side),
+            "train_ms_by_cudnn_benchmark": by_setting}

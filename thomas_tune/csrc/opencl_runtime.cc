@@ -1233,6 +1233,44 @@ TVM_FFI_STATIC_INIT_BLOCK() {
                 << ", \"binary_load_s\": " << stats.binary_load_ns * 1e-9 << "}";
              return tvm::ffi::String(os.str());
            })
+      .def("thomas_tune.opencl.record_start",
+           []() {
+             using thomas_tune::opencl::recording;
+             for (cl_event e : recording.events) clReleaseEvent(e);
+             recording.events.clear();
+             recording.on = true;
+           })
+      .def("thomas_tune.opencl.record_stop",
+           []() {
+             // the kernels launched by this thread since record_start, once they ran: their
+             // count, the sum of their execution times and the span from the first one's
+             // start to the last one's end (gaps between kernels included), nanoseconds
+             using thomas_tune::opencl::ErrorName;
+             using thomas_tune::opencl::recording;
+             recording.on = false;
+             std::vector<cl_event> events;
+             events.swap(recording.events);
+             cl_ulong first = 0, last = 0;
+             int64_t busy = 0;
+             if (!events.empty()) {
+               TT_CL_CHECK(clWaitForEvents(events.size(), events.data()), "waiting for kernels");
+             }
+             for (size_t i = 0; i < events.size(); ++i) {
+               cl_ulong t0 = 0, t1 = 0;
+               clGetEventProfilingInfo(events[i], CL_PROFILING_COMMAND_START, sizeof(t0), &t0,
+                                       nullptr);
+               clGetEventProfilingInfo(events[i], CL_PROFILING_COMMAND_END, sizeof(t1), &t1,
+                                       nullptr);
+               if (i == 0 || t0 < first) first = t0;
+               if (i == 0 || t1 > last) last = t1;
+               busy += static_cast<int64_t>(t1 - t0);
+               clReleaseEvent(events[i]);
+             }
+             std::ostringstream os;
+             os << "{\"kernels\": " << events.size() << ", \"busy_ns\": " << busy
+                << ", \"span_ns\": " << static_cast<int64_t>(last - first) << "}";
+             return tvm::ffi::String(os.str());
+           })
       .def("thomas_tune.opencl.reset_peak",
            []() {
              using thomas_tune::opencl::stats;
