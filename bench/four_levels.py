@@ -47,7 +47,8 @@ llvm export of ``last:K`` made with ``--cache-features`` (both paths run its ker
 pretrained checkpoint above, the same batches and dropout masks; rounds alternate the two
 paths. Per path: time to ``--steps`` steps (wall time of the training, the features' one
 pass included, held-out evaluations left out), ms per step (median), the features' pass and
-bytes, held-out accuracy, and the largest difference between the two paths' losses. Writes
+bytes, the step's peak memory (``thomas_tune.memory``, an estimate), held-out accuracy, and
+the largest difference between the two paths' losses. Writes
 ``four_levels_cache.json`` and ``four_levels_cache.md`` into ``--out``.
 """
 
@@ -436,6 +437,9 @@ def cache_main(args):
                   f"({rep.ms_per_step:.2f} ms/step, features {rep.features_s:.2f} s), "
                   f"accuracy {100 * rep.acc_before:.1f}% -> {100 * rep.acc_after:.1f}%",
                   flush=True)
+    from thomas_tune.memory import training_memory
+    memory = {k: training_memory(model5, BATCH, trainable, features=k == "cached features"
+                                 ).as_dict() for k in runs}
     full, cached = (np.array(runs[k][0]["losses"]) for k in runs)
     x_bytes = int(np.prod(model5.input_shape(1))) * 4
     results = {"config": {**CONFIG, "batch": BATCH, "optimizer": "momentum_sgd", **OPT,
@@ -443,7 +447,7 @@ def cache_main(args):
                           "seed": args.seed, "train_images": len(ft_train.y),
                           "held_out_images": len(ft_test.y), "tuning_log": LOG,
                           "image_bytes": x_bytes, "threads": os.cpu_count()},
-               "export_s": export_s, "runs": runs,
+               "export_s": export_s, "runs": runs, "memory_bytes": memory,
                "max_loss_rel_diff": float(np.max(np.abs(cached - full) / np.abs(full))),
                "wall_s": time.perf_counter() - t_start}
     with open(os.path.join(args.out, "four_levels_cache.json"), "w") as f:
@@ -457,11 +461,13 @@ def cache_main(args):
              f"{len(ft_test.y)} held out; tuned llvm build on {os.cpu_count()} cores, one "
              f"export for both paths; medians of {args.rounds} alternating rounds.", "",
              f"| path | time to {args.steps} steps (s) | ms/step | features' pass (s) | "
-             "features held (MiB) | accuracy before -> after |", "|---|---|---|---|---|---|"]
+             "features held (MiB) | peak step memory (MiB, `thomas-tune memory`) | "
+             "accuracy before -> after |", "|---|---|---|---|---|---|---|"]
     for k, v in runs.items():
         lines.append(f"| {k} | {med[k]['train_s']:.2f} | {med[k]['ms_per_step']:.2f} | "
                      f"{med[k]['features_s']:.2f} | {v[0]['features_bytes'] / 2**20:.2f} | "
-                     f"{100 * v[0]['acc_before']:.1f}% -> {100 * v[0]['acc_after']:.1f}% |")
+                     f"{memory[k]['peak'] / 2**20:.2f} | {100 * v[0]['acc_before']:.1f}% -> "
+                     f"{100 * v[0]['acc_after']:.1f}% |")
     lines += ["", f"Losses of the two paths differ by at most {results['max_loss_rel_diff']:.1e}"
               f" (relative). Time to {args.steps} steps: "
               f"{med['full step']['train_s'] / med['cached features']['train_s']:.1f}x less "

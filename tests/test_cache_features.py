@@ -127,3 +127,15 @@ def test_the_cut_is_the_one_tensor_the_trainable_layers_read():
     head = tg.mod[G.HEAD_ADJOINT]
     assert [p.name for p in head.params][:3] == ["features", "classifier.0.mask",
                                                       "classifier.3.mask"]
+
+
+def test_the_step_on_cached_features_needs_less_memory():
+    from thomas_tune.memory import training_memory
+    model = build("mobilenet_v2", num_classes=5, resolution=64, width=0.35)
+    full = training_memory(model, 8, "last:2")
+    cached = training_memory(model, 8, "last:2", features=True)
+    assert cached.input_batch == 8 * 112 * 2 * 2 * 4 < full.input_batch == 8 * 3 * 64 * 64 * 4
+    # the same parameters resident, gradients and optimizer state; no frozen activations
+    assert (cached.parameters, cached.gradients, cached.optimizer_state) == (
+        full.parameters, full.gradients, full.optimizer_state)
+    assert cached.peak < full.peak
