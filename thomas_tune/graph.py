@@ -11,6 +11,15 @@ case pays only for the backward of those layers). It returns ``((loss, new_state
 (grads...))``. ``optimizer(params, grads, optim_state)`` returns ``(new_params, new_state)``.
 ``predict(x, params..., states...)`` is the inference graph (BatchNorm on running statistics).
 
+With ``features=True`` (``--cache-features``, ``last:K`` only) the module also holds the step
+split at the one tensor the last K layers read from the frozen part: ``features(x, frozen
+params..., frozen states...)``, the frozen part alone, and ``train_head_adjoint(features,
+masks..., trainable params..., head states..., targets)``, the step of the last K layers on it
+(:class:`FeatureSplit`). Each is traced from the model's own forward pass, the other part's
+operators emitted only for their shapes (:class:`_PartGraph`), so the two compose to the
+full step, operator for operator. Only a frozen part that computes the same function at every
+step can be cut so (:func:`check_cache_features`).
+
 BatchNorm in the training step takes one of three modes (:data:`BATCHNORM_MODES`):
 
 * ``frozen-part`` (the default): the BatchNorms of frozen layers in the inference form (below),
