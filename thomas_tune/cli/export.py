@@ -35,6 +35,10 @@ def cmd_export(args) -> int:
     print(f"exported {manifest['arch']} to {args.out}: {len(manifest['trainable'])} trainable, "
           f"{len(manifest['frozen'])} frozen parameters; tuning log "
           f"{manifest['tuning_log'] or 'none'} (sha256 {str(manifest['tuning_log_sha256'])[:12]})")
+    if manifest["features"]:
+        shape = "x".join(map(str, manifest["features"]["shape"]))
+        print(f"with the step on cached features (train --cache-features): {shape} float32 "
+              "per image")
     return 0
 
 
