@@ -39,6 +39,17 @@ would; ``--calibrate-on pretrain`` uses images of the pretraining digits), and t
   both sides (``--trainable all,frozen-bn``; ``BatchNorm2d.eval()`` in PyTorch).
 
 Writes ``imported.json`` and ``imported.md`` into ``--out``.
+
+    python bench/four_levels.py --cache-features [--rounds 3]
+
+Level 2 with and without ``train --cache-features``, side by side in one process: one tuned
+llvm export of ``last:K`` made with ``--cache-features`` (both paths run its kernels), the
+pretrained checkpoint above, the same batches and dropout masks; rounds alternate the two
+paths. Per path: time to ``--steps`` steps (wall time of the training, the features' one
+pass included, held-out evaluations left out), ms per step (median), the features' pass and
+bytes, the step's peak memory (``thomas_tune.memory``, an estimate), held-out accuracy, and
+the largest difference between the two paths' losses. Writes
+``four_levels_cache.json`` and ``four_levels_cache.md`` into ``--out``.
 """
 
 from __future__ import annotations
@@ -379,6 +390,95 @@ def _write_imported(results, args):
     print("\n".join(lines))
 
 
+def cache_main(args):
+    """Level 2 with and without cached features (module docstring)."""
+    from thomas_tune.models import build, load_checkpoint, replace_head
+    from thomas_tune.runtime import Session
+    from thomas_tune.train import fine_tune
+
+    t_start = time.perf_counter()
+    work = args.work or tempfile.mkdtemp(prefix="four-levels-cache-")
+    os.makedirs(args.out, exist_ok=True)
+    tag = f"{CONFIG['arch']}-w{CONFIG['width']:g}-r{CONFIG['resolution']}"
+    pre_ckpt = os.path.join(ROOT, "models", "pretrained", f"{tag}-mnist0to4.npz")
+    if not os.path.exists(pre_ckpt):
+        raise SystemExit(f"{pre_ckpt} is missing: run 'python bench/four_levels.py' first "
+                         "(it pretrains the network on digits 0-4)")
+    ft_train, ft_test = _data([5, 6, 7, 8, 9], LIMIT, args.seed)
+    model5 = build(CONFIG["arch"], num_classes=5, resolution=CONFIG["resolution"],
+                   width=CONFIG["width"])
+    _, ft_init = replace_head(model5, load_checkpoint(pre_ckpt)[1], 5, seed=args.seed + 1)
+    trainable = f"last:{args.last}"
+    folder = os.path.join(work, f"last{args.last}-cache-tuned")
+    t0 = time.perf_counter()
+    if not os.path.exists(os.path.join(folder, "manifest.json")):
+        from thomas_tune.export import export
+        from thomas_tune.graph import OptimizerConfig
+        from thomas_tune.logs import TuningLog
+        from thomas_tune.target import parse_target
+        export(folder, model5, ft_init, parse_target("llvm"), batch=BATCH, trainable=trainable,
+               optimizer=OptimizerConfig(**OPT), log=TuningLog(LOG), cache_features=True,
+               progress=lambda m: print(f"  [export] {m}", flush=True))
+    export_s = time.perf_counter() - t0
+    runs = {"full step": [], "cached features": []}
+    for r in range(args.rounds):
+        for name, cached in (("full step", False), ("cached features", True)):
+            s = Session(folder, seed=args.seed)
+            s.load_tensors(ft_init)
+            rep = fine_tune(s, ft_train, ft_test, args.steps, seed=args.seed,
+                            eval_every=args.eval_every, show_progress=False,
+                            cache_features=cached)
+            runs[name].append({"train_s": rep.train_s, "ms_per_step": rep.ms_per_step,
+                               "features_s": rep.features_s,
+                               "features_bytes": rep.features_bytes,
+                               "acc_before": rep.acc_before, "acc_after": rep.acc_after,
+                               "curve": rep.accuracy_curve, "losses": rep.losses})
+            print(f"round {r + 1} {name}: {rep.train_s:.2f} s to {args.steps} steps "
+                  f"({rep.ms_per_step:.2f} ms/step, features {rep.features_s:.2f} s), "
+                  f"accuracy {100 * rep.acc_before:.1f}% -> {100 * rep.acc_after:.1f}%",
+                  flush=True)
+    from thomas_tune.memory import training_memory
+    memory = {k: training_memory(model5, BATCH, trainable, features=k == "cached features"
+                                 ).as_dict() for k in runs}
+    full, cached = (np.array(runs[k][0]["losses"]) for k in runs)
+    x_bytes = int(np.prod(model5.input_shape(1))) * 4
+    results = {"config": {**CONFIG, "batch": BATCH, "optimizer": "momentum_sgd", **OPT,
+                          "trainable": trainable, "steps": args.steps, "rounds": args.rounds,
+                          "seed": args.seed, "train_images": len(ft_train.y),
+                          "held_out_images": len(ft_test.y), "tuning_log": LOG,
+                          "image_bytes": x_bytes, "threads": os.cpu_count()},
+               "export_s": export_s, "runs": runs, "memory_bytes": memory,
+               "max_loss_rel_diff": float(np.max(np.abs(cached - full) / np.abs(full))),
+               "wall_s": time.perf_counter() - t_start}
+    with open(os.path.join(args.out, "four_levels_cache.json"), "w") as f:
+        json.dump(results, f, indent=1)
+    med = {k: {q: float(np.median([u[q] for u in v])) for q in ("train_s", "ms_per_step",
+                                                                  "features_s")}
+           for k, v in runs.items()}
+    lines = [f"Level 2 ({trainable}), MobileNetV2 width {CONFIG['width']}, "
+             f"{CONFIG['resolution']}x{CONFIG['resolution']}, batch {BATCH}, momentum SGD lr "
+             f"{OPT['lr']}, {args.steps} steps on {len(ft_train.y)} images of digits 5-9, "
+             f"{len(ft_test.y)} held out; tuned llvm build on {os.cpu_count()} cores, one "
+             f"export for both paths; medians of {args.rounds} alternating rounds.", "",
+             f"| path | time to {args.steps} steps (s) | ms/step | features' pass (s) | "
+             "features held (MiB) | peak step memory (MiB, `thomas-tune memory`) | "
+             "accuracy before -> after |", "|---|---|---|---|---|---|---|"]
+    for k, v in runs.items():
+        lines.append(f"| {k} | {med[k]['train_s']:.2f} | {med[k]['ms_per_step']:.2f} | "
+                     f"{med[k]['features_s']:.2f} | {v[0]['features_bytes'] / 2**20:.2f} | "
+                     f"{memory[k]['peak'] / 2**20:.2f} | {100 * v[0]['acc_before']:.1f}% -> "
+                     f"{100 * v[0]['acc_after']:.1f}% |")
+    lines += ["", f"Losses of the two paths differ by at most {results['max_loss_rel_diff']:.1e}"
+              f" (relative). Time to {args.steps} steps: "
+              f"{med['full step']['train_s'] / med['cached features']['train_s']:.1f}x less "
+              f"with cached features. Wall time of the script "
+              f"{results['wall_s'] / 60:.1f} min (`python bench/four_levels.py "
+              f"--cache-features`)."]
+    with open(os.path.join(args.out, "four_levels_cache.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int,
@@ -406,12 +506,20 @@ def main():
     ap.add_argument("--lr", type=float,
                     help=f"learning rate of momentum SGD (default {OPT['lr']}; 0.005 with "
                          "--imported, the recipe of thomas-tune demo)")
+    ap.add_argument("--cache-features", action="store_true",
+                    help="level 2 with and without train --cache-features, side by side "
+                         "(module docstring)")
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="alternating rounds of --cache-features (default 3)")
     args = ap.parse_args()
     OPT["lr"] = args.lr or (0.005 if args.imported else OPT["lr"])
     args.steps = args.steps or 300
     args.pretrain_steps = args.pretrain_steps or (400 if args.imported else 800)
     if args.imported:
         imported_main(args)
+        return
+    if args.cache_features:
+        cache_main(args)
         return
     if args.replot:
         _write(json.load(open(os.path.join(args.out, "four_levels.json"))), args)

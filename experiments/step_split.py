@@ -47,7 +47,7 @@ def main() -> int:
         y = rng.integers(0, s.model.num_classes, s.batch)
         xd, yd = clock("upload", lambda: s.upload(x, y))
         masks = clock("masks", s.draw_masks)
-        call = s._step_args(xd, yd, masks)
+        call = s._step_args(ADJOINT, xd, yd, masks)
         ret, grads = clock("adjoint", lambda: s._train_vm[ADJOINT](*call))
         loss = ret[0] if m["states"] else ret
         clock("optimizer", lambda: s._train_vm[OPTIMIZER](s._ordered(m["trainable"]), grads,

@@ -225,6 +225,29 @@ def test_training_outlives_its_session_bound_and_keeps_its_state(farm, small_exp
     assert set(_requested_timeouts(options_log)) >= {"4", "600"}
 
 
+def test_cached_features_train_on_the_device_server_as_here(farm, tmp_path, rng):
+    # the features come back to this side and each step sends its batch's features; the
+    # head's step returns its tuples on the device, as the full step's
+    addr, _, _ = farm
+    out = str(tmp_path / "cached")
+    model = build("alexnet", **MODEL)
+    export(out, model, init_params(model, seed=12), parse_target("llvm"), batch=BATCH,
+           trainable="last:3", progress=lambda *_: None, cache_features=True)
+    x = rng.standard_normal((BATCH + 1, 3, 67, 67)).astype("float32")
+    y = rng.integers(0, MODEL["num_classes"], BATCH)
+    seed = int(rng.integers(1 << 30))
+    runs = []
+    for remote in (RemoteDevice(addr, KEY, 600), None):
+        with Session(out, remote=remote, seed=seed) as s:
+            f = s.features(x)
+            runs.append((f, [s.train_step_features(f[:BATCH], y) for _ in range(3)],
+                         s.tensors()))
+    np.testing.assert_allclose(runs[0][0], runs[1][0], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(runs[0][1], runs[1][1], rtol=1e-5)
+    for name, value in runs[1][2].items():
+        np.testing.assert_allclose(runs[0][2][name], value, rtol=1e-4, atol=1e-6)
+
+
 def test_a_bound_too_short_for_the_export_is_a_clear_error(farm, small_export):
     addr, _, _ = farm
     with pytest.raises(ValueError, match="give --session-timeout"):

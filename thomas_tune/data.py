@@ -50,15 +50,21 @@ class Dataset:
                 Dataset(self.x[mask], self.y[mask], self.classes, self.source))
 
     def batches(self, batch: int, rng: np.random.Generator):
-        """Endless shuffled full batches (x, y)."""
+        """Endless shuffled full batches (x, y): the images of :meth:`batch_indices`."""
+        for sel in self.batch_indices(batch, rng):
+            yield self.x[sel], self.y[sel]
+
+    def batch_indices(self, batch: int, rng: np.random.Generator):
+        """Endless shuffled full batches as index arrays (int64 (batch,)): a permutation of
+        the images per epoch, cut into batches, the remainder dropped. Raises ValueError when
+        the data set holds less than one batch."""
         if len(self.y) < batch:
             raise ValueError(f"data set {self.source} has {len(self.y)} images, fewer than one "
                              f"batch of {batch}; lower --batch")
         while True:
             order = rng.permutation(len(self.y))
             for i in range(0, len(order) - batch + 1, batch):
-                sel = order[i:i + batch]
-                yield self.x[sel], self.y[sel]
+                yield order[i:i + batch]
 
 
 def to_model_input(images: np.ndarray, resolution: int) -> np.ndarray:

@@ -3,7 +3,9 @@
 An export folder holds::
 
     inference.so   predict(x, params..., states...) at the inference batch size
-    train.so       train_adjoint, optimizer, and predict at the training batch size
+    train.so       train_adjoint, optimizer, and predict at the training batch size; with
+                   ``cache_features``, also ``features`` (the frozen part alone) and
+                   ``train_head_adjoint`` (the trainable layers' step on features)
     params.npz     the model's parameters and states (a models/ checkpoint, with class names)
     manifest.json  model, shapes, target, host triple, trainable/frozen sets, optimizer,
                    tuning-log hash, class names
@@ -100,7 +102,8 @@ def export(out_dir: str, model, tensors: dict[str, np.ndarray], target: tvm.targ
            batch: int = 8, infer_batch: int = 1, trainable: str = "all",
            optimizer: G.OptimizerConfig | None = None, log: TuningLog | None = None,
            classes: list[str] | None = None, progress=print, device: dict | None = None,
-           stock_defaults: bool = False, check_records: bool = True) -> dict:
+           stock_defaults: bool = False, check_records: bool = True,
+           cache_features: bool = False) -> dict:
     """Compile and write the export folder (see the module docstring); returns the manifest.
 
     ``tensors``: parameters and states (float32, shapes of ``models.spec``). ``batch``: images
@@ -113,13 +116,18 @@ def export(out_dir: str, model, tensors: dict[str, np.ndarray], target: tvm.targ
     device and compared with its default schedule; a wrong one is left out with a message
     (:func:`thomas_tune.record_check.checked_build`; the manifest's ``record_check`` says
     how many were checked, which were left out and why, or why none could be checked).
-    The libraries are linked for the target's host (``target.export_shared``). Raises
-    ValueError for a bad trainable set or optimizer, and for a foreign host without a working
-    cross compiler (before compiling anything).
+    ``cache_features``: the training module also holds the step split at the frozen part's
+    output (``graph.training_module(..., features=True)``), which ``train --cache-features``
+    runs; the manifest's ``features`` describes it (feature shape per image, the running
+    statistics of each part), None without it. The libraries are linked for the target's
+    host (``target.export_shared``). Raises ValueError for a bad trainable set or optimizer,
+    for ``cache_features`` with a trainable set whose frozen part is not the same at every
+    step (the message names the fix), and for a foreign host without a working cross compiler
+    (before compiling anything).
     """
     cross_compiler(target)  # a missing or wrong cross compiler fails here, before any work
     os.makedirs(out_dir, exist_ok=True)
-    tg = G.training_module(model, batch, trainable, optimizer)
+    tg = G.training_module(model, batch, trainable, optimizer, features=cache_features)
     shapes = {p.name: p.shape for p in spec(model).params}
     train_mod = _with_step_functions(tg.mod, [shapes[n] for n in tg.trainable], tg.optim_state,
                                      list(tg.masks.values()))
@@ -184,6 +192,8 @@ def export(out_dir: str, model, tensors: dict[str, np.ndarray], target: tvm.targ
         "batchnorm": tg.batchnorm,
         "frozen_bn": sorted(tg.frozen_bn),
         "masks": {k: {"shape": list(v[0]), "p": v[1]} for k, v in tg.masks.items()},  # in order
+        # the step split at the frozen part's output (train --cache-features), or None
+        "features": tg.features.as_dict() if tg.features else None,
         "optimizer": dataclasses.asdict(tg.optimizer),
         "tuning_log": log.path if log is not None else None,
         "tuning_log_sha256": log_hash(log),

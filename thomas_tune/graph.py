@@ -11,6 +11,15 @@ case pays only for the backward of those layers). It returns ``((loss, new_state
 (grads...))``. ``optimizer(params, grads, optim_state)`` returns ``(new_params, new_state)``.
 ``predict(x, params..., states...)`` is the inference graph (BatchNorm on running statistics).
 
+With ``features=True`` (``--cache-features``, ``last:K`` only) the module also holds the step
+split at the one tensor the last K layers read from the frozen part: ``features(x, frozen
+params..., frozen states...)``, the frozen part alone, and ``train_head_adjoint(features,
+masks..., trainable params..., head states..., targets)``, the step of the last K layers on it
+(:class:`FeatureSplit`). Each is traced from the model's own forward pass, the other part's
+operators emitted only for their shapes (:class:`_PartGraph`), so the two compose to the
+full step, operator for operator. Only a frozen part that computes the same function at every
+step can be cut so (:func:`check_cache_features`).
+
 BatchNorm in the training step takes one of three modes (:data:`BATCHNORM_MODES`):
 
 * ``frozen-part`` (the default): the BatchNorms of frozen layers in the inference form (below),
@@ -34,6 +43,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import tvm
+import tvm_ffi
 from tvm import relax
 from tvm.relax.training import SetupTrainer
 from tvm.relax.training import loss as rloss
@@ -41,8 +51,9 @@ from tvm.relax.training import optimizer as ropt
 
 from . import gradients  # noqa: F401  (registers the missing gradients)
 from . import multi_tensor as MT
-from .manifest import ADJOINT, OPTIMIZER, PREDICT  # the exported functions' names
-from .models import spec, trace
+from .manifest import (ADJOINT, FEATURES, HEAD_ADJOINT, OPTIMIZER,  # the exported functions'
+                       PREDICT)  # names
+from .models import ShapeGraph, spec, trace
 from .models.layers import Graph
 
 BATCHNORM_MODES = ("frozen-part", "train", "frozen")
@@ -316,6 +327,199 @@ def _trace_training(model, batch: int, dtype: str, frozen: set[str]):
     return bb, FrozenBatchNormGraph(bb, "train", dtype, frozen), x
 
 
+class _PartGraph(FrozenBatchNormGraph):
+    """One part of the training step's forward pass (:class:`FrozenBatchNormGraph`, training
+    mode): the frozen part (``part="features"``: images -> the one tensor the trainable layers
+    read) or the trainable part (``"head"``: that tensor -> logits). ``head_blocks``: the
+    blocks of the trainable part. The other part's operators go to a scratch builder, for their
+    shapes only; in the head, each value of the frozen part is a stand-in variable, and the one
+    the head reads becomes its input (:meth:`cut`). :func:`check_cache_features` first."""
+
+    def __init__(self, bb, dtype, frozen: set[str], blocks: list[str], k: int, part: str, x):
+        super().__init__(bb, "train", dtype, frozen)
+        self.all_blocks, self.head_blocks, self.part = list(blocks), set(blocks[-k:]), part
+        self.scratch = relax.BlockBuilder()
+        self.scratch._begin_binding_block()  # a block to emit into, never closed into a function
+        self.frozen_values = [x]  # the frozen part's values (the images too)
+        self.read: list[relax.Var] = []  # the values of the frozen part the head reads
+
+    def _in_head(self) -> bool:
+        return self._block in self.head_blocks
+
+    def emit(self, expr):
+        if self._in_head():
+            for v in relax.analysis.free_vars(expr):
+                if any(v.same_as(f) for f in self.frozen_values) and not any(
+                        v.same_as(r) for r in self.read):
+                    self.read.append(v)
+            return (self.bb if self.part == "head" else self.scratch).emit(expr)
+        if self.part == "features":
+            value = self.bb.emit(expr)
+        else:  # a stand-in: the head's input where the head reads it, else unused
+            value = relax.Var("features", self.scratch.emit(expr).ty)
+        self.frozen_values.append(value)
+        return value
+
+    def close(self) -> None:
+        """End the scratch builder's block (the trace is over)."""
+        if self.scratch is not None:
+            self.scratch._end_block()
+            self.scratch = None
+
+    def cut(self) -> relax.Var:
+        """The one value of the frozen part the head reads. Raises ValueError when the head
+        reads the images themselves or several values of the frozen part."""
+        if len(self.read) != 1 or self.read[0].same_as(self.frozen_values[0]):
+            what = ("the input images" if self.read and self.read[0].same_as(
+                self.frozen_values[0]) else f"{len(self.read)} tensors of the frozen part")
+            raise ValueError(f"--cache-features: the trainable layers read {what}, not one "
+                             "tensor of features: train fewer layers (last:K, smaller K)")
+        return self.read[0]
+
+
+@dataclass
+class FeatureSplit:
+    """The training step split at the cut of ``last:K`` (``training_module(...,
+    features=True)``): ``FEATURES(x, frozen params..., frozen_states...) -> features`` (float32
+    ``(batch, *shape)``), and ``HEAD_ADJOINT(features, masks..., trainable params...,
+    head_states..., targets)``, the training step of the trainable layers on the features, laid
+    out as ``train_adjoint``: ``((loss, new head states...), (grads...))``. ``frozen_states``
+    and ``head_states``: the running statistics of each part, in graph order (together: every
+    state)."""
+
+    shape: tuple[int, ...]
+    frozen_states: list[str]
+    head_states: list[str]
+
+    def as_dict(self) -> dict:
+        return {"shape": list(self.shape), "frozen_states": self.frozen_states,
+                "head_states": self.head_states}
+
+
+class _DropoutBlocks(ShapeGraph):
+    """A shape-only trace (:class:`models.ShapeGraph`) that records the block of each
+    dropout: (mask name, block) in order."""
+
+    def __init__(self):
+        super().__init__("train")
+        self.dropouts: list[tuple[str, str]] = []
+
+    def dropout(self, name, x, p):
+        if p != 0.0:
+            self.dropouts.append((name, self._block))
+        return super().dropout(name, x, p)
+
+
+def check_cache_features(model, trainable: str) -> int:
+    """K of a ``--trainable last:K`` whose frozen part computes the same function of each image
+    at every step, so that ``--cache-features`` can compute it once per image. Raises
+    ValueError naming the fix for another trainable set (``all``, a list), a frozen BatchNorm
+    in training form (``,train-bn``) or a dropout in the frozen part."""
+    base, mode = parse_trainable(trainable) if isinstance(trainable, str) else ("", "")
+    blocks = spec(model).blocks
+    n = len(blocks)
+    k = int(base[5:]) if base.startswith("last:") and base[5:].isdigit() else 0
+    if not 1 <= k < n:
+        raise ValueError(f"--cache-features needs --trainable last:K with K in 1..{n - 1} "
+                         f"(a frozen part to compute once per image), not {trainable!r}")
+    names = select_trainable(model, trainable)
+    frozen_bn = frozen_batchnorms(model, names, mode)
+    head = set(blocks[-k:])
+    varying = [q.name.rsplit(".", 1)[0] for q in spec(model).states
+               if q.block not in head and q.name.endswith(".running_mean")
+               and q.name[:-len(".running_mean")] not in frozen_bn]
+    if varying:
+        raise ValueError(f"--cache-features: BatchNorm {varying[0]} of the frozen part runs in "
+                         f"training form (',{TRAIN_BN}'): its output changes with every batch, "
+                         "so it cannot be computed once per image; drop ',train-bn' (frozen "
+                         "layers' BatchNorms in inference form) or train without "
+                         "--cache-features")
+    g = _DropoutBlocks()
+    model.forward(g, tuple(model.input_shape(1)))
+    for name, block in g.dropouts:
+        if block not in head:
+            least = n - blocks.index(block)
+            raise ValueError(f"--cache-features: dropout {name} lies in the frozen part "
+                             f"(layer {block}): its mask changes at every step, so that part "
+                             "cannot be computed once per image; train from that layer on "
+                             f"(--trainable last:{least} or more), or train without "
+                             "--cache-features")
+    return k
+
+
+def _feature_functions(model, batch: int, dtype: str, k: int, frozen_bn: set[str],
+                       trainable: list[str]):
+    """(features function, head backbone module for SetupTrainer, :class:`FeatureSplit`): the two
+    parts of the step of ``last:k`` (:class:`_PartGraph`)."""
+    blocks = spec(model).blocks
+    parts = {}
+    for part in ("features", "head"):
+        bb = relax.BlockBuilder()
+        x = relax.Var("x", relax.TensorType(model.input_shape(batch), dtype))
+        g = _PartGraph(bb, dtype, frozen_bn, blocks, k, part, x)
+        head = g.head_blocks
+        name = FEATURES if part == "features" else "backbone"
+        with bb.function(name):
+            with bb.dataflow():
+                try:
+                    logits = model.forward(g, x)
+                finally:
+                    g.close()
+                cut = g.cut()
+                states = [n for n, (q, _) in g.states.items() if (q.block in head) == (
+                    part == "head")]
+                if part == "features":
+                    out = bb.emit_output(cut)
+                else:
+                    logits = bb.emit_output(logits)
+                    new = [bb.emit_output(g.new_states[n]) for n in states]
+                    out = relax.Tuple([logits, *new]) if states else logits
+            params = [v for _, (q, v) in g.params.items() if (q.block in head) == (
+                part == "head")]
+            inputs = [x] if part == "features" else [cut, *(v for _, _, v in g.masks.values())]
+            bb.emit_func_output(out, params=[*inputs, *params,
+                                             *(g.states[n][1] for n in states)])
+        func = bb.get()[name]
+        if part == "head":  # the module SetupTrainer takes
+            func = bb.get().with_attrs({"param_num": len(params), "state_num": len(states)})
+            if [n for n, (q, _) in g.params.items() if q.block in head] != trainable:
+                raise ValueError(f"--cache-features: the trainable parameters {trainable} are "
+                                 "not those of the last layers")
+        parts[part] = (func, states, tuple(int(d) for d in cut.ty.shape.values)[1:])
+    split = FeatureSplit(parts["features"][2], parts["features"][1], parts["head"][1])
+    return parts["features"][0], parts["head"][0], split
+
+
+def _add_functions(out: tvm.IRModule, mod: tvm.IRModule, name: str, symbol: str) -> None:
+    """Put ``mod[name]`` into ``out`` as ``symbol``, with the kernels it calls: a kernel
+    structurally equal to one of ``out`` is that one; one whose name ``out`` already uses for
+    another gets a new name."""
+    rename = {}
+    for gv, func in mod.functions.items():
+        if not isinstance(func, tvm.tirx.PrimFunc):
+            continue
+        same = [g for g, f in out.functions.items() if isinstance(f, tvm.tirx.PrimFunc)
+                and tvm_ffi.structural_equal(f, func)]
+        if same:
+            rename[gv] = same[0]
+            continue
+        taken = {g.name_hint for g in out.get_global_vars()}
+        new_name, i = gv.name_hint, 1
+        while new_name in taken:
+            new_name, i = f"{gv.name_hint}_{i}", i + 1
+        rename[gv] = tvm.ir.GlobalVar(new_name)
+        from tvm.relax.expr import _update_type
+        _update_type(rename[gv], gv.ty)
+        out[rename[gv]] = func
+
+    @relax.expr_functor.mutator
+    class _Rename(relax.PyExprMutator):
+        def visit_global_var_(self, op):
+            return rename.get(op, op)
+
+    out[symbol] = _Rename().visit_expr(mod[name]).with_attr("global_symbol", symbol)
+
+
 @dataclass
 class TrainingGraph:
     """The Relax module of one model, batch size, trainable set and optimizer, with its layout.
@@ -337,6 +541,7 @@ class TrainingGraph:
     optim_state: list[np.ndarray] = field(default_factory=list)
     batchnorm: str = "frozen-part"
     frozen_bn: set[str] = field(default_factory=set)
+    features: FeatureSplit | None = None
 
     @property
     def params(self) -> list[str]:
@@ -360,17 +565,23 @@ def inference_module(model, batch: int, dtype: str = "float32") -> tvm.IRModule:
 
 def training_module(model, batch: int, trainable: str | list[str] = "all",
                     optimizer: OptimizerConfig | None = None,
-                    dtype: str = "float32", batchnorm: str | None = None) -> TrainingGraph:
+                    dtype: str = "float32", batchnorm: str | None = None,
+                    features: bool = False) -> TrainingGraph:
     """Build the training graph (see the module docstring) for ``model`` at ``batch``.
 
     ``trainable``: a ``--trainable`` string (:func:`parse_trainable`) or a list of parameter
     names; ``dtype``: float32, or float64 for reference computations; ``batchnorm``: ``train``
     ``frozen`` or ``frozen-part`` (default: the trainable string's, :func:`parse_trainable`;
     ``frozen-part`` for a list). The adjoint returns every running statistic after the loss,
-    those of BatchNorms in inference form unchanged. Raises ValueError
-    when no parameter is trainable, a name is unknown, or the BatchNorm mode is unknown.
+    those of BatchNorms in inference form unchanged. ``features``: also the two functions of
+    the step split at the frozen part's output (:class:`FeatureSplit`; ``train
+    --cache-features``), for a ``last:K`` string whose frozen part computes the same at every
+    step. Raises ValueError when no parameter is trainable, a name is unknown, or the BatchNorm
+    mode is unknown; with ``features``, for another trainable set, a frozen BatchNorm in
+    training form or a dropout in the frozen part (the message names the fix).
     """
     optimizer = optimizer or OptimizerConfig()
+    k = check_cache_features(model, trainable) if features else 0
     bn_mode = parse_trainable(trainable)[1] if isinstance(trainable, str) else "frozen-part"
     batchnorm = batchnorm or bn_mode
     names = select_trainable(model, trainable) if isinstance(trainable, str) else list(trainable)
@@ -410,11 +621,21 @@ def training_module(model, batch: int, trainable: str | list[str] = "all",
             out[gv] = func
     for gv, func in getattr(opt, "kernels", {}).items():  # the optimizer's own kernels
         out[gv] = func
-    out = relax.transform.DeadCodeElimination([ADJOINT, OPTIMIZER, PREDICT])(out)
+    split, entries = None, [ADJOINT, OPTIMIZER, PREDICT]
+    if features:
+        feat, head, split = _feature_functions(model, batch, dtype, k, frozen_bn,
+                                               [n for n in g.params if n in train_set])
+        out[FEATURES] = feat.with_attr("global_symbol", FEATURES)
+        head_mod = SetupTrainer(rloss.CrossEntropyLoss(reduction="mean"), optimizer.build(),
+                                [relax.TensorType((batch, classes), dtype),
+                                 relax.TensorType((batch,), "int64")], legalize=False)(head)
+        _add_functions(out, head_mod, "backbone_loss_adjoint", HEAD_ADJOINT)
+        entries += [FEATURES, HEAD_ADJOINT]
+    out = relax.transform.DeadCodeElimination(entries)(out)
     return TrainingGraph(
         mod=out, model=model, batch=batch,
         trainable=[n for n in g.params if n in train_set],
         frozen=[n for n in g.params if n not in train_set],
         states=list(g.states), masks={k: (v[0], v[1]) for k, v in g.masks.items()},
         optimizer=optimizer, optim_state=[t.numpy() for t in opt.state], batchnorm=batchnorm,
-        frozen_bn=frozen_bn)
+        frozen_bn=frozen_bn, features=split)

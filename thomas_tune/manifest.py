@@ -21,6 +21,10 @@ OPTIMIZER = "optimizer"
 PACK_TRAINABLE = "pack_trainable"
 PACK_OPTIMIZER_STATE = "pack_optimizer_state"
 DRAW_MASKS = "draw_masks"
+# with ``--cache-features``: the frozen part alone (images -> features) and the training step of
+# the trainable part on features (``graph.training_module(..., features=True)``)
+FEATURES = "features"
+HEAD_ADJOINT = "train_head_adjoint"
 
 
 def read_manifest(export_dir: str) -> dict:

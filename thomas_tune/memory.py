@@ -15,6 +15,10 @@ For a model, batch and trainable set this counts, in bytes:
   new parameters and states coexist. Kernel fusion and memory planning can only lower it, so this
   is an upper bound of what the compiled step allocates, and the right measure of what freezing
   saves.
+
+With ``features`` the step is ``train --cache-features``'s: ``train_head_adjoint`` on a batch
+of the frozen part's output (``input_batch`` is then that batch), the frozen parameters and
+states resident beside it; the cached features themselves are held on the host, not counted.
 """
 
 from __future__ import annotations
@@ -102,19 +106,27 @@ def _liveness_peak(func: relax.Function) -> tuple[int, int]:
 
 
 def training_memory(model, batch: int, trainable: str = "all",
-                    optimizer: G.OptimizerConfig | None = None) -> TrainingMemory:
+                    optimizer: G.OptimizerConfig | None = None,
+                    features: bool = False) -> TrainingMemory:
     """Bytes a training step of ``model`` needs (float32); see the module docstring.
+    ``features``: the step on cached features (``train --cache-features``).
 
-    Raises ValueError for a bad ``trainable`` value (as :func:`graph.training_module`).
+    Raises ValueError for a bad ``trainable`` value (as :func:`graph.training_module`), and
+    with ``features`` for a trainable set that cannot cache them (its message names the fix).
     """
-    tg = G.training_module(model, batch, trainable, optimizer)
-    func = tg.mod[G.ADJOINT]
+    from .models import spec
+    tg = G.training_module(model, batch, trainable, optimizer, features=features)
+    func = tg.mod[G.HEAD_ADJOINT if features else G.ADJOINT]
     peak_adjoint, kept = _liveness_peak(func)
-    params = {p.name: _bytes(p.ty) for p in func.params}
+    s = spec(model, batch)
+    params = {p.name: 4 * int(np.prod(p.shape)) for p in s.params + s.states}  # float32
     weights = sum(params[n] for n in tg.frozen + tg.trainable + tg.states)
+    taken = {p.name for p in func.params}
+    # resident on the device, not arguments of the step function (the frozen part's)
+    peak_adjoint += sum(params[n] for n in tg.frozen + tg.states if n not in taken)
     grads = sum(params[n] for n in tg.trainable)
     optim = int(sum(np.asarray(a).nbytes for a in tg.optim_state))
-    x = params[func.params[0].name]
+    x = _bytes(func.params[0].ty)
     # the update: old and new trainable parameters, gradients, old and new optimizer state,
     # with the frozen parameters and states resident
     peak_update = weights + grads + 2 * optim + sum(params[n] for n in tg.trainable)

@@ -2,7 +2,8 @@
 
 Parameters, states and optimizer state live on the device between steps; only the images, the
 labels, the step's 8-byte dropout seed and the loss cross the host-device boundary in a training
-step (the masks are drawn on the device, :mod:`thomas_tune.dropout`). Over
+step (the masks are drawn on the device, :mod:`thomas_tune.dropout`); with cached features
+(:meth:`Session.features`, kept by the caller), a batch's features take the images' place. Over
 RPC (a device server of a tracker: a phone, a board, the emulated aarch64 device of the tests)
 the libraries are uploaded and loaded there; tuples of tensors cannot cross RPC, so the
 optimizer's tuples are made and kept on the device (``pack_trainable``, then the optimizer's
@@ -37,8 +38,8 @@ import numpy as np
 import tvm
 from tvm.runtime.vm import VirtualMachine
 
-from .manifest import (ADJOINT, DRAW_MASKS, OPTIMIZER, PACK_OPTIMIZER_STATE, PACK_TRAINABLE,
-                       PREDICT, read_manifest)
+from .manifest import (ADJOINT, DRAW_MASKS, FEATURES, HEAD_ADJOINT, OPTIMIZER,
+                       PACK_OPTIMIZER_STATE, PACK_TRAINABLE, PREDICT, read_manifest)
 from .models import load_checkpoint, save_checkpoint
 from .models.layers import require_compiler
 from .target import host_arch, machine_arch
@@ -325,13 +326,20 @@ class Session:
             return [self._get_item(out, i) for i in range(len(self.manifest["masks"]))]
         return list(out)
 
-    def _step_args(self, x, y, masks: list) -> list:
-        """The arguments of the training module's adjoint function, in its order: the batch's
-        images, the dropout masks, frozen and trainable parameters, states, labels (device
-        tensors)."""
+    def _step_args(self, fn: str, first, y, masks: list) -> list:
+        """The arguments of the training module's step function ``fn`` in its order: the
+        batch's images (``ADJOINT``) or features (``HEAD_ADJOINT``), the dropout masks, the
+        frozen parameters (``ADJOINT`` only), trainable parameters, the states the step
+        updates (:meth:`_step_states`), labels (device tensors)."""
         m = self.manifest
-        return [x, *masks, *self._ordered(m["frozen"]), *self._ordered(m["trainable"]),
-                *self._ordered(m["states"]), y]
+        frozen = self._ordered(m["frozen"]) if fn == ADJOINT else []
+        return [first, *masks, *frozen, *self._ordered(m["trainable"]),
+                *self._ordered(self._step_states(fn)), y]
+
+    def _step_states(self, fn: str) -> list[str]:
+        """The states (running statistics) the step function ``fn`` takes and returns: all
+        of them (``ADJOINT``), or the trainable layers' (``HEAD_ADJOINT``)."""
+        return self.manifest["states"] if fn == ADJOINT else self.feature_split()["head_states"]
 
     def sync(self) -> None:
         """Wait for the device to finish queued work (for timing)."""
@@ -408,13 +416,17 @@ class Session:
         timing that leaves the copy out, as PyTorch's is timed). Raises ValueError for inputs
         of the wrong shape or dtype and for labels out of range."""
         x = self._check_x(x, self.batch)
+        return tvm.runtime.tensor(x, self.device), self._labels(y)
+
+    def _labels(self, y) -> tvm.runtime.Tensor:
+        """Labels checked (integer (batch,), in 0..classes-1) and copied to the device as
+        int64; ValueError otherwise."""
         y = np.asarray(y)
         if y.shape != (self.batch,) or not np.issubdtype(y.dtype, np.integer):
             raise ValueError(f"labels: expected integer ({self.batch},), got {y.dtype} {y.shape}")
         if y.min() < 0 or y.max() >= self.model.num_classes:
             raise ValueError(f"labels must be in 0..{self.model.num_classes - 1}")
-        return (tvm.runtime.tensor(x, self.device),
-                tvm.runtime.tensor(y.astype("int64"), self.device))
+        return tvm.runtime.tensor(y.astype("int64"), self.device)
 
     def train_step(self, x, y) -> float:
         """One training step on x float32 (batch, C, H, W) and y integer (batch,) labels in
@@ -424,21 +436,85 @@ class Session:
         (:meth:`draw_masks`) from a seed of the session's seeded generator. Raises ValueError
         for inputs of the wrong shape or dtype and for labels out of range (numpy inputs;
         :meth:`upload` checks device tensors)."""
-        m = self.manifest
         if self._renew_due():  # between steps: the batch is read back if it is on the device
             if isinstance(x, tvm.runtime.Tensor):
                 x, y = x.numpy(), y.numpy()
             self.renew()
         if not (isinstance(x, tvm.runtime.Tensor) and isinstance(y, tvm.runtime.Tensor)):
             x, y = self.upload(x, y)
+        return self._step(ADJOINT, x, y)
+
+    def feature_split(self) -> dict:
+        """The manifest's ``features`` (``shape`` of one image's features, ``frozen_states``,
+        ``head_states``) of an export made with ``--cache-features``. Raises ValueError for
+        another export, saying how to make one."""
+        split = self.manifest.get("features")
+        if not split:
+            raise ValueError(f"{self.dir} was exported without --cache-features (it has no "
+                             "features function): export it again with --cache-features and "
+                             "--trainable last:K")
+        return split
+
+    def features(self, x: np.ndarray) -> np.ndarray:
+        """The frozen part's output for images ``x`` (float32 (N, C, H, W), any N): float32
+        (N, *shape) with the manifest's ``features`` shape, computed by the export's
+        ``features`` function in chunks of the training batch (the last one padded), from the
+        current frozen parameters and running statistics. What :meth:`train_step_features`
+        trains on. Raises ValueError for an export without it (:meth:`feature_split`) and for
+        images of the wrong shape or dtype."""
+        split = self.feature_split()
+        x = np.asarray(x, dtype="float32")
+        out = np.empty((len(x), *split["shape"]), "float32")
+        args = self._ordered(self.manifest["frozen"]) + self._ordered(split["frozen_states"])
+        for i in range(0, len(x), self.batch):
+            chunk = x[i:i + self.batch]
+            n = len(chunk)
+            if n < self.batch:
+                chunk = np.concatenate([chunk, np.repeat(chunk[-1:], self.batch - n, axis=0)])
+            self._check_x(chunk, self.batch)
+            if self._renew_due():
+                self.renew()
+                args = (self._ordered(self.manifest["frozen"])
+                        + self._ordered(split["frozen_states"]))
+            vm = self._train_vm
+            out[i:i + n] = self._timed(lambda: vm[FEATURES](
+                tvm.runtime.tensor(chunk, self.device), *args).numpy())[:n]
+        return out
+
+    def train_step_features(self, f, y) -> float:
+        """One training step of the trainable layers on features ``f`` (float32 (batch,
+        *shape), :meth:`features` of the batch's images) and labels ``y`` (integer (batch,)):
+        the step :meth:`train_step` takes on those images, without computing the frozen part
+        (the export's ``train_head_adjoint``). Returns the mean cross-entropy loss and updates
+        the trainable parameters, their layers' running statistics and the optimizer state on
+        the device; dropout masks drawn as :meth:`train_step` draws them. Raises ValueError
+        for an export without the split (:meth:`feature_split`), features of the wrong shape
+        or dtype and labels out of range."""
+        split = self.feature_split()
+        if self._renew_due():
+            if isinstance(f, tvm.runtime.Tensor):
+                f, y = f.numpy(), y.numpy()
+            self.renew()
+        if not (isinstance(f, tvm.runtime.Tensor) and isinstance(y, tvm.runtime.Tensor)):
+            want = (self.batch, *split["shape"])
+            f = np.asarray(f)
+            if f.dtype != np.float32 or f.shape != want:
+                raise ValueError(f"features: expected float32 {want}, got {f.dtype} {f.shape}")
+            f, y = tvm.runtime.tensor(f, self.device), self._labels(y)
+        return self._step(HEAD_ADJOINT, f, y)
+
+    def _step(self, fn: str, first, y) -> float:
+        """One step of the step function ``fn`` (``ADJOINT`` or ``HEAD_ADJOINT``) on device
+        tensors ``first`` (images or features) and ``y``, then the optimizer."""
+        m, states = self.manifest, self._step_states(fn)
         if self.remote:
             return self._timed(lambda: self._remote_step(
-                self._step_args(x, y, self.draw_masks())))
-        args = self._step_args(x, y, self.draw_masks())
-        ret, grads = self._train_vm[ADJOINT](*args)
-        loss = ret[0] if m["states"] else ret
-        if m["states"]:
-            for name, value in zip(m["states"], list(ret)[1:]):
+                fn, self._step_args(fn, first, y, self.draw_masks()), states))
+        args = self._step_args(fn, first, y, self.draw_masks())
+        ret, grads = self._train_vm[fn](*args)
+        loss = ret[0] if states else ret
+        if states:
+            for name, value in zip(states, list(ret)[1:]):
                 self._t[name] = value
         new_params, self._opt = self._train_vm[OPTIMIZER](self._ordered(m["trainable"]), grads,
                                                           self._opt)
@@ -447,14 +523,14 @@ class Session:
         self.steps += 1
         return float(loss.numpy())
 
-    def _remote_step(self, args) -> float:
+    def _remote_step(self, fn: str, args, states: list[str]) -> float:
         # the results stay on the device: a handle to each tuple, single tensors read there
         m, get = self.manifest, self._get_item
-        out = self._train_vm[ADJOINT](*args)
-        if m["states"]:
+        out = self._train_vm[fn](*args)
+        if states:
             head = get(out, 0)
             loss = get(head, 0)
-            for i, name in enumerate(m["states"]):
+            for i, name in enumerate(states):
                 self._t[name] = get(head, i + 1)
         else:
             loss = get(out, 0)

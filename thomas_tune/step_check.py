@@ -182,18 +182,21 @@ def batch(model, batch_size: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
     return x, rng.integers(0, model.num_classes, batch_size).astype("int64")
 
 
-def export_step(export_dir: str, x: np.ndarray, y: np.ndarray, device=None, rpc_session=None
-                ) -> tuple[float, dict[str, np.ndarray]]:
+def export_step(export_dir: str, x: np.ndarray, y: np.ndarray, device=None, rpc_session=None,
+                cached: bool = False) -> tuple[float, dict[str, np.ndarray]]:
     """Loss and gradients (parameter name -> float64 array) of the export's training step on
     ``x`` (float32, the export's batch) and ``y`` (int64), dropout masks of ones, from the
     export's own parameters, run on this machine (``device``: default, the export target's
     device 0) or, with ``rpc_session`` (a ``tvm.rpc`` session), on that device server: there
     ``train.so`` is uploaded and loaded, and the step's tuple of results stays on the device,
-    its tensors read one by one (``ffi.ArrayGetItem``, which every TVM runtime registers)."""
+    its tensors read one by one (``ffi.ArrayGetItem``, which every TVM runtime registers).
+    ``cached``: the step as ``train --cache-features`` takes it, the export's ``features`` of
+    ``x`` then ``train_head_adjoint`` on them (an export made with ``--cache-features``; runs
+    on this machine only)."""
     import tvm
     from tvm.relax import VirtualMachine
 
-    from .manifest import ADJOINT, read_manifest
+    from .manifest import ADJOINT, FEATURES, HEAD_ADJOINT, read_manifest
     from .models import load_checkpoint
     from .runtime import device_for
     m = read_manifest(export_dir)
@@ -212,11 +215,24 @@ def export_step(export_dir: str, x: np.ndarray, y: np.ndarray, device=None, rpc_
         return tvm.runtime.tensor(np.ascontiguousarray(a), dev)
 
     masks = [t(np.ones(v["shape"], "float32")) for v in m["masks"].values()]
-    ordered = [t(tensors[n]) for n in (*m["frozen"], *m["trainable"], *m["states"])]
-    out = vm[ADJOINT](t(x), *masks, *ordered, t(y.astype("int64")))
+    if cached:
+        if rpc_session is not None or not m.get("features"):
+            raise ValueError("export_step(cached=True) runs an export made with "
+                             "--cache-features on this machine")
+        split = m["features"]
+        feats = vm[FEATURES](t(x), *(t(tensors[n]) for n in (*m["frozen"],
+                                                             *split["frozen_states"])))
+        states = split["head_states"]
+        out = vm[HEAD_ADJOINT](feats, *masks, *(t(tensors[n]) for n in (*m["trainable"],
+                                                                      *states)),
+                               t(y.astype("int64")))
+    else:
+        states = m["states"]
+        ordered = [t(tensors[n]) for n in (*m["frozen"], *m["trainable"], *m["states"])]
+        out = vm[ADJOINT](t(x), *masks, *ordered, t(y.astype("int64")))
     if rpc_session is None:
         ret, grads = out
-        loss = ret[0] if m["states"] else ret
+        loss = ret[0] if states else ret
     else:
         get = rpc_session.get_function("ffi.ArrayGetItem")
         ret, handle = get(out, 0), get(out, 1)
@@ -326,7 +342,8 @@ def reference_steps(model, tensors: dict[str, np.ndarray], trainable: list[str],
 
 
 def check_export(export_dir: str, seed: int = 0, frozen_bn: bool | set | None = None,
-                 reference: dict | None = None, rpc_session=None) -> StepCheck:
+                 reference: dict | None = None, rpc_session=None,
+                 cached: bool = False) -> StepCheck:
     """Check an export's training step against PyTorch (see the module docstring) on the
     :data:`CHECK_BATCHES` batches of ``seed`` (:func:`reference_steps`), from the export's own
     parameters, with PyTorch float32's errors on the same batches as the yardstick.
@@ -334,7 +351,8 @@ def check_export(export_dir: str, seed: int = 0, frozen_bn: bool | set | None = 
     the export's manifest says); ``rpc_session``: run the export's step on that device server
     (:func:`export_step`);
     ``reference``: :func:`reference_steps` already computed for this model, parameters and
-    seed (several exports of one step share it). Needs torch."""
+    seed (several exports of one step share it); ``cached``: check the step on cached
+    features (:func:`export_step`). Needs torch."""
     from .manifest import read_manifest
     from .models import load_checkpoint
     m = read_manifest(export_dir)
@@ -343,7 +361,7 @@ def check_export(export_dir: str, seed: int = 0, frozen_bn: bool | set | None = 
     if reference is None:
         model, tensors, _ = load_checkpoint(os.path.join(export_dir, "params.npz"))
         reference = reference_steps(model, tensors, m["trainable"], m["batch"], seed, frozen_bn)
-    ours = [export_step(export_dir, x, y, rpc_session=rpc_session)
+    ours = [export_step(export_dir, x, y, rpc_session=rpc_session, cached=cached)
             for x, y in reference["batches"]]
     yard = reference["yardstick"]
     check = compare_step([o[0] for o in ours], [o[1] for o in ours],

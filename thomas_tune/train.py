@@ -14,33 +14,62 @@ from .runtime import Session
 
 @dataclass
 class TrainReport:
-    """Accuracies in [0, 1] on the held-out split; ms per training step (median, wall time)."""
+    """Accuracies in [0, 1] on the held-out split; ms per training step (median, wall time);
+    ``train_s``: wall time of the training in s, evaluations left out, the features' one pass
+    included; ``features_s`` and ``features_bytes``: that pass's wall time (s) and the bytes of
+    features it keeps in host memory (0 without ``cache_features``)."""
 
     acc_before: float
     acc_after: float = 0.0
     steps: int = 0
     ms_per_step: float = 0.0
+    train_s: float = 0.0
+    features_s: float = 0.0
+    features_bytes: int = 0
     losses: list[float] = field(default_factory=list)
     accuracy_curve: list[tuple[int, float]] = field(default_factory=list)
 
 
 def fine_tune(session: Session, train: Dataset, test: Dataset, steps: int, seed: int = 0,
-              eval_every: int = 0, show_progress: bool = True) -> TrainReport:
+              eval_every: int = 0, show_progress: bool = True,
+              cache_features: bool = False) -> TrainReport:
     """Run ``steps`` training steps on shuffled batches of ``train``; evaluate on ``test``
-    before, every ``eval_every`` steps (0: never) and after."""
+    before, every ``eval_every`` steps (0: never) and after (the full ``predict``).
+
+    ``cache_features``: the frozen part's output is computed once per training image
+    (:meth:`Session.features`, an export made with ``--cache-features``) and kept in this
+    process's memory as float32, and each step trains the last layers on its batch's features
+    (:meth:`Session.train_step_features`): the same batches, dropout masks and numbers as
+    without, for data without random augmentation (each image is the same at every step).
+    Held on the host, not the device: a step uploads its batch's features as it would its
+    images (fewer bytes, for every cut of the shipped models), and the device holds one batch,
+    not the data set's features. Raises ValueError for an export without the split."""
+    if cache_features:
+        session.feature_split()  # an export without it fails here, before any work
     rng = np.random.default_rng(seed)
     report = TrainReport(acc_before=session.evaluate(test.x, test.y))
     report.accuracy_curve.append((0, report.acc_before))
-    times = []
-    batches = train.batches(session.batch, rng)
+    times, eval_s = [], 0.0
+    t_start = time.perf_counter()
+    if cache_features:
+        feats = session.features(train.x)
+        report.features_s = time.perf_counter() - t_start
+        report.features_bytes = int(feats.nbytes)
+    batches = train.batch_indices(session.batch, rng)
     for step in tqdm(range(1, steps + 1), unit="step", disable=not show_progress):
-        x, y = next(batches)
+        sel = next(batches)
         t0 = time.perf_counter()
-        report.losses.append(session.train_step(x, y))
+        if cache_features:
+            report.losses.append(session.train_step_features(feats[sel], train.y[sel]))
+        else:
+            report.losses.append(session.train_step(train.x[sel], train.y[sel]))
         session.sync()
         times.append((time.perf_counter() - t0) * 1e3)
         if eval_every and step % eval_every == 0 and step != steps:
+            t0 = time.perf_counter()
             report.accuracy_curve.append((step, session.evaluate(test.x, test.y)))
+            eval_s += time.perf_counter() - t0
+    report.train_s = time.perf_counter() - t_start - eval_s
     report.steps = steps
     report.ms_per_step = float(np.median(times)) if times else 0.0
     report.acc_after = session.evaluate(test.x, test.y)

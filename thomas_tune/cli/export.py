@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import sys
 
-from .options import add_model_args, add_target_arg, load_model, optimizer_config
+from .options import (add_cache_features_arg, add_model_args, add_target_arg, load_model,
+                      optimizer_config)
 
 
 def export_model(args, out: str) -> dict:
@@ -25,7 +26,8 @@ def export_model(args, out: str) -> dict:
                                     wait_s=getattr(args, "wait", 60))
     return export(out, model, tensors, target, batch=args.batch,
                   infer_batch=args.infer_batch, trainable=args.trainable,
-                  optimizer=optimizer_config(args), log=log, classes=classes, device=device)
+                  optimizer=optimizer_config(args), log=log, classes=classes, device=device,
+                  cache_features=getattr(args, "cache_features", False))
 
 
 def cmd_export(args) -> int:
@@ -33,6 +35,10 @@ def cmd_export(args) -> int:
     print(f"exported {manifest['arch']} to {args.out}: {len(manifest['trainable'])} trainable, "
           f"{len(manifest['frozen'])} frozen parameters; tuning log "
           f"{manifest['tuning_log'] or 'none'} (sha256 {str(manifest['tuning_log_sha256'])[:12]})")
+    if manifest["features"]:
+        shape = "x".join(map(str, manifest["features"]["shape"]))
+        print(f"with the step on cached features (train --cache-features): {shape} float32 "
+              "per image")
     return 0
 
 
@@ -109,6 +115,7 @@ def add_export(sub) -> None:
     s.add_argument("--tracker", help="with --target opencl:remote: the tracker HOST:PORT of "
                    "the device server to read the limits from (else --log's device.json)")
     s.add_argument("--key", help="with --target opencl:remote: that server's device key")
+    add_cache_features_arg(s, "also compile")
     s.set_defaults(fn=cmd_export)
 
 

@@ -56,7 +56,8 @@ def cmd_memory(args) -> int:
     modes = args.modes.split(",") if args.modes else [args.trainable]
     rows = []
     for mode in modes:
-        m = training_memory(model, args.batch, mode, optimizer_config(args)).as_dict()
+        m = training_memory(model, args.batch, mode, optimizer_config(args),
+                            features=args.cache_features).as_dict()
         rows.append({"trainable": mode, **m})
     if args.json:
         print(json.dumps(rows, indent=1))
@@ -92,4 +93,7 @@ def add_memory(sub) -> None:
     add_model_args(s)
     s.add_argument("--modes", help="comma-separated trainable sets, e.g. all,last:4,last:1")
     s.add_argument("--json", action="store_true")
+    s.add_argument("--cache-features", action="store_true",
+                   help="the step of train --cache-features (the last K layers on cached "
+                        "features, the frozen parameters resident); last:K modes only")
     s.set_defaults(fn=cmd_memory)

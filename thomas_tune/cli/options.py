@@ -36,6 +36,13 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--weight-decay", type=float, default=0.0)
 
 
+def add_cache_features_arg(p, what: str) -> None:
+    p.add_argument("--cache-features", action="store_true",
+                   help=f"with --trainable last:K: {what} the frozen layers apart from the "
+                        "last K, so that 'train --cache-features' computes their output once "
+                        "per image and trains the last K layers on it")
+
+
 def add_target_arg(p, default="llvm"):
     p.add_argument("--target", default=default,
                    help="llvm, opencl, a tag such as qcom/adreno-opencl, or a JSON dict "
@@ -105,7 +112,8 @@ def model_graphs(args, model):
     from .. import graph as G
     return {"infer": G.inference_module(model, args.infer_batch),
             "train": G.training_module(model, args.batch, args.trainable,
-                                       optimizer_config(args)).mod}
+                                       optimizer_config(args),
+                                       features=getattr(args, "cache_features", False)).mod}
 
 
 def model_tag(model, args) -> str:

@@ -62,7 +62,10 @@ def cmd_train(args) -> int:
           f"{len(data.classes)} classes; {len(session.manifest['trainable'])} trainable "
           f"parameters", flush=True)
     r = fine_tune(session, train, test, args.steps, seed=args.seed,
-                  show_progress=not args.quiet)
+                  show_progress=not args.quiet, cache_features=args.cache_features)
+    if args.cache_features:
+        print(f"features of the {len(train.y)} training images computed once in "
+              f"{r.features_s:.1f} s, {r.features_bytes / 2**20:.1f} MiB held in memory")
     print(f"accuracy before {100 * r.acc_before:.1f}%  after {100 * r.acc_after:.1f}%  "
           f"({r.steps} steps, loss {r.losses[0]:.3f} -> {r.losses[-1]:.3f}, "
           f"{r.ms_per_step:.1f} ms per training step)")
@@ -126,6 +129,12 @@ def add_train_infer(sub) -> None:
             s.add_argument("--log", help="tuning log for that compile (default: none)")
             s.add_argument("--out", help="folder for that compile (default: a temp folder); "
                            "after training it holds the fine-tuned weights and class names")
+            s.add_argument("--cache-features", action="store_true",
+                           help="with --trainable last:K: compute the frozen layers' output "
+                                "once per training image (kept in this process's memory) and "
+                                "train the last K layers on it; the same steps as without, "
+                                "for data without random augmentation (an --export must be "
+                                "made with --cache-features)")
         else:
             s.add_argument("--export", required=True, help="export folder")
             s.add_argument("--checkpoint", help="weights (and class names) to classify with, "

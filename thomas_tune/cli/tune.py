@@ -7,7 +7,8 @@ import signal
 import sys
 import time
 
-from .options import add_model_args, add_target_arg, default_log, load_model, model_graphs
+from .options import (add_cache_features_arg, add_model_args, add_target_arg, default_log,
+                      load_model, model_graphs)
 from .stop import STOP, safe_records
 
 
@@ -190,6 +191,7 @@ def add_tasks(sub) -> None:
     add_model_args(s)
     add_target_arg(s)
     s.add_argument("--limit", type=int, default=0, help="show only the largest N tasks")
+    add_cache_features_arg(s, "also list the tasks of")
     s.set_defaults(fn=cmd_tasks)
 
 
@@ -251,6 +253,7 @@ def add_tune(sub) -> None:
                    "30 s while tuning, and at the end, also after SIGINT or SIGTERM; its 'ended' "
                    "says how the run ended)")
     s.add_argument("--seed", type=int, default=0)
+    add_cache_features_arg(s, "also tune the tasks of")
     s.set_defaults(fn=cmd_tune)
 
 
