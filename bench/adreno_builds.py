@@ -73,11 +73,14 @@ def main(argv=None) -> int:
     p.add_argument("--models", default="mobilenet_v2,alexnet")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", help="append the JSON lines to this file")
+    p.add_argument("--targets", nargs="+", default=list(TARGETS),
+                   help="targets to build for (default: qcom/adreno-opencl and the Adreno 540 "
+                   "limits; add targets/h100_opencl.json to see the desktop build beside them)")
     args = p.parse_args(argv)
     sizes = SMALL if args.small else FULL
     bad = 0
     for name in args.models.split(","):
-        for target in TARGETS:
+        for target in args.targets:
             row = check_build(name, sizes[name], target, args.batch, args.seed)
             bad += not (row["step_ok"] and row["inference_rel_err"] < 1e-4)
             line = json.dumps(row)
