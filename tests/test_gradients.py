@@ -128,52 +128,6 @@ def test_depthwise_conv2d(rng, stride, padding, dilation, hw):
                                     groups=c), shapes, rng)
 
 
-def test_long_weight_gradient_in_partial_sums(rng):
-    """A convolution whose weight gradient sums more than LONG_WEIGHT_SUM terms per weight gets
-    it in partial sums over the batch (a kernel of its own), equal in float64 to the sum's
-    definition; the data gradient stays TVM's. AlexNet's first convolution at batch 32 (55x55
-    outputs) is split per image, a short sum is not."""
-    n, c, o, hw = 8, 2, 3, 193
-    stride, padding = 2, (1, 0, 2, 1)
-    oh = (hw + padding[0] + padding[2] - 3) // stride + 1
-    ow = (hw + padding[1] + padding[3] - 3) // stride + 1
-    assert n * oh * ow > gradients.LONG_WEIGHT_SUM
-    assert gradients.weight_grad_parts(n, oh * ow) == n
-    assert gradients.weight_grad_parts(32, 55 * 55) == 32
-    assert gradients.weight_grad_parts(8, 32 * 32) == 1
-    assert gradients.weight_grad_parts(32, 28 * 28) == 1
-    assert gradients.weight_grad_parts(128, 27 * 27) == 128 // 4
-    build = lambda x, w: R.nn.conv2d(x, w, strides=stride, padding=padding)  # noqa: E731
-    vm, out_shape = _compile_grad(build, [(n, c, hw, hw), (o, c, 3, 3)])
-    x = rng.standard_normal((n, c, hw, hw))
-    wt = rng.standard_normal((o, c, 3, 3))
-    dy = rng.standard_normal(out_shape)
-    t = lambda a: tvm.runtime.tensor(np.asarray(a, "float64"))  # noqa: E731
-    _, (dx, dw) = vm["main_adjoint"](t(x), t(wt), t(dy))
-    xp = np.pad(x, [(0, 0), (0, 0), (padding[0], padding[2]), (padding[1], padding[3])])
-    want = np.zeros_like(wt)
-    for kh in range(3):
-        for kw in range(3):
-            win = xp[:, :, kh:kh + stride * oh:stride, kw:kw + stride * ow:stride]
-            want[:, :, kh, kw] = np.einsum("nohw,nchw->oc", dy, win)
-    np.testing.assert_allclose(dw.numpy(), want, rtol=1e-12, atol=1e-10)
-    import torch
-    xt = torch.tensor(x, requires_grad=True)
-    torch.nn.functional.conv2d(
-        torch.nn.functional.pad(xt, (padding[1], padding[3], padding[0], padding[2])),
-        torch.tensor(wt), stride=stride).backward(torch.tensor(dy))
-    np.testing.assert_allclose(dx.numpy(), xt.grad.numpy(), rtol=1e-12, atol=1e-10)
-    x32 = relax.Var("x", relax.TensorType((n, c, hw, hw), "float32"))
-    w32 = relax.Var("w", relax.TensorType((o, c, 3, 3), "float32"))
-    bb = relax.BlockBuilder()
-    with bb.function("g", [x32, w32]):
-        with bb.dataflow():
-            loss = bb.emit_output(R.sum(build(x32, w32)))
-        bb.emit_func_output(loss)
-    grad_mod = relax.transform.Gradient("g")(bb.get())
-    assert "conv_weight_grad_partial" in {gv.name_hint for gv in grad_mod.functions}
-
-
 def test_depthwise_gradient_is_used_only_for_depthwise():
     """Grouped (not depthwise) and dense convolutions keep TVM's gradient."""
     x = relax.Var("x", relax.TensorType((1, 4, 5, 5), "float32"))

@@ -6,9 +6,7 @@ against float64 finite differences in ``tests/test_gradients.py``. Registration 
 never replaces a gradient that TVM itself registers (see :func:`missing_gradients`), with one
 exception: depthwise convolutions get their own backward kernels (:func:`_conv2d_grad`), since
 TVM's form of them (a transposed and a grouped convolution over batch x channels) held most of
-a MobileNet training step on a GPU and its schedule space had no valid GPU schedule; and the
-weight gradient of a convolution whose sum is long (:data:`LONG_WEIGHT_SUM`) is computed in
-partial sums over slices of the batch.
+a MobileNet training step on a GPU and its schedule space had no valid GPU schedule.
 """
 
 from __future__ import annotations
@@ -201,58 +199,6 @@ def depthwise_data_grad_te(dy, w, in_hw, strides, padding, dilation):
                       name="depthwise_data_grad")
 
 
-#: a weight gradient whose sum has more terms per weight (batch x output height x width) is
-#: computed in partial sums (:func:`conv_weight_grad_partial_te`): a float32 sum of n terms in
-#: one chain, as a schedule may leave it in a thread, can lose about n/2 roundings (Higham,
-#: "Accuracy and Stability of Numerical Algorithms", 2nd ed., section 4.2); AlexNet's first
-#: convolution at batch 32 sums 96,800 terms and its tuned schedule came out 3.4e-3 from
-#: float64 where PyTorch's float32 step is within 1e-6
-LONG_WEIGHT_SUM = 65536
-#: the longest partial sum sought, in whole images (a partial holds at least one image)
-PARTIAL_SUM_TERMS = 4096
-
-
-def weight_grad_parts(batch: int, out_hw: int) -> int:
-    """How many partial sums the weight gradient of a convolution with ``batch`` images and
-    ``out_hw`` output pixels per image is computed in: 1 (one sum) up to
-    :data:`LONG_WEIGHT_SUM` terms, else ``batch / per`` for the largest divisor ``per`` of the
-    batch with ``per * out_hw <= PARTIAL_SUM_TERMS`` (1 when even one image has more)."""
-    if batch * out_hw <= LONG_WEIGHT_SUM:
-        return 1
-    per = max([d for d in range(1, batch + 1)
-               if batch % d == 0 and d * out_hw <= PARTIAL_SUM_TERMS] or [1])
-    return batch // per
-
-
-def conv_weight_grad_partial_te(x, dy, kernel, strides, padding, dilation, parts):
-    """TE compute of the weight gradient of a conv2d (NCHW, OIHW, one group) in ``parts``
-    partial sums over consecutive slices of the batch.
-
-    x: (N, C, H, W), dy: (N, O, OH, OW) -> (parts, O, C, KH, KW) float32 with
-    partial[g, o, c, kh, kw] = sum over the images n of slice g, oh and ow of
-    dy[n, o, oh, ow] * xpad[n, c, oh*sh + kh*dh, ow*sw + kw*dw]; the weight gradient is their
-    sum over g. Each output is a sum of N/parts*OH*OW terms instead of N*OH*OW, whatever
-    schedule runs it.
-    """
-    from tvm import te, topi
-    n_n, _, oh_n, ow_n = dy.shape
-    per = int(n_n) // parts
-    kh_n, kw_n = kernel
-    (sh, sw), (dh, dw) = strides, dilation
-    pt, pl, pb, pr = padding
-    xp = topi.nn.pad(x, [0, 0, pt, pl], [0, 0, pb, pr], name="conv_weight_grad_pad")
-    rn = te.reduce_axis((0, per), name="rn")
-    rh = te.reduce_axis((0, oh_n), name="rh")
-    rw = te.reduce_axis((0, ow_n), name="rw")
-    return te.compute(
-        (parts, dy.shape[1], x.shape[1], kh_n, kw_n),
-        lambda g, o, c, kh, kw: te.sum(
-            dy[g * per + rn, o, rh, rw] * xp[g * per + rn, c, rh * sh + kh * dh,
-                                              rw * sw + kw * dw],
-            axis=[rn, rh, rw]),
-        name="conv_weight_grad_partial")
-
-
 def is_depthwise(call) -> bool:
     """True for a conv2d call that is depthwise with multiplier 1 in NCHW/OIHW layouts."""
     a = call.attrs
@@ -265,20 +211,9 @@ def is_depthwise(call) -> bool:
 
 def _conv2d_grad(orig_var, orig_call, output_grad, ctx):
     """Gradient of conv2d: depthwise layers (multiplier 1) get the two kernels above, every
-    other convolution TVM's own gradient (transposed convolution and grouped convolution),
-    with its weight gradient in partial sums where that sum is long (:func:`weight_grad_parts`,
-    :func:`conv_weight_grad_partial_te`)."""
+    other convolution TVM's own gradient (transposed convolution and grouped convolution)."""
     if not is_depthwise(orig_call):
-        grads = _tvm_conv2d_grad(orig_var, orig_call, output_grad, ctx)
-        parts = _long_weight_sum(orig_call, output_grad)
-        if parts == 1:
-            return grads
-        a = orig_call.attrs
-        partial = ctx.call_te(conv_weight_grad_partial_te, orig_call.args[0], output_grad,
-                              _shape(orig_call.args[1])[2:], [int(v) for v in a.strides],
-                              [int(v) for v in a.padding], [int(v) for v in a.dilation],
-                              parts, primfunc_name_hint="conv_weight_grad_partial")
-        return [grads[0], R.sum(partial, axis=[0])]
+        return _tvm_conv2d_grad(orig_var, orig_call, output_grad, ctx)
     a = orig_call.attrs
     x, w = orig_call.args
     strides = [int(v) for v in a.strides]
@@ -290,16 +225,6 @@ def _conv2d_grad(orig_var, orig_call, output_grad, ctx):
     dx = ctx.call_te(depthwise_data_grad_te, output_grad, w, _shape(x)[2:], strides, padding,
                      dilation, primfunc_name_hint="depthwise_data_grad")
     return [dx, dw]
-
-
-def _long_weight_sum(call, output_grad) -> int:
-    # parts of the weight gradient of a one-group NCHW/OIHW conv2d (1: TVM's own form)
-    a = call.attrs
-    if (a.data_layout != "NCHW" or a.kernel_layout != "OIHW" or (a.out_layout or "NCHW") != "NCHW"
-            or int(a.groups) != 1):
-        return 1
-    n, _, oh, ow = _shape(output_grad)
-    return weight_grad_parts(n, oh * ow)
 
 
 _tvm_conv2d_grad = None
