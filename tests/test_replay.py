@@ -91,6 +91,47 @@ def test_replay_time_coverage_of_a_gpu_log(capsys):
     assert 1.0 < share < 99.0, captured.out
 
 
+def _time_share(log, capsys) -> float:
+    args = ["replay", "--log", str(log), "--no-check", "--width", "0.35", "--resolution", "64",
+            "--classes", "10", "--batch", "8", "--target",
+            os.path.join(ROOT, "targets", "h100_opencl.json"), "--min-flops-coverage", "0",
+            "--min-time-coverage", "1.0"]  # the share is reported, then nothing is compiled
+    assert cli.main(args) == 1
+    out = capsys.readouterr()
+    assert "below --min-time-coverage 1.0" in out.err, out.err
+    return float(out.out.split("% of the untuned kernel time")[0].rsplit(" ", 1)[1])
+
+
+def test_time_share_adds_up_over_the_records_workloads(tmp_path, capsys):
+    """The share of the untuned kernel time held by tasks with a record is a sum over those
+    tasks: the committed GPU log's records split by workload into two logs give two shares
+    that add up to the whole log's, each above 0 and below it. A share that counts tasks
+    without a record, counts a task twice or misses the tasks of one half fails this."""
+    import lzma
+    import random
+    import shutil
+    src = os.path.join(ROOT, "tuning_logs", "h100", "mobilenet_v2-w0.35-r64-c10-b8")
+    with lzma.open(os.path.join(src, "database_tuning_record.json.xz"), "rt") as f:
+        records = [line for line in f if line.strip()]
+    workloads = sorted({int(line[1:line.index(",")]) for line in records})
+    half = set(random.Random(int.from_bytes(os.urandom(4), "little")).sample(
+        workloads, len(workloads) // 2))
+    parts = {"all": lambda w: True, "a": lambda w: w in half, "b": lambda w: w not in half}
+    shares = {}
+    for name, keep in parts.items():
+        log = tmp_path / name
+        log.mkdir()
+        with lzma.open(os.path.join(src, "database_workload.json.xz"), "rt") as f:
+            (log / "database_workload.json").write_text(f.read())
+        shutil.copy(os.path.join(src, "default_latency.json"), log)
+        (log / "database_tuning_record.json").write_text(
+            "".join(r for r in records if keep(int(r[1:r.index(",")]))))
+        shares[name] = _time_share(log, capsys)
+    print(shares)
+    assert 0 < shares["a"] < shares["all"] and 0 < shares["b"] < shares["all"], shares
+    assert abs(shares["a"] + shares["b"] - shares["all"]) <= 0.15, shares  # printed to 0.1
+
+
 def test_time_coverage_needs_device_times(capsys):
     rc = cli.main(["replay", "--log", LOG, "--min-flops-coverage", "0", "--no-check",
                    "--min-time-coverage", "0.1", "--width", "0.35", "--resolution", "64",
