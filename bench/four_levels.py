@@ -177,9 +177,10 @@ def experiment_args(description):
 
 class TorchFineTune:
     """PyTorch float32 training of ``tensors`` with the recipe of the exports (momentum SGD,
-    ``OPT``), the trainable set ``trainable`` (the rest frozen, BatchNorm in training form
-    everywhere unless ``frozen_bn``), and the dropout masks a :class:`Session` of ``seed``
-    draws (``thomas_tune.dropout.mask_numpy``, bit for bit). ``dtype``: float32, or float64
+    ``OPT``), the trainable set ``trainable`` (the rest frozen; BatchNorm in training form
+    except where ``frozen_bn`` says: True for every one, or a set of BatchNorm names), and
+    the dropout masks a :class:`Session` of ``seed`` draws (``thomas_tune.dropout.mask_numpy``,
+    bit for bit). ``dtype``: float32, or float64
     to measure what rounding alone changes in a fine-tune."""
 
     def __init__(self, model, tensors, trainable, seed, lr=None, frozen_bn=False,
@@ -253,7 +254,8 @@ def imported_main(args):
     import warnings
 
     import torch
-    from thomas_tune.graph import OptimizerConfig, select_trainable
+    from thomas_tune.graph import (OptimizerConfig, frozen_batchnorms, parse_trainable,
+                                   select_trainable)
     from thomas_tune.models import replace_head
     from thomas_tune.models.onnx_import import calibrate_batchnorms, import_onnx
     from thomas_tune.reference import torch_module, torch_pretrain
@@ -331,9 +333,11 @@ def imported_main(args):
                             or not np.array_equal(v, tensors[k])}
                     theirs0 = {**original, **head}
                     r = _tt_run(exports[trainable], ours0, ft_train, ft_test, args.steps, seed)
-                    p = _torch_run(model, theirs0, select_trainable(model, trainable), ft_train,
-                                   ft_test, args.steps, seed,
-                                   frozen_bn=trainable.endswith("frozen-bn"))
+                    names = select_trainable(model, trainable)
+                    # PyTorch's BatchNorms in the forms of the step it is compared with
+                    p = _torch_run(model, theirs0, names, ft_train, ft_test, args.steps, seed,
+                                   frozen_bn=frozen_batchnorms(
+                                       model, names, parse_trainable(trainable)[1]))
                     runs.append({"seed": seed, "thomas_tune": r, "pytorch": p})
                     print(f"  {name} seed {seed}: {100 * r['acc_after']:.1f}% (first loss "
                           f"{r['losses'][0]:.6f}) vs PyTorch {100 * p['acc_after']:.1f}% "

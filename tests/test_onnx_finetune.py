@@ -393,20 +393,26 @@ def test_frozen_batchnorm_trains_as_pytorch_eval_batchnorm(arch, pretrained, com
 
 
 def test_cli_calibrates_and_trains_with_frozen_batchnorm(pretrained, tmp_path, capsys):
-    """``import-onnx`` says the fused BatchNorms are identities, ``--calibrate`` says what it
-    did and leaves none; ``train --trainable last:1,frozen-bn`` from the uncalibrated
-    checkpoint does not warn, keeps every running statistic and frozen layer as imported."""
+    """``import-onnx`` says the fused BatchNorms are identities and which way to fine-tune
+    them, ``--calibrate`` says what it did and leaves none; ``train --trainable
+    last:1,frozen-bn`` from the uncalibrated checkpoint warns that ',frozen-bn' is not the
+    advised path for the last layers, and keeps every running statistic and frozen layer as
+    imported."""
     from thomas_tune.cli import main
     from thomas_tune.models import load_checkpoint
+    from thomas_tune.models.fused_advice import fused_import_advice
     pre = pretrained("mobilenet_v1")
     width = str(ARCHS["mobilenet_v1"])
     base = ["import-onnx", pre.files["fused"], "--model", "mobilenet_v1", "--width", width]
     assert main(base + ["--out", str(tmp_path / "raw.npz")]) == 0
-    assert "imported as identity BatchNorms" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "imported as identity BatchNorms" in out, out
+    assert all(line in out for line in fused_import_advice()), out
     assert main(base + ["--out", str(tmp_path / "cal.npz"), "--calibrate", "digits",
                         "--calibrate-images", "64"]) == 0
     out = capsys.readouterr().out
     assert "calibrated on 60 images of digits" in out, out  # 6 of each of 10 classes
+    assert all(line in out for line in fused_import_advice()), out
     model, raw, _ = load_checkpoint(str(tmp_path / "raw.npz"))
     _, cal, _ = load_checkpoint(str(tmp_path / "cal.npz"))
     n_bn = len(spec(model).states) // 2
@@ -417,7 +423,8 @@ def test_cli_calibrates_and_trains_with_frozen_batchnorm(pretrained, tmp_path, c
              "--save", str(tmp_path / "ft.npz"), "--out", str(tmp_path / "export")]
     assert main(train + ["--trainable", "last:1,frozen-bn"]) == 0
     err = capsys.readouterr().err
-    assert "identity of a fused ONNX import" not in err, err
+    assert "identity of a fused ONNX import: ',frozen-bn' on a fused import" in err, err
+    assert fused_import_advice()[0] in err, err  # the last layers' case
     m10, ft, _ = load_checkpoint(str(tmp_path / "ft.npz"))
     assert m10.num_classes == 10
     for q in spec(model).states:

@@ -9,6 +9,7 @@ from .options import add_model_args, load_model, optimizer_config
 
 def cmd_import_onnx(args) -> int:
     from ..models import save_checkpoint
+    from ..models.fused_advice import fused_import_advice
     from ..models.onnx_import import import_onnx
     model, tensors, report = import_onnx(args.onnx, args.model, width=args.width,
                                          resolution=args.resolution, num_classes=args.classes,
@@ -31,16 +32,14 @@ def cmd_import_onnx(args) -> int:
               f"calibrated on {cal.images} images of {args.calibrate} (scale, shift and "
               "running statistics from the per-channel mean and variance of each layer's "
               "input; inference output unchanged, max relative change "
-              f"{cal.logits_change:.1e}): training-form BatchNorm starts from the imported "
-              "network")
+              f"{cal.logits_change:.1e})")
     elif n_fused:
         print(f"  {n_fused} BatchNorm layers were fused into their convolutions in the file: "
-              "imported as identity BatchNorms (same inference output). Training them in "
-              "training form discards each channel's learned scale and shift: import with "
-              "--calibrate DATA (images like those the network was trained on), or train "
-              "the last layers with --trainable last:K,frozen-bn (every layer with frozen "
-              "BatchNorm trains the fused weights, whose per-channel steps differ from "
-              "PyTorch's: docs/fine-tuning-imported.md)")
+              "imported as identity BatchNorms (same inference output)")
+    if n_fused:
+        print("  which way to fine-tune it (measured: docs/fine-tuning-imported.md):")
+        for line in fused_import_advice():
+            print(f"    {line}")
     elif args.calibrate:
         print("  no BatchNorm was fused in the file (statistics imported): nothing to "
               "calibrate")
@@ -82,7 +81,8 @@ def add_import_onnx(sub) -> None:
     s.add_argument("--out", required=True, help="checkpoint .npz to write")
     s.add_argument("--calibrate", metavar="DATA", help="image folder or shipped data set: "
                    "recover the scale, shift and statistics of BatchNorms fused in the file "
-                   "from these images (like those the network was trained on)")
+                   "from these images (your fine-tuning images, when every layer will train: "
+                   "docs/fine-tuning-imported.md)")
     s.add_argument("--calibrate-images", type=int, default=512,
                    help="images of --calibrate to use (default 512)")
     s.set_defaults(fn=cmd_import_onnx)

@@ -24,19 +24,22 @@ def _export_for_train(args) -> str:
     return out
 
 
-def _warn_identity_batchnorms(session, args) -> None:
-    """Say so when the weights hold uncalibrated BatchNorms of a fused ONNX import and the
-    step trains BatchNorm in its training form (or may: an export does not record it)."""
-    from ..graph import parse_trainable
+def _warn_identity_batchnorms(session) -> None:
+    """Say so when the weights hold the identity BatchNorms of a fused ONNX import (no
+    ``--calibrate``) and the export trains them another way than the advised one
+    (:func:`thomas_tune.models.fused_advice.fused_import_warning`, from the manifest's BatchNorm
+    mode, frozen parameters and learning rate)."""
+    from ..models.fused_advice import fused_import_warning
     from ..models.onnx_import import identity_batchnorms
     fused = identity_batchnorms(session.model, session.tensors())
-    if not fused or (not args.export_given and parse_trainable(args.trainable)[1] == "frozen"):
+    if not fused:
         return
-    print(f"warning: {len(fused)} BatchNorm layers are the identity of a fused ONNX import: "
-          "in training form they discard each channel's learned scale and shift; import with "
-          "--calibrate DATA, or train with --trainable all,frozen-bn"
-          + (" (ignore this if the export was made so)" if args.export_given else ""),
-          file=sys.stderr)
+    m = session.manifest
+    advice = fused_import_warning(m.get("batchnorm", "train"), not m.get("frozen"),
+                                  (m.get("optimizer") or {}).get("lr"))
+    if advice:
+        print(f"warning: {len(fused)} BatchNorm layers are the identity of a fused ONNX "
+              f"import: {advice}", file=sys.stderr)
 
 
 def cmd_train(args) -> int:
@@ -56,7 +59,7 @@ def cmd_train(args) -> int:
     # the labels are the data's class indices: its names go with the weights it trains
     session.classes = [str(c) for c in data.classes] + [str(i) for i in
                                                         range(len(data.classes), n)]
-    _warn_identity_batchnorms(session, args)
+    _warn_identity_batchnorms(session)
     train, test = data.split(args.test_fraction, seed=args.seed)
     print(f"data {data.source}: {len(train.y)} training / {len(test.y)} held-out images, "
           f"{len(data.classes)} classes; {len(session.manifest['trainable'])} trainable "
