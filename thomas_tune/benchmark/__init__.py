@@ -35,7 +35,8 @@ from .exports import prepare_exports, startup, time_export
 from .kernels import Kernel, exported_training_module, mark_tuned, step_kernels, time_kernels
 from .peaks import device_description, measure_peaks
 from .run import BenchConfig, format_report, run_bench
-from .torch_baseline import time_torch, torch_device, torchvision_module
+from .timing import time_torch
+from .torch_baseline import torch_device, torchvision_module
 
 __all__ = [
     "BenchConfig", "Kernel", "check_variants", "device_description", "exported_training_module",

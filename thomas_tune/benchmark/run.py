@@ -11,8 +11,8 @@ from .curve import tuning_curve
 from .exports import export_counters, startup
 from .kernels import exported_training_module, mark_tuned, step_kernels, time_kernels
 from .peaks import device_description, measure_peaks
-from .timing import ExportSide, TorchSide, as_result, time_interleaved
-from .torch_baseline import torch_device, torch_result
+from .timing import ExportSide, TorchSide, as_result, time_interleaved, torch_result
+from .torch_baseline import torch_device
 
 
 @dataclass

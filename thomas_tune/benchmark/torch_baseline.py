@@ -125,34 +125,3 @@ def torch_description(side) -> dict:
     return {"device": f"torch {torch.__version__} {dev.type} ({name}), {side.impl}",
             "implementation": side.impl,
             "cudnn_benchmark": getattr(side, "cudnn_benchmark", None)}
-
-
-def time_torch(model, tensors, trainable: list[str], optimizer, batch: int, infer_batch: int,
-               steps: int, warmup: int = 2, seed: int = 0, use_torchvision: bool = True,
-               frozen_bn: set[str] = frozenset()) -> dict:
-    """PyTorch eager alone (:func:`torch_step`'s network, trainable set and optimizer), with
-    ``cudnn.benchmark`` off and on on CUDA (the faster is kept, both are reported). ms per
-    training step and per inference pass: medians over ``steps`` runs on fresh random
-    batches already on the device, host clock (``train_ms``, ``infer_ms``) and CUDA events
-    (``train_device_ms``, ``infer_device_ms``; None on the CPU), with their spreads
-    (:func:`thomas_tune.benchmark.timing.spread`). On CUDA, ``device_peak_bytes`` is
-    ``torch.cuda.max_memory_allocated`` over the training steps (the network, its gradients,
-    the optimizer state and the step's activations; None on the CPU). Raises RuntimeError
-    when torch is not installed."""
-    from .timing import TorchSide, time_interleaved
-    side = TorchSide(model, tensors, trainable, optimizer, batch, infer_batch, seed,
-                     use_torchvision, frozen_bn)
-    return torch_result(side, side.choose_cudnn_benchmark(steps, warmup),
-                        time_interleaved({"torch": side}, steps, warmup)["torch"])
-
-
-def torch_result(side, by_setting: dict, timed: dict) -> dict:
-    """The result dict of PyTorch's side (see :func:`time_torch`) from its timings
-    (:func:`thomas_tune.benchmark.timing.time_interleaved`'s entry) and the medians by
-    ``cudnn.benchmark`` setting."""
-    from .timing import as_result
-    cuda = side.dev.type == "cuda"
-    peak = side.torch.cuda.max_memory_allocated() if cuda else None
-    return {**as_result(timed), "batch": side.batch, "infer_batch": side.infer_batch,
-            "launches_per_step": None, "device_peak_bytes": peak, **torch_description(side),
-            "train_ms_by_cudnn_benchmark": by_setting}
