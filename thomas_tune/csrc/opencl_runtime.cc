@@ -1151,6 +1151,42 @@ tvm::ffi::Module LoadFromBytes(const tvm::ffi::Bytes& bytes) {
 // Start and Stop. The class mirrors tvm::runtime::TimerNode (tvm/runtime/timer.h: same type key,
 // same virtual methods in the same order); that header cannot be included, as it pulls in
 // tvm/support headers the wheel does not ship.
+// Start recording this thread's launches (an event each), dropping what an earlier recording
+// left.
+void StartRecording() {
+  for (cl_event e : recording.events) clReleaseEvent(e);
+  recording.events.clear();
+  recording.on = true;
+}
+
+// The device's timing of recorded kernels, once they ran (nanoseconds, from their profiling
+// events): how many, the sum of their execution times, and the first start and last end.
+struct KernelTimes {
+  size_t kernels = 0;
+  int64_t busy_ns = 0;
+  cl_ulong first_start = 0, last_end = 0;
+};
+
+// Waits for ``events``, reads their times, releases them and empties the vector.
+KernelTimes CollectKernelTimes(std::vector<cl_event>* events) {
+  KernelTimes out;
+  if (!events->empty()) {
+    TT_CL_CHECK(clWaitForEvents(events->size(), events->data()), "waiting for kernels");
+  }
+  for (cl_event e : *events) {
+    cl_ulong t0 = 0, t1 = 0;
+    clGetEventProfilingInfo(e, CL_PROFILING_COMMAND_START, sizeof(t0), &t0, nullptr);
+    clGetEventProfilingInfo(e, CL_PROFILING_COMMAND_END, sizeof(t1), &t1, nullptr);
+    if (out.kernels == 0 || t0 < out.first_start) out.first_start = t0;
+    if (out.kernels == 0 || t1 > out.last_end) out.last_end = t1;
+    out.busy_ns += static_cast<int64_t>(t1 - t0);
+    ++out.kernels;
+    clReleaseEvent(e);
+  }
+  events->clear();
+  return out;
+}
+
 class TimerNodeABI : public tvm::ffi::Object {
  public:
   virtual void Start() = 0;
@@ -1163,30 +1199,12 @@ class TimerNodeABI : public tvm::ffi::Object {
 
 class KernelTimerNode : public TimerNodeABI {
  public:
-  void Start() final {
-    for (cl_event e : recording.events) clReleaseEvent(e);
-    recording.events.clear();
-    recording.on = true;
-  }
+  void Start() final { StartRecording(); }
   void Stop() final {
     recording.on = false;
     events_.swap(recording.events);
   }
-  int64_t SyncAndGetElapsedNanos() final {
-    int64_t total = 0;
-    if (!events_.empty()) {
-      TT_CL_CHECK(clWaitForEvents(events_.size(), events_.data()), "waiting for kernels");
-    }
-    for (cl_event e : events_) {
-      cl_ulong t0 = 0, t1 = 0;
-      clGetEventProfilingInfo(e, CL_PROFILING_COMMAND_START, sizeof(t0), &t0, nullptr);
-      clGetEventProfilingInfo(e, CL_PROFILING_COMMAND_END, sizeof(t1), &t1, nullptr);
-      total += static_cast<int64_t>(t1 - t0);
-      clReleaseEvent(e);
-    }
-    events_.clear();
-    return total;
-  }
+  int64_t SyncAndGetElapsedNanos() final { return CollectKernelTimes(&events_).busy_ns; }
   ~KernelTimerNode() {
     for (cl_event e : events_) clReleaseEvent(e);
   }
@@ -1233,42 +1251,21 @@ TVM_FFI_STATIC_INIT_BLOCK() {
                 << ", \"binary_load_s\": " << stats.binary_load_ns * 1e-9 << "}";
              return tvm::ffi::String(os.str());
            })
-      .def("thomas_tune.opencl.record_start",
-           []() {
-             using thomas_tune::opencl::recording;
-             for (cl_event e : recording.events) clReleaseEvent(e);
-             recording.events.clear();
-             recording.on = true;
-           })
+      .def("thomas_tune.opencl.record_start", thomas_tune::opencl::StartRecording)
       .def("thomas_tune.opencl.record_stop",
            []() {
-             // the kernels launched by this thread since record_start, once they ran: their
-             // count, the sum of their execution times and the span from the first one's
-             // start to the last one's end (gaps between kernels included), nanoseconds
-             using thomas_tune::opencl::ErrorName;
+             // the kernels this thread launched since record_start: their count, the sum of
+             // their execution times and the span from the first one's start to the last
+             // one's end (gaps between kernels included), nanoseconds
              using thomas_tune::opencl::recording;
              recording.on = false;
              std::vector<cl_event> events;
              events.swap(recording.events);
-             cl_ulong first = 0, last = 0;
-             int64_t busy = 0;
-             if (!events.empty()) {
-               TT_CL_CHECK(clWaitForEvents(events.size(), events.data()), "waiting for kernels");
-             }
-             for (size_t i = 0; i < events.size(); ++i) {
-               cl_ulong t0 = 0, t1 = 0;
-               clGetEventProfilingInfo(events[i], CL_PROFILING_COMMAND_START, sizeof(t0), &t0,
-                                       nullptr);
-               clGetEventProfilingInfo(events[i], CL_PROFILING_COMMAND_END, sizeof(t1), &t1,
-                                       nullptr);
-               if (i == 0 || t0 < first) first = t0;
-               if (i == 0 || t1 > last) last = t1;
-               busy += static_cast<int64_t>(t1 - t0);
-               clReleaseEvent(events[i]);
-             }
+             auto t = thomas_tune::opencl::CollectKernelTimes(&events);
              std::ostringstream os;
-             os << "{\"kernels\": " << events.size() << ", \"busy_ns\": " << busy
-                << ", \"span_ns\": " << static_cast<int64_t>(last - first) << "}";
+             os << "{\"kernels\": " << t.kernels << ", \"busy_ns\": " << t.busy_ns
+                << ", \"span_ns\": " << static_cast<int64_t>(t.last_end - t.first_start)
+                << "}";
              return tvm::ffi::String(os.str());
            })
       .def("thomas_tune.opencl.reset_peak",
