@@ -63,6 +63,10 @@ class ExportSide:
                         self.rng.integers(0, s.model.num_classes, self.batch))
         return self._timed(lambda: s.train_step(x, y))
 
+    def begin(self, what: str) -> None:
+        """Nothing to set before ``what`` ("train" or "infer"): the export's training and
+        inference are functions of their own."""
+
     def infer_once(self) -> tuple[float, float | None]:
         """One inference pass (the export's inference batch; the copy of the images and of
         the logits included, as a caller pays them): (host ms, device ms or None)."""
@@ -103,8 +107,17 @@ class TorchSide:
         x, y = self.new_batch()
         return self._timed(lambda: self.step(x, y))
 
+    def begin(self, what: str) -> None:
+        """Put the network in the modes of ``what`` before its rounds: "train" (the training
+        step's modes) or "infer" (``eval()``), once, outside the timed passes."""
+        if what == "train":
+            self.training_mode()
+        else:
+            self.net.eval()
+
     def infer_once(self):
-        """One inference pass (``eval()``, no grad) on images already on the device."""
+        """One inference pass (``eval()``, no grad: :meth:`begin`) on images already on the
+        device."""
         x = self.new_images()
         return self._timed(lambda: self.infer(x))
 
@@ -117,6 +130,7 @@ class TorchSide:
         if self.dev.type != "cuda":
             return {}
         by = {}
+        self.begin("train")
         for setting in (False, True):
             torch.backends.cudnn.benchmark = setting
             for _ in range(warmup):
@@ -137,6 +151,8 @@ def time_interleaved(sides: dict, steps: int, warmup: int = 2) -> dict:
     out = {n: {} for n in names}
     for what in ("train", "infer"):
         samples = {n: [] for n in names}
+        for n in names:
+            sides[n].begin(what)
         for r in range(warmup + steps):
             k = r % len(names)
             for n in names[k:] + names[:k]:

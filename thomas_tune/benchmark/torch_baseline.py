@@ -50,10 +50,11 @@ def torch_step(model, tensors, trainable: list[str], optimizer, batch: int, infe
     settings), the BatchNorms of ``frozen_bn`` in ``eval()`` while the network trains (as the
     step being compared runs them: ``TrainingGraph.frozen_bn``). Returns a dict: ``torch``,
     ``dev``, ``net``, ``impl`` (which network), ``step(x, y)`` (forward, cross-entropy,
-    backward, optimizer step), ``infer(x)`` (``eval()``, no grad, back in training mode
-    after), ``new_batch()`` / ``new_images()`` (fresh random float32 images and integer
-    labels of ``seed``'s generator, on the device). Raises RuntimeError when torch is not
-    installed."""
+    backward, optimizer step), ``infer(x)`` (a forward without grad: in inference form after
+    ``net.eval()``), ``training_mode()`` (back to the training step's modes: the network in
+    ``train()``, the BatchNorms of ``frozen_bn`` in ``eval()``), ``new_batch()`` /
+    ``new_images()`` (fresh random float32 images and integer labels of ``seed``'s
+    generator, on the device). Raises RuntimeError when torch is not installed."""
     dev_name = torch_device()
     if dev_name is None:
         raise RuntimeError("torch is not installed")
@@ -97,10 +98,8 @@ def torch_step(model, tensors, trainable: list[str], optimizer, batch: int, infe
         opt.step()
 
     def infer(x):
-        net.eval()
         with torch.no_grad():
             net(x)
-        training_mode()
 
     def new_images(n=infer_batch):
         return torch.randn(model.input_shape(n), generator=gen).to(dev)
@@ -113,7 +112,8 @@ def torch_step(model, tensors, trainable: list[str], optimizer, batch: int, infe
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     return {"torch": torch, "dev": dev, "net": net, "impl": impl, "step": step,
-            "infer": infer, "new_batch": new_batch, "new_images": new_images}
+            "infer": infer, "new_batch": new_batch, "new_images": new_images,
+            "training_mode": training_mode}
 
 
 def torch_description(side) -> dict:
