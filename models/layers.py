@@ -150,44 +150,51 @@ class Graph(Records):
 
     def batch_norm(self, name, x, eps=1e-5, momentum=0.1, act=None):
         """BatchNorm2d over axis 1 (Ioffe & Szegedy 2015) with PyTorch's running-stat rule,
-        followed by ``act`` (None, ``"relu"`` or ``"relu6"``)."""
+        followed by ``act`` (None, ``"relu"`` or ``"relu6"``).
+
+        In training mode the statistics, the normalisation and its activation are the kernels
+        of :mod:`models.batchnorm` (two-level shifted sums, the backward in three kernels); in
+        inference mode the running statistics are used, element-wise operators that fuse into
+        the convolution before them."""
         n, c, h, w = shape_of(x)
         gamma = self.param(f"{name}.weight", (c,), "ones")
         beta = self.param(f"{name}.bias", (c,), "zeros")
         mean = self.state(f"{name}.running_mean", (c,), "zeros")
         var = self.state(f"{name}.running_var", (c,), "ones")
-        shape4 = (1, c, 1, 1)
         if self.training:
-            # The batch statistics in float32 as exactly as float64 would give them: sums over
-            # each sample's H*W values, then over the batch (two short sums, not one of N*H*W
-            # terms in a row), and the corrected two-pass variance (Chan, Golub & LeVeque 1983,
-            # "Algorithms for computing the sample variance", eq. 1.7): the deviations from the
-            # rounded mean are exact float32 differences, their own mean is that mean's
-            # rounding error, and it is taken out of both the variance and the normalisation.
-            # A channel whose values lie close together (|mean| >> std) otherwise loses the
-            # rounding of its mean, relative to its spread, in every normalised value.
-            mu = self.emit(R.mean(R.mean(x, axis=[2, 3]), axis=[0]))
-            dev = self.emit(R.subtract(x, R.reshape(mu, shape4)))
-            shift = self.emit(R.mean(R.mean(dev, axis=[2, 3]), axis=[0]))
-            square = self.emit(R.mean(R.mean(R.multiply(dev, dev), axis=[2, 3]), axis=[0]))
-            bvar = self.emit(R.subtract(square, R.multiply(shift, shift)))
-            bmean = self.emit(R.add(mu, shift))
-            count = n * h * w
-            unbiased = R.multiply(bvar, relax.const(count / max(count - 1, 1), self.dtype))
-            m = relax.const(momentum, self.dtype)
-            keep = relax.const(1.0 - momentum, self.dtype)
-            self.new_states[f"{name}.running_mean"] = self.emit(
-                R.add(R.multiply(mean, keep), R.multiply(bmean, m)))
-            self.new_states[f"{name}.running_var"] = self.emit(
-                R.add(R.multiply(var, keep), R.multiply(unbiased, m)))
-            centred, var = R.subtract(dev, R.reshape(shift, shape4)), bvar
-        else:
-            centred = R.subtract(x, R.reshape(mean, shape4))
+            return self._batch_norm_train(name, x, gamma, beta, mean, var, eps, momentum, act)
+        shape4 = (1, c, 1, 1)
+        centred = R.subtract(x, R.reshape(mean, shape4))
         inv = R.divide(relax.const(1.0, self.dtype),
                        R.sqrt(R.add(R.reshape(var, shape4), relax.const(eps, self.dtype))))
         scale = self.emit(R.multiply(R.reshape(gamma, shape4), inv))
         return self._activate(self.emit(R.add(R.multiply(centred, scale),
                                               R.reshape(beta, shape4))), act)
+
+    def _batch_norm_train(self, name, x, gamma, beta, mean, var, eps, momentum, act):
+        """The training form (:mod:`models.batchnorm`): the statistics, the running-statistics
+        update and ``act(normalised)``, whose gradient is registered under
+        :data:`models.batchnorm.GRADIENT` (by ``thomas_tune.gradients``)."""
+        from . import batchnorm as B
+
+        bb = self.bb
+        psum = bb.emit_te(B.bn_psum, x, primfunc_name_hint="bn_psum")
+        n, _, h, w = shape_of(x)
+        mu = self.emit(R.grad.no_grad(bb.emit_te(B.bn_mean, psum, n * h * w,
+                                                 primfunc_name_hint="bn_mean")))
+        partial = bb.emit_te(B.bn_stats, x, mu, primfunc_name_hint="bn_stats")
+        p0, p1 = (self.emit(relax.TupleGetItem(partial, i)) for i in range(2))
+        sums = bb.emit_te(B.bn_sums, p0, p1, primfunc_name_hint="bn_sums")
+        s0, s1 = (self.emit(relax.TupleGetItem(sums, i)) for i in range(2))
+        running = bb.emit_te(B.bn_running, x, mu, s0, s1, mean, var, momentum,
+                             primfunc_name_hint="bn_running")
+        self.new_states[f"{name}.running_mean"] = self.emit(relax.TupleGetItem(running, 0))
+        self.new_states[f"{name}.running_var"] = self.emit(relax.TupleGetItem(running, 1))
+        # the statistics' own gradient is part of the one registered for bn_act
+        s0, s1 = self.emit(R.grad.no_grad(s0)), self.emit(R.grad.no_grad(s1))
+        return self.emit(bb.call_te_with_grad(
+            B.bn_act, x, mu, s0, s1, gamma, beta, eps, act, primfunc_name_hint="bn_act",
+            te_grad_name=B.GRADIENT, te_grad_kwargs={"eps": float(eps), "act": act or ""}))
 
     def _activate(self, x, act):
         if act is None:

@@ -104,15 +104,16 @@ WRONG = {"writes nothing": _writes_nothing, "writes zeros": _writes_zeros, "race
 # The fewest last blocks of the small MobileNetV2 below whose training step holds a ReLU6
 # gradient as an elementwise kernel of its own (in fewer blocks each mask is fused into a
 # convolution's data gradient): 285 tasks, against 474 when every layer trains.
-TRAINABLE = "last:6"
+TRAINABLE = "last:6,frozen-bn"  # BatchNorm in inference form: ReLU6's gradient is a where
 # 8 images of 32x32: the last BatchNorms normalise 8 values per channel, the fewest the step
 # check's bounds hold for (thomas_tune.step_check.MIN_BN_VALUES)
 BATCH = 8
 
 
 def _relu6_mask_task(target):
-    """The elementwise ReLU6 gradient of a small MobileNetV2's training step (``where`` over the
-    mask ``0 < x < 6``), and a schedule of it that vectorizes the ``where`` by 4: TVM's OpenCL
+    """The elementwise ReLU6 gradient of a small MobileNetV2's training step with its
+    BatchNorms in inference form (``where`` over the mask ``0 < x < 6``), and a schedule of it
+    that vectorizes the ``where`` by 4: TVM's OpenCL
     code generator then converts the vector comparison (-1 for true in OpenCL C) to an integer
     and tests it against 0, so every element takes the ``else`` value."""
     from thomas_tune import graph as G

@@ -154,7 +154,8 @@ def test_last_layers_train_with_frozen_batchnorms_in_inference_form(rng):
     """``last:K`` (BatchNorm mode ``frozen-part``): the frozen layers' BatchNorms run on their
     running statistics (PyTorch's ``eval()`` on those modules) and keep them; the trainable
     layers' BatchNorms normalise with the batch's. Loss, gradients and new statistics match
-    PyTorch in float64."""
+    PyTorch in float64; no statistics kernel runs for a frozen BatchNorm."""
+    from thomas_tune.tasks import callees, fuse
     model = build("mobilenet_v2", **SMALL["mobilenet_v2"])
     batch = 4
     tensors = {k: v.astype("float64") for k, v in random_tensors(model, rng).items()}
@@ -179,13 +180,33 @@ def test_last_layers_train_with_frozen_batchnorms_in_inference_form(rng):
         layer = name.rsplit(".", 1)[0]
         want = tensors[name] if layer in tg.frozen_bn else g.new_states[name].numpy()
         _close(value.numpy(), want, f"running statistic {name}")
+    calls = callees(fuse(tg.mod)[G.ADJOINT])
+    assert sum(n for k, n in calls.items() if k.startswith("bn_stats")) == len(trained_bns)
 
 
-def test_optimizer_kernels_per_step():
-    """Momentum SGD updates MobileNetV2's parameters in one kernel per group of 25 (128
-    buffers, 5 a parameter) and one for the step counter."""
+def test_batchnorm_and_optimizer_kernels_per_step():
+    """The training form of each BatchNorm is nine kernels (four for the statistics, running
+    statistics, normalisation with its activation, three for the backward), and momentum SGD
+    updates the
+    parameters in one kernel per group of 25 (128 buffers, 5 a parameter) and one for the step
+    counter."""
     from thomas_tune.tasks import callees, fuse
     model = build("mobilenet_v2", **SMALL["mobilenet_v2"])
     tg = G.training_module(model, 2, "all")
-    calls = callees(fuse(tg.mod)[G.OPTIMIZER])
-    assert sum(calls.values()) == -(-len(tg.trainable) // 25) + 1
+    mod = fuse(tg.mod)
+    calls = callees(mod[G.ADJOINT])
+    n_bn = sum(1 for q in spec(model).states if q.name.endswith(".running_mean"))
+
+    def count(prefix):
+        return sum(n for k, n in calls.items() if k.startswith(prefix)
+                   or k.startswith(f"fused_{prefix}"))
+
+    for kernel in ("bn_psum", "bn_mean", "bn_stats", "bn_running", "bn_act_reduce",
+                   "bn_act_dx"):
+        assert count(kernel) == n_bn, kernel
+    assert count("bn_sums") == 2 * n_bn  # the statistics' and the backward's
+    assert count("bn_act") - count("bn_act_reduce") - count("bn_act_dx") == n_bn
+    # nothing else of BatchNorm's generic form is left (mean, variance, their backward)
+    assert not [k for k in calls if "variance" in k or ("mean" in k and "bn_mean" not in k)]
+    n_params = len(tg.trainable)
+    assert sum(callees(mod[G.OPTIMIZER]).values()) == -(-n_params // 25) + 1

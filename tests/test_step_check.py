@@ -6,36 +6,39 @@ import contextlib
 import itertools
 
 import pytest
-from tvm.relax.op.base import register_gradient
 
 from thomas_tune import gradients
 
 torch = pytest.importorskip("torch")
 
-_LEVEL = itertools.count(100)
-
 
 @contextlib.contextmanager
-def broken_relu6_backward(factor: float):
-    """ReLU6's gradient (``relax.clip``) with its first use in a backward pass (the network's
-    last ReLU6) multiplied by ``factor``: -1 is a wrong sign, 1.01 a gradient 1% too large.
-    Every other ReLU6 keeps the right gradient; the right one is registered again on exit."""
+def broken_bn_backward(factor: float):
+    """BatchNorm's backward (with its ReLU6, :func:`thomas_tune.gradients._bn_act_grad`) with
+    the input gradient of its first use in a backward pass (the network's last trainable
+    BatchNorm) multiplied by ``factor``: -1 is a wrong sign, 1.01 a gradient 1% too large.
+    Every other BatchNorm keeps the right gradient; the right one is registered again on
+    exit."""
+    import tvm
+    from tvm import relax
+    from tvm.relax import op as R
+    from thomas_tune.models import batchnorm as B
+    name = "tvm.relax.te_grad._register." + B.GRADIENT
     calls = itertools.count()
 
-    def grad(orig_var, orig_call, output_grad, ctx):
-        parts = gradients._clip_grad(orig_var, orig_call, output_grad, ctx)
-        if next(calls) == 0:
-            from tvm import relax
-            from tvm.relax import op as R
-            dt = gradients._dtype(orig_call.args[0])
-            parts[0] = R.multiply(parts[0], relax.const(factor, dt))
-        return parts
+    def grad(orig_var, call, output_grad, ctx):
+        parts = gradients._bn_act_grad(orig_var, call, output_grad, ctx)
+        if next(calls):
+            return parts
+        fields = [ctx.emit(relax.TupleGetItem(parts, i)) for i in range(6)]
+        fields[0] = ctx.emit(R.multiply(fields[0], relax.const(factor, "float32")))
+        return ctx.emit(relax.Tuple(fields))
 
-    register_gradient("relax.clip", grad, level=next(_LEVEL))
+    tvm.register_global_func(name, grad, override=True)
     try:
         yield
     finally:
-        register_gradient("relax.clip", gradients._clip_grad, level=next(_LEVEL))
+        tvm.register_global_func(name, gradients._bn_act_grad, override=True)
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +71,7 @@ def test_step_check_fails_one_backward_with_a_wrong_sign_or_one_percent_off(
         tmp_path, reference, factor):
     from thomas_tune.step_check import check_export
     model, tensors, ref = reference
-    with broken_relu6_backward(factor):
+    with broken_bn_backward(factor):
         out = _export(tmp_path, model, tensors, "build")
     check = check_export(out, reference=ref)
     print(check.line())

@@ -6,7 +6,9 @@ against float64 finite differences in ``tests/test_gradients.py``. Registration 
 never replaces a gradient that TVM itself registers (see :func:`missing_gradients`), with one
 exception: depthwise convolutions get their own backward kernels (:func:`_conv2d_grad`), since
 TVM's form of them (a transposed and a grouped convolution over batch x channels) held most of
-a MobileNet training step on a GPU and its schedule space had no valid GPU schedule.
+a MobileNet training step on a GPU and its schedule space had no valid GPU schedule. Two more
+are new: ``relax.grad.no_grad`` (no gradient passes) and the backward of the training-form
+BatchNorm (:mod:`models.batchnorm`, :func:`_bn_act_grad`).
 """
 
 from __future__ import annotations
@@ -227,6 +229,37 @@ def _conv2d_grad(orig_var, orig_call, output_grad, ctx):
     return [dx, dw]
 
 
+def _no_grad_grad(orig_var, orig_call, output_grad, ctx):
+    """y = no_grad(x): no gradient reaches x (the op is the identity in the forward pass)."""
+    return [no_grad(orig_call.args[0])]
+
+
+def _bn_act_grad(orig_var, call, output_grad, ctx):
+    """The backward of :func:`models.batchnorm.bn_act` (``call`` is its
+    ``call_tir_with_grad``, arguments x, the two shifted sums, gamma, beta): three kernels,
+    ``bn_act_reduce`` (per sample, the sums that make the gradients of beta and gamma),
+    ``bn_sums`` (their sums over the samples) and ``bn_act_dx``. The
+    shifted sums get zero partials that nothing reads: their gradient is inside
+    ``bn_act_dx``, and they are marked ``no_grad`` where they are made. Returns the tuple of
+    the five partials, bound in ``ctx``."""
+    from .models import batchnorm as B
+
+    x, mu, s0, s1, gamma, beta = call.args[1].fields
+    kwargs = call.attrs.te_grad_kwargs
+    eps, act = float(kwargs["eps"]), (str(kwargs["act"]) or None)
+    c, dt = _shape(x)[1], _dtype(x)
+    r = ctx.emit_te(B.bn_act_reduce, output_grad, x, mu, s0, s1, gamma, beta, eps, act,
+                    primfunc_name_hint="bn_act_reduce")
+    r = ctx.emit_te(B.bn_sums, ctx.emit(relax.TupleGetItem(r, 0)),
+                    ctx.emit(relax.TupleGetItem(r, 1)), primfunc_name_hint="bn_sums")
+    dbeta = ctx.emit(relax.TupleGetItem(r, 0))
+    dgamma = ctx.emit(relax.TupleGetItem(r, 1))
+    dx = ctx.emit_te(B.bn_act_dx, output_grad, x, mu, s0, s1, gamma, beta, dbeta, dgamma, eps,
+                     act, primfunc_name_hint="bn_act_dx")
+    zeros = relax.const(np.zeros((c,), dt))
+    return ctx.emit(relax.Tuple([dx, zeros, zeros, zeros, dgamma, dbeta]))
+
+
 _tvm_conv2d_grad = None
 
 
@@ -245,10 +278,18 @@ def missing_gradients(op_names=OPS) -> list[str]:
 
 
 def register() -> None:
-    """Register every gradient of :data:`OPS` that is still missing, and the depthwise form of
-    conv2d's gradient (:func:`_conv2d_grad`, which keeps TVM's for other convolutions); safe
-    to call twice."""
+    """Register every gradient of :data:`OPS` that is still missing, the depthwise form of
+    conv2d's gradient (:func:`_conv2d_grad`, which keeps TVM's for other convolutions), the
+    gradient of ``relax.grad.no_grad`` (none reaches its input) and the backward of the
+    training-form BatchNorm (:func:`_bn_act_grad`); safe to call twice."""
     global _tvm_conv2d_grad
+    from .models import batchnorm as B
+
+    if tvm.ir.Op.get("relax.grad.no_grad").get_attr("FPrimalGradient") is None:
+        register_gradient("relax.grad.no_grad", _no_grad_grad)
+    handler = "tvm.relax.te_grad._register." + B.GRADIENT
+    if tvm.get_global_func(handler, allow_missing=True) is None:
+        tvm.register_global_func(handler, _bn_act_grad)
     for name in missing_gradients():
         register_gradient(name, _GRADIENTS[name])
     op = tvm.ir.Op.get("relax.nn.conv2d")

@@ -1,0 +1,216 @@
+"""BatchNorm in its training form as nine kernels: six in the forward pass, three backward.
+
+Written out of Relax's generic operators (mean, subtract, divide, ...), the training form of one
+BatchNorm followed by its activation costs about seventeen kernel launches per step once the
+gradient pass has differentiated each operator: a device that pays for every launch and every
+byte (a phone's GPU) wants fewer. Here, for ``x`` of shape (N, C, H, W), float32 or float64, and
+M = N * H * W values per channel:
+
+forward
+  ``bn_psum``, ``bn_mean``  the channel mean ``mu[c]``: a sum over each sample's (H, W), then
+                      over the samples, divided by M;
+  ``bn_stats``        per sample and channel: ``s0[n, c] = sum(d)`` and ``s1[n, c] =
+                      sum(d * d)`` over (H, W), ``d = x - mu[c]`` (a tuple reduction: two sums
+                      in one pass);
+  ``bn_sums``         per channel, the sums of the samples' ``s0`` and ``s1``: ``S0[c]``,
+                      ``S1[c]``;
+  ``bn_running``      the new running statistics, PyTorch's rule (biased variance to normalise,
+                      unbiased into the running estimate, ``new = (1 - m) * old + m * batch``);
+  ``bn_act``          ``z = act(gamma * xhat + beta)`` (one element-wise pass);
+backward
+  ``bn_act_reduce``   per sample and channel, one pass over ``x`` and ``dz``: the sums of
+                      ``dy`` and ``dy * xhat`` over (H, W) with ``dy = dz * act'(y)``;
+  ``bn_sums``         their sums over the samples: the gradients of beta and gamma;
+  ``bn_act_dx``       ``dx = gamma * rstd * (dy - sum(dy) / M - xhat * sum(dy * xhat) / M)``
+                      (Ioffe & Szegedy 2015, section 3, the backward of Algorithm 1).
+
+Every channel sum is taken in two levels, over each sample's H * W values and then over the N
+samples: float32's error in a sum grows with the length of the chains that add into one
+accumulator, and one sum of N * H * W values (8,192 in a test's 32x32 layer at batch 8, 401,408
+in MobileNetV2's first layer at 224 px and batch 32) left the normalised values several times
+further from float64 than two-level sums (measured kernel by kernel,
+``experiments/kernel_precision.py``). The variance is the corrected two-pass one (Chan, Golub &
+LeVeque 1983, "Algorithms for computing the sample variance", eq. 1.7): with ``m1 = S0 / M``,
+the deviations' own mean (the rounding error of ``mu``), ``var = S1 / M - m1^2`` and
+``xhat = ((x - mu) - m1) * rstd``: the deviations from the rounded mean are exact float32
+differences for values near it, so a channel whose mean is large against its spread keeps
+the mean's rounding out of the variance and of every normalised value. A one-pass variance
+shifted by one value of the channel, which saves the two kernels of the mean, was 2-5x further
+from float64 in the normalised values. Every kernel recomputes the mean and ``rstd`` from
+``mu, S0, S1`` per element: a few operations, where a separate kernel would cost a launch.
+
+``act`` is ``None`` (identity), ``"relu"`` or ``"relu6"``; its derivative is PyTorch's
+(``threshold_backward``: 0 where y <= 0; ``hardtanh_backward``: 0 outside 0 < y < 6).
+"""
+
+from __future__ import annotations
+
+from tvm import te, tirx
+
+ACTIVATIONS = (None, "relu", "relu6")
+GRADIENT = "thomas_tune.bn_act"  # the te_grad_name of bn_act's call_tir_with_grad
+
+
+def _check_act(act) -> None:
+    if act not in ACTIVATIONS:
+        raise ValueError(f"BatchNorm activation {act!r}: use one of {ACTIVATIONS}")
+
+
+def count(x: te.Tensor) -> int:
+    """N * H * W of an (N, C, H, W) tensor: the values of one channel."""
+    n, _, h, w = (int(d) for d in x.shape)
+    return n * h * w
+
+
+def _sum2(a, b):
+    return a[0] + b[0], a[1] + b[1]
+
+
+def _zero2(t0, t1):
+    return tirx.const(0.0, t0), tirx.const(0.0, t1)
+
+
+_SUM2 = te.comm_reducer(_sum2, _zero2, name="sum2")  # two sums in one pass
+
+
+class _Channel:
+    """Per-channel mean and 1/sqrt(var + eps) of ``x`` from its sums ``s`` (S0, S1) shifted by
+    ``shift`` (C,)."""
+
+    def __init__(self, x: te.Tensor, shift: te.Tensor, s, eps: float):
+        self.x, self.shift, self.s, self.eps = x, shift, s, eps
+        self.dt = x.dtype
+        self.inv_m = tirx.const(1.0 / count(x), self.dt)
+
+    def mean_var(self, c):
+        m1 = self.s[0][c] * self.inv_m
+        var = tirx.max(self.s[1][c] * self.inv_m - m1 * m1, tirx.const(0.0, self.dt))
+        return self.shift[c] + m1, var
+
+    def normalized(self, n, c, h, w):
+        # (x - shift) - S0/M, not x - mean: the difference from the shift is exact for values
+        # near it, and a channel whose mean is large against its spread keeps the rounding of
+        # its mean (the shift's rounding, which S0/M is) out of every normalised value
+        m1 = self.s[0][c] * self.inv_m
+        var = tirx.max(self.s[1][c] * self.inv_m - m1 * m1, tirx.const(0.0, self.dt))
+        rstd = tirx.const(1.0, self.dt) / tirx.sqrt(var + tirx.const(self.eps, self.dt))
+        return ((self.x[n, c, h, w] - self.shift[c]) - m1) * rstd, rstd
+
+
+def _activate(y, act, dt):
+    if act == "relu":
+        return tirx.max(y, tirx.const(0.0, dt))
+    if act == "relu6":
+        return tirx.min(tirx.max(y, tirx.const(0.0, dt)), tirx.const(6.0, dt))
+    return y
+
+
+def _act_grad(dz, y, act, dt):
+    zero = tirx.const(0.0, dt)
+    if act == "relu":
+        return tirx.Select(y > zero, dz, zero)
+    if act == "relu6":
+        return tirx.Select(tirx.all(y > zero, y < tirx.const(6.0, dt)), dz, zero)
+    return dz
+
+
+def bn_psum(x: te.Tensor) -> te.Tensor:
+    """(N, C, H, W) -> (N, C): the sum of each sample's values of each channel."""
+    _, _, h, w = x.shape
+    rh, rw = te.reduce_axis((0, h), "h"), te.reduce_axis((0, w), "w")
+    return te.compute((x.shape[0], x.shape[1]),
+                      lambda n, c: te.sum(x[n, c, rh, rw], axis=[rh, rw]), name="bn_psum")
+
+
+def bn_mean(p: te.Tensor, count: int) -> te.Tensor:
+    """(N, C) per-sample sums -> (C,): their sum over the samples divided by ``count``."""
+    rn = te.reduce_axis((0, p.shape[0]), "n")
+    inv = tirx.const(1.0 / count, p.dtype)
+    return te.compute((p.shape[1],), lambda c: te.sum(p[rn, c] * inv, axis=[rn]),
+                      name="bn_mean")
+
+
+def bn_stats(x: te.Tensor, mu: te.Tensor):
+    """(N, C, H, W), (C,) -> (s0, s1), each (N, C): the sums of each sample's deviations from
+    ``mu`` and of their squares, per channel (module docstring)."""
+    _, _, h, w = x.shape
+    rh, rw = te.reduce_axis((0, h), "h"), te.reduce_axis((0, w), "w")
+
+    def body(n, c):
+        d = x[n, c, rh, rw] - mu[c]
+        return _SUM2((d, d * d), axis=[rh, rw])
+
+    return te.compute((x.shape[0], x.shape[1]), body, name="bn_stats")
+
+
+def bn_sums(a: te.Tensor, b: te.Tensor):
+    """(N, C), (N, C) -> (A, B), each (C,): the sums over the samples (axis 0), in one pass."""
+    rn = te.reduce_axis((0, a.shape[0]), "n")
+
+    def body(c):
+        return _SUM2((a[rn, c], b[rn, c]), axis=[rn])
+
+    return te.compute((a.shape[1],), body, name="bn_sums")
+
+
+def bn_running(x: te.Tensor, mu: te.Tensor, s0: te.Tensor, s1: te.Tensor,
+               running_mean: te.Tensor, running_var: te.Tensor, momentum: float):
+    """The new (running_mean, running_var), each (C,), from the batch's shifted sums."""
+    ch = _Channel(x, mu, (s0, s1), 0.0)
+    m = count(x)
+    keep, mom = tirx.const(1.0 - momentum, x.dtype), tirx.const(momentum, x.dtype)
+    unbias = tirx.const(m / max(m - 1, 1), x.dtype)
+
+    def body(c):
+        mean, var = ch.mean_var(c)
+        return (keep * running_mean[c] + mom * mean,
+                keep * running_var[c] + mom * (var * unbias))
+
+    return te.compute(running_mean.shape, body, name="bn_running")
+
+
+def bn_act(x: te.Tensor, mu: te.Tensor, s0: te.Tensor, s1: te.Tensor, gamma: te.Tensor,
+           beta: te.Tensor, eps: float, act: str | None) -> te.Tensor:
+    """(N, C, H, W) -> (N, C, H, W): ``act(gamma * xhat + beta)`` with the batch statistics."""
+    _check_act(act)
+    ch = _Channel(x, mu, (s0, s1), eps)
+
+    def body(n, c, h, w):
+        xhat, _ = ch.normalized(n, c, h, w)
+        return _activate(gamma[c] * xhat + beta[c], act, x.dtype)
+
+    return te.compute(x.shape, body, name="bn_act")
+
+
+def _dy(ch: _Channel, dz, gamma, beta, act, n, c, h, w):
+    xhat, rstd = ch.normalized(n, c, h, w)
+    return _act_grad(dz[n, c, h, w], gamma[c] * xhat + beta[c], act, ch.dt), xhat, rstd
+
+
+def bn_act_reduce(dz: te.Tensor, x: te.Tensor, mu: te.Tensor, s0: te.Tensor, s1: te.Tensor,
+                  gamma: te.Tensor, beta: te.Tensor, eps: float, act: str | None):
+    """(sum(dy), sum(dy * xhat)) over each sample's (H, W), each (N, C); their sums over the
+    samples (:func:`bn_sums`) are the gradients of beta and gamma."""
+    ch = _Channel(x, mu, (s0, s1), eps)
+    _, _, h, w = x.shape
+    rh, rw = te.reduce_axis((0, h), "h"), te.reduce_axis((0, w), "w")
+
+    def body(n, c):
+        dy, xhat, _ = _dy(ch, dz, gamma, beta, act, n, c, rh, rw)
+        return _SUM2((dy, dy * xhat), axis=[rh, rw])
+
+    return te.compute((x.shape[0], x.shape[1]), body, name="bn_act_reduce")
+
+
+def bn_act_dx(dz: te.Tensor, x: te.Tensor, mu: te.Tensor, s0: te.Tensor, s1: te.Tensor,
+              gamma: te.Tensor, beta: te.Tensor, dbeta: te.Tensor, dgamma: te.Tensor, eps: float,
+              act: str | None) -> te.Tensor:
+    """(N, C, H, W): the gradient of ``x`` through the batch statistics (module docstring)."""
+    ch = _Channel(x, mu, (s0, s1), eps)
+
+    def body(n, c, h, w):
+        dy, xhat, rstd = _dy(ch, dz, gamma, beta, act, n, c, h, w)
+        return gamma[c] * rstd * (dy - (dbeta[c] + xhat * dgamma[c]) * ch.inv_m)
+
+    return te.compute(x.shape, body, name="bn_act_dx")
+
