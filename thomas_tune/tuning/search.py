@@ -176,7 +176,7 @@ class ResumingSearch(ms.search_strategy.PySearchStrategy):
     run) ends that task's search only: ``failed`` maps its name to the error, the tuner says so
     on stderr and in its report, and the other tasks go on.
 
-    With ``local_share`` above 0, that share of each batch (rounded, at least one candidate
+    With ``local_share`` above 0, that share of each batch (rounded; at least one candidate
     where the batch has two or more) goes to the neighbours of the task's ``local_top`` best
     records, each one decision away from one (:class:`.local_search.LocalSearch`), in place of
     the evolutionary search's last picks; ``local`` counts them. A task with no record yet gets
@@ -280,7 +280,7 @@ class ResumingSearch(ms.search_strategy.PySearchStrategy):
         t0 = time.perf_counter()
         try:
             cands = self._fresh_candidates()
-            if cands and self.local_share > 0 and len(cands) > 1:
+            if cands and self.local_share > 0:
                 cands = self._with_local(cands)
             return cands
         finally:
@@ -320,7 +320,8 @@ class ResumingSearch(ms.search_strategy.PySearchStrategy):
         (``local_share`` of the batch); the replaced ones may be proposed again later."""
         if self.database is None or self.mod is None:
             return cands
-        want = max(1, round(self.local_share * len(cands)))
+        want = round(self.local_share * len(cands))
+        want = max(1, want) if len(cands) > 1 else want
         workload = self.database.commit_workload(self.mod)
         best = self.database.get_top_k(workload, self.local_top)
         if not best:
