@@ -7,6 +7,8 @@ most per workload of each log, drawn at random; cached in ``--cache``), then:
   workload of two logs falls in one fold); each fold ranked by a model trained on the others;
 * ``mnv2->mnv1``: trained on the MobileNetV2 1.0@224 log, ranking the MobileNetV1 log;
 * ``others->mnv1``: trained on every log but MobileNetV1's, ranking it;
+* ``--fewer N``: the same with at most N of the cached records per workload, to see what more
+  training data buys;
 * ``online``: per MobileNetV1 workload, its first ``k`` records (log order) stand for a session's
   measurements: a model trained on those alone (MetaSchedule from scratch) and the
   ``others->mnv1`` model boosted further on them (:func:`thomas_tune.tuning.pretrained.fit` with
@@ -57,6 +59,8 @@ def main(argv=None) -> int:
     ap.add_argument("--folds", type=int, default=5)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--online", default="8,16")
+    ap.add_argument("--fewer", type=int, help="keep at most this many of the cached records "
+                    "per workload (drawn at random): the figures with less training data")
     args = ap.parse_args(argv)
     parts, timing = {}, {}
     if os.path.exists(args.cache):
@@ -71,7 +75,17 @@ def main(argv=None) -> int:
                   file=sys.stderr, flush=True)
             with open(args.cache, "wb") as f:
                 pickle.dump((parts, timing), f)
-    out = {"per_workload": args.per_workload,
+    if args.fewer:
+        rng = np.random.default_rng(1)
+        for name, p in parts.items():
+            by = {}
+            for i, w in enumerate(p.workloads):
+                by.setdefault(w, []).append(i)
+            keep = {int(i) for idx in by.values()
+                    for i in (rng.choice(idx, args.fewer, replace=False)
+                              if len(idx) > args.fewer else idx)}
+            parts[name] = p.subset(lambda i, keep=keep: i in keep)
+    out = {"per_workload": args.fewer or args.per_workload,
            "features": {n: {"records": len(p.seconds), "seconds": round(timing.get(n, 0), 1)}
                         for n, p in parts.items()}}
     everything = _merge(parts.values())

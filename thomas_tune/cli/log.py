@@ -192,7 +192,7 @@ def add_parser(sub) -> None:
                    "tuning_logs/<device>/cost_model, which 'tune' picks up for logs beside it)")
     t.add_argument("--per-workload", type=int, default=64,
                    help="records per workload of each log, drawn at random (default 64; 0: "
-                        "all; features take about 10-30 ms per record on one core)")
+                        "all; features take about 40 ms per record on one core)")
     t.add_argument("--threads", type=int, default=1, help="threads (default 1)")
     t.add_argument("--seed", type=int, default=0, help="seed of the records drawn")
     t.set_defaults(fn=cmd_train_cost_model)

@@ -74,7 +74,7 @@ def record_features(logs: list[str], max_per_workload: int | None = None, seed: 
     (``Trace.apply_json_to_schedule``, as MetaSchedule's JSON database does) and passed to
     MetaSchedule's ``PerStoreFeature`` under the record's own target. ``max_per_workload``: at
     most that many records per workload of each log, drawn at random with ``seed`` (None: all;
-    rebuilding and extracting take about 10-30 ms per record on one core). ``threads``: the
+    rebuilding and extracting take about 40 ms per record on one core). ``threads``: the
     feature extractor's threads. ``progress(done, total)`` is called per workload. Raises
     ValueError (from :func:`thomas_tune.logs.read_log`) for a folder that holds no tuning log.
     """
