@@ -183,3 +183,23 @@ def test_trials_to_95_percent_of_the_final_time(tuned, tmp_path, rng):
             break
     (stats,) = tuned["stats"]["tasks"]
     assert stats["records"] == 16 and stats["trials_to_95pct"] == first
+
+
+def test_cost_model_and_local_search_options_name_what_is_wrong(tmp_path, capsys):
+    """'tune --cost-model' with a folder that holds no trained model, '--local-share' outside
+    0..1, and 'log train-cost-model' of a folder that holds no tuning log fail before any work,
+    naming the option and the fix; nothing is made."""
+    from thomas_tune import cli
+    log, out = tmp_path / "log", tmp_path / "model"
+    base = ["tune", "--model", "alexnet", "--width", "0.1", "--resolution", "63", "--classes",
+            "5", "--tracker", "127.0.0.1:9", "--key", "k", "--log", str(log)]
+    cases = [([*base, "--cost-model", str(tmp_path)], "holds no trained cost model",
+              "thomas-tune log train-cost-model"),
+             ([*base, "--local-share", "1.5"], "--local-share 1.5 is not a share"),
+             (["log", "train-cost-model", str(tmp_path), "--out", str(out)],
+              "is not a tuning-log folder")]
+    for argv, *needles in cases:
+        assert cli.main(argv) == 2
+        err = capsys.readouterr().err
+        assert all(n in err for n in needles) and "Traceback" not in err, err
+    assert not log.exists() and not out.exists()
