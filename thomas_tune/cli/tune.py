@@ -111,7 +111,8 @@ def cmd_tune(args) -> int:
               f"are safe in {log.record_path} (batches in flight at the signal were measured "
               "and logged); run the same command again to resume", file=sys.stderr, flush=True)
         return 128 + sig
-    print(f"measured {report.trials} new trials ({report.skipped} candidates already in the "
+    print(f"measured {report.trials} new trials ({report.local} of them one decision from a "
+          f"task's best record; {report.skipped} candidates already in the "
           f"log were not re-measured, {report.drawn} drawn at random from the design spaces "
           f"when a search proposed only measured ones; {report.resumed_records} records resumed, "
           f"{report.replayed_records} of them replayed in a start-up of "

@@ -318,7 +318,7 @@ class ResumingSearch(ms.search_strategy.PySearchStrategy):
     def _with_local(self, cands: list) -> list:
         """``cands`` with its last picks replaced by neighbours of the task's best records
         (``local_share`` of the batch); the replaced ones may be proposed again later."""
-        if self.database is None or self.mod is None:
+        if self.database is None or self.mod is None or not self.database.has_workload(self.mod):
             return cands
         want = round(self.local_share * len(cands))
         want = max(1, want) if len(cands) > 1 else want
