@@ -224,7 +224,6 @@ def start_trained(model, booster, threads: int = 1) -> None:
     inst.booster = booster
     inst.num_warmup_samples = 0
     inst._train = train_on_session
-    inst.prior = booster
 
 
 def rank_correlation(booster, data: RecordFeatures, min_records: int = 8) -> dict:
