@@ -11,6 +11,8 @@ the logs of several devices or runs.
   applies is run on this machine's device against its default schedule and wrong ones are set
   aside (:func:`thomas_tune.record_check.set_aside_wrong`).
 * ``merge SRC... --out DEST``: every distinct record of the sources, once, in ``DEST``.
+* ``train-cost-model LOG... --out DIR``: MetaSchedule's XGBoost cost model trained on the logs'
+  records (:mod:`thomas_tune.tuning.pretrained`), saved in ``DIR`` for ``tune --cost-model``.
 """
 
 from __future__ import annotations
@@ -139,6 +141,22 @@ def cmd_unpack(args) -> int:
     return 0
 
 
+def cmd_train_cost_model(args) -> int:
+    """Train the cost model on the logs' records and save it in ``--out``
+    (:func:`thomas_tune.tuning.pretrained.train_cost_model`)."""
+    from ..tuning.pretrained import train_cost_model
+    for path in args.logs:
+        read_log(path)  # a clear error for a folder that holds no tuning log, before any work
+    info = train_cost_model(args.logs, args.out, max_per_workload=args.per_workload or None,
+                            seed=args.seed, threads=args.threads)
+    print(f"cost model trained on {info['records']} records of {len(args.logs)} log(s) "
+          f"({info['skipped']} whose trace no longer applies left out): features "
+          f"{info['features_s']:.0f} s, training {info['train_s']:.0f} s "
+          f"({info['boosting_rounds']} boosting rounds); {info['bytes'] / 1e6:.2f} MB in "
+          f"{args.out}")
+    return 0
+
+
 def add_parser(sub) -> None:
     """Add the ``log`` verb and its ``show``/``check``/``merge`` sub-verbs to ``sub``."""
     s = sub.add_parser("log", help="show a tuning log, check it against a model, merge, pack "
@@ -167,3 +185,14 @@ def add_parser(sub) -> None:
     t = lsub.add_parser("unpack", help="undo 'log pack', to tune into a log again")
     t.add_argument("logs", nargs="+", help="tuning-log folders")
     t.set_defaults(fn=cmd_unpack)
+    t = lsub.add_parser("train-cost-model", help="train the XGBoost cost model on logs' "
+                        "records; 'tune' starts from it (--cost-model)")
+    t.add_argument("logs", nargs="+", help="tuning-log folders")
+    t.add_argument("--out", required=True, help="folder to save it in (e.g. "
+                   "tuning_logs/<device>/cost_model, which 'tune' picks up for logs beside it)")
+    t.add_argument("--per-workload", type=int, default=64,
+                   help="records per workload of each log, drawn at random (default 64; 0: "
+                        "all; features take about 40 ms per record on one core)")
+    t.add_argument("--threads", type=int, default=1, help="threads (default 1)")
+    t.add_argument("--seed", type=int, default=0, help="seed of the records drawn")
+    t.set_defaults(fn=cmd_train_cost_model)

@@ -38,7 +38,8 @@ def cmd_tune(args) -> int:
         trials=args.trials, trials_per_iter=args.trials_per_iter, seed=args.seed,
         population=args.population, builder_workers=args.build_workers, stats_path=args.stats,
         max_in_flight=args.in_flight, max_unroll=args.max_unroll, refine_top=args.refine_top,
-        genetic_iters=args.genetic_iters)
+        genetic_iters=args.genetic_iters, local_share=args.local_share,
+        cost_model=args.cost_model if args.cost_model not in (None, "none") else None)
     model, _, _ = load_model(args)
     target, device = resolve_target(args.target, args.host, rpc.parse_address(args.tracker),
                                     args.key, wait_s=args.wait)  # opencl:remote: the server's
@@ -61,6 +62,13 @@ def cmd_tune(args) -> int:
                              "'thomas-tune tasks' with the same model options lists the names")
     log = TuningLog(args.log or default_log(args, model, args.key))
     log.require_writable()  # before minutes of default-schedule timing
+    if args.cost_model is None:  # the one trained on this device's logs, where there is one
+        import dataclasses
+
+        from ..tuning.pretrained import beside
+        options = dataclasses.replace(options, cost_model=beside(log.path))
+    print("cost model: " + (f"trained, from {options.cost_model}" if options.cost_model
+                            else "untrained"), flush=True)
     if device is not None:  # the limits the log's records were measured under
         write_device_file(log.path, device)
     STOP["log"] = log  # what a stop by signal reports
@@ -103,7 +111,8 @@ def cmd_tune(args) -> int:
               f"are safe in {log.record_path} (batches in flight at the signal were measured "
               "and logged); run the same command again to resume", file=sys.stderr, flush=True)
         return 128 + sig
-    print(f"measured {report.trials} new trials ({report.skipped} candidates already in the "
+    print(f"measured {report.trials} new trials ({report.local} of them one decision from a "
+          f"task's best record; {report.skipped} candidates already in the "
           f"log were not re-measured, {report.drawn} drawn at random from the design spaces "
           f"when a search proposed only measured ones; {report.resumed_records} records resumed, "
           f"{report.replayed_records} of them replayed in a start-up of "
@@ -111,8 +120,10 @@ def cmd_tune(args) -> int:
     print(f"throughput: {report.throughput_line()}")
     for t in report.tasks:
         if t.trials:
+            to95 = f"{t.to95}/{t.records}" if t.to95 is not None else "-"
             print(f"  {t.name[:56]:<56} {t.trials:>4} trials  best {t.best_s * 1e3:9.4f} ms  "
-                  f"{t.gflops:8.2f} GFLOP/s  ({t.errors} failed)")
+                  f"{t.gflops:8.2f} GFLOP/s  ({t.errors} failed; 95% of the best after "
+                  f"{to95} records)")
             if t.errors:
                 print(f"    last failure: {error_line(t.last_error, 200)}")
     for name, reason in report.search_failed.items():
@@ -251,7 +262,17 @@ def add_tune(sub) -> None:
                         "0: none)")
     s.add_argument("--stats", help="write trials/s and the time split as JSON here (every "
                    "30 s while tuning, and at the end, also after SIGINT or SIGTERM; its 'ended' "
-                   "says how the run ended)")
+                   "says how the run ended), and per task the trials, in the log's order, to "
+                   "95%% of its final best speed ('trials_to_95pct') and of its final gain over "
+                   "the default schedule ('trials_to_95pct_gain')")
+    s.add_argument("--cost-model", help="folder of a trained cost model ('thomas-tune log "
+                   "train-cost-model') the session's model starts from and keeps training "
+                   "(default: the one beside the tuning log, <log>/../cost_model, where there "
+                   "is one; 'none': an untrained model)")
+    s.add_argument("--local-share", type=float, default=0.25,
+                   help="share of each batch given to schedules one decision away from the "
+                        "task's best records (coordinate descent; default 0.25; 0: "
+                        "evolutionary search only)")
     s.add_argument("--seed", type=int, default=0)
     add_cache_features_arg(s, "also tune the tasks of")
     s.set_defaults(fn=cmd_tune)

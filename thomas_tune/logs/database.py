@@ -155,6 +155,15 @@ class LogDatabase(ms.database.PyDatabase):
             idx = self._index_of(workload)
             return [] if idx is None else [e.body for e in self.entries[idx] if e.valid]
 
+    def times_in_order(self, mod) -> list[float]:
+        """Mean run time (s) of each record of the workload ``mod``, in the order the records
+        were measured (file order; a failed trial as ``inf``); empty for a workload not in the
+        database."""
+        with self.lock:
+            idx = self._index(mod)
+            rows = [] if idx is None else sorted(self.entries[idx], key=lambda e: e.seq)
+            return [e.mean if e.valid and e.mean < FAILED_RUN_S else math.inf for e in rows]
+
     def first(self, accept) -> list:
         """Per workload (in file order) with one: its fastest record whose run times pass
         ``accept(run_secs: list[float]) -> bool``, built; nothing else is built."""

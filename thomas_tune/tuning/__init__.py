@@ -11,7 +11,8 @@ it is built, and the new run measures only new ones.
 Modules: :mod:`.driver` (:func:`tune` and its :class:`TuneOptions`), :mod:`.search` (the search
 strategy and its view of the database), :mod:`.task_scheduler` (which task gets the next batch),
 :mod:`.refine` (refinement passes), :mod:`.defaults` (default-schedule timing and selection by
-time), :mod:`.report` (the run's report).
+time), :mod:`.report` (the run's report), :mod:`.pretrained` (the cost model trained on tuning
+logs, saved and loaded), :mod:`.local_search` (schedules one decision from the best records).
 """
 
 from .defaults import (DEFAULT_LATENCY, default_schedule_key, defaults_stamp, kernel_time_s,

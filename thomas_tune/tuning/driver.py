@@ -21,8 +21,10 @@ from ..schedules import UNROLL_STEPS, unroll_steps
 from ..tasks import Task
 from ..tasks import key as workload_key
 from ..logs import TrialErrors, TuningLog
+from .pretrained import BOOSTER
+from .pretrained import load as load_cost_model
 from .refine import refine_padding, refine_transfer, refine_unroll, refinement_line
-from .report import Progress, TaskProgress, TuneReport, cpu_jiffies
+from .report import Progress, TaskProgress, TuneReport, convergence, cpu_jiffies
 from .search import ResumingSearch, cost_model, search_context
 from .task_scheduler import PipelinedGradient
 
@@ -58,8 +60,11 @@ class TuneOptions:
     are compared on the device with its task's default schedule on the same inputs before its
     time enters the log (:mod:`thomas_tune.kernel_check`; a wrong one is a failed trial "wrong
     result: ..."), False only to measure what the check costs: unchecked candidates can put
-    wrong kernels into the log. Raises ValueError naming the ``thomas-tune tune`` option and its
-    fix for a value the search cannot run with.
+    wrong kernels into the log; ``cost_model``: the folder of a trained cost model the
+    session's model starts from (:mod:`.pretrained`; None: an untrained one); ``local_share``:
+    the share of each batch given to the local search near each task's best records
+    (:mod:`.local_search`; 0: evolutionary search only). Raises ValueError naming the
+    ``thomas-tune tune`` option and its fix for a value the search cannot run with.
     """
 
     trials: int
@@ -75,6 +80,8 @@ class TuneOptions:
     refine_top: int = 2
     genetic_iters: int = 2
     check: bool = True
+    cost_model: str | None = None
+    local_share: float = 0.25
 
     def __post_init__(self) -> None:
         try:
@@ -92,6 +99,14 @@ class TuneOptions:
         if self.population < 2:
             raise ValueError(f"--population {self.population}: the search needs at least 2 "
                              "members")
+        if not 0.0 <= self.local_share <= 1.0:
+            raise ValueError(f"--local-share {self.local_share} is not a share; give 0 (no "
+                             "local search) to 1")
+        if self.cost_model is not None and not os.path.isfile(
+                os.path.join(self.cost_model, BOOSTER)):
+            raise ValueError(f"--cost-model {self.cost_model!r} holds no trained cost model "
+                             f"({BOOSTER}); make one with 'thomas-tune log train-cost-model "
+                             "LOG... --out DIR', or leave the option out")
 
 
 def tune(tasks: list[Task], target, log: TuningLog, runner: ms.Runner,
@@ -153,14 +168,15 @@ def _tune_locked(tasks: list[Task], target, log: TuningLog, runner: ms.Runner,
     database = log.database()
     report = TuneReport()
     phases = getattr(runner, "phases", None) or Phases()
-    contexts, weights, progress, default_ms, tuned_ms = [], [], [], [], []
+    contexts, weights, progress, default_ms, tuned_ms, mods = [], [], [], [], [], []
     strategies = []  # per context: the search strategy made here (shares state with its clone)
     errors = TrialErrors(log, [t.name for t in tasks])
     for i, task in enumerate(tasks):
         measured = log.measured(database, task.mod)
         report.resumed_records += len(measured)
         ctx, strategy = search_context(task, target, measured, opt.population,
-                                       opt.genetic_iters, opt.max_unroll, opt.seed + i, phases)
+                                       opt.genetic_iters, opt.max_unroll, opt.seed + i, phases,
+                                       opt.local_share)
         ctx = ctx.clone()
         try:  # a rule that fails on this kernel would otherwise stop the whole run
             ctx.generate_design_space()
@@ -176,6 +192,7 @@ def _tune_locked(tasks: list[Task], target, log: TuningLog, runner: ms.Runner,
         best = log.best_seconds(database, task.mod) if measured else None
         tuned_ms.append(best * 1e3 if best is not None else None)
         progress.append(TaskProgress(task.name, task.flops))
+        mods.append(task.mod)
     replayed = log.save_hashes()  # the next start replays only the records added after this
     report.replayed_records = replayed
     report.startup_s = time.perf_counter() - t_open
@@ -198,12 +215,14 @@ def _tune_locked(tasks: list[Task], target, log: TuningLog, runner: ms.Runner,
         report.cpu_busy = cpu_share()
         _search_totals(report, strategies)
         if opt.stats_path and now - last_write[0] >= opt.stats_every_s:
+            convergence(progress, database, mods, default_ms)
             report.write(opt.stats_path)
             last_write[0] = now
 
     callbacks = [*ms.measure_callback.MeasureCallback.create("default"), errors,
                  Progress(progress, opt.trials, disable=not opt.show_progress, tick=tick)]
-    model = cost_model(phases)
+    model = cost_model(phases, pretrained=(load_cost_model(opt.cost_model)[0]
+                                           if opt.cost_model else None))
     builder = Builder(max_workers=opt.builder_workers or max(1, (os.cpu_count() or 2)),
                       timeout_s=60, phases=phases)
     # each task's default schedule, built once: the reference every candidate's outputs
@@ -306,6 +325,7 @@ def _tune_locked(tasks: list[Task], target, log: TuningLog, runner: ms.Runner,
         report.phases = phases.as_dict()
         report.cpu_busy = cpu_share()
         _search_totals(report, strategies)
+        convergence(progress, database, mods, default_ms)
         if opt.stats_path:
             report.write(opt.stats_path)
     return report
@@ -342,8 +362,10 @@ def note_signals(seen: list[int], soft=None):
 
 def _search_totals(report: TuneReport, strategies: list[ResumingSearch]) -> None:
     """Copy what the tasks' search strategies counted into ``report``: candidates skipped as
-    measured, drawn at random, unroll limits clamped, searches that failed."""
+    measured, drawn at random, proposed by the local search, unroll limits clamped, searches
+    that failed."""
     report.skipped = sum(s.skipped for s in strategies)
     report.drawn = sum(s.drawn for s in strategies)
+    report.local = sum(s.local for s in strategies)
     report.clamped = sum(s.clamped for s in strategies)
     report.search_failed = {k: v for s in strategies for k, v in s.failed.items()}

@@ -20,6 +20,13 @@ class TaskProgress:
     errors: int = 0
     best_s: float = math.inf
     last_error: str = ""
+    #: records of the task's workload in the tuning log (all runs), and the trials among them,
+    #: in log order, until its best time was within 95% of its final best time (the best
+    #: record's speed) and, where its default schedule's time is known, until 95% of the gain
+    #: over it (:func:`trials_to_95`)
+    records: int = 0
+    to95: int | None = None
+    to95_gain: int | None = None
 
     @property
     def gflops(self) -> float:
@@ -73,6 +80,8 @@ class TuneReport:
     #: candidates drawn at random from a task's design spaces when its search proposed only
     #: measured schedules (:class:`ResumingSearch`)
     drawn: int = 0
+    #: candidates proposed by the local search near the tasks' best records
+    local: int = 0
     resumed_records: int = 0
     #: of ``resumed_records``, those replayed at the start (the others' schedule hashes were
     #: kept in the log folder: :meth:`thomas_tune.logs.TuningLog.measured`)
@@ -147,11 +156,14 @@ class TuneReport:
                 "resumed_records": self.resumed_records,
                 "replayed_records": self.replayed_records, "startup_s": self.startup_s,
                 "clamped": self.clamped,
-                "skipped": self.skipped, "drawn": self.drawn, "ended": self.ended,
+                "skipped": self.skipped, "drawn": self.drawn, "local": self.local,
+                "ended": self.ended,
                 "wrong": self.wrong,
                 "tasks": [{"name": t.name, "trials": t.trials, "errors": t.errors,
                            "best_ms": t.best_s * 1e3 if t.best_s < math.inf else None,
-                           "gflops": t.gflops} for t in self.tasks]}
+                           "gflops": t.gflops, "records": t.records,
+                           "trials_to_95pct": t.to95, "trials_to_95pct_gain": t.to95_gain}
+                          for t in self.tasks]}
 
     def write(self, path: str) -> None:
         """Write :meth:`as_dict` as JSON to ``path`` (atomically: a reader never sees half)."""
@@ -191,3 +203,38 @@ def cpu_jiffies() -> tuple[int, int] | None:
         return None
     ticks = [int(x) for x in fields[1:8]]  # user nice system idle iowait irq softirq
     return sum(ticks) - ticks[3] - ticks[4], sum(ticks)
+
+
+def trials_to_95(times_s: list[float], default_s: float | None = None
+                 ) -> tuple[int | None, int | None]:
+    """Trials until a task converged, from its records' mean run times ``times_s`` (s; in the
+    order they were measured, a failed trial as ``inf``): ``(n, g)`` where ``n`` is the first
+    count of trials whose best time is within 95% of the final best (best <= final / 0.95: 95%
+    of the final speed) and ``g``, with ``default_s`` (the default schedule's time, s), the
+    first count whose gain over it is 95% of the final gain (default - best >= 0.95 x
+    (default - final), as the tuning curve of ``thomas-tune bench`` counts it for a step).
+    Each is None where it does not apply: no valid record; no gain over the default."""
+    finite = [t for t in times_s if math.isfinite(t)]
+    if not finite:
+        return None, None
+    final = min(finite)
+    n = g = None
+    best = math.inf
+    gain = (default_s - final) if default_s is not None and math.isfinite(default_s) else 0.0
+    for i, t in enumerate(times_s, 1):
+        best = min(best, t)
+        if n is None and best <= final / 0.95:
+            n = i
+        if g is None and gain > 0 and default_s - best >= 0.95 * gain:
+            g = i
+    return n, g
+
+
+def convergence(tasks: list[TaskProgress], database, mods: list, default_ms: list) -> None:
+    """Set each task's ``records``, ``to95`` and ``to95_gain`` (:func:`trials_to_95`) from its
+    workload's records in ``database`` (a :class:`thomas_tune.logs.LogDatabase`), in log order;
+    ``mods[i]`` and ``default_ms[i]`` (ms or None) are task ``i``'s workload and default time."""
+    for t, mod, d in zip(tasks, mods, default_ms):
+        times = database.times_in_order(mod)
+        t.records = len(times)
+        t.to95, t.to95_gain = trials_to_95(times, d / 1e3 if d is not None else None)

@@ -18,6 +18,7 @@ from ..measure.runner import error_line
 from ..schedules import (before_postproc, plain_json, postprocessed, space_generator, unroll_steps,
                          within_unroll)
 from ..tasks import Task
+from .local_search import LocalSearch
 
 
 @derived_object
@@ -119,7 +120,7 @@ class OnceSpaces(ms.space_generator.PySpaceGenerator):
         return OnceSpaces(self.inner, self.cache)
 
 
-def cost_model(phases: Phases, threads: int | None = None):
+def cost_model(phases: Phases, threads: int | None = None, pretrained=None):
     """The tuner's cost model: MetaSchedule's XGBoost model (features: ``PerStoreFeature``;
     Chen et al. 2018, "Learning to Optimize Tensor Programs") training on ``threads`` threads
     (default a quarter of this machine's cores, at least 1). Its updates (feature extraction
@@ -132,9 +133,16 @@ def cost_model(phases: Phases, threads: int | None = None):
     70 of 241 s of a MobileNetV2 run, and the same trainings took 9.8 s on 4 threads. Training in a
     background thread instead made a SIGINT during the run end the process in ``std::terminate``
     (``tests/test_faults.py::test_tuner_killed_and_restarted``), so the updates stay on the tuning
-    thread."""
+    thread.
+
+    ``pretrained``: a trained booster (:func:`.pretrained.load`) the model starts from and
+    keeps boosting from in its updates (:func:`.pretrained.start_trained`); None: MetaSchedule's
+    untrained start (random scores for the first 100 samples)."""
     threads = threads or max(1, (os.cpu_count() or 4) // 4)
     model = ms.cost_model.XGBModel(num_tuning_cores=threads)
+    if pretrained is not None:
+        from .pretrained import start_trained
+        start_trained(model, pretrained, threads)
     inst = model._inst  # the Python object behind MetaSchedule's cost model
     update = inst.update
 
@@ -166,7 +174,13 @@ class ResumingSearch(ms.search_strategy.PySearchStrategy):
     design space: on the H100, a space whose cooperative-fetch annotation was a constant made
     every later round of its task raise in MetaSchedule's thread pool, which ended the whole
     run) ends that task's search only: ``failed`` maps its name to the error, the tuner says so
-    on stderr and in its report, and the other tasks go on."""
+    on stderr and in its report, and the other tasks go on.
+
+    With ``local_share`` above 0, that share of each batch (rounded; at least one candidate
+    where the batch has two or more) goes to the neighbours of the task's ``local_top`` best
+    records, each one decision away from one (:class:`.local_search.LocalSearch`), in place of
+    the evolutionary search's last picks; ``local`` counts them. A task with no record yet gets
+    evolutionary candidates only."""
 
     #: draws tried per candidate wanted (a draw the postprocessors reject, or one measured
     #: before, is tried again)
@@ -175,6 +189,7 @@ class ResumingSearch(ms.search_strategy.PySearchStrategy):
     def __init__(self, measured: set[int] | None = None, max_empty_rounds: int = 8,
                  phases: Phases | None = None, max_unroll: int | None = None,
                  counts: dict[str, int] | None = None, failed: dict[str, str] | None = None,
+                 local_share: float = 0.0, local_top: int = 2, tried: dict | None = None,
                  **kwargs):
         self.inner = ms.search_strategy.EvolutionarySearch(**kwargs)
         self.kwargs = kwargs
@@ -189,7 +204,10 @@ class ResumingSearch(ms.search_strategy.PySearchStrategy):
         #: unroll limit, inherited from a record of the tuning log, was over ``max_unroll`` and
         #: was lowered to the largest allowed
         self.counts = counts if counts is not None else {"skipped": 0, "clamped": 0,
-                                                          "drawn": 0}
+                                                          "drawn": 0, "local": 0}
+        self.local_share, self.local_top = float(local_share), int(local_top)
+        self.tried = tried if tried is not None else {}  # LocalSearch's, shared with clones
+        self.database = None
         self.failed = failed if failed is not None else {}
         self.task_name = None
         self.spaces: list = []  # the design spaces' traces, without decisions or postprocessing
@@ -235,6 +253,10 @@ class ResumingSearch(ms.search_strategy.PySearchStrategy):
     def drawn(self) -> int:
         return self.counts["drawn"]
 
+    @property
+    def local(self) -> int:
+        return self.counts.get("local", 0)
+
     def pre_tuning(self, max_trials, num_trials_per_iter, design_spaces, database=None,
                    cost_model=None) -> None:
         self.batch = int(num_trials_per_iter)
@@ -247,6 +269,7 @@ class ResumingSearch(ms.search_strategy.PySearchStrategy):
             self.spaces.append([insts, []])
         if self.max_unroll is not None and database is not None:
             database = UnrollLimitedView(database, unroll_steps(self.max_unroll))
+        self.database = database
         self.inner.pre_tuning(max_trials, num_trials_per_iter, design_spaces, database,
                               cost_model)
 
@@ -256,7 +279,10 @@ class ResumingSearch(ms.search_strategy.PySearchStrategy):
     def generate_measure_candidates(self):
         t0 = time.perf_counter()
         try:
-            return self._fresh_candidates()
+            cands = self._fresh_candidates()
+            if cands and self.local_share > 0:
+                cands = self._with_local(cands)
+            return cands
         finally:
             if self.phases is not None:
                 self.phases.add("search", time.perf_counter() - t0, wall=True)
@@ -289,6 +315,26 @@ class ResumingSearch(ms.search_strategy.PySearchStrategy):
                 return fresh
         return self._drawn_candidates() or None
 
+    def _with_local(self, cands: list) -> list:
+        """``cands`` with its last picks replaced by neighbours of the task's best records
+        (``local_share`` of the batch); the replaced ones may be proposed again later."""
+        if self.database is None or self.mod is None or not self.database.has_workload(self.mod):
+            return cands
+        want = round(self.local_share * len(cands))
+        want = max(1, want) if len(cands) > 1 else want
+        workload = self.database.commit_workload(self.mod)
+        best = self.database.get_top_k(workload, self.local_top)
+        if not best:
+            return cands
+        search = LocalSearch(self.mod, self.postprocs, self.measured, self.local_top,
+                             self.rng, self.tried, self.counts)
+        local = search.candidates(best, want)
+        if not local:
+            return cands
+        for c in cands[len(cands) - len(local):]:
+            self.measured.discard(tvm_ffi.structural_hash(c.sch.mod))
+        return cands[: len(cands) - len(local)] + local
+
     def _drawn_candidates(self) -> list:
         """Up to one batch of candidates drawn at random from the design spaces, none measured
         before (see the class docstring)."""
@@ -317,19 +363,22 @@ class ResumingSearch(ms.search_strategy.PySearchStrategy):
 
     def clone(self):
         return ResumingSearch(self.measured, self.max_empty_rounds, self.phases,
-                              self.max_unroll, self.counts, self.failed, **self.kwargs)
+                              self.max_unroll, self.counts, self.failed, self.local_share,
+                              self.local_top, self.tried, **self.kwargs)
 
 
 def search_context(task: Task, target, measured: set[int], population: int,
                    genetic_iters: int, max_unroll: int | None, seed: int,
-                   phases: Phases | None = None):
+                   phases: Phases | None = None, local_share: float = 0.0):
     """The tune context and search strategy (:class:`ResumingSearch`) of one task as
     :func:`tune` searches it: ``measured``, the structural hashes of its schedules already in
     the tuning log; ``population`` and ``genetic_iters``, the evolutionary search's size (a
     quarter of the population, at least 8, is drawn fresh each round); ``max_unroll``, the
     unroll limit (:func:`thomas_tune.schedules.unroll_steps`); ``seed``, the context's random
-    state. The search runs on every core. Returns ``(context, strategy)``."""
+    state; ``local_share``, the share of each batch given to the local search near the task's
+    best records. The search runs on every core. Returns ``(context, strategy)``."""
     strategy = ResumingSearch(measured, phases=phases, max_unroll=max_unroll,
+                              local_share=local_share,
                               population_size=population,
                               init_min_unmeasured=max(8, population // 4),
                               genetic_num_iters=genetic_iters)
