@@ -188,8 +188,8 @@ def _tune(args, tune_fn, common: list[str], log_dir: str, shipped: str | None,
                       "schedules timed again on this device, the others set aside", flush=True)
             if tune_fn(["remeasure", *common, *server, "--top-k", "1", "--defaults", "logged",
                         *which]):
-                print("[demo] a record could not be timed again; it keeps its shipped time",
-                      flush=True)
+                print("[demo] a record could not be timed again (above): it keeps its shipped "
+                      "time, or is set aside where the log was restamped", flush=True)
         per_task = max(1, -(-args.trials // max(1, args.top)))  # one batch per task
         rc = tune_fn(["tune", *common, *server, "--trials", str(args.trials), "--top",
                       str(args.top), "--trials-per-iter", str(per_task), "--population", "32",
