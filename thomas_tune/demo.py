@@ -174,13 +174,22 @@ def _tune(args, tune_fn, common: list[str], log_dir: str, shipped: str | None,
               flush=True)
         server = ["--tracker", f"{host}:{port}", "--key", args.key, "--log", log_dir]
         if started:
-            print(f"[demo] starting from the shipped tuning log {shipped}: the best records "
-                  f"of its {args.remeasure_top} costliest tasks and their default schedules "
-                  "timed again on this device", flush=True)
+            from .logs import TuningLog
+            version = TuningLog(log_dir).version()
+            if version.status == "current":
+                which = ["--top", str(args.remeasure_top)]
+                print(f"[demo] starting from the shipped tuning log {shipped}: the best records "
+                      f"of its {args.remeasure_top} costliest tasks and their default "
+                      "schedules timed again on this device", flush=True)
+            else:  # times of another code generation: every task's best record again
+                which = ["--restamp"]
+                print(f"[demo] starting from the shipped tuning log {shipped}, measured with "
+                      f"{version.line()}: the best record of each task and their default "
+                      "schedules timed again on this device, the others set aside", flush=True)
             if tune_fn(["remeasure", *common, *server, "--top-k", "1", "--defaults", "logged",
-                        "--top", str(args.remeasure_top)]):
-                print("[demo] a record could not be timed again; it keeps its shipped time",
-                      flush=True)
+                        *which]):
+                print("[demo] a record could not be timed again (above): it keeps its shipped "
+                      "time, or is set aside where the log was restamped", flush=True)
         per_task = max(1, -(-args.trials // max(1, args.top)))  # one batch per task
         rc = tune_fn(["tune", *common, *server, "--trials", str(args.trials), "--top",
                       str(args.top), "--trials-per-iter", str(per_task), "--population", "32",

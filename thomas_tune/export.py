@@ -123,7 +123,9 @@ def export(out_dir: str, model, tensors: dict[str, np.ndarray], target: tvm.targ
     host (``target.export_shared``). Raises ValueError for a bad trainable set or optimizer,
     for ``cache_features`` with a trainable set whose frozen part is not the same at every
     step (the message names the fix), and for a foreign host without a working cross compiler
-    (before compiling anything).
+    (before compiling anything). A log whose times belong to another or an unknown
+    code-generation version (:mod:`thomas_tune.logs.codegen`) is used with a message, and its
+    status is kept in the manifest (``tuning_log_codegen``); the ``export`` verb refuses it.
     """
     cross_compiler(target)  # a missing or wrong cross compiler fails here, before any work
     os.makedirs(out_dir, exist_ok=True)
@@ -156,6 +158,11 @@ def export(out_dir: str, model, tensors: dict[str, np.ndarray], target: tvm.targ
         return wino
 
     checks = {"checked": None, "wrong": {}, "unchecked": "no tuning log"}
+    version = log.version() if log is not None else None
+    if version is not None and version.status != "current":
+        progress(f"tuning log {log.path}: its records were measured with {version.line()}; "
+                 "their times are used as they are ('thomas-tune export' refuses such a log "
+                 "without --any-codegen)")
     if log is None:
         wino = build_libraries(None)
     else:
@@ -197,6 +204,9 @@ def export(out_dir: str, model, tensors: dict[str, np.ndarray], target: tvm.targ
         "optimizer": dataclasses.asdict(tg.optimizer),
         "tuning_log": log.path if log is not None else None,
         "tuning_log_sha256": log_hash(log),
+        # the code-generation version of the log's times (logs.codegen), or None without one
+        "tuning_log_codegen": None if version is None else {
+            "status": version.status, "id": (version.stamp or {}).get("id")},
         "default_rules": "stock" if stock_defaults else "thomas_tune",
         "record_check": checks,
         # the convolutions built in the Winograd form (winograd.Conv.from_dict reads them)

@@ -9,6 +9,12 @@ runner as tuning, and their run times in the log are replaced by the new ones: f
 the latest measurement stands. The record file is rewritten atomically after each batch, under
 the log's lock, so a killed run keeps the batches it finished and loses no record. A record
 whose new measurement fails keeps its old time (the failure is reported).
+
+A log of another or an unknown code-generation version (:mod:`thomas_tune.logs.codegen`) is
+only re-measured whole (``restamp``): the re-measured records keep their new times, every other
+record (not among the best, a failed trial, a failed re-measure) is moved to
+``database_tuning_record.json.stale`` with the reason, and the log is stamped with this
+installation's version. Nothing of the old times stays where it could be trusted.
 """
 
 from __future__ import annotations
@@ -23,7 +29,9 @@ from tvm.s_tir.schedule import Schedule
 
 from .measure.builder import Builder
 from .tuning.defaults import measure_kernels
-from .logs import TuningLog, mean_seconds, rewrite_atomically
+from .logs import RECORDS, TuningLog, mean_seconds, rewrite_atomically, write_stamp
+
+STALE = RECORDS + ".stale"  # records set aside by a restamp, one JSON object per line
 
 
 @dataclass
@@ -34,6 +42,7 @@ class RemeasureReport:
 
     measured: int = 0
     failed: int = 0
+    stale: int = 0
     reasons: dict[str, int] = field(default_factory=dict)
     best: dict[str, tuple[float, float]] = field(default_factory=dict)
 
@@ -45,21 +54,29 @@ class RemeasureReport:
 
 def remeasure(log: TuningLog, target, runner: ms.Runner, workload_keys: set[str] | None = None,
               top_k: int = 2, batch: int = 64, builder_workers: int | None = None,
-              progress=None) -> RemeasureReport:
+              progress=None, restamp: bool = False) -> RemeasureReport:
     """Time the ``top_k`` fastest valid records of each workload of ``log`` again on
     ``runner``'s device (compiled for ``target``) and write the new run times (seconds, one
     per repeat) into the log in place of the old.
 
     ``workload_keys``: only workloads whose key (structural hash, decimal, as
     :func:`thomas_tune.tasks.key`) is in it (None: all). Records are built and run in
-    batches of ``batch``; ``progress(done, total)`` is called after each. Raises
+    batches of ``batch``; ``progress(done, total)`` is called after each. ``restamp``: after
+    the re-measure, every record not re-measured here (``stale`` counts them) is moved to
+    :data:`STALE` and the log is stamped with this installation's code-generation version
+    (see the module docstring); without it the log must be of this version. Raises
     :class:`thomas_tune.logs.LogInUse` when a tuner holds the log, ValueError when the
-    log has no records; lines that do not parse are set aside as :meth:`TuningLog.check` does.
+    log has no records, :class:`thomas_tune.logs.CodegenMismatch` for a log of another
+    version without ``restamp``; lines that do not parse are set aside as
+    :meth:`TuningLog.check` does.
     """
     if not log.exists():
         raise ValueError(f"tuning log {log.path!r} has no records; tune first or fix the path")
     report = RemeasureReport()
     with log.lock("remeasuring"):
+        was = log.version()
+        if not restamp:
+            log.require_version("re-measure part of it")
         log.check()  # bad lines set aside first: the line numbers below are of good lines
         with open(log.workload_path) as f:
             wl_lines = [line for line in f if line.strip()]
@@ -78,6 +95,7 @@ def remeasure(log: TuningLog, target, runner: ms.Runner, workload_keys: set[str]
             idx.sort(key=lambda i: mean_seconds(bodies[i][1]))
             picked += idx[:top_k]
             report.best[keys[w]] = (mean_seconds(bodies[idx[0]][1]), math.inf)
+        fresh: list[int] = []  # lines measured again here
         builder = Builder(max_workers=builder_workers, timeout_s=120)
         try:
             for start in range(0, len(picked), batch):
@@ -97,6 +115,7 @@ def remeasure(log: TuningLog, target, runner: ms.Runner, workload_keys: set[str]
                         continue
                     w, body = bodies[i]
                     body[1] = secs
+                    fresh.append(i)
                     lines[i] = json.dumps([w, body], separators=(",", ":")) + "\n"
                     report.measured += 1
                 rewrite_atomically(log.record_path, lines)  # this batch's times are safe now
@@ -107,4 +126,22 @@ def remeasure(log: TuningLog, target, runner: ms.Runner, workload_keys: set[str]
         for w, idx in by_workload.items():
             report.best[keys[w]] = (report.best[keys[w]][0],
                                     min(mean_seconds(bodies[i][1]) for i in idx))
+        if restamp:
+            report.stale = _set_aside_stale(log, lines, set(fresh), was.line())
+            write_stamp(log.path, "remeasure --restamp")
     return report
+
+
+def _set_aside_stale(log: TuningLog, lines: list[str], keep: set[int], was: str) -> int:
+    """Move every record line of ``lines`` (the log's, in order) not in ``keep`` to
+    :data:`STALE` (appended, with the reason); returns how many moved."""
+    import os
+    stale = [i for i in range(len(lines)) if i not in keep]
+    if stale:
+        with open(os.path.join(log.path, STALE), "a") as f:
+            for i in stale:
+                f.write(json.dumps({"reason": f"not measured again when the log was restamped "
+                                              f"(it was measured with {was})",
+                                    "text": lines[i].rstrip("\n")}) + "\n")
+    rewrite_atomically(log.record_path, [lines[i] for i in sorted(keep)])
+    return len(stale)

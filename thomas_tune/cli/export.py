@@ -20,6 +20,9 @@ def export_model(args, out: str) -> dict:
     if log is not None and not log.exists():
         raise ValueError(f"tuning log {args.log!r} has no records; tune first, or drop --log "
                          "to export with default schedules")
+    if log is not None and not getattr(args, "any_codegen", False):
+        log.require_version("export from it (or give --any-codegen to use its times as "
+                            "they are)")
     tracker = getattr(args, "tracker", None)  # opencl:remote: the server's or the log's
     target, device = resolve_target(args.target, args.host, tracker and parse_address(tracker),
                                     getattr(args, "key", None), args.log,
@@ -57,6 +60,9 @@ def cmd_replay(args) -> int:
               f"{report.records_unchecked}; give --no-check to replay without the checks "
               "(nothing compiled)", file=sys.stderr)
         return 1
+    print(f"tuning log {args.log}: records measured with {TuningLog(args.log).version().line()}"
+          " (a replay checks that they apply and compute the right numbers; it does not trust "
+          "their times beyond choosing among them)")
     time_part = ("" if report.time_coverage is None else
                  f", {100 * report.time_coverage:.1f}% of the untuned kernel time "
                  f"{1e3 * report.time_s:.2f} ms measured on the device")
@@ -115,6 +121,10 @@ def add_export(sub) -> None:
     s.add_argument("--tracker", help="with --target opencl:remote: the tracker HOST:PORT of "
                    "the device server to read the limits from (else --log's device.json)")
     s.add_argument("--key", help="with --target opencl:remote: that server's device key")
+    s.add_argument("--any-codegen", action="store_true",
+                   help="use a --log of another or an unknown code-generation version ('log "
+                   "check' says which) with its times as they are (each applied record is "
+                   "still checked); without it such a log is refused")
     add_cache_features_arg(s, "also compile")
     s.set_defaults(fn=cmd_export)
 

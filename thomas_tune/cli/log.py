@@ -9,7 +9,9 @@ the logs of several devices or runs.
   other targets, workloads that belong to no task of the model. Exit status 1 when a line was
   bad or no task of the model is tuned. With ``--records``, every record a build of the model
   applies is run on this machine's device against its default schedule and wrong ones are set
-  aside (:func:`thomas_tune.record_check.set_aside_wrong`).
+  aside (:func:`thomas_tune.record_check.set_aside_wrong`). The log's code-generation version
+  (:mod:`thomas_tune.logs.codegen`) is checked too: records of another version are flagged
+  (exit status 1), a log of unknown version is reported as such.
 * ``merge SRC... --out DEST``: every distinct record of the sources, once, in ``DEST``.
 * ``train-cost-model LOG... --out DIR``: MetaSchedule's XGBoost cost model trained on the logs'
   records (:mod:`thomas_tune.tuning.pretrained`), saved in ``DIR`` for ``tune --cost-model``.
@@ -36,12 +38,16 @@ def cmd_show(args) -> int:
     contents = read_log(args.log)
     rows = summarize(contents)
     if args.json:
+        version = TuningLog(args.log).version()
         print(json.dumps({"log": args.log, "workloads": rows,
+                          "codegen": {"status": version.status, "stamp": version.stamp,
+                                      "differs": version.differs},
                           "rejected": [list(r) for r in contents.rejected]}, indent=1))
         return 0
     n = len(contents.records)
     failed = sum(r["failed"] for r in rows)
     print(f"tuning log {args.log}: {len(rows)} workloads, {n} records ({failed} failed trials)")
+    print(f"measured with {TuningLog(args.log).version().line()}")
     print(f"{'#':>3}  {'records':>7} {'failed':>6} {'best ms':>10}  {'target':<8} workload")
     for r in rows:
         best = f"{r['best_ms']:.4f}" if r["best_ms"] is not None else "-"
@@ -94,6 +100,18 @@ def cmd_check(args) -> int:
         print("records measured for other targets: "
               + ", ".join(f"{v} {k}" for k, v in sorted(other.items())))
     ok = not report.rejected and n > 0
+    version = log.version()
+    if version.status == "other" and report.records:
+        ok = False
+        print(f"FAIL: all {report.records} records were measured with {version.line()}; their "
+              "times are not trusted: 'thomas-tune remeasure --restamp' with the same model "
+              f"options and --log {args.log} measures the best of each workload again and "
+              "stamps the log, or 'thomas-tune tune --seed-log' seeds a new log from it")
+    elif version.status == "unknown" and report.records:
+        print(f"note: the {report.records} records were measured with {version.line()}: their "
+              "times are not trusted until measured again ('thomas-tune remeasure --restamp')")
+    else:
+        print(f"records measured with {version.line()}")
     if args.records:
         from ..record_check import set_aside_wrong
         aside = set_aside_wrong(log, target, model_graphs(args, model))
@@ -116,6 +134,7 @@ def cmd_merge(args) -> int:
     report = merge(args.logs, args.out)
     print(f"merged {len(args.logs)} log(s) into {args.out}: {report.workloads} workloads, "
           f"{report.records} distinct records ({report.duplicates} duplicate(s) kept once)")
+    print(f"merged log measured with {report.version}")
     if report.rejected:
         print(f"{len(report.rejected)} line(s) of the sources do not parse and were left out "
               "(the sources are unchanged):")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import signal
 import sys
@@ -39,7 +40,8 @@ def cmd_tune(args) -> int:
         population=args.population, builder_workers=args.build_workers, stats_path=args.stats,
         max_in_flight=args.in_flight, max_unroll=args.max_unroll, refine_top=args.refine_top,
         genetic_iters=args.genetic_iters, local_share=args.local_share,
-        cost_model=args.cost_model if args.cost_model not in (None, "none") else None)
+        cost_model=args.cost_model if args.cost_model not in (None, "none") else None,
+        seed_logs=tuple(args.seed_log or ()), seed_top=args.seed_top)
     model, _, _ = load_model(args)
     target, device = resolve_target(args.target, args.host, rpc.parse_address(args.tracker),
                                     args.key, wait_s=args.wait)  # opencl:remote: the server's
@@ -62,6 +64,7 @@ def cmd_tune(args) -> int:
                              "'thomas-tune tasks' with the same model options lists the names")
     log = TuningLog(args.log or default_log(args, model, args.key))
     log.require_writable()  # before minutes of default-schedule timing
+    log.require_version("tune into it")  # records of another code generation: re-measure
     if args.cost_model is None:  # the one trained on this device's logs, where there is one
         import dataclasses
 
@@ -117,6 +120,11 @@ def cmd_tune(args) -> int:
           f"when a search proposed only measured ones; {report.resumed_records} records resumed, "
           f"{report.replayed_records} of them replayed in a start-up of "
           f"{report.startup_s:.1f} s)")
+    if report.seeded:
+        r = report.seeded
+        print(f"seeded from {len(args.seed_log)} log(s): {r['measured']} seed records checked "
+              f"and measured on this device ({r['failed']} failed, recorded as failed trials; "
+              f"{r['unusable']} did not apply here), {r['better']} task(s) got a faster record")
     print(f"throughput: {report.throughput_line()}")
     for t in report.tasks:
         if t.trials:
@@ -151,6 +159,10 @@ def cmd_remeasure(args) -> int:
     if not log.exists():
         raise ValueError(f"tuning log {args.log!r} has no records; tune first or fix the path")
     log.require_writable()  # its times are rewritten in place
+    if args.restamp:
+        args.defaults = args.defaults or "logged"  # default times belong to the version too
+    else:
+        log.require_version("re-measure part of it")
     tracker = rpc.parse_address(args.tracker)
     rpc.wait_for_key(tracker, args.key, timeout=args.wait)
     check_device(tracker, args.key, target, timeout=args.wait)
@@ -186,7 +198,8 @@ def cmd_remeasure(args) -> int:
         t0 = time.perf_counter()
         report = remeasure(log, target, runner, {workload_key(t) for t in tasks},
                            top_k=args.top_k, builder_workers=args.build_workers,
-                           progress=lambda d, n: print(f"  {d}/{n} records", flush=True))
+                           progress=lambda d, n: print(f"  {d}/{n} records", flush=True),
+                           restamp=args.restamp)
     finally:
         runner.shutdown()
     print(f"remeasured {report.measured} records of {len(report.best)} workloads in "
@@ -194,6 +207,10 @@ def cmd_remeasure(args) -> int:
           f"best time moved by more than 1.25x for {report.changed()} workloads")
     for why, n in sorted(report.reasons.items(), key=lambda kv: -kv[1])[:5]:
         print(f"  {n} x {why}")
+    if args.restamp:
+        from ..remeasure import STALE
+        print(f"restamped: {report.stale} record(s) not measured again moved to "
+              f"{os.path.join(log.path, STALE)}; the log is now of {log.version().line()}")
     return 1 if report.failed else 0
 
 
@@ -260,6 +277,14 @@ def add_tune(sub) -> None:
                         "it, and, with "
                         "--max-unroll, after it with each larger unroll limit (default 2; "
                         "0: none)")
+    s.add_argument("--seed-log", action="append", metavar="DIR",
+                   help="a tuning log (of another device, model or code generation; packed or "
+                   "not; repeatable) to seed the search from: before it, the --seed-top best "
+                   "records of each of its workloads that a task matches (the same kernel, or "
+                   "a twin of the same contraction) are checked and measured on this device "
+                   "and enter --log as its own trials; the seed logs are only read")
+    s.add_argument("--seed-top", type=int, default=4,
+                   help="records per matching workload of each --seed-log measured (default 4)")
     s.add_argument("--stats", help="write trials/s and the time split as JSON here (every "
                    "30 s while tuning, and at the end, also after SIGINT or SIGTERM; its 'ended' "
                    "says how the run ended), and per task the trials, in the log's order, to "
@@ -296,6 +321,12 @@ def add_remeasure(sub) -> None:
                    "task's ('--defaults' alone), or only those of the tasks with records in "
                    "the log ('--defaults logged'), which is what export compares the records "
                    "with")
+    s.add_argument("--restamp", action="store_true",
+                   help="for a log of another or an unknown code-generation version ('log "
+                   "check' says which): time the --top-k best records of each workload again, "
+                   "move every other record to database_tuning_record.json.stale, time the "
+                   "default schedules of the logged tasks again (--defaults logged unless "
+                   "given), and stamp the log with this installation's version")
     s.add_argument("--wait", type=float, default=30, help="seconds to wait for a free server")
     s.add_argument("--servers", type=int, help="device servers measuring at once (default: "
                    "all free servers of the key)")

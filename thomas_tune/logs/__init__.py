@@ -29,11 +29,16 @@ copy unpacked once into the cache folder (keyed by the packed files' sha256); tu
 re-measuring it asks for :func:`unpack` first. The GPU logs committed under ``tuning_logs/`` are
 packed.
 
-Modules: :mod:`.tuning_log` (the folder, its lock, its check, packing), :mod:`.database`
-(MetaSchedule's view of it), :mod:`.errors` (failed trials), :mod:`.reading` (show, summarize,
-merge).
+Every log folder is stamped with the code-generation version its times belong to
+(``codegen.json``, :mod:`.codegen`): a log of another or an unknown version is not tuned into,
+re-measured in part or exported from until its records are measured again.
+
+Modules: :mod:`.codegen` (the version stamp), :mod:`.tuning_log` (the folder, its lock, its
+check, packing), :mod:`.database` (MetaSchedule's view of it), :mod:`.errors` (failed trials),
+:mod:`.reading` (show, summarize, merge).
 """
 
+from .codegen import STAMP, CodegenMismatch, LogVersion, read_version, write_stamp
 from .database import (FAILED_RUN_S, LogDatabase, json_line, mean_run_seconds, mean_seconds,
                        trace_json)
 from .errors import TrialErrors, read_errors
@@ -42,8 +47,9 @@ from .tuning_log import (ERRORS, HASHES, LOCK, PACKED, RECORDS, WORKLOADS, Check
                          LogLock, TuningLog, is_packed, pack, rewrite_atomically, unpack)
 
 __all__ = [
-    "ERRORS", "FAILED_RUN_S", "HASHES", "LOCK", "PACKED", "RECORDS", "WORKLOADS", "CheckReport",
-    "LogContents", "LogDatabase", "LogInUse", "LogLock", "MergeReport", "TrialErrors", "TuningLog",
-    "is_packed", "json_line", "mean_run_seconds", "mean_seconds", "merge", "pack", "read_errors",
-    "read_log", "rewrite_atomically", "summarize", "trace_json", "unpack",
+    "ERRORS", "FAILED_RUN_S", "HASHES", "LOCK", "PACKED", "RECORDS", "STAMP", "WORKLOADS",
+    "CheckReport", "CodegenMismatch", "LogContents", "LogDatabase", "LogInUse", "LogLock",
+    "LogVersion", "MergeReport", "TrialErrors", "TuningLog", "is_packed", "json_line",
+    "mean_run_seconds", "mean_seconds", "merge", "pack", "read_errors", "read_log",
+    "read_version", "rewrite_atomically", "summarize", "trace_json", "unpack", "write_stamp",
 ]

@@ -143,6 +143,13 @@ class LogDatabase(ms.database.PyDatabase):
             entry.record = ms.database.TuningRecord.from_json(entry.body, self.workloads[idx])
         return entry.record
 
+    def find_workload(self, mod):
+        """The workload of this database whose kernel is ``mod`` (structurally equal), or
+        None; unlike :meth:`commit_workload` it never adds one."""
+        with self.lock:
+            idx = self._index(mod)
+            return None if idx is None else self.workloads[idx]
+
     def workload_key(self, workload) -> str | None:
         """The structural hash (decimal) of a workload of this database, or None."""
         idx = self._index_of(workload)

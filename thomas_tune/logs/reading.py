@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import tvm_ffi
 from tvm.s_tir import meta_schedule as ms
 
+from .codegen import STAMP, read_version, write_stamp
 from .database import mean_seconds
 from .tuning_log import RECORDS, WORKLOADS, TuningLog, rewrite_atomically
 
@@ -109,6 +110,7 @@ class MergeReport:
     records: int = 0
     duplicates: int = 0
     rejected: list[tuple[str, int, str]] = field(default_factory=list)
+    version: str = ""
 
 
 def merge(sources: list[str], dest: str) -> MergeReport:
@@ -118,7 +120,10 @@ def merge(sources: list[str], dest: str) -> MergeReport:
     run times, target and arguments) is kept once, so merging is idempotent and the logs of
     several devices or runs keep all their measurements. ``dest`` may be one of the sources
     or an existing log (its records come first). Sources are not changed; their bad lines are
-    reported in ``rejected``. ``dest`` is written atomically under its lock. Raises ValueError
+    reported in ``rejected``. ``dest`` is written atomically under its lock. It keeps the
+    code-generation stamp (:mod:`.codegen`) that all the merged logs share, and has none (an
+    unknown version) when one of them is of another or an unknown version (``version`` says
+    which, as a line). Raises ValueError
     for a source that is not a tuning log and :class:`LogInUse` when ``dest`` is in use.
     """
     target = TuningLog(dest)
@@ -149,5 +154,15 @@ def merge(sources: list[str], dest: str) -> MergeReport:
                 rec_lines.append(json.dumps([local[w], body]) + "\n")
         rewrite_atomically(target.workload_path, wl_lines)
         rewrite_atomically(target.record_path, rec_lines)
+        versions = [read_version(p) for p in paths]
+        ids = {(v.stamp or {}).get("id") if v.status != "unknown" else None for v in versions}
+        if len(ids) == 1 and None not in ids:
+            write_stamp(dest, "merged", versions[0].stamp)
+            report.version = read_version(dest).line()
+        else:
+            if os.path.exists(os.path.join(dest, STAMP)):
+                os.remove(os.path.join(dest, STAMP))
+            report.version = ("code generation unknown: the merged logs are of different or "
+                              "unknown versions")
     report.workloads, report.records = len(wl_lines), len(rec_lines)
     return report

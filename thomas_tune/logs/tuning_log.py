@@ -20,6 +20,7 @@ from tvm.s_tir import meta_schedule as ms
 from tvm.s_tir.schedule import Schedule
 
 from ..models import share_mode
+from .codegen import LogVersion, mismatch, read_version, write_stamp
 from .database import LogDatabase, json_line, mean_run_seconds
 
 WORKLOADS = "database_workload.json"
@@ -145,6 +146,34 @@ class TuningLog:
 
     def exists(self) -> bool:
         return os.path.exists(self.record_path)
+
+    def has_records(self) -> bool:
+        """Whether the record file holds a line (of any kind)."""
+        if not os.path.exists(self.record_path):
+            return False
+        with open(self.record_path) as f:
+            return any(line.strip() for line in f)
+
+    def version(self) -> LogVersion:
+        """The code-generation version of this log's times (:mod:`.codegen`)."""
+        return read_version(self.path)
+
+    def require_version(self, action: str) -> LogVersion:
+        """This log's version, when its records may be trusted for ``action`` (words after
+        "used to", e.g. "tune into it"): it has no records, or it is stamped with this
+        installation's version. Raises :class:`.codegen.CodegenMismatch` naming the fixes
+        otherwise; changes nothing."""
+        version = self.version()
+        if version.status != "current" and self.has_records():
+            raise mismatch(self.path, version, action)
+        return version
+
+    def claim_version(self, action: str, how: str) -> None:
+        """Before measuring into this log: :meth:`require_version`, then stamp the log with
+        this installation's version where it has no stamp of it (a log with no records);
+        ``how`` names what measures (kept in the stamp)."""
+        if self.require_version(action).status != "current":
+            write_stamp(self.path, how)
 
     def require_writable(self) -> None:
         """Raise ValueError, naming 'thomas-tune log unpack', when this log is packed."""

@@ -26,6 +26,7 @@ from .pretrained import load as load_cost_model
 from .refine import refine_padding, refine_transfer, refine_unroll, refinement_line
 from .report import Progress, TaskProgress, TuneReport, convergence, cpu_jiffies
 from .search import ResumingSearch, cost_model, search_context
+from .seeding import open_seed_logs, refine_seeds
 from .task_scheduler import PipelinedGradient
 
 
@@ -63,7 +64,10 @@ class TuneOptions:
     wrong kernels into the log; ``cost_model``: the folder of a trained cost model the
     session's model starts from (:mod:`.pretrained`; None: an untrained one); ``local_share``:
     the share of each batch given to the local search near each task's best records
-    (:mod:`.local_search`; 0: evolutionary search only). Raises ValueError naming the
+    (:mod:`.local_search`; 0: evolutionary search only); ``seed_logs``: tuning-log folders
+    whose ``seed_top`` best records of each matching workload are checked and measured here
+    before the search (:func:`.seeding.refine_seeds`; the seed logs are only read). Raises
+    ValueError naming the
     ``thomas-tune tune`` option and its fix for a value the search cannot run with.
     """
 
@@ -82,6 +86,8 @@ class TuneOptions:
     check: bool = True
     cost_model: str | None = None
     local_share: float = 0.25
+    seed_logs: tuple[str, ...] = ()
+    seed_top: int = 4
 
     def __post_init__(self) -> None:
         try:
@@ -96,6 +102,9 @@ class TuneOptions:
         if self.genetic_iters < 1:
             raise ValueError(f"--genetic-iters {self.genetic_iters} leaves the search no "
                              "mutation; give 1 or more (default 2)")
+        if self.seed_top < 1 and self.seed_logs:
+            raise ValueError(f"--seed-top {self.seed_top} seeds nothing; give 1 or more "
+                             "(default 4), or leave --seed-log out")
         if self.population < 2:
             raise ValueError(f"--population {self.population}: the search needs at least 2 "
                              "members")
@@ -147,8 +156,10 @@ def tune(tasks: list[Task], target, log: TuningLog, runner: ms.Runner,
     if options.trials < len(tasks):
         raise ValueError(f"--trials {options.trials} is below one trial per task ({len(tasks)} "
                          "tasks); raise --trials or tune fewer tasks (--top)")
+    seeds = open_seed_logs(list(options.seed_logs), log)  # read, never written
     with log.lock("tuning"):  # one tuner per log: a second one is refused (LogInUse)
-        return _tune_locked(tasks, target, log, runner, options, default_s or {})
+        log.claim_version("tune into it", "tune")  # only times of this code generation
+        return _tune_locked(tasks, target, log, runner, options, default_s or {}, seeds)
 
 
 def _options(options: TuneOptions | None, settings: dict) -> TuneOptions:
@@ -163,7 +174,7 @@ def _options(options: TuneOptions | None, settings: dict) -> TuneOptions:
 
 
 def _tune_locked(tasks: list[Task], target, log: TuningLog, runner: ms.Runner,
-                 opt: TuneOptions, default_s: dict[str, float]) -> TuneReport:
+                 opt: TuneOptions, default_s: dict[str, float], seeds: list) -> TuneReport:
     t_open = time.perf_counter()
     database = log.database()
     report = TuneReport()
@@ -261,6 +272,15 @@ def _tune_locked(tasks: list[Task], target, log: TuningLog, runner: ms.Runner,
 
     restore_handlers = note_signals(seen, stop_softly)
     try:
+        if seeds:
+            report.seeded = refining(refine_seeds, contexts, progress, database, target,
+                                     runner, builder, seeds, opt.seed_top, errors,
+                                     [s.measured for s in strategies], references)
+            r = report.seeded
+            if opt.show_progress:
+                print(refinement_line(r, f"seeds from {len(seeds)} log(s): {r['measured']} "
+                                          f"records measured on this device ({r['unusable']} "
+                                          "did not apply here)"), file=sys.stderr, flush=True)
         if opt.refine_top > 0:
             report.transferred = refining(refine_transfer, contexts, progress, database,
                                           target, runner, builder, opt.refine_top,

@@ -102,6 +102,8 @@ class TuneReport:
     padded: dict = field(default_factory=dict)
     #: :func:`refine_transfer`'s result (before the search, before :func:`refine_padding`)
     transferred: dict = field(default_factory=dict)
+    #: :func:`.seeding.refine_seeds`'s result (``tune --seed-log``; first, before the search)
+    seeded: dict = field(default_factory=dict)
     #: tasks whose evolutionary search raised (name -> the error): their search ended there
     search_failed: dict = field(default_factory=dict)
     #: how the run ended: "running" (a write while it runs), "finished", "stopped by SIGINT" or
@@ -152,6 +154,7 @@ class TuneReport:
                 "trials_per_s": self.trials_per_s, "split_s": self.time_split(),
                 "phases": self.phases, "cpu_busy": self.cpu_busy, "refined": self.refined,
                 "padded": self.padded, "transferred": self.transferred,
+                "seeded": self.seeded,
                 "search_failed": self.search_failed,
                 "resumed_records": self.resumed_records,
                 "replayed_records": self.replayed_records, "startup_s": self.startup_s,

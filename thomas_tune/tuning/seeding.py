@@ -1,0 +1,106 @@
+"""Seeding a session from other tuning logs (``tune --seed-log``): their best records, measured
+here."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import tvm_ffi
+
+from ..logs import LogDatabase, TuningLog
+from ..schedules import anchor_key, before_postproc, plain_json, transferred
+from .refine import _measure_variants
+
+
+def open_seed_logs(paths: list[str], own: TuningLog) -> list[tuple[str, LogDatabase]]:
+    """The seed logs ``paths`` (folders, packed or not) opened for reading only: their lines
+    are checked without setting anything aside (bad ones are reported on stderr and skipped),
+    nothing is ever written to them. Returns (path, database) pairs. Raises ValueError for a
+    path that holds no tuning log, or that is ``own`` (the log tuned into)."""
+    from ..logs import read_log
+    out = []
+    for path in paths:
+        if os.path.abspath(path) == os.path.abspath(own.path):
+            raise ValueError(f"--seed-log {path!r} is the tuning log of this run (--log); give "
+                             "another log, or leave --seed-log out to resume this one")
+        read_log(path)  # a clear error for a folder that holds no tuning log
+        log = TuningLog(path)  # a packed log is read from its copy in the cache
+        log.check(report_to=sys.stderr, set_aside=False)
+        try:
+            out.append((path, LogDatabase(log.workload_path, log.record_path)))
+        except Exception as err:  # a workload line TVM cannot read: check() named it
+            raise ValueError(f"--seed-log {path!r}: its workloads cannot be read ({err}); "
+                             "fix it with 'thomas-tune log check' on a copy") from None
+    return out
+
+
+def refine_seeds(contexts, progress, database, target, runner, builder, seeds, top_k: int,
+                 errors=None, measured=None, references=None) -> dict:
+    """Measure on this run's device, as trials of its tasks, the ``top_k`` best records of
+    each workload of the seed logs ``seeds`` (:func:`open_seed_logs`) that a task of
+    ``contexts`` matches, and add the results to ``database`` (this device's log).
+
+    A seed workload matches a task when it is the same kernel (structural hash and equality:
+    its records apply as they are) or a twin of the same contraction (:func:`thomas_tune.
+    schedules.anchor_key`: the same loops and shapes with other element-wise blocks around,
+    such as a fused ReLU; its records rewritten by :func:`thomas_tune.schedules.transferred`).
+    A kernel of the same computation at other shapes does not match: its tile sizes and
+    thread bindings were chosen for other extents and would not carry over as decisions.
+    Each seed is postprocessed for this run's target (one the postprocessors reject is left
+    out), checked against its task's reference and timed through the same runner and
+    builder as the search's trials (:func:`.refine._measure_variants`); one that fails here
+    is a failed trial, recorded with its reason. Seeds whose schedule the log already holds
+    (``measured``: a resumed run) are not measured again. The seed logs are only read.
+
+    Run before the search: MetaSchedule's evolutionary search draws its first population from
+    each task's best records in the database, so seeds that win start the search. Arguments
+    ``progress`` ... ``references`` as :func:`.refine.refine_unroll`'s. Returns its dict
+    (``measured``, ``failed``, ``better``, ``seconds``) with ``unusable``: seed records whose
+    trace does not apply to its workload here (another TVM, another graph)."""
+    twins: dict[int, list[tuple[LogDatabase, object]]] = {}
+    for _, seed in seeds:
+        for workload in seed.workloads:
+            try:
+                key = anchor_key(workload.mod)
+            except Exception:  # a kernel the block analysis cannot read: no twin
+                key = None
+            if key is not None:
+                twins.setdefault(key, []).append((seed, workload))
+    unusable = [0]
+
+    def top(seed: LogDatabase, workload) -> list:
+        try:
+            return seed.get_top_k(workload, top_k)
+        except Exception:  # a trace that does not replay here
+            unusable[0] += 1
+            return []
+
+    def candidates(c, ctx, workload, best_s):
+        own = int(tvm_ffi.structural_hash(ctx.mod))
+        for _, seed in seeds:
+            same = seed.find_workload(ctx.mod)  # (no commit: a seed log is never written)
+            if same is not None:
+                for rec in top(seed, same):
+                    try:
+                        yield list(before_postproc(*plain_json(rec.trace.as_json())))
+                    except TypeError:  # an object with no JSON form
+                        unusable[0] += 1
+        key = anchor_key(ctx.mod)
+        for seed, donor in twins.get(key, []) if key is not None else []:
+            if int(tvm_ffi.structural_hash(donor.mod)) == own:
+                continue
+            for rec in top(seed, donor):
+                try:
+                    trace = transferred(rec.trace.as_json(), donor.mod, ctx.mod)
+                except TypeError:
+                    trace = None
+                if trace is None:
+                    unusable[0] += 1
+                else:
+                    yield trace
+
+    out = _measure_variants(contexts, progress, database, target, runner, builder, candidates,
+                            errors, measured, references)
+    out["unusable"] = unusable[0]
+    return out
