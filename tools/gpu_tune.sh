@@ -117,8 +117,18 @@ start_jobs() {
     log=$TT/logs/$name
     committed_log $name
     echo "$name: starting ($args)"
-    setsid nohup $PY tune $args ${TUNE_ARGS:-} --tracker 127.0.0.1:$PORT --key $KEY --log $log \
-      --stats $TT/out/$name.stats.json --trials ${TRIALS:-20000} \
+    # a log whose times are of another or an unknown code generation (the committed logs are
+    # unstamped) is re-measured first: each workload's best record and the defaults, the other
+    # records set aside in .stale ('remeasure --restamp'); tune refuses it otherwise
+    restamp=""
+    if ! python3 -P -c "import sys; from thomas_tune.logs import TuningLog; \
+sys.exit(TuningLog(sys.argv[1]).version().status != 'current')" $log 2>/dev/null; then
+      keep=$(python3 tools/job_options.py "$args" --model --width --resolution --classes \
+        --batch --trainable --target --servers --build-workers)
+      restamp="$PY remeasure $keep --restamp --top-k 1 --defaults logged --tracker 127.0.0.1:$PORT --key $KEY --log $log;"
+    fi
+    setsid nohup bash -c "$restamp $PY tune $args ${TUNE_ARGS:-} --tracker 127.0.0.1:$PORT \
+      --key $KEY --log $log --stats $TT/out/$name.stats.json --trials ${TRIALS:-20000}" \
       > $TT/out/$name.out 2>&1 < /dev/null &
   done
 }
@@ -133,7 +143,8 @@ start_remeasure() {
     # the job's model, target and build options; not its tuning options
     keep=$(python3 tools/job_options.py "$args" --model --width --resolution --classes \
       --batch --trainable --target --servers --build-workers)
-    echo "$PY remeasure $keep --defaults --tracker 127.0.0.1:$PORT --key $KEY --log $log > $TT/out/$name.out 2>&1" >> $script
+    # --restamp: the committed logs are unstamped (see start_jobs)
+    echo "$PY remeasure $keep --defaults --restamp --tracker 127.0.0.1:$PORT --key $KEY --log $log > $TT/out/$name.out 2>&1" >> $script
   done
   setsid nohup bash $script > $TT/remeasure.out 2>&1 < /dev/null &
   echo "remeasuring: $(grep -c remeasure $script) job(s), one after another"
@@ -188,7 +199,9 @@ rows_job() {
     esac
     committed_log $log
     echo "== $row: export $(date +%T)"
-    [ -s $TT/rows/$row/manifest.json ] || $PY export $args $C --log $TT/logs/$log \
+    # --any-codegen: the committed logs are unstamped; export checks every record it applies
+    # on this device and keeps a default schedule that is faster than a workload's best record
+    [ -s $TT/rows/$row/manifest.json ] || $PY export $args $C --any-codegen --log $TT/logs/$log \
       --out $TT/rows/$row > $TT/rows/$row.export.out 2>&1 || { echo "$row: export failed"; continue; }
     echo "== $row: bench $(date +%T)"
     $PY bench --export $TT/rows/$row --steps ${STEPS:-20} --kernels 0 --no-startup --quiet \
@@ -197,7 +210,35 @@ rows_job() {
   done
 }
 
+# A new device: a session seeded from a committed log and a session from nothing, one after
+# the other on this card, each with its own log under $TT/seeding (SEED_JOB: the job whose
+# model options and committed log are used, default the small MobileNetV2; SEED_TRIALS and
+# FRESH_TRIALS: each session's trials; SEED_TOP: --top tasks)
+seeding_job() {
+  local name=${SEED_JOB:-mobilenet_v2-w0.35-r64-c10-b8} dir=$TT/seeding
+  local args; args=$(jobs_list | awk -v n=$name '$1 == n {$1=""; print}')
+  local keep; keep=$(python3 tools/job_options.py "$args" --model --width --resolution \
+    --classes --batch --trainable --target --build-workers --time-share)
+  mkdir -p $dir; committed_log $name
+  local common="$keep --top ${SEED_TOP:-20} --trials-per-iter 16 --population 64 \
+    --cost-model none --tracker 127.0.0.1:$PORT --key $KEY"
+  echo "== seeded from tuning_logs/$KEY/$name $(date +%T)"
+  $PY tune $common --seed-log $TT/logs/$name --trials ${SEED_TRIALS:-300} --log $dir/seeded \
+    --stats $dir/seeded.stats.json > $dir/seeded.out 2>&1
+  echo "== from nothing $(date +%T)"
+  $PY tune $common --trials ${FRESH_TRIALS:-900} --log $dir/fresh \
+    --stats $dir/fresh.stats.json > $dir/fresh.out 2>&1
+  echo "== done $(date +%T)"
+}
+
 case "${1:-status}" in
+  seeding) setup && start_services || exit $?
+    setsid nohup bash tools/gpu_tune.sh seeding-job > $TT/seeding.log 2>&1 < /dev/null &
+    sleep 2; echo "seeding started" ;;
+  seeding-job) tracker_port; seeding_job ;;
+  seeding-status) cat $TT/seeding.log; for f in $TT/seeding/*.out; do echo "-- $f"
+      tail -c 600 $f | tr '\r' '\n' | grep -v '^\s*$' | tail -3; done
+    [ -n "${OUT:-}" ] && tar -C $TT -czf $OUT/seeding.tgz seeding ;;
   rows) setup || exit $?
     setsid nohup bash tools/gpu_tune.sh rows-job > $TT/rows.log 2>&1 < /dev/null &
     sleep 2; echo "rows started" ;;
