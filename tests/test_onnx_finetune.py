@@ -184,14 +184,18 @@ class Theirs:
         return float(np.mean(logits.argmax(1).numpy() == data.y[:n]))
 
 
-def _check_lr0(pre, model, tg, vm, tensors, rng, steps=10, within=0.005, drift=0.05):
+def _check_lr0(pre, model, tg, vm, tensors, rng, steps=10, within=0.0, drift=0.05):
     """(b): ``steps`` training steps at learning rate 0 on the pretraining task (only the
     running statistics move) leave the held-out accuracy where PyTorch's ends after the same
-    steps on the original network, within ``within`` (0.5 point), and both within ``drift``
-    (5 points) of where they started, so that the comparison is made on a network that still
-    classifies. The running statistics of batches of 8 move PyTorch's accuracy too, by a
+    steps on the original network, within ``within`` (default: the same accuracy), and both
+    within ``drift`` (5 points) of where they started, so that the comparison is made on a
+    network that still classifies. PyTorch runs the BatchNorms of the frozen layers as ours
+    does (``tg.frozen_bn``: in eval form, their statistics kept): with every BatchNorm in
+    training form on its side only, the two accuracies parted by up to 0.6 point on some
+    draws of the batches. The running statistics of batches of 8 move both accuracies, by a
     pretraining- and batch-dependent amount (2.0 points for one pair of seeds)."""
-    ours, theirs = Ours(tg, vm, tensors), Theirs(model, pre.tensors, set())
+    ours = Ours(tg, vm, tensors)
+    theirs = Theirs(model, pre.tensors, set(), frozen_bn=tg.frozen_bn)
     before = ours.accuracy(pre.test)
     assert before == theirs.accuracy(pre.test) and before > 0.8, before
     batches = pre.train.batches(BATCH, rng)
