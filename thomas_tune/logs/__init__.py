@@ -42,9 +42,10 @@ from .codegen import STAMP, CodegenMismatch, LogVersion, read_version, write_sta
 from .database import (FAILED_RUN_S, LogDatabase, json_line, mean_run_seconds, mean_seconds,
                        trace_json)
 from .errors import TrialErrors, read_errors
+from .files import rewrite_atomically
 from .reading import LogContents, MergeReport, merge, read_log, summarize
 from .tuning_log import (ERRORS, HASHES, LOCK, PACKED, RECORDS, WORKLOADS, CheckReport, LogInUse,
-                         LogLock, TuningLog, is_packed, pack, rewrite_atomically, unpack)
+                         LogLock, TuningLog, is_packed, pack, unpack)
 
 __all__ = [
     "ERRORS", "FAILED_RUN_S", "HASHES", "LOCK", "PACKED", "RECORDS", "STAMP", "WORKLOADS",

@@ -38,6 +38,8 @@ import os
 import time
 from dataclasses import dataclass, field
 
+from .files import rewrite_atomically
+
 STAMP = "codegen.json"
 
 
@@ -135,7 +137,6 @@ def read_version(path: str) -> LogVersion:
 def write_stamp(path: str, how: str, stamp: dict | None = None) -> None:
     """Stamp the log folder ``path`` (atomically) with ``stamp`` (default: :func:`current`);
     ``how`` says what measured its records (kept in the stamp for people)."""
-    from .tuning_log import rewrite_atomically
     body = dict(stamp or current())
     body = {"id": body["id"], "components": body["components"], "how": how,
             "stamped": time.strftime("%Y-%m-%dT%H:%M:%S%z")}

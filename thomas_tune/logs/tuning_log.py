@@ -22,6 +22,7 @@ from tvm.s_tir.schedule import Schedule
 from ..models import share_mode
 from .codegen import LogVersion, mismatch, read_version, write_stamp
 from .database import LogDatabase, json_line, mean_run_seconds
+from .files import rewrite_atomically
 
 WORKLOADS = "database_workload.json"
 RECORDS = "database_tuning_record.json"
@@ -78,16 +79,6 @@ class CheckReport:
     workloads: int = 0
     records: int = 0
     rejected: list[tuple[str, int, str]] = field(default_factory=list)
-
-
-def rewrite_atomically(path: str, lines: list[str]) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=os.path.dirname(path))
-    with os.fdopen(fd, "w") as f:
-        f.writelines(lines)
-        f.flush()
-        os.fsync(f.fileno())
-    share_mode(tmp)
-    os.replace(tmp, path)
 
 
 def is_packed(path: str) -> bool:
