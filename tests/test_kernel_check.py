@@ -167,6 +167,44 @@ def test_compare_catches_nan_zeros_and_far_values_and_passes_rounding(rng):
         assert kc.compare({2: ref[2] * wrong}, ref, kc.tolerance(400_000)).startswith("wrong")
 
 
+def test_the_comparison_on_the_device_gives_the_hosts_verdict(target, rng):
+    """:func:`kernel_check.compare_kernel` built for the OpenCL device (two outputs of other
+    shapes) and :func:`kernel_check.compare_sums` give :func:`kernel_check.compare`'s verdict
+    and worst error on each case: rounding passes, NaN, zeros, one far value, a wrong sign and
+    a 1% error fail, a reference with non-finite elements is compared where it is finite."""
+    from tvm import te
+    shapes = [(3, 5, 7, 9), (13,)]
+    xs = [te.placeholder(sh, "float32", f"x{k}") for k, sh in enumerate(shapes)]
+    ys = [te.compute(shapes[0], lambda a, b, c, d: xs[0][a, b, c, d] * 2.0, name="y0"),
+          te.compute(shapes[1], lambda a: xs[1][a] * 2.0, name="y1")]
+    func = te.create_prim_func(xs + ys)
+    spec = kc.check_spec(func)
+    assert spec.written == (2, 3)
+    lib = tvm.compile(tvm.IRModule({"main": kc.compare_kernel(func, spec, target)}),
+                      target=target)
+    dev = tvm.opencl(0)
+    ref = {2: rng.standard_normal(shapes[0]).astype("float32"),
+           3: rng.standard_normal(shapes[1]).astype("float32")}
+    ref[3][4] = np.inf  # not compared there
+    far = ref[2].copy()
+    far.flat[int(rng.integers(far.size))] += 1.0
+    nan3 = ref[3].copy()
+    nan3[0] = np.nan
+    cases = {"rounding": {2: ref[2] * (1 + 1e-6), 3: ref[3] * (1 + 1e-6)},
+             "nan": {2: ref[2], 3: nan3}, "zeros": {2: np.zeros_like(ref[2]), 3: ref[3]},
+             "far": {2: far, 3: ref[3]}, "sign": {2: -ref[2], 3: ref[3]},
+             "1%": {2: ref[2], 3: ref[3] * 1.01}}
+    for name, got in cases.items():
+        sums = [tvm.runtime.tensor(np.zeros(1, "float32"), dev) for _ in range(4)]
+        lib["main"](*[tvm.runtime.tensor(a, dev) for i in (2, 3) for a in (got[i], ref[i])],
+                    *sums)
+        values = [float(t.numpy()[0]) for t in sums]
+        on_device = kc.compare_sums(list(zip(values[0::2], values[1::2])), 1e-5, (2, 3))
+        on_host = kc.compare(got, ref, 1e-5)
+        assert on_device == on_host, (name, on_device, on_host)
+        assert (on_host is None) == (name == "rounding"), (name, on_host)
+
+
 def test_tuner_runner_rejects_wrong_candidates_and_times_the_right_one(target):
     from thomas_tune.measure.builder import Builder
     from thomas_tune.tuning import measure_kernels, rpc_runner

@@ -19,8 +19,10 @@ the same device (:func:`default_kernel`):
   the kernel's reductions (:func:`tolerance`); a non-finite value where the reference is
   finite is an error of 1.
 
-The check's cost is one extra run of the candidate and one copy of its outputs to the host
-per trial; the reference is computed once per task and input set.
+The check's cost is one extra run of the candidate per trial; the reference is computed once
+per task and input set. Where the reference kernel was built for the device, the comparison
+runs there too (:func:`compare_kernel`, built beside it): two numbers per output cross to the
+host instead of the outputs.
 """
 
 from __future__ import annotations
@@ -193,6 +195,92 @@ def record_kernel(record) -> tvm.IRModule:
     return sch.mod
 
 
+#: name of the comparison function built beside a reference kernel (:func:`compare_kernel`)
+COMPARE = "compare"
+#: what :func:`compare_kernel` gives as the difference where a candidate's output is not finite
+#: and the reference's is (a float32 value far above any difference of finite checked outputs,
+#: printed exactly in OpenCL C, where the largest float32 is not)
+NOT_FINITE = 1e30
+
+
+def _float_outputs(func: tvm.tirx.PrimFunc, spec: CheckSpec) -> list[tuple[tuple[int, ...], str]]:
+    shapes = arg_shapes(func)
+    return [shapes[i] for i in spec.written]
+
+
+def compare_kernel(func: tvm.tirx.PrimFunc, spec: CheckSpec, target) -> tvm.tirx.PrimFunc | None:
+    """The comparison of :func:`compare` as a kernel for ``target``, so that a candidate's
+    outputs are compared with the reference's where both are, and only two numbers per
+    output cross to the host: for written argument ``k`` of ``spec`` (in order), ``got_k``
+    and ``ref_k`` of its shape and dtype, then per output ``diff_k`` = max over the elements
+    where ``ref_k`` is finite of ``|got_k - ref_k|`` (:data:`NOT_FINITE` where ``got_k`` is
+    not finite) and ``scale_k`` = max ``|ref_k|`` there, each of shape (1,).
+    Maxima are exact in floating point, so :func:`compare_sums` gives what :func:`compare`
+    gives on the host. Each reduction is one work-group on a GPU (its work-items split the
+    elements, then TVM's cross-thread reduction). None when an output is not floating point
+    (those are compared on the host)."""
+    from tvm import te, tirx
+
+    from .target import is_gpu
+    outputs = _float_outputs(func, spec)
+    if not outputs or any(not dt.startswith("float") for _, dt in outputs):
+        return None
+    def pair(k, shape, dt):
+        got = te.placeholder(shape, dt, f"got{k}")
+        ref = te.placeholder(shape, dt, f"ref{k}")
+        zero, big = tirx.const(0.0, dt), tirx.const(NOT_FINITE, dt)
+        rd = [te.reduce_axis((0, n), f"d{k}_{j}") for j, n in enumerate(shape)]
+        rs = [te.reduce_axis((0, n), f"s{k}_{j}") for j, n in enumerate(shape)]
+
+        def diff(_):
+            g, r = got[tuple(rd)], ref[tuple(rd)]
+            v = tirx.Select(tirx.isfinite(g), tirx.abs(g - r), big)
+            return te.max(tirx.Select(tirx.isfinite(r), v, zero), axis=rd)
+
+        def scale(_):
+            r = ref[tuple(rs)]
+            return te.max(tirx.Select(tirx.isfinite(r), tirx.abs(r), zero), axis=rs)
+
+        return [got, ref], [te.compute((1,), diff, name=f"diff{k}"),
+                            te.compute((1,), scale, name=f"scale{k}")]
+
+    ins, outs, names = [], [], []
+    for k, (shape, dt) in enumerate(outputs):
+        i, o = pair(k, shape, dt)
+        ins += i
+        outs += o
+        names += [f"diff{k}", f"scale{k}"]
+    prim = te.create_prim_func(ins + outs)
+    if not is_gpu(target):
+        return prim
+    sch = tvm.s_tir.Schedule(tvm.IRModule({"main": prim}))
+    threads = int(target.attrs.get("max_threads_per_block", 256))
+    for name in names:
+        block = sch.get_sblock(name)
+        loops = sch.get_loops(block)
+        r = sch.fuse(*loops[1:]) if len(loops) > 2 else loops[1]
+        _, inner = sch.split(r, [None, threads])
+        sch.bind(loops[0], "blockIdx.x")
+        sch.bind(inner, "threadIdx.x")
+    return sch.mod["main"].with_attr("tir.is_scheduled", True)
+
+
+def compare_sums(diff_scale: list[tuple[float, float]], tol: float, written) -> str | None:
+    """:func:`compare`'s verdict from :func:`compare_kernel`'s (diff, scale) per output
+    (``written``: their argument indices)."""
+    worst, where = 0.0, None
+    for i, (diff, scale) in zip(written, diff_scale):
+        if not math.isfinite(diff) or diff >= NOT_FINITE:
+            err = 1.0  # not finite where the reference is
+        else:
+            err = diff / scale if scale > 0 else (1.0 if diff > 0 else 0.0)
+        if err > worst:
+            worst, where = err, i
+    if worst > tol:
+        return f"wrong result: max rel err {worst:.3g} at output {where} (tolerance {tol:.2g})"
+    return None
+
+
 # ---- running on a device (local, or a session's) ----------------------------------------------
 class DeviceArgs:
     """The arguments of one kernel on ``dev`` (a local device, or one of an RPC session):
@@ -267,15 +355,22 @@ class Reference:
 def build_references(mods: list[tvm.IRModule], target, builder, seed: int = 0
                      ) -> tuple[list[Reference], list[str]]:
     """One :class:`Reference` per workload of ``mods`` (one function ``main`` each): its
-    default-schedule kernel built with ``builder`` (a MetaSchedule builder, e.g.
+    default-schedule kernel, with the :func:`compare_kernel` of its outputs beside it (function
+    :data:`COMPARE`), built with ``builder`` (a MetaSchedule builder, e.g.
     :class:`thomas_tune.measure.builder.Builder`) for ``target``. Where that build fails, the
     reference is computed on the measuring host with llvm instead. Returns the references and
     the artifact paths to remove once the run is over."""
     from tvm.s_tir import meta_schedule as ms
 
     from .tasks import workload_key
-    built = builder.build([ms.builder.BuilderInput(default_kernel(m, target), target)
-                           for m in mods])
+    def with_compare(mod):
+        kernel = default_kernel(mod, target)
+        cmp = compare_kernel(mod["main"], check_spec(mod["main"]), target)
+        if cmp is not None:
+            kernel[COMPARE] = cmp.with_attr("global_symbol", COMPARE)
+        return kernel
+
+    built = builder.build([ms.builder.BuilderInput(with_compare(m), target) for m in mods])
     refs, paths = [], []
     for mod, b in zip(mods, built):
         artifact = None if b.error_msg is not None else str(b.artifact_path)
