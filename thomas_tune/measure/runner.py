@@ -201,7 +201,11 @@ def _lane_reference(ref: tuple, dev) -> dict:
     entry = {"args": args, "expected": expected, "tol": spec.tol, "compare": None}
     if compare is not None:  # the comparison on the device: the expected outputs stay there
         import numpy as np
-        expected_dev = [tvm.runtime.tensor(expected[i], dev) for i in spec.written]
+        expected_dev = []
+        for i in spec.written:  # the reference run's outputs, copied on the device
+            copy = tvm.runtime.empty(expected[i].shape, expected[i].dtype, dev)
+            copy.copyfrom(args.args[i])
+            expected_dev.append(copy)
         sums = [tvm.runtime.tensor(np.zeros(1, expected[i].dtype), dev)
                 for i in spec.written for _ in range(2)]
         entry["compare"] = (compare, expected_dev, sums)
