@@ -169,7 +169,7 @@ def test_compare_catches_nan_zeros_and_far_values_and_passes_rounding(rng):
 
 def test_the_comparison_on_the_device_gives_the_hosts_verdict(target, rng):
     """:func:`kernel_check.compare_kernel` built for the OpenCL device (two outputs of other
-    shapes) and :func:`kernel_check.compare_sums` give :func:`kernel_check.compare`'s verdict
+    shapes) and :func:`kernel_check.verdict` give :func:`kernel_check.compare`'s verdict
     and worst error on each case: rounding passes, NaN, zeros, one far value, a wrong sign and
     a 1% error fail, a reference with non-finite elements is compared where it is finite."""
     from tvm import te
@@ -199,7 +199,7 @@ def test_the_comparison_on_the_device_gives_the_hosts_verdict(target, rng):
         lib["main"](*[tvm.runtime.tensor(a, dev) for i in (2, 3) for a in (got[i], ref[i])],
                     *sums)
         values = [float(t.numpy()[0]) for t in sums]
-        on_device = kc.compare_sums(list(zip(values[0::2], values[1::2])), 1e-5, (2, 3))
+        on_device = kc.verdict(dict(zip((2, 3), zip(values[0::2], values[1::2]))), 1e-5)
         on_host = kc.compare(got, ref, 1e-5)
         assert on_device == on_host, (name, on_device, on_host)
         assert (on_host is None) == (name == "rounding"), (name, on_host)

@@ -36,6 +36,13 @@ import tvm
 #: what outputs hold before the checked run: a kernel that does not write an element leaves it
 POISON = float("nan")
 
+#: name of the comparison function built beside a reference kernel (:func:`compare_kernel`)
+COMPARE = "compare"
+#: what :func:`compare_kernel` gives as the difference where a candidate's output is not finite
+#: and the reference's is (a float32 value far above any difference of finite checked outputs,
+#: printed exactly in OpenCL C, where the largest float32 is not)
+NOT_FINITE = 1e30
+
 #: float32 unit roundoff, 2^-24 (IEEE 754-2008 binary32)
 U32 = 2.0 ** -24
 
@@ -148,20 +155,28 @@ def compare(got: dict[int, np.ndarray], ref: dict[int, np.ndarray], tol: float) 
     non-finite ``got`` there counts as an error of 1, and so does an output whose reference
     is 0 everywhere while ``got`` is not); else the reason, ``"wrong result: max rel err X at
     output Y (tolerance T)"``, naming the worst output by argument index."""
-    worst, where = 0.0, None
+    pairs = {}
     for i, r in ref.items():
-        g = got[i]
         r64 = r.astype("float64", copy=False)
-        g64 = g.astype("float64", copy=False)
         finite = np.isfinite(r64)
         if not finite.any():
             continue
-        rf, gf = r64[finite], g64[finite]
-        if not np.isfinite(gf).all():
+        rf, gf = r64[finite], got[i].astype("float64", copy=False)[finite]
+        scale = float(np.max(np.abs(rf)))
+        diff = float(np.max(np.abs(gf - rf))) if np.isfinite(gf).all() else math.inf
+        pairs[i] = (diff, scale)
+    return verdict(pairs, tol)
+
+
+def verdict(diff_scale: dict[int, tuple[float, float]], tol: float) -> str | None:
+    """:func:`compare`'s verdict from, per output (argument index), the largest ``|got - ref|``
+    over the elements where ``ref`` is finite (``inf``, or at least :data:`NOT_FINITE`, where
+    ``got`` is not finite there: an error of 1) and the largest ``|ref|`` there."""
+    worst, where = 0.0, None
+    for i, (diff, scale) in diff_scale.items():
+        if not math.isfinite(diff) or diff >= NOT_FINITE:
             err = 1.0
         else:
-            scale = float(np.max(np.abs(rf)))
-            diff = float(np.max(np.abs(gf - rf))) if rf.size else 0.0
             err = diff / scale if scale > 0 else (1.0 if diff > 0 else 0.0)
         if err > worst:
             worst, where = err, i
@@ -195,12 +210,6 @@ def record_kernel(record) -> tvm.IRModule:
     return sch.mod
 
 
-#: name of the comparison function built beside a reference kernel (:func:`compare_kernel`)
-COMPARE = "compare"
-#: what :func:`compare_kernel` gives as the difference where a candidate's output is not finite
-#: and the reference's is (a float32 value far above any difference of finite checked outputs,
-#: printed exactly in OpenCL C, where the largest float32 is not)
-NOT_FINITE = 1e30
 
 
 def _float_outputs(func: tvm.tirx.PrimFunc, spec: CheckSpec) -> list[tuple[tuple[int, ...], str]]:
@@ -215,7 +224,7 @@ def compare_kernel(func: tvm.tirx.PrimFunc, spec: CheckSpec, target) -> tvm.tirx
     and ``ref_k`` of its shape and dtype, then per output ``diff_k`` = max over the elements
     where ``ref_k`` is finite of ``|got_k - ref_k|`` (:data:`NOT_FINITE` where ``got_k`` is
     not finite) and ``scale_k`` = max ``|ref_k|`` there, each of shape (1,).
-    Maxima are exact in floating point, so :func:`compare_sums` gives what :func:`compare`
+    Maxima are exact in floating point, so :func:`verdict` on these gives what :func:`compare`
     gives on the host. Each reduction is one work-group on a GPU (its work-items split the
     elements, then TVM's cross-thread reduction). None when an output is not floating point
     (those are compared on the host)."""
@@ -265,22 +274,6 @@ def compare_kernel(func: tvm.tirx.PrimFunc, spec: CheckSpec, target) -> tvm.tirx
     return sch.mod["main"].with_attr("tir.is_scheduled", True)
 
 
-def compare_sums(diff_scale: list[tuple[float, float]], tol: float, written) -> str | None:
-    """:func:`compare`'s verdict from :func:`compare_kernel`'s (diff, scale) per output
-    (``written``: their argument indices)."""
-    worst, where = 0.0, None
-    for i, (diff, scale) in zip(written, diff_scale):
-        if not math.isfinite(diff) or diff >= NOT_FINITE:
-            err = 1.0  # not finite where the reference is
-        else:
-            err = diff / scale if scale > 0 else (1.0 if diff > 0 else 0.0)
-        if err > worst:
-            worst, where = err, i
-    if worst > tol:
-        return f"wrong result: max rel err {worst:.3g} at output {where} (tolerance {tol:.2g})"
-    return None
-
-
 # ---- running on a device (local, or a session's) ----------------------------------------------
 class DeviceArgs:
     """The arguments of one kernel on ``dev`` (a local device, or one of an RPC session):
@@ -315,6 +308,37 @@ def run_checked(fn, dev, args: DeviceArgs) -> dict[int, np.ndarray]:
     fn(*args.args)
     dev.sync()
     return args.outputs()
+
+
+class DeviceComparison:
+    """A task's candidates compared with its reference on the device, with ``compare`` (the
+    task's :func:`compare_kernel`, loaded for ``args``' device): made right after the reference
+    ran on ``args`` (:func:`reference_outputs`), whose written arguments it copies there as the
+    expected outputs."""
+
+    def __init__(self, compare, args: DeviceArgs, dev):
+        self.compare, self.args = compare, args
+        self.expected, self.sums = [], []
+        for i in args.spec.written:
+            src = args.args[i]
+            copy = tvm.runtime.empty(src.shape, src.dtype, dev)
+            copy.copyfrom(src)
+            self.expected.append(copy)
+            self.sums += [tvm.runtime.empty((1,), src.dtype, dev) for _ in range(2)]
+
+    def run(self, fn, dev) -> dict[int, tuple[float, float]]:
+        """Run kernel ``fn`` once on the checked inputs (:meth:`DeviceArgs.reset` first) and
+        compare on the device: per written argument, (largest difference, largest reference
+        value) for :func:`verdict`; two numbers per output come back to the host."""
+        self.args.reset()
+        fn(*self.args.args)
+        pairs = []
+        for k, i in enumerate(self.args.spec.written):
+            pairs += [self.args.args[i], self.expected[k]]
+        self.compare(*pairs, *self.sums)
+        dev.sync()
+        values = [float(t.numpy()[0]) for t in self.sums]
+        return dict(zip(self.args.spec.written, zip(values[0::2], values[1::2])))
 
 
 def reference_outputs(fn, dev, func: tvm.tirx.PrimFunc, seed: int, spec: CheckSpec | None = None

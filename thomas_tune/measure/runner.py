@@ -189,8 +189,7 @@ def _lane_reference(ref: tuple, dev) -> dict:
             libs[key] = _lane_load(artifact, f"ref-{key}.so", dev)
         lib = libs[key]
         args, expected = kc.reference_outputs(lib["main"], dev, func, seed, spec)
-        compare = lib.get_function(kc.COMPARE, query_imports=True) \
-            if _has_function(lib, kc.COMPARE) else None
+        compare = _function(lib, kc.COMPARE)
     else:
         host = tvm.cpu(0)
         lib = tvm.compile(tvm.IRModule({"main": func}), target="llvm")
@@ -198,48 +197,21 @@ def _lane_reference(ref: tuple, dev) -> dict:
         inputs = [a.numpy() for a in local.args]
         args = kc.DeviceArgs(inputs, spec, dev)
         compare = None
-    entry = {"args": args, "expected": expected, "tol": spec.tol, "compare": None}
-    if compare is not None:  # the comparison on the device: the expected outputs stay there
-        import numpy as np
-        expected_dev = []
-        for i in spec.written:  # the reference run's outputs, copied on the device
-            copy = tvm.runtime.empty(expected[i].shape, expected[i].dtype, dev)
-            copy.copyfrom(args.args[i])
-            expected_dev.append(copy)
-        sums = [tvm.runtime.tensor(np.zeros(1, expected[i].dtype), dev)
-                for i in spec.written for _ in range(2)]
-        entry["compare"] = (compare, expected_dev, sums)
+    # the comparison on the device where the reference library has one (float outputs)
+    entry = {"args": args, "expected": expected, "tol": spec.tol,
+             "compare": kc.DeviceComparison(compare, args, dev) if compare else None}
     refs[key] = entry
     while len(refs) > REFERENCES_PER_SESSION:
         refs.popitem(last=False)
     return refs[key]
 
 
-def _has_function(lib, name: str) -> bool:
+def _function(lib, name: str):
+    """``lib``'s function ``name``, or None where it has none."""
     try:
-        return lib.get_function(name, query_imports=True) is not None
-    except Exception:  # an older reference library without the comparison
-        return False
-
-
-def _compare_on_device(fn, dev, entry) -> str | None:
-    """(worker) Run the candidate ``fn`` once on the task's checked inputs (outputs poisoned,
-    :meth:`thomas_tune.kernel_check.DeviceArgs.reset`) and compare its outputs with the
-    reference's on the device (:func:`thomas_tune.kernel_check.compare_kernel`); returns
-    :func:`thomas_tune.kernel_check.compare_sums`' verdict."""
-    from .. import kernel_check as kc
-    args = entry["args"]
-    compare, expected_dev, sums = entry["compare"]
-    args.reset()
-    fn(*args.args)
-    pairs = []
-    for k, i in enumerate(args.spec.written):
-        pairs += [args.args[i], expected_dev[k]]
-    compare(*pairs, *sums)
-    dev.sync()
-    values = [float(t.numpy()[0]) for t in sums]
-    return kc.compare_sums(list(zip(values[0::2], values[1::2])), entry["tol"],
-                           args.spec.written)
+        return lib.get_function(name, query_imports=True)
+    except Exception:  # a reference of outputs that are not all floats has no comparison
+        return None
 
 
 def _lane_time(repeat: int, min_repeat_ms: float, max_number: int,
@@ -274,7 +246,8 @@ def _lane_time(repeat: int, min_repeat_ms: float, max_number: int,
                 got = kc.run_checked(mod[mod.entry_name], dev, entry["args"])
                 out["wrong"] = kc.compare(got, entry["expected"], entry["tol"])
             else:  # compared on the device: two numbers per output come back
-                out["wrong"] = _compare_on_device(mod[mod.entry_name], dev, entry)
+                out["wrong"] = kc.verdict(entry["compare"].run(mod[mod.entry_name], dev),
+                                          entry["tol"])
             t["run.check"] = time.perf_counter() - t3
             args = entry["args"].args
         else:
