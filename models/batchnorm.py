@@ -56,7 +56,7 @@ def _check_act(act) -> None:
         raise ValueError(f"BatchNorm activation {act!r}: use one of {ACTIVATIONS}")
 
 
-def count(x: te.Tensor) -> int:
+def _count(x: te.Tensor) -> int:
     """N * H * W of an (N, C, H, W) tensor: the values of one channel."""
     n, _, h, w = (int(d) for d in x.shape)
     return n * h * w
@@ -80,19 +80,22 @@ class _Channel:
     def __init__(self, x: te.Tensor, shift: te.Tensor, s, eps: float):
         self.x, self.shift, self.s, self.eps = x, shift, s, eps
         self.dt = x.dtype
-        self.inv_m = tirx.const(1.0 / count(x), self.dt)
+        self.inv_m = tirx.const(1.0 / _count(x), self.dt)
+
+    def _m1_var(self, c):
+        """The mean of the deviations from the shift, S0/M, and the biased variance."""
+        m1 = self.s[0][c] * self.inv_m
+        return m1, tirx.max(self.s[1][c] * self.inv_m - m1 * m1, tirx.const(0.0, self.dt))
 
     def mean_var(self, c):
-        m1 = self.s[0][c] * self.inv_m
-        var = tirx.max(self.s[1][c] * self.inv_m - m1 * m1, tirx.const(0.0, self.dt))
+        m1, var = self._m1_var(c)
         return self.shift[c] + m1, var
 
     def normalized(self, n, c, h, w):
         # (x - shift) - S0/M, not x - mean: the difference from the shift is exact for values
         # near it, and a channel whose mean is large against its spread keeps the rounding of
         # its mean (the shift's rounding, which S0/M is) out of every normalised value
-        m1 = self.s[0][c] * self.inv_m
-        var = tirx.max(self.s[1][c] * self.inv_m - m1 * m1, tirx.const(0.0, self.dt))
+        m1, var = self._m1_var(c)
         rstd = tirx.const(1.0, self.dt) / tirx.sqrt(var + tirx.const(self.eps, self.dt))
         return ((self.x[n, c, h, w] - self.shift[c]) - m1) * rstd, rstd
 
@@ -114,10 +117,15 @@ def _act_grad(dz, y, act, dt):
     return dz
 
 
+def _plane_axes(x: te.Tensor):
+    """Reduction axes over one sample's plane (H, W) of an (N, C, H, W) tensor."""
+    _, _, h, w = x.shape
+    return te.reduce_axis((0, h), "h"), te.reduce_axis((0, w), "w")
+
+
 def bn_psum(x: te.Tensor) -> te.Tensor:
     """(N, C, H, W) -> (N, C): the sum of each sample's values of each channel."""
-    _, _, h, w = x.shape
-    rh, rw = te.reduce_axis((0, h), "h"), te.reduce_axis((0, w), "w")
+    rh, rw = _plane_axes(x)
     return te.compute((x.shape[0], x.shape[1]),
                       lambda n, c: te.sum(x[n, c, rh, rw], axis=[rh, rw]), name="bn_psum")
 
@@ -133,8 +141,7 @@ def bn_mean(p: te.Tensor, count: int) -> te.Tensor:
 def bn_stats(x: te.Tensor, mu: te.Tensor):
     """(N, C, H, W), (C,) -> (s0, s1), each (N, C): the sums of each sample's deviations from
     ``mu`` and of their squares, per channel (module docstring)."""
-    _, _, h, w = x.shape
-    rh, rw = te.reduce_axis((0, h), "h"), te.reduce_axis((0, w), "w")
+    rh, rw = _plane_axes(x)
 
     def body(n, c):
         d = x[n, c, rh, rw] - mu[c]
@@ -157,7 +164,7 @@ def bn_running(x: te.Tensor, mu: te.Tensor, s0: te.Tensor, s1: te.Tensor,
                running_mean: te.Tensor, running_var: te.Tensor, momentum: float):
     """The new (running_mean, running_var), each (C,), from the batch's shifted sums."""
     ch = _Channel(x, mu, (s0, s1), 0.0)
-    m = count(x)
+    m = _count(x)
     keep, mom = tirx.const(1.0 - momentum, x.dtype), tirx.const(momentum, x.dtype)
     unbias = tirx.const(m / max(m - 1, 1), x.dtype)
 
@@ -192,8 +199,7 @@ def bn_act_reduce(dz: te.Tensor, x: te.Tensor, mu: te.Tensor, s0: te.Tensor, s1:
     """(sum(dy), sum(dy * xhat)) over each sample's (H, W), each (N, C); their sums over the
     samples (:func:`bn_sums`) are the gradients of beta and gamma."""
     ch = _Channel(x, mu, (s0, s1), eps)
-    _, _, h, w = x.shape
-    rh, rw = te.reduce_axis((0, h), "h"), te.reduce_axis((0, w), "w")
+    rh, rw = _plane_axes(x)
 
     def body(n, c):
         dy, xhat, _ = _dy(ch, dz, gamma, beta, act, n, c, rh, rw)

@@ -236,12 +236,12 @@ def _no_grad_grad(orig_var, orig_call, output_grad, ctx):
 
 def _bn_act_grad(orig_var, call, output_grad, ctx):
     """The backward of :func:`models.batchnorm.bn_act` (``call`` is its
-    ``call_tir_with_grad``, arguments x, the two shifted sums, gamma, beta): three kernels,
-    ``bn_act_reduce`` (per sample, the sums that make the gradients of beta and gamma),
-    ``bn_sums`` (their sums over the samples) and ``bn_act_dx``. The
-    shifted sums get zero partials that nothing reads: their gradient is inside
-    ``bn_act_dx``, and they are marked ``no_grad`` where they are made. Returns the tuple of
-    the five partials, bound in ``ctx``."""
+    ``call_tir_with_grad``, arguments x, the channel mean, the two shifted sums, gamma, beta):
+    three kernels, ``bn_act_reduce`` (per sample, the sums that make the gradients of beta and
+    gamma), ``bn_sums`` (their sums over the samples) and ``bn_act_dx``. The mean and the
+    shifted sums get zero partials that nothing reads: their gradient is inside ``bn_act_dx``,
+    and they are marked ``no_grad`` where they are made. Returns the tuple of the six partials,
+    bound in ``ctx``."""
     from .models import batchnorm as B
 
     x, mu, s0, s1, gamma, beta = call.args[1].fields
