@@ -1,14 +1,15 @@
 """Tuning curves of a seeded and an unseeded session on one device, side by side.
 
-    python bench/seeding_curves.py --arch mobilenet_v2 --width 0.35 --resolution 64 \
+    python bench/seeding_curves.py --model mobilenet_v2 --width 0.35 --resolution 64 \
         --classes 10 --batch 8 --target targets/h100_opencl.json \
         --seeded /tmp/tt/seeding/seeded --fresh /tmp/tt/seeding/fresh --out bench/results/NAME
 
 Each session's log (``tools/gpu_tune.sh seeding`` makes both on one card) is read in the order
-its records were measured. The estimated step time after n records is the sum over the
-model's tasks (training and inference graphs) of calls x the faster of the task's
-default-schedule time and its best valid record among the first n (a failed trial counts as a
-trial and changes nothing); the default times are the unseeded session's
+its records were measured. The estimated step time after n records is
+:func:`thomas_tune.benchmark.curve.tuning_curve`'s over the tasks ``tune`` extracts for the
+model (training and inference graphs): calls x the faster of each task's default-schedule time
+and its best valid record among the first n (a failed trial counts as a trial and changes
+nothing); the default times are the unseeded session's
 (``default_latency.json`` of its log; the seeded session's where a task is missing there), so
 both curves start from the same point. A seeded log's first records are its seeds (measured on
 this device before the search; their count is in its ``seeded`` stats). Writes
@@ -20,33 +21,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 
-from thomas_tune import graph as G
-from thomas_tune.logs.database import mean_run_seconds
-from thomas_tune.logs.reading import read_log
-from thomas_tune.models import build
+from thomas_tune.benchmark.curve import tuning_curve
+from thomas_tune.benchmark.kernels import Kernel
+from thomas_tune.cli.options import add_model_args, load_model, model_graphs
 from thomas_tune.target import parse_target
 from thomas_tune.tasks import extract, key
-
-
-def curve(log_dir: str, weights: dict[str, int], default_s: dict[str, float]) -> list[float]:
-    """Estimated step ms after 0, 1, ..., n records of ``log_dir`` (module docstring)."""
-    contents = read_log(log_dir)
-    best = {k: s for k, s in default_s.items() if k in weights and math.isfinite(s)}
-
-    def total():
-        return sum(weights[k] * s for k, s in best.items()) * 1e3
-
-    out = [total()]
-    for wl, body in contents.records:
-        k = str(contents.workloads[wl][1])
-        s = mean_run_seconds(body[1])
-        if k in best and math.isfinite(s) and 0 < s < best[k]:
-            best[k] = s
-        out.append(total())
-    return out
 
 
 def first_within(ms: list[float], goal: float) -> int | None:
@@ -56,36 +37,30 @@ def first_within(ms: list[float], goal: float) -> int | None:
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--arch", default="mobilenet_v2")
-    ap.add_argument("--width", type=float, default=0.35)
-    ap.add_argument("--resolution", type=int, default=64)
-    ap.add_argument("--classes", type=int, default=10)
-    ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--trainable", default="all")
+    add_model_args(ap)
     ap.add_argument("--target", default="targets/h100_opencl.json")
     ap.add_argument("--seeded", required=True)
     ap.add_argument("--fresh", required=True)
     ap.add_argument("--out", required=True, help="path prefix of OUT.json and OUT.png")
     a = ap.parse_args()
-    model = build(a.arch, width=a.width, resolution=a.resolution, num_classes=a.classes)
-    graphs = {"infer": G.inference_module(model, 1),
-              "train": G.training_module(model, a.batch, a.trainable).mod}
-    weights = {key(t): t.weight for t in extract(graphs, parse_target(a.target))}
+    model, _, _ = load_model(a)
     default_s: dict[str, float] = {}
     for log in (a.seeded, a.fresh):  # the unseeded session's times win
         path = os.path.join(log, "default_latency.json")
         if os.path.exists(path):
             default_s.update(json.load(open(path))["seconds"])
-    curves = {"seeded": curve(a.seeded, weights, default_s),
-              "fresh": curve(a.fresh, weights, default_s)}
+    # the tasks tune extracts, each with its calls and default time (ms)
+    tasks = extract(model_graphs(a, model), parse_target(a.target))
+    kernels = [Kernel(t.name, t.weight, t.flops, 0, key(t),
+                      ms={"default": default_s[key(t)] * 1e3})
+               for t in tasks if key(t) in default_s]
+    curves = {name: tuning_curve(log, kernels)["ms"]
+              for name, log in (("seeded", a.seeded), ("fresh", a.fresh))}
     final = curves["fresh"][-1]
     goal = final / 0.95  # within 5% of the unseeded session's final estimate
-    stats = {}
-    for name, log in (("seeded", a.seeded), ("fresh", a.fresh)):
-        path = os.path.join(os.path.dirname(log), f"{name}.stats.json")
-        stats[name] = json.load(open(path)) if os.path.exists(path) else {}
-    seeds = int(stats["seeded"].get("seeded", {}).get("measured", 0) or 0) \
-        if isinstance(stats["seeded"].get("seeded"), dict) else None
+    stats_path = os.path.join(os.path.dirname(a.seeded), "seeded.stats.json")
+    seeds = (json.load(open(stats_path)).get("seeded") or {}).get("measured") \
+        if os.path.exists(stats_path) else None
     result = {
         "untuned_ms": curves["fresh"][0], "fresh_final_ms": final,
         "fresh_records": len(curves["fresh"]) - 1, "seeded_records": len(curves["seeded"]) - 1,
@@ -104,7 +79,8 @@ def main():
     ax.axhline(goal, color="grey", ls=":", label="within 5% of the unseeded final")
     ax.set_xlabel("records measured on this device (trials, seeds included)")
     ax.set_ylabel("estimated step time, ms")
-    ax.set_title(f"{a.arch} {a.width:g}@{a.resolution} batch {a.batch}: seeded vs from nothing")
+    ax.set_title(f"{model.arch} {model.width:g}@{model.resolution} batch {a.batch}: "
+                 "seeded vs from nothing")
     ax.legend()
     fig.tight_layout()
     fig.savefig(a.out + ".png", dpi=120)
