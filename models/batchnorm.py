@@ -1,4 +1,4 @@
-"""BatchNorm in its training form as nine kernels: six in the forward pass, three backward.
+"""BatchNorm in its training form as eight kernels: five in the forward pass, three backward.
 
 Written out of Relax's generic operators (mean, subtract, divide, ...), the training form of one
 BatchNorm followed by its activation costs about seventeen kernel launches per step once the
@@ -14,8 +14,10 @@ forward
                       in one pass);
   ``bn_sums``         per channel, the sums of the samples' ``s0`` and ``s1``: ``S0[c]``,
                       ``S1[c]``;
-  ``bn_running``      the new running statistics, PyTorch's rule (biased variance to normalise,
-                      unbiased into the running estimate, ``new = (1 - m) * old + m * batch``);
+  running statistics  PyTorch's rule (biased variance to normalise, unbiased into the running
+                      estimate, ``new = (1 - m) * old + m * batch``): not a kernel per
+                      BatchNorm but :func:`running_exprs`, which the training graph computes
+                      for every BatchNorm of the step in a few multi-tensor kernels;
   ``bn_act``          ``z = act(gamma * xhat + beta)`` (one element-wise pass);
 backward
   ``bn_act_reduce``   per sample and channel, one pass over ``x`` and ``dz``: the sums of
@@ -160,20 +162,22 @@ def bn_sums(a: te.Tensor, b: te.Tensor):
     return te.compute((a.shape[1],), body, name="bn_sums")
 
 
-def bn_running(x: te.Tensor, mu: te.Tensor, s0: te.Tensor, s1: te.Tensor,
-               running_mean: te.Tensor, running_var: te.Tensor, momentum: float):
-    """The new (running_mean, running_var), each (C,), from the batch's shifted sums."""
-    ch = _Channel(x, mu, (s0, s1), 0.0)
-    m = _count(x)
-    keep, mom = tirx.const(1.0 - momentum, x.dtype), tirx.const(momentum, x.dtype)
-    unbias = tirx.const(m / max(m - 1, 1), x.dtype)
+def running_exprs(count: int, momentum: float, dtype: str) -> dict[str, str]:
+    """The new running statistics of a BatchNorm over ``count`` values per channel (M), as
+    element-wise update expressions in TVMScript (for ``thomas_tune.multi_tensor``'s
+    ``update_kernel``, one element per channel): inputs ``rm``, ``rv`` (the running mean and
+    variance), ``mu`` (the shift), ``s0``, ``s1`` (the batch's shifted sums, ``bn_sums``);
+    outputs ``rm_new = (1 - momentum) * rm + momentum * mean`` and ``rv_new = (1 - momentum)
+    * rv + momentum * var * M / (M - 1)``, with the mean and biased variance of
+    :class:`_Channel` (PyTorch's rule: the unbiased variance goes into the estimate)."""
+    def f(v):
+        return f"T.{dtype}({float(v)!r})"
 
-    def body(c):
-        mean, var = ch.mean_var(c)
-        return (keep * running_mean[c] + mom * mean,
-                keep * running_var[c] + mom * (var * unbias))
-
-    return te.compute(running_mean.shape, body, name="bn_running")
+    m1 = f"(s0 * {f(1.0 / count)})"
+    var = f"T.max(s1 * {f(1.0 / count)} - {m1} * {m1}, {f(0.0)})"
+    return {"rm_new": f"{f(1.0 - momentum)} * rm + {f(momentum)} * (mu + {m1})",
+            "rv_new": f"{f(1.0 - momentum)} * rv + {f(momentum)} * "
+                      f"({var} * {f(count / max(count - 1, 1))})"}
 
 
 def bn_act(x: te.Tensor, mu: te.Tensor, s0: te.Tensor, s1: te.Tensor, gamma: te.Tensor,

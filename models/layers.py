@@ -128,6 +128,10 @@ class Graph(Records):
         super().__init__(mode, dtype)
         self.bb = bb
         self.new_states: dict[str, relax.Expr] = {}
+        # training-form BatchNorms whose new running statistics are still to be computed (by
+        # the training graph, for all of them at once): name -> (mu, s0, s1, running mean,
+        # running var, values per channel, momentum)
+        self.running: dict[str, tuple] = {}
 
     # ---- bookkeeping -------------------------------------------------------------------------
     def _value(self, name, shape):
@@ -172,9 +176,11 @@ class Graph(Records):
                                               R.reshape(beta, shape4))), act)
 
     def _batch_norm_train(self, name, x, gamma, beta, mean, var, eps, momentum, act):
-        """The training form (:mod:`models.batchnorm`): the statistics, the running-statistics
-        update and ``act(normalised)``, whose gradient is registered under
-        :data:`models.batchnorm.GRADIENT` (by ``thomas_tune.gradients``)."""
+        """The training form (:mod:`models.batchnorm`): the statistics and ``act(normalised)``,
+        whose gradient is registered under :data:`models.batchnorm.GRADIENT` (by
+        ``thomas_tune.gradients``); what the new running statistics need is kept in
+        :attr:`running` (the training graph computes them all together,
+        :func:`models.batchnorm.running_exprs`)."""
         from . import batchnorm as B
 
         bb = self.bb
@@ -186,10 +192,7 @@ class Graph(Records):
         p0, p1 = (self.emit(relax.TupleGetItem(partial, i)) for i in range(2))
         sums = bb.emit_te(B.bn_sums, p0, p1, primfunc_name_hint="bn_sums")
         s0, s1 = (self.emit(relax.TupleGetItem(sums, i)) for i in range(2))
-        running = bb.emit_te(B.bn_running, x, mu, s0, s1, mean, var, momentum,
-                             primfunc_name_hint="bn_running")
-        self.new_states[f"{name}.running_mean"] = self.emit(relax.TupleGetItem(running, 0))
-        self.new_states[f"{name}.running_var"] = self.emit(relax.TupleGetItem(running, 1))
+        self.running[name] = (mu, s0, s1, mean, var, n * h * w, momentum)
         # the statistics' own gradient is part of the one registered for bn_act
         s0, s1 = self.emit(R.grad.no_grad(s0)), self.emit(R.grad.no_grad(s1))
         return self.emit(bb.call_te_with_grad(
@@ -216,6 +219,13 @@ class Graph(Records):
         return self.emit(R.nn.max_pool2d(x, kernel, stride, padding))
 
     def adaptive_avg_pool2d(self, x, output_size):
+        """Average pooling to ``output_size`` (an int or a pair); where the input already has
+        that size (AlexNet at 224 px: 6x6 to 6x6) each window is one value and the pooling is
+        the identity, so it is left out (no kernel launch)."""
+        size = tuple(output_size) if isinstance(output_size, (tuple, list)) else \
+            (output_size, output_size)
+        if tuple(int(d) for d in x.ty.shape.values[2:]) == size:
+            return x
         return self.emit(R.nn.adaptive_avg_pool2d(x, output_size))
 
     def flatten(self, x):

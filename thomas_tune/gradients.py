@@ -3,19 +3,21 @@
 Importing this module registers them for: ``relax.clip`` (ReLU6), ``relax.nn.batch_norm``,
 ``relax.nn.dropout``, ``relax.nn.adaptive_avg_pool2d`` and ``relax.flatten``. Each is checked
 against float64 finite differences in ``tests/test_gradients.py``. Registration is idempotent and
-never replaces a gradient that TVM itself registers (see :func:`missing_gradients`), with one
-exception: depthwise convolutions get their own backward kernels (:func:`_conv2d_grad`), since
+never replaces a gradient that TVM itself registers (see :func:`missing_gradients`), with two
+exceptions: depthwise convolutions get their own backward kernels (:func:`_conv2d_grad`), since
 TVM's form of them (a transposed and a grouped convolution over batch x channels) held most of
-a MobileNet training step on a GPU and its schedule space had no valid GPU schedule. Two more
-are new: ``relax.grad.no_grad`` (no gradient passes) and the backward of the training-form
-BatchNorm (:mod:`models.batchnorm`, :func:`_bn_act_grad`).
+a MobileNet training step on a GPU and its schedule space had no valid GPU schedule; and ReLU's
+gradient reads its output, not its input (:func:`_relu_grad`). Three more are new:
+``relax.grad.no_grad`` (no gradient passes), the backward of the training-form BatchNorm
+(:mod:`models.batchnorm`, :func:`_bn_act_grad`) and that of the loss
+(:mod:`thomas_tune.loss`).
 """
 
 from __future__ import annotations
 
 import numpy as np
 import tvm
-from tvm import relax
+from tvm import relax, te
 from tvm.relax import op as R
 from tvm.relax.op.base import register_gradient
 from tvm.relax.op.grad import no_grad
@@ -39,6 +41,16 @@ def _clip_grad(orig_var, orig_call, output_grad, ctx):
     inside = R.logical_and(R.greater(x, relax.const(float(lo.value), dt)),
                            R.less(x, relax.const(float(hi.value), dt)))
     return [R.where(inside, output_grad, relax.const(0.0, dt)), no_grad(lo), no_grad(hi)]
+
+
+def _relu_grad(orig_var, orig_call, output_grad, ctx):
+    """y = relu(x): dx = dy where y > 0, else 0, read from the output as PyTorch's
+    ``threshold_backward`` does. TVM's own reads the input, which then stays alive for the
+    backward beside the output and keeps the ReLU out of the kernel that makes its input
+    (a matmul or convolution with its bias): one launch and one tensor more per ReLU."""
+    dt = _dtype(orig_var)
+    return [R.where(R.greater(orig_var, relax.const(0.0, dt)), output_grad,
+                    relax.const(0.0, dt))]
 
 
 def _flatten_grad(orig_var, orig_call, output_grad, ctx):
@@ -229,6 +241,47 @@ def _conv2d_grad(orig_var, orig_call, output_grad, ctx):
     return [dx, dw]
 
 
+def matmul_tn_te(a, b):
+    """``a^T @ b`` for ``a`` (K, M) and ``b`` (K, N): (M, N), each output a sum over K of
+    ``a[k, m] * b[k, n]``, read in place (no transposed copy of ``a``)."""
+    k = te.reduce_axis((0, a.shape[0]), "k")
+    return te.compute((a.shape[1], b.shape[1]),
+                      lambda m, n: te.sum(a[k, m] * b[k, n], axis=k), name="matmul_tn")
+
+
+@relax.expr_functor.mutator
+class _TransposeFree(relax.PyExprMutator):
+    """Rewrites ``matmul(permute_dims(a), b)`` of 2-D tensors as one :func:`matmul_tn_te`."""
+
+    def visit_call_(self, call):
+        call = super().visit_call_(call)
+        if call.op != tvm.ir.Op.get("relax.matmul"):
+            return call
+        a = call.args[0]
+        bound = self.lookup_binding(a) if isinstance(a, relax.Var) else None
+        if not (isinstance(bound, relax.Call)
+                and bound.op == tvm.ir.Op.get("relax.permute_dims")
+                and len(_shape(bound.args[0])) == 2 and len(_shape(call.args[1])) == 2
+                and (bound.attrs.axes is None or [int(v) for v in bound.attrs.axes] == [1, 0])):
+            return call
+        return self.builder_.call_te(matmul_tn_te, bound.args[0], call.args[1],
+                                     primfunc_name_hint="matmul_tn")
+
+
+def transpose_free_matmuls(mod: tvm.IRModule) -> tvm.IRModule:
+    """``mod`` with every ``matmul(permute_dims(a), b)`` of 2-D tensors in its Relax functions
+    computed by one kernel reading ``a`` in place (:func:`matmul_tn_te`). The gradient of a
+    linear layer's weight, ``dy^T @ x``, is of this form: one launch and one copy of ``dy``
+    fewer per layer. The transposes left unused are removed."""
+    mutator = _TransposeFree(mod)
+    for gv, func in list(mod.functions.items()):
+        if isinstance(func, relax.Function):
+            mutator.builder_.update_func(gv, mutator.visit_expr(func))
+    out = mutator.builder_.get()
+    return relax.transform.DeadCodeElimination(
+        [gv.name_hint for gv, f in out.functions.items() if isinstance(f, relax.Function)])(out)
+
+
 def _no_grad_grad(orig_var, orig_call, output_grad, ctx):
     """y = no_grad(x): no gradient reaches x (the op is the identity in the forward pass)."""
     return [no_grad(orig_call.args[0])]
@@ -261,6 +314,7 @@ def _bn_act_grad(orig_var, call, output_grad, ctx):
 
 
 _tvm_conv2d_grad = None
+_tvm_relu_grad = None
 
 
 _GRADIENTS = {
@@ -279,11 +333,15 @@ def missing_gradients(op_names=OPS) -> list[str]:
 
 def register() -> None:
     """Register every gradient of :data:`OPS` that is still missing, the depthwise form of
-    conv2d's gradient (:func:`_conv2d_grad`, which keeps TVM's for other convolutions), the
-    gradient of ``relax.grad.no_grad`` (none reaches its input) and the backward of the
-    training-form BatchNorm (:func:`_bn_act_grad`); safe to call twice."""
-    global _tvm_conv2d_grad
+    conv2d's gradient (:func:`_conv2d_grad`, which keeps TVM's for other convolutions), ReLU's
+    from its output (:func:`_relu_grad`), the gradient of ``relax.grad.no_grad`` (none reaches
+    its input), the backward of the training-form BatchNorm (:func:`_bn_act_grad`) and of the
+    loss (:func:`thomas_tune.loss.register`); safe to call twice."""
+    global _tvm_conv2d_grad, _tvm_relu_grad
+    from . import loss
     from .models import batchnorm as B
+
+    loss.register()
 
     if tvm.ir.Op.get("relax.grad.no_grad").get_attr("FPrimalGradient") is None:
         register_gradient("relax.grad.no_grad", _no_grad_grad)
@@ -297,6 +355,9 @@ def register() -> None:
     if _tvm_conv2d_grad is None:
         _tvm_conv2d_grad = current
         register_gradient("relax.nn.conv2d", _conv2d_grad, level=11)
+    if _tvm_relu_grad is None:
+        _tvm_relu_grad = tvm.ir.Op.get("relax.nn.relu").get_attr("FPrimalGradient")
+        register_gradient("relax.nn.relu", _relu_grad, level=11)
 
 
 register()

@@ -46,11 +46,11 @@ import tvm
 import tvm_ffi
 from tvm import relax
 from tvm.relax.training import SetupTrainer
-from tvm.relax.training import loss as rloss
 from tvm.relax.training import optimizer as ropt
 
 from . import gradients  # noqa: F401  (registers the missing gradients)
 from . import multi_tensor as MT
+from .loss import CrossEntropyLoss
 from .manifest import (ADJOINT, FEATURES, HEAD_ADJOINT, OPTIMIZER,  # the exported functions'
                        PREDICT)  # names
 from .models import ShapeGraph, spec, trace
@@ -65,26 +65,56 @@ _SUFFIXES = {FROZEN_BN: "frozen", TRAIN_BN: "train"}
 def _emit_multi_tensor(bb: relax.BlockBuilder, name: str, tensors: list[list[relax.Expr]],
                        shapes: list[tuple[int, ...]], inputs: tuple[str, ...],
                        outputs: dict[str, str], dtype: str,
-                       shared: dict[str, relax.Expr] | None = None) -> list[list[relax.Expr]]:
+                       shared: dict[str, relax.Expr] | None = None,
+                       inplace: bool = True) -> list[list[relax.Expr]]:
     """Emit the update of every parameter as multi-tensor kernels
     (:func:`thomas_tune.multi_tensor.update_kernel`, as many parameters per kernel as its
     arguments allow). ``tensors[j]``: parameter j's inputs in the order of ``inputs``;
-    ``shared``: 0-d tensors every update reads, by name. Returns, per parameter, its outputs in
-    the order of ``outputs``."""
+    ``shared``: 0-d tensors every update reads, by name. With ``inplace`` each output ``X_new``
+    overwrites its input ``X`` (``call_tir_inplace``): a step holds one copy of the parameters
+    and of the optimizer state, not an old and a new one (the caller drops the old handles,
+    which are the new ones). Returns, per parameter, its outputs in the order of ``outputs``."""
     shared = shared or {}
-    size = MT.group_size(len(inputs) + len(outputs), len(shared))
+    size = MT.group_size(len(inputs) + (0 if inplace else len(outputs)), len(shared))
     results: list[list[relax.Expr]] = []
     for group in MT.groups(len(shapes), size):
         kernel = MT.update_kernel([shapes[j] for j in group], inputs, outputs, dtype,
-                                  tuple(shared))
+                                  tuple(shared), inplace=inplace)
         gv = bb.add_func(kernel, name)
         args = [*shared.values(), *(t for j in group for t in tensors[j])]
         out_types = [relax.TensorType(shapes[j], dtype) for j in group for _ in outputs]
-        call = bb.emit(relax.call_tir(gv, args, out_types))
+        if inplace:
+            where = [len(shared) + i * len(inputs) + inputs.index(o[:-len("_new")])
+                     for i, _ in enumerate(group) for o in outputs]
+            call = bb.emit(relax.call_tir_inplace(gv, args, where, out_types))
+        else:
+            call = bb.emit(relax.call_tir(gv, args, out_types))
         k = len(outputs)
         for i, _ in enumerate(group):
             results.append([bb.emit(relax.TupleGetItem(call, i * k + o)) for o in range(k)])
     return results
+
+
+def _emit_running_statistics(bb: relax.BlockBuilder, g: Graph, states: list[str]) -> None:
+    """Put the new running statistics of the training-form BatchNorms among ``states`` into
+    ``g.new_states``: multi-tensor kernels (:func:`_emit_multi_tensor`, not in place), one per
+    group of BatchNorms with the same values per channel and momentum, instead of a kernel
+    each (:func:`models.batchnorm.running_exprs`)."""
+    from .models.batchnorm import running_exprs
+    names = [n for n in dict.fromkeys(s.rsplit(".", 1)[0] for s in states)
+             if n in g.running and f"{n}.running_mean" not in g.new_states]
+    groups: dict[tuple, list[str]] = {}
+    for n in names:
+        groups.setdefault(g.running[n][5:], []).append(n)
+    for (count, momentum), members in groups.items():
+        tensors = [[g.running[n][3], g.running[n][4], *g.running[n][:3]] for n in members]
+        dtype = str(tensors[0][0].ty.dtype)
+        outs = _emit_multi_tensor(bb, "bn_running", tensors,
+                                  [_shape(t[0]) for t in tensors],
+                                  ("rm", "rv", "mu", "s0", "s1"),
+                                  running_exprs(count, momentum, dtype), dtype, inplace=False)
+        for n, (rm, rv) in zip(members, outs):
+            g.new_states[f"{n}.running_mean"], g.new_states[f"{n}.running_var"] = rm, rv
 
 
 def _shape(p: relax.Var) -> tuple[int, ...]:
@@ -472,6 +502,7 @@ def _feature_functions(model, batch: int, dtype: str, k: int, frozen_bn: set[str
                     out = bb.emit_output(cut)
                 else:
                     logits = bb.emit_output(logits)
+                    _emit_running_statistics(bb, g, states)
                     new = [bb.emit_output(g.new_states[n]) for n in states]
                     out = relax.Tuple([logits, *new]) if states else logits
             params = [v for _, (q, v) in g.params.items() if (q.block in head) == (
@@ -597,6 +628,7 @@ def training_module(model, batch: int, trainable: str | list[str] = "all",
     with bb.function("backbone"):
         with bb.dataflow():
             logits = bb.emit_output(model.forward(g, x))
+            _emit_running_statistics(bb, g, list(g.states))
             new_states = [bb.emit_output(g.new_states[n]) for n in g.states]
         masks = [v for _, _, v in g.masks.values()]
         frozen = [v for n, (_, v) in g.params.items() if n not in train_set]
@@ -607,10 +639,10 @@ def training_module(model, batch: int, trainable: str | list[str] = "all",
     backbone = bb.get().with_attrs({"param_num": len(trained), "state_num": len(states)})
     classes = model.num_classes
     opt = optimizer.build()
-    trainer = SetupTrainer(rloss.CrossEntropyLoss(reduction="mean"), opt,
-                           [relax.TensorType((batch, classes), dtype),
-                            relax.TensorType((batch,), "int64")], legalize=False)
-    mod = trainer(backbone)
+    loss_types = [relax.TensorType((batch, classes), dtype), relax.TensorType((batch,), "int64")]
+    loss = CrossEntropyLoss(*loss_types)
+    mod = SetupTrainer(loss, opt, loss_types, legalize=False)(loss.add_kernel(backbone))
+    mod = gradients.transpose_free_matmuls(mod)
     out = tvm.IRModule({
         ADJOINT: mod["backbone_loss_adjoint"].with_attr("global_symbol", ADJOINT),
         OPTIMIZER: mod["optimizer"],
@@ -626,9 +658,8 @@ def training_module(model, batch: int, trainable: str | list[str] = "all",
         feat, head, split = _feature_functions(model, batch, dtype, k, frozen_bn,
                                                [n for n in g.params if n in train_set])
         out[FEATURES] = feat.with_attr("global_symbol", FEATURES)
-        head_mod = SetupTrainer(rloss.CrossEntropyLoss(reduction="mean"), optimizer.build(),
-                                [relax.TensorType((batch, classes), dtype),
-                                 relax.TensorType((batch,), "int64")], legalize=False)(head)
+        head_mod = gradients.transpose_free_matmuls(SetupTrainer(
+            loss, optimizer.build(), loss_types, legalize=False)(loss.add_kernel(head)))
         _add_functions(out, head_mod, "backbone_loss_adjoint", HEAD_ADJOINT)
         entries += [FEATURES, HEAD_ADJOINT]
     out = relax.transform.DeadCodeElimination(entries)(out)

@@ -11,10 +11,10 @@ For a model, batch and trainable set this counts, in bytes:
   used by a binding of the gradient pass (which begins at the first ``*_adjoint`` variable);
 * ``peak``: the largest sum of live tensors over the whole step, by liveness over the bindings of
   ``train_adjoint`` in order (a tensor lives from its binding to its last use; inputs live all
-  along; tuple items alias their tuple) and then over the optimizer update, where the old and
-  new parameters and states coexist. Kernel fusion and memory planning can only lower it, so this
-  is an upper bound of what the compiled step allocates, and the right measure of what freezing
-  saves.
+  along; tuple items alias their tuple) and then over the optimizer update, which writes the new
+  parameters and states over the old ones (in place: one copy of each). Kernel fusion and memory
+  planning can only lower it, so this is an upper bound of what the compiled step allocates,
+  and the right measure of what freezing saves.
 
 With ``features`` the step is ``train --cache-features``'s: ``train_head_adjoint`` on a batch
 of the frozen part's output (``input_batch`` is then that batch), the frozen parameters and
@@ -127,9 +127,8 @@ def training_memory(model, batch: int, trainable: str = "all",
     grads = sum(params[n] for n in tg.trainable)
     optim = int(sum(np.asarray(a).nbytes for a in tg.optim_state))
     x = _bytes(func.params[0].ty)
-    # the update: old and new trainable parameters, gradients, old and new optimizer state,
-    # with the frozen parameters and states resident
-    peak_update = weights + grads + 2 * optim + sum(params[n] for n in tg.trainable)
+    # the update, in place: every parameter and state, the gradients, the optimizer state
+    peak_update = weights + grads + optim
     return TrainingMemory(parameters=weights, gradients=grads, optimizer_state=optim,
                           activations_kept=kept, input_batch=x,
                           peak=max(peak_adjoint + optim, peak_update))

@@ -10,8 +10,9 @@ neighbouring work-items of a GPU take the same branch except at a boundary).
 A group holds as many parameters as a kernel's arguments allow on every OpenCL device: the
 OpenCL 3.0 specification (``clGetDeviceInfo``, ``CL_DEVICE_MAX_PARAMETER_SIZE``) guarantees
 1,024 bytes of kernel arguments on a full-profile device, :data:`MAX_BUFFERS` buffers of 8
-bytes. Momentum SGD passes 5 buffers per parameter (p, g, v in; p, v out): 25 parameters a
-kernel; Adam 7 and two shared scalars: 18.
+bytes. The update is in place (each new value written over the old, see
+:func:`update_kernel`), so momentum SGD passes 3 buffers per parameter (p, g, v): 42
+parameters a kernel; Adam 4 and two shared scalars: 31.
 
 The kernel is written in TVMScript (an ``s_tir`` block over the flattened elements, each
 tensor read and written through a flat view of its data); the default GPU schedules bind its
@@ -51,7 +52,7 @@ def _f(value: float, dtype: str) -> str:
 
 def update_kernel(shapes: list[tuple[int, ...]], inputs: tuple[str, ...],
                   outputs: dict[str, str], dtype: str = "float32",
-                  shared: tuple[str, ...] = ()) -> tvm.tirx.PrimFunc:
+                  shared: tuple[str, ...] = (), inplace: bool = False) -> tvm.tirx.PrimFunc:
     """A PrimFunc updating len(shapes) tensors in one loop.
 
     Its arguments are one 0-d buffer per name of ``shared`` (scalars every tensor's update
@@ -62,13 +63,26 @@ def update_kernel(shapes: list[tuple[int, ...]], inputs: tuple[str, ...],
     each output's name to its expression: TVMScript over the inputs' names (each stands for
     the element being updated) and the outputs before it, e.g. ``{"v_new": "0.9 * v + g",
     "p_new": "p - 0.01 * v_new"}``; numbers in it are written as ``T.float32(...)`` by the
-    caller. Raises ValueError for an empty list of shapes."""
+    caller.
+
+    ``inplace``: every output ``X_new`` is written over its input ``X`` (the parameter and its
+    optimizer state updated where they are, as ``relax.call_tir_inplace`` runs it): the
+    kernel's arguments are then the shared scalars and the inputs only, and each element's
+    new values are all computed (bound to locals) before any is stored, so no expression reads
+    a value already overwritten. Raises ValueError for an empty list of shapes, and with
+    ``inplace`` for an output whose name is not an input's with ``_new`` appended."""
     if not shapes:
         raise ValueError("update_kernel: no tensor to update")
+    over = {out: out[:-len("_new")] for out in outputs} if inplace else {}
+    bad = [out for out, name in over.items() if not out.endswith("_new") or name not in inputs]
+    if bad:
+        raise ValueError(f"update_kernel: in-place outputs {bad} name no input (an output "
+                         f"X_new overwrites the input X; inputs {list(inputs)})")
     sizes = [int(np.prod(s)) if len(s) else 1 for s in shapes]
     offsets = np.cumsum([0, *sizes]).tolist()
     total = offsets[-1]
-    names = (*inputs, *outputs)
+    stored = tuple(o for o in outputs if o not in over)  # outputs with buffers of their own
+    names = (*inputs, *stored)
 
     def region(name, j):
         shape = shapes[j]
@@ -80,7 +94,7 @@ def update_kernel(shapes: list[tuple[int, ...]], inputs: tuple[str, ...],
     # call_tir's order: every input, then every output
     args = [f"{name}: T.Buffer((), '{dtype}')" for name in shared] + \
         [arg(name, j) for j in range(len(shapes)) for name in inputs] + \
-        [arg(name, j) for j in range(len(shapes)) for name in outputs]
+        [arg(name, j) for j in range(len(shapes)) for name in stored]
     views = [f"{name}{j}_ = T.decl_buffer(({sizes[j]},), '{dtype}', data={name}{j}.data)"
              for j in range(len(shapes)) for name in names]
     body: list[str] = []
@@ -89,6 +103,15 @@ def update_kernel(shapes: list[tuple[int, ...]], inputs: tuple[str, ...],
         i = f"vi - {offsets[j]}"
         env = {name: f"{name}{j}_[{i}]" for name in inputs}
         env.update({name: f"{name}[()]" for name in shared})
+        if over:  # every new value bound first, then stored over its input
+            for out, expr in outputs.items():
+                text = expr
+                for name in sorted(env, key=len, reverse=True):
+                    text = _substitute(text, name, env[name])
+                body.append(f"{indent}{out}{j}: T.{dtype} = {text}")
+                env[out] = f"{out}{j}"
+            body.extend(f"{indent}{over[out]}{j}_w[{i}] = {out}{j}" for out in outputs)
+            return
         for out, expr in outputs.items():
             text = expr
             for name in sorted(env, key=len, reverse=True):
@@ -109,11 +132,19 @@ def update_kernel(shapes: list[tuple[int, ...]], inputs: tuple[str, ...],
     chain(0, len(shapes), " " * 12)
     reads = ", ".join([f"{name}[()]" for name in shared]
                       + [region(n, j) for j in range(len(shapes)) for n in inputs])
-    writes = ", ".join(region(n, j) for j in range(len(shapes)) for n in outputs)
+    # an overwritten input is written through a second flat view of its data, declared
+    # before the loop: a block that reads and writes one buffer has no GPU schedule in dlight
+    # (each element is read before it is written, by the same iteration, so this is exact)
+    written = [f"{over[n]}{j}_w = T.decl_buffer(({sizes[j]},), '{dtype}', "
+               f"data={over[n]}{j}.data)" for j in range(len(shapes)) for n in outputs
+               if n in over]
+    writes = ", ".join(f"{over[n]}{j}_w[0:{sizes[j]}]" if n in over else region(n, j)
+                       for j in range(len(shapes)) for n in outputs)
     text = "\n".join([
         "@T.prim_func(s_tir=True)",
         f"def main({', '.join(args)}):",
         "    T.func_attr({'tirx.noalias': True})",
+        *("    " + w for w in written),
         f"    for i in range({total}):",
         "        with T.sblock('update'):",
         f"            vi = T.axis.spatial({total}, i)",

@@ -1,0 +1,130 @@
+"""The training step's loss: softmax cross-entropy, averaged over the batch, in three kernels.
+
+The generic form (``relax.training.loss.CrossEntropyLoss``: ``log_softmax`` then ``nll_loss``,
+and their gradients) takes about ten kernel launches a step for what is, on a batch of logits,
+a few microseconds of arithmetic; on a phone each launch costs more than that. Here:
+
+* ``cross_entropy`` (forward, two kernels): per row ``i`` of the logits ``x`` (N, C), the
+  running maximum ``m_i`` and the sum ``s_i`` of ``exp(x_ij - m_i)`` in one pass, as one tuple
+  reduction ("online softmax", Milakov & Gimelshein 2018, "Online normalizer calculation for
+  softmax", arXiv:1805.02867); then ``loss = sum_i (m_i + log s_i - x_{i,y_i}) / N``.
+* ``cross_entropy_grad`` (backward, two kernels): ``m_i`` and ``s_i`` again, then
+  ``dx_ij = dloss * (exp(x_ij - m_i) / s_i - [j = y_i]) / N`` (the gradient of the mean
+  softmax cross-entropy: softmax minus the one-hot target).
+
+Each is a TE function in one PrimFunc (its two blocks are two launches once scheduled for a
+GPU); the backward is registered as the gradient of the forward's ``call_tir_with_grad``
+(:data:`GRADIENT`, by :func:`register`). The same arithmetic as PyTorch's
+``F.cross_entropy(x, y)`` (reduction "mean", no class weights, every target counted): targets
+are class indices in ``[0, C)``; one outside it reads outside the row (the caller checks
+labels against the model's classes).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import tvm
+from tvm import relax, te
+from tvm.relax.training import loss as rloss
+
+GRADIENT = "thomas_tune.cross_entropy"  # the te_grad_name of the forward's call_tir_with_grad
+
+
+def _logsumexp_parts(x: te.Tensor):
+    """(m, s), each (N,) of ``x``'s dtype: per row the largest logit and the sum of
+    ``exp(x_ij - m_i)``, in one tuple reduction (module docstring)."""
+    n, c = (int(d) for d in x.shape)
+    dt = x.dtype
+
+    def combine(a, b):
+        m = te.max(a[0], b[0])
+        return m, a[1] * te.exp(a[0] - m) + b[1] * te.exp(b[0] - m)
+
+    def identity(t0, t1):  # the lowest finite value, so that exp(identity - m) is 0, not NaN
+        return tvm.tirx.min_value(t0), tvm.tirx.const(0, t1)
+
+    reducer = te.comm_reducer(combine, identity, name="logsumexp")
+    k = te.reduce_axis((0, c), "k")
+    one = tvm.tirx.const(1, dt)
+    return te.compute((n,), lambda i: reducer((x[i, k], one), axis=k), name="ce_rows")
+
+
+def cross_entropy(x: te.Tensor, y: te.Tensor) -> te.Tensor:
+    """The mean softmax cross-entropy of logits ``x`` (N, C) float against class indices ``y``
+    (N,) int: a 0-d tensor of ``x``'s dtype (module docstring)."""
+    n = int(x.shape[0])
+    m, s = _logsumexp_parts(x)
+    j = te.reduce_axis((0, n), "j")
+    inv_n = tvm.tirx.const(1.0 / n, x.dtype)
+    return te.compute((), lambda: te.sum((m[j] + te.log(s[j]) - x[j, y[j]]) * inv_n, axis=j),
+                      name="ce_loss")
+
+
+def cross_entropy_grad(dloss: te.Tensor, x: te.Tensor, y: te.Tensor) -> te.Tensor:
+    """The gradient of :func:`cross_entropy` with respect to ``x`` (N, C), for the loss's
+    gradient ``dloss`` (0-d): ``dloss * (softmax(x) - onehot(y)) / N``."""
+    n, c = (int(d) for d in x.shape)
+    m, s = _logsumexp_parts(x)
+    dt = x.dtype
+    inv_n = tvm.tirx.const(1.0 / n, dt)
+
+    def body(i, j):
+        hit = tvm.tirx.Select(y[i] == j.astype(y.dtype), tvm.tirx.const(1, dt),
+                              tvm.tirx.const(0, dt))
+        return dloss[()] * (te.exp(x[i, j] - m[i]) / s[i] - hit) * inv_n
+
+    return te.compute((n, c), body, name="ce_dx")
+
+
+def _gradient(orig_var, call, output_grad, ctx):
+    """The registered backward of the forward's ``call_tir_with_grad`` (arguments logits and
+    targets): the logits' gradient, and zeros for the integer targets (no gradient)."""
+    x, y = call.args[1].fields
+    dx = ctx.emit_te(cross_entropy_grad, output_grad, x, y,
+                     primfunc_name_hint="cross_entropy_grad")
+    n = int(y.ty.shape.values[0])
+    return ctx.emit(relax.Tuple([dx, relax.const(np.zeros((n,), str(y.ty.dtype)))]))
+
+
+def register() -> None:
+    """Register :func:`_gradient` under :data:`GRADIENT`; safe to call twice."""
+    handler = "tvm.relax.te_grad._register." + GRADIENT
+    if tvm.get_global_func(handler, allow_missing=True) is None:
+        tvm.register_global_func(handler, _gradient)
+
+
+class CrossEntropyLoss(rloss.Loss):
+    """The mean softmax cross-entropy as a ``relax.training`` loss (for ``SetupTrainer``):
+    ``(predictions (N, C) float, targets (N,) int64) -> loss ()``, one ``call_tir_with_grad``
+    of :func:`cross_entropy`. Its kernel must be in the module the loss is appended to:
+    :meth:`add_kernel` puts it there."""
+
+    def __init__(self, predictions: relax.TensorType, targets: relax.TensorType):
+        super().__init__("cross_entropy_loss", 1, "mean")
+        register()
+        self.predictions, self.targets = predictions, targets
+        x = te.placeholder([int(d) for d in predictions.shape.values], str(predictions.dtype),
+                           "x")
+        y = te.placeholder([int(d) for d in targets.shape.values], str(targets.dtype), "y")
+        self.kernel = te.create_prim_func([x, y, cross_entropy(x, y)])
+        self.gv = relax.BlockBuilder().add_func(self.kernel, "cross_entropy")  # typed
+
+    def add_kernel(self, mod: tvm.IRModule) -> tvm.IRModule:
+        """``mod`` with the forward kernel under this loss's GlobalVar."""
+        out = tvm.IRModule(dict(mod.functions), attrs=mod.attrs)
+        out[self.gv] = self.kernel
+        return out
+
+    def __call__(self, predictions=None, targets=None, weights=None) -> relax.Function:
+        if weights is not None:
+            raise ValueError("CrossEntropyLoss: class weights are not supported")
+        p = relax.Var("predictions", self.predictions)
+        t = relax.Var("targets", self.targets)
+        bb = relax.BlockBuilder()
+        with bb.function(self._loss_name, [p, t]):
+            with bb.dataflow():
+                loss = bb.emit_output(relax.call_tir_with_grad(
+                    self.gv, relax.Tuple([p, t]), relax.TensorType((), str(self.predictions.dtype)),
+                    te_grad_name=GRADIENT))
+            bb.emit_func_output(loss)
+        return bb.get()[self._loss_name]
