@@ -64,6 +64,50 @@ def test_clip_relu6(rng):
     _check(lambda a: R.clip(a, 0.0, 6.0), [(3, 7)], rng, data=[x])
 
 
+def test_relu_gradient_reads_the_output(rng):
+    """ReLU's gradient (from its output, thomas_tune's) against finite differences, and the
+    backward holds no use of ReLU's input: only the output is kept."""
+    x = rng.standard_normal((3, 7))
+    x[np.abs(x) < 1e-3] = 0.5  # keep finite differences away from the kink
+    _check(lambda a: R.nn.relu(a), [(3, 7)], rng, data=[x])
+    bb = relax.BlockBuilder()
+    a = relax.Var("a", relax.TensorType((3, 7), "float32"))
+    with bb.function("main", [a]):
+        with bb.dataflow():
+            y = bb.emit(R.nn.relu(R.multiply(a, a)))
+            loss = bb.emit_output(R.sum(y))
+        bb.emit_func_output(loss)
+    mod = relax.transform.Gradient("main")(bb.get())
+    func = mod["main_adjoint"]
+    bindings = [b for blk in func.body.blocks for b in blk.bindings]
+    squared = [b.var for b in bindings if isinstance(b.value, relax.Call)
+               and b.value.op.same_as(tvm.ir.Op.get("relax.multiply"))
+               and all(arg.same_as(func.params[0]) for arg in b.value.args)][0]
+    readers = [b.value.op.name for b in bindings if isinstance(b.value, relax.Call)
+               and any(arg.same_as(squared) for arg in b.value.args)]
+    assert readers == ["relax.nn.relu"], readers
+
+
+def test_transposed_matmul_is_one_kernel_and_right(rng):
+    """``matmul(permute_dims(a), b)``, the form of a linear layer's weight gradient, becomes
+    one kernel that reads ``a`` in place, with the same values (float64)."""
+    bb = relax.BlockBuilder()
+    a = relax.Var("a", relax.TensorType((5, 3), "float64"))
+    b = relax.Var("b", relax.TensorType((5, 4), "float64"))
+    with bb.function("main", [a, b]):
+        with bb.dataflow():
+            out = bb.emit_output(R.matmul(R.permute_dims(a), b))
+        bb.emit_func_output(out)
+    mod = gradients.transpose_free_matmuls(bb.get())
+    kernels = [gv.name_hint for gv, f in relax.transform.LegalizeOps()(mod).functions.items()
+               if isinstance(f, tvm.tirx.PrimFunc)]
+    assert kernels == ["matmul_tn"], kernels
+    vm = relax.VirtualMachine(tvm.compile(mod, parse_target("llvm")), tvm.cpu())
+    av, bv = rng.standard_normal((5, 3)), rng.standard_normal((5, 4))
+    got = vm["main"](tvm.runtime.tensor(av), tvm.runtime.tensor(bv)).numpy()
+    np.testing.assert_allclose(got, av.T @ bv, rtol=1e-13)
+
+
 def test_flatten(rng):
     _check(lambda a: R.flatten(a), [(2, 3, 2, 2)], rng)
 
