@@ -8,10 +8,11 @@ measures, and every record ``export`` and ``replay`` apply, is therefore run onc
 inputs and its outputs compared with the task's **default schedule** run on the same inputs on
 the same device (:func:`default_kernel`):
 
-* inputs are random (:func:`random_inputs`: floats of mean 0 and variance 1, integer tensors
-  of 0s and 1s, in range for every gather of the graphs), never zeros; they are a counter-based
-  hash of (seed, argument, element) (:mod:`thomas_tune.counter_random`), so a kernel drawing
-  them on the device (:func:`fill_kernel`) and numpy on the host give the same values;
+* inputs are random (:func:`random_inputs`: floats uniform on [-2, 2), or on [0.5, 1.5) where
+  signed inputs leave most of the reference not finite, integer tensors of 0s and 1s, in range
+  for every gather of the graphs), never zeros; they are a counter-based hash of (seed,
+  argument, element) (:mod:`thomas_tune.counter_random`), so a kernel drawing them on the
+  device (:func:`fill_kernel`) and numpy on the host give the same values;
 * every output the kernel must write is filled with NaN before the run (:data:`POISON`), so a
   kernel that writes nothing, or part of its output, leaves NaN where the reference has a
   number; an argument that is read *and* written (an in-place update) is restored to its
