@@ -228,6 +228,13 @@ def _scaled_sqrt() -> tvm.IRModule:
     return tvm.IRModule({"main": te.create_prim_func([x, label, s, y])})
 
 
+def _shifted_labels() -> tvm.IRModule:
+    """An integer output (compared on the host)."""
+    label = te.placeholder((3, 50), "int64", name="LABEL")
+    out = te.compute((3, 50), lambda i, j: label[i, j] + label[i, 49 - j] * 2, name="OUT")
+    return tvm.IRModule({"main": te.create_prim_func([label, out])})
+
+
 def test_inputs_drawn_on_the_device_are_the_hosts_and_wrong_kernels_still_fail(target, rng):
     """The references of a tuning run, built as the tuner builds them, drawn on the device
     (OpenCL on PoCL, a fresh seed): every input is :func:`kernel_check.random_inputs`'s on the
@@ -238,13 +245,13 @@ def test_inputs_drawn_on_the_device_are_the_hosts_and_wrong_kernels_still_fail(t
     fails."""
     from thomas_tune.measure.builder import Builder
     seed = int(rng.integers(1 << 62))
-    mods = [_matmul(), _scaled_sqrt()]
+    mods = [_matmul(), _scaled_sqrt(), _shifted_labels()]
     builder = Builder(max_workers=1, timeout_s=120)
     try:
         refs, paths = kc.build_references(mods, target, builder, seed)
     finally:
         builder.shutdown()
-    assert all(paths) and len(paths) == 2
+    assert all(paths) and len(paths) == 3
     dev = tvm.opencl(0)
     libs = [tvm.runtime.load_module(p) for p in paths]
     for mod, ref, lib in zip(mods, refs, libs):
@@ -263,20 +270,27 @@ def test_inputs_drawn_on_the_device_are_the_hosts_and_wrong_kernels_still_fail(t
                 got = drawn.initial[i].numpy()
                 if i in spec.updated:
                     assert np.array_equal(got, host[i])
-                else:
+                elif got.dtype.kind == "f":
                     assert np.isnan(got).all()
+                else:
+                    assert (got == np.iinfo(got.dtype).max).all()
         other = kc.random_inputs(shapes, seed + 1, positive=True)  # another seed, others
         assert not any(np.array_equal(a, b) for a, b in zip(other, host) if a.dtype.kind == "f")
         args, comparison, expected = kc.device_reference(lib, dev, func, seed, spec)
-        assert expected is None and comparison is not None
         uploaded, on_host = kc.reference_outputs(lib["main"], dev, func, seed, spec)
         for a, b in zip(args.args, uploaded.args):
             assert a.numpy().tobytes() == b.numpy().tobytes()
+        if mod is mods[2]:  # integer outputs come back to the host and are compared there
+            assert comparison is None and expected[1].tobytes() == on_host[1].tobytes()
+            assert kc.compare(kc.run_checked(lib["main"], dev, args), expected, spec.tol) is None
+            continue
+        assert expected is None and comparison is not None
         for k, i in enumerate(spec.written):
             assert np.array_equal(comparison.expected[k].numpy(), on_host[i], equal_nan=True)
         assert kc.verdict(comparison.run(lib["main"], dev), spec.tol) is None
+        sqrt_args, sqrt_outputs = args, on_host
     # the square root's inputs were drawn again positive: every output is finite
-    assert (args.args[0].numpy() >= 0.5).all() and np.isfinite(on_host[3]).all()
+    assert (sqrt_args.args[0].numpy() >= 0.5).all() and np.isfinite(sqrt_outputs[3]).all()
     # an argument updated in place is restored to its input before each run
     spec = kc.check_spec(_accumulate)
     assert spec.updated == (2,)
