@@ -3,6 +3,7 @@ log, and by export and replay before a build applies their record (real kernels 
 real tracker and device server on 127.0.0.1)."""
 
 import os
+import shutil
 
 import numpy as np
 import pytest
@@ -203,6 +204,111 @@ def test_the_comparison_on_the_device_gives_the_hosts_verdict(target, rng):
         on_host = kc.compare(got, ref, 1e-5)
         assert on_device == on_host, (name, on_device, on_host)
         assert (on_host is None) == (name == "rounding"), (name, on_host)
+
+
+@T.prim_func(s_tir=True)
+def _accumulate(X: T.Buffer((4, 16), "float32"), LABEL: T.Buffer((4,), "int64"),
+                Y: T.Buffer((4, 16), "float32")):
+    # an argument updated in place, and an integer input
+    T.func_attr({"global_symbol": "main", "tirx.noalias": True})
+    for i, j in T.grid(4, 16):
+        with T.sblock("y"):
+            vi, vj = T.axis.remap("SS", [i, j])
+            Y[vi, vj] = Y[vi, vj] + X[vi, vj] * T.Cast("float32", LABEL[vi])
+
+
+def _scaled_sqrt() -> tvm.IRModule:
+    """Square roots (finite on about a quarter of signed inputs: drawn again positive), with
+    an integer and a 0-d input."""
+    x = te.placeholder((16, 64), name="X")
+    label = te.placeholder((16,), "int64", name="LABEL")
+    s = te.placeholder((), name="S")
+    y = te.compute((16, 64), lambda i, j: (te.sqrt(x[i, j]) + te.sqrt(x[i, 63 - j])) * s[()]
+                   + label[i].astype("float32"), name="Y")
+    return tvm.IRModule({"main": te.create_prim_func([x, label, s, y])})
+
+
+def _shifted_labels() -> tvm.IRModule:
+    """An integer output (compared on the host)."""
+    label = te.placeholder((3, 50), "int64", name="LABEL")
+    out = te.compute((3, 50), lambda i, j: label[i, j] + label[i, 49 - j] * 2, name="OUT")
+    return tvm.IRModule({"main": te.create_prim_func([label, out])})
+
+
+def test_inputs_drawn_on_the_device_are_the_hosts_and_wrong_kernels_still_fail(target, rng):
+    """The references of a tuning run, built as the tuner builds them, drawn on the device
+    (OpenCL on PoCL, a fresh seed): every input is :func:`kernel_check.random_inputs`'s on the
+    host bit for bit (random, never all zeros), outputs are poisoned and in-place arguments
+    restored; the reference's outputs, kept on the device, are those of the host-drawn and
+    uploaded inputs; a kernel whose inputs are signed where its reference is not finite is
+    drawn again positive; and compared there, the right matmul passes while each wrong one
+    fails."""
+    from thomas_tune.measure.builder import Builder
+    seed = int(rng.integers(1 << 62))
+    mods = [_matmul(), _scaled_sqrt(), _shifted_labels()]
+    builder = Builder(max_workers=1, timeout_s=120)
+    try:
+        refs, paths = kc.build_references(mods, target, builder, seed)
+    finally:
+        builder.shutdown()
+    assert all(paths) and len(paths) == 3
+    dev = tvm.opencl(0)
+    libs = [tvm.runtime.load_module(p) for p in paths]
+    for mod, ref, lib in zip(mods, refs, libs):
+        func, spec = mod["main"], ref.spec
+        shapes = kc.arg_shapes(func)
+        for positive in (False, True):
+            drawn = kc.DeviceArgs.drawn(lib[kc.FILL], func, spec, dev, seed, positive)
+            host = kc.random_inputs(shapes, seed, positive)
+            for i, (a, h) in enumerate(zip(drawn.args, host)):
+                assert a.numpy().tobytes() == h.tobytes(), (mod, positive, i)
+                if h.dtype.kind == "f":  # random, never zeros; integers 0 or 1
+                    assert np.count_nonzero(h) > h.size // 2 and len(np.unique(h)) > h.size // 2
+                else:
+                    assert set(np.unique(h)) <= {0, 1}
+            for i in spec.written:
+                got = drawn.initial[i].numpy()
+                if i in spec.updated:
+                    assert np.array_equal(got, host[i])
+                elif got.dtype.kind == "f":
+                    assert np.isnan(got).all()
+                else:
+                    assert (got == np.iinfo(got.dtype).max).all()
+        other = kc.random_inputs(shapes, seed + 1, positive=True)  # another seed, others
+        assert not any(np.array_equal(a, b) for a, b in zip(other, host) if a.dtype.kind == "f")
+        args, comparison, expected = kc.device_reference(lib, dev, func, seed, spec)
+        uploaded, on_host = kc.reference_outputs(lib["main"], dev, func, seed, spec)
+        for a, b in zip(args.args, uploaded.args):
+            assert a.numpy().tobytes() == b.numpy().tobytes()
+        if mod is mods[2]:  # integer outputs come back to the host and are compared there
+            assert comparison is None and expected[1].tobytes() == on_host[1].tobytes()
+            assert kc.compare(kc.run_checked(lib["main"], dev, args), expected, spec.tol) is None
+            continue
+        assert expected is None and comparison is not None
+        for k, i in enumerate(spec.written):
+            assert np.array_equal(comparison.expected[k].numpy(), on_host[i], equal_nan=True)
+        assert kc.verdict(comparison.run(lib["main"], dev), spec.tol) is None
+        sqrt_args, sqrt_outputs = args, on_host
+    # the square root's inputs were drawn again positive: every output is finite
+    assert (sqrt_args.args[0].numpy() >= 0.5).all() and np.isfinite(sqrt_outputs[3]).all()
+    # an argument updated in place is restored to its input before each run
+    spec = kc.check_spec(_accumulate)
+    assert spec.updated == (2,)
+    fill = tvm.compile(tvm.IRModule({"main": kc.fill_kernel(_accumulate, spec, target)}),
+                       target=target)
+    drawn = kc.DeviceArgs.drawn(fill["main"], _accumulate, spec, dev, seed)
+    host = kc.random_inputs(kc.arg_shapes(_accumulate), seed)
+    assert all(a.numpy().tobytes() == h.tobytes() for a, h in zip(drawn.args, host))
+    assert drawn.initial[2].numpy().tobytes() == host[2].tobytes()
+    _, matmul, _ = kc.device_reference(libs[0], dev, mods[0]["main"], seed, refs[0].spec)
+    right = tvm.compile(tvm.IRModule({"main": _right}), target=target)
+    assert kc.verdict(matmul.run(right["main"], dev), refs[0].spec.tol) is None
+    for name, wrong in WRONG.items():
+        lib = tvm.compile(tvm.IRModule({"main": wrong}), target=target)
+        why = kc.verdict(matmul.run(lib["main"], dev), refs[0].spec.tol)
+        assert why is not None and why.startswith("wrong result"), name
+    for p in paths:
+        shutil.rmtree(os.path.dirname(p), ignore_errors=True)
 
 
 def test_tuner_runner_rejects_wrong_candidates_and_times_the_right_one(target):

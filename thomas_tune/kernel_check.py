@@ -8,8 +8,11 @@ measures, and every record ``export`` and ``replay`` apply, is therefore run onc
 inputs and its outputs compared with the task's **default schedule** run on the same inputs on
 the same device (:func:`default_kernel`):
 
-* inputs are drawn on the host (:func:`random_inputs`: standard normal floats, integer
-  tensors of 0s and 1s, in range for every gather of the graphs), never zeros;
+* inputs are random (:func:`random_inputs`: floats uniform on [-2, 2), or on [0.5, 1.5) where
+  signed inputs leave most of the reference not finite, integer tensors of 0s and 1s, in range
+  for every gather of the graphs), never zeros; they are a counter-based hash of (seed,
+  argument, element) (:mod:`thomas_tune.counter_random`), so a kernel drawing them on the
+  device (:func:`fill_kernel`) and numpy on the host give the same values;
 * every output the kernel must write is filled with NaN before the run (:data:`POISON`), so a
   kernel that writes nothing, or part of its output, leaves NaN where the reference has a
   number; an argument that is read *and* written (an in-place update) is restored to its
@@ -20,9 +23,11 @@ the same device (:func:`default_kernel`):
   finite is an error of 1.
 
 The check's cost is one extra run of the candidate per trial; the reference is computed once
-per task and input set. Where the reference kernel was built for the device, the comparison
-runs there too (:func:`compare_kernel`, built beside it): two numbers per output cross to the
-host instead of the outputs.
+per task and input set. Where the reference kernel was built for the device, the inputs are
+drawn there, the reference's outputs stay there and candidates are compared there too
+(:func:`fill_kernel`, :func:`finite_kernel`, :func:`compare_kernel`, built beside it,
+:func:`device_reference`): only the seed goes to the device, and two numbers per output come
+back per candidate, instead of the inputs and outputs (tens of MB a task at 224 px, batch 32).
 """
 
 from __future__ import annotations
@@ -38,6 +43,12 @@ POISON = float("nan")
 
 #: name of the comparison function built beside a reference kernel (:func:`compare_kernel`)
 COMPARE = "compare"
+#: name of the function built beside a reference kernel that draws the checked inputs on the
+#: device (:func:`fill_kernel`)
+FILL = "fill"
+#: name of the function built beside a reference kernel that counts its outputs' finite
+#: elements on the device (:func:`finite_kernel`)
+FINITE = "finite"
 #: what :func:`compare_kernel` gives as the difference where a candidate's output is not finite
 #: and the reference's is (a float32 value far above any difference of finite checked outputs,
 #: printed exactly in OpenCL C, where the largest float32 is not)
@@ -45,6 +56,9 @@ NOT_FINITE = 1e30
 
 #: float32 unit roundoff, 2^-24 (IEEE 754-2008 binary32)
 U32 = 2.0 ** -24
+
+#: float32 1.0's bits: a float in [1, 2) is these with 23 bits of mantissa
+_ONE_BITS = 0x3F800000
 
 
 @dataclass(frozen=True)
@@ -133,19 +147,26 @@ def arg_shapes(func: tvm.tirx.PrimFunc) -> list[tuple[tuple[int, ...], str]]:
 
 def random_inputs(shapes: list[tuple[tuple[int, ...], str]], seed: int,
                   positive: bool = False) -> list[np.ndarray]:
-    """One array per (shape, dtype): floats standard normal (``positive``: uniform in [0.5,
-    1.5), for kernels whose reference is not finite on signed inputs, such as a square root of
-    a variance), integers and booleans 0 or 1 (in range for every gather and label of the
-    graphs). Seeded: the same ``seed`` gives the same arrays."""
-    rng = np.random.default_rng(seed)
+    """One array per (shape, dtype), argument ``t`` in order: floats uniform on [-2, 2) (mean 0,
+    variance 4/3; ``positive``: uniform on [0.5, 1.5), for kernels whose reference is not
+    finite on signed inputs, such as a square root of a variance) on a grid of 2^-21 (2^-23),
+    integers and booleans 0 or 1 (in range for every gather and label of the graphs).
+    Element ``n`` is a function of hash ``h`` of (``seed``, ``t``, ``n``)
+    (:mod:`thomas_tune.counter_random`; ``seed`` mod 2^64, as two 32-bit halves): with ``v``
+    the float32 in [1, 2) whose mantissa is ``h >> 9``, ``(v - 1.5) * 4``, ``v - 0.5`` and
+    ``h >> 31``, all exact in float32 (no constant that OpenCL C prints rounded), so
+    :func:`fill_kernel` gives the same values on every device."""
+    from . import counter_random as cr
+    s0, s1 = seed & cr.M32, (seed >> 32) & cr.M32
     out = []
-    for shape, dtype in shapes:
-        if dtype.startswith(("int", "uint")) or dtype == "bool":
-            out.append(rng.integers(0, 2, shape).astype(dtype))
-        elif positive:
-            out.append(rng.uniform(0.5, 1.5, shape).astype(dtype))
-        else:
-            out.append(rng.standard_normal(shape).astype(dtype))
+    for t, (shape, dtype) in enumerate(shapes):
+        h = cr.hash_numpy(math.prod(shape), cr.key_numpy(s0, s1, t))
+        if not np.issubdtype(np.dtype(dtype), np.floating):
+            out.append((h >> np.uint64(31)).astype(dtype).reshape(shape))
+            continue
+        v = ((h >> np.uint64(9)) | np.uint64(_ONE_BITS)).astype(np.uint32).view(np.float32)
+        v = v - np.float32(0.5) if positive else (v - np.float32(1.5)) * np.float32(4.0)
+        out.append(v.astype(dtype).reshape(shape))
     return out
 
 
@@ -229,11 +250,10 @@ def compare_kernel(func: tvm.tirx.PrimFunc, spec: CheckSpec, target) -> tvm.tirx
     elements, then TVM's cross-thread reduction). None when an output is not floating point
     (those are compared on the host)."""
     from tvm import te, tirx
-
-    from .target import is_gpu
     outputs = _float_outputs(func, spec)
     if not outputs or any(not dt.startswith("float") for _, dt in outputs):
         return None
+
     def pair(k, shape, dt):
         got = te.placeholder(shape, dt, f"got{k}")
         ref = te.placeholder(shape, dt, f"ref{k}")
@@ -259,7 +279,14 @@ def compare_kernel(func: tvm.tirx.PrimFunc, spec: CheckSpec, target) -> tvm.tirx
         ins += i
         outs += o
         names += [f"diff{k}", f"scale{k}"]
-    prim = te.create_prim_func(ins + outs)
+    return _one_group_each(te.create_prim_func(ins + outs), names, target)
+
+
+def _one_group_each(prim: tvm.tirx.PrimFunc, names: list[str], target) -> tvm.tirx.PrimFunc:
+    """``prim`` (made by ``te.create_prim_func``) scheduled for a GPU ``target``: each block of
+    ``names`` (outputs of shape (1,), a reduction over all of one tensor) is one work-group
+    whose work-items split the elements (TVM's cross-thread reduction); as it is elsewhere."""
+    from .target import is_gpu
     if not is_gpu(target):
         return prim
     sch = tvm.s_tir.Schedule(tvm.IRModule({"main": prim}))
@@ -274,24 +301,145 @@ def compare_kernel(func: tvm.tirx.PrimFunc, spec: CheckSpec, target) -> tvm.tirx
     return sch.mod["main"].with_attr("tir.is_scheduled", True)
 
 
+def _poisoned(spec: CheckSpec) -> list[int]:
+    """The written arguments of ``spec`` that are filled with :data:`POISON` before a run."""
+    return [i for i in spec.written if i not in spec.updated]
+
+
+def _poison_value(dtype: str):
+    """What an output of ``dtype`` holds before a checked run: NaN for floats, the largest
+    value for integers, True for booleans."""
+    if np.issubdtype(np.dtype(dtype), np.floating):
+        return POISON
+    if dtype == "bool":
+        return True
+    return int(np.iinfo(np.dtype(dtype)).max)
+
+
+def fill_kernel(func: tvm.tirx.PrimFunc, spec: CheckSpec, target) -> tvm.tirx.PrimFunc:
+    """The checked inputs of workload ``func`` drawn on the device: a kernel for ``target`` of
+    parameters ``seed`` (int64), ``positive`` (int32, 0 or 1), then one tensor per parameter
+    of ``func`` (its shape and dtype), filled with :func:`random_inputs` ``(shapes, seed,
+    positive)`` bit for bit, then one tensor per written, not updated, argument of ``spec``
+    (:func:`_poisoned`), filled with what it holds before a checked run (:data:`POISON` for
+    floats). Each tensor is one block, its elements spread over work-groups on a GPU."""
+    from tvm import te, tirx
+
+    from . import counter_random as cr
+    from .target import is_gpu
+    seed, positive = tirx.Var("seed", "int64"), tirx.Var("positive", "int32")
+    s64 = tirx.Cast("uint64", seed)
+    s0, s1 = s64 & tirx.const(cr.M32, "uint64"), s64 >> tirx.const(32, "uint64")
+
+    def u64(v):
+        return tirx.const(v, "uint64")
+
+    def flat(shape, idx):
+        n = tirx.const(0, "int64")
+        for dim, i in zip(shape, idx):
+            n = n * dim + tirx.Cast("int64", i)
+        return n
+
+    def draw(t, shape, dtype):
+        def element(*idx):
+            hashed = cr.hash_te(flat(shape, idx), cr.key_te(s0, s1, t))
+            if not np.issubdtype(np.dtype(dtype), np.floating):
+                return tirx.Cast(dtype, hashed >> u64(31))
+            v = tirx.Var("v", "float32")  # in [1, 2), mantissa h >> 9
+            bits = tirx.Cast("uint32", (hashed >> u64(9)) | u64(_ONE_BITS))
+            signed = (v - tirx.const(1.5, "float32")) * tirx.const(4.0, "float32")
+            above = v - tirx.const(0.5, "float32")
+            v = tirx.Let(v, tirx.reinterpret("float32", bits),
+                         tirx.Select(positive != 0, above, signed))
+            return v if dtype == "float32" else tirx.Cast(dtype, v)
+        return te.compute(shape, element, name=f"arg{t}")
+
+    def constant(value):
+        return lambda *_: value
+
+    shapes = arg_shapes(func)
+    outs = [draw(t, shape, dt) for t, (shape, dt) in enumerate(shapes)]
+    for i in _poisoned(spec):
+        shape, dt = shapes[i]
+        outs.append(te.compute(shape, constant(tirx.const(_poison_value(dt), dt)),
+                               name=f"poison{i}"))
+    prim = te.create_prim_func([seed, positive, *outs])
+    if not is_gpu(target):
+        return prim
+    sch = tvm.s_tir.Schedule(tvm.IRModule({"main": prim}))
+    threads = int(target.attrs.get("max_threads_per_block", 256))
+    for out in outs:
+        block = sch.get_sblock(out.op.name)
+        loops = sch.get_loops(block)
+        loop = sch.fuse(*loops) if len(loops) > 1 else loops[0] if loops else \
+            sch.add_unit_loop(block)
+        bx, tx = sch.split(loop, [None, threads])
+        sch.bind(bx, "blockIdx.x")
+        sch.bind(tx, "threadIdx.x")
+    return sch.mod["main"].with_attr("tir.is_scheduled", True)
+
+
+def finite_kernel(func: tvm.tirx.PrimFunc, spec: CheckSpec, target) -> tvm.tirx.PrimFunc | None:
+    """A kernel for ``target`` that counts the finite elements of the outputs of workload
+    ``func``: for written argument ``k`` of ``spec`` (in order), ``out_k`` of its shape and
+    dtype, then per output ``count_k`` (int64, shape (1,)), the number of its finite elements,
+    each one work-group on a GPU. None when an output is not floating point (those outputs are
+    looked at on the host)."""
+    from tvm import te, tirx
+    outputs = _float_outputs(func, spec)
+    if not outputs or any(not dt.startswith("float") for _, dt in outputs):
+        return None
+    def counter(out, axes):
+        def count(_):
+            one = tirx.Select(tirx.isfinite(out[tuple(axes)]), tirx.const(1, "int64"),
+                              tirx.const(0, "int64"))
+            return te.sum(one, axis=axes)
+        return count
+
+    ins, outs, names = [], [], []
+    for k, (shape, dt) in enumerate(outputs):
+        out = te.placeholder(shape, dt, f"out{k}")
+        axes = [te.reduce_axis((0, n), f"c{k}_{j}") for j, n in enumerate(shape)]
+        ins.append(out)
+        outs.append(te.compute((1,), counter(out, axes), name=f"count{k}"))
+        names.append(f"count{k}")
+    return _one_group_each(te.create_prim_func(ins + outs), names, target)
+
+
 # ---- running on a device (local, or a session's) ----------------------------------------------
 class DeviceArgs:
     """The arguments of one kernel on ``dev`` (a local device, or one of an RPC session):
-    ``inputs`` (host arrays) uploaded once; :meth:`reset` puts the written arguments back to
-    :data:`POISON` (or, for arguments updated in place, to their input) on the device, with
-    device-side copies, before each checked run; :meth:`outputs` copies the written
-    arguments back to the host."""
+    ``inputs`` (host arrays) uploaded once, or drawn on the device (:meth:`drawn`);
+    :meth:`reset` puts the written arguments back to :data:`POISON` (or, for arguments updated
+    in place, to their input) on the device, with device-side copies, before each checked run;
+    :meth:`outputs` copies the written arguments back to the host."""
 
     def __init__(self, inputs: list[np.ndarray], spec: CheckSpec, dev):
         self.spec = spec
         self.args = [tvm.runtime.tensor(a, dev) for a in inputs]
         self.initial = {}
         for i in spec.written:
-            fill = inputs[i] if i in spec.updated else np.full_like(inputs[i], POISON) \
-                if np.issubdtype(inputs[i].dtype, np.floating) else \
-                np.full_like(inputs[i], np.iinfo(inputs[i].dtype).max
-                             if np.issubdtype(inputs[i].dtype, np.integer) else 1)
+            fill = inputs[i] if i in spec.updated else \
+                np.full_like(inputs[i], _poison_value(str(inputs[i].dtype)))
             self.initial[i] = tvm.runtime.tensor(fill, dev)
+
+    @classmethod
+    def drawn(cls, fill, func: tvm.tirx.PrimFunc, spec: CheckSpec, dev, seed: int,
+              positive: bool = False) -> "DeviceArgs":
+        """The arguments of workload ``func`` made on ``dev`` by ``fill`` (its
+        :func:`fill_kernel`, loaded for ``dev``): the values of :func:`random_inputs`
+        ``(arg_shapes(func), seed, positive)``; nothing but the seed crosses to the device."""
+        self = cls.__new__(cls)
+        self.spec = spec
+        self.args = [tvm.runtime.empty(shape, dt, dev) for shape, dt in arg_shapes(func)]
+        poisoned = _poisoned(spec)
+        self.initial = {i: tvm.runtime.empty(self.args[i].shape, self.args[i].dtype, dev)
+                        for i in poisoned}
+        fill(seed, int(positive), *self.args, *(self.initial[i] for i in poisoned))
+        for i in spec.updated:
+            self.initial[i] = tvm.runtime.empty(self.args[i].shape, self.args[i].dtype, dev)
+            self.initial[i].copyfrom(self.args[i])
+        return self
 
     def reset(self) -> None:
         for i, src in self.initial.items():
@@ -313,8 +461,8 @@ def run_checked(fn, dev, args: DeviceArgs) -> dict[int, np.ndarray]:
 class DeviceComparison:
     """A task's candidates compared with its reference on the device, with ``compare`` (the
     task's :func:`compare_kernel`, loaded for ``args``' device): made right after the reference
-    ran on ``args`` (:func:`reference_outputs`), whose written arguments it copies there as the
-    expected outputs."""
+    ran on ``args`` (:func:`reference_outputs`, :func:`device_reference`), whose written
+    arguments it copies there as the expected outputs."""
 
     def __init__(self, compare, args: DeviceArgs, dev):
         self.compare, self.args = compare, args
@@ -344,9 +492,9 @@ class DeviceComparison:
 def reference_outputs(fn, dev, func: tvm.tirx.PrimFunc, seed: int, spec: CheckSpec | None = None
                       ) -> tuple[DeviceArgs, dict[int, np.ndarray]]:
     """Inputs for workload ``func`` on ``dev`` and the outputs of the reference kernel ``fn``
-    (its default schedule, built for that device) on them. Inputs are standard normal; where
-    that leaves over half of an output non-finite (a square root of a random variance), they
-    are drawn again positive (:func:`random_inputs`)."""
+    (its default schedule, built for that device) on them. Inputs are drawn on the host and
+    uploaded; signed, and where that leaves over half of an output non-finite (a square root of
+    a random variance), drawn again positive (:func:`random_inputs`)."""
     spec = spec or check_spec(func)
     shapes = arg_shapes(func)
     for positive in (False, True):
@@ -355,6 +503,49 @@ def reference_outputs(fn, dev, func: tvm.tirx.PrimFunc, seed: int, spec: CheckSp
         if finite_share(ref) >= 0.5:
             break
     return args, ref
+
+
+def library_function(lib, name: str):
+    """``lib``'s function ``name`` (imports included), or None where it has none."""
+    try:
+        return lib.get_function(name, query_imports=True)
+    except Exception:  # e.g. a reference of outputs that are not all floats has no comparison
+        return None
+
+
+def device_reference(lib, dev, func: tvm.tirx.PrimFunc, seed: int, spec: CheckSpec) -> tuple[
+        DeviceArgs, DeviceComparison | None, dict[int, np.ndarray] | None]:
+    """The checked inputs of workload ``func`` and its reference's outputs, made on ``dev``
+    with ``lib``, the library :func:`build_references` built (function ``main``, the default
+    schedule, with :data:`FILL` and, for float outputs, :data:`FINITE` and :data:`COMPARE`
+    beside it): inputs drawn there (:meth:`DeviceArgs.drawn`), again positive where over half
+    of an output is not finite (as :func:`reference_outputs`), the reference run there.
+
+    Returns ``(args, comparison, expected)``: where ``lib`` compares on the device, the
+    :class:`DeviceComparison` and None (the outputs stay on the device: only the seed and the
+    finite counts cross); else None and the reference's outputs on the host."""
+    fill, main = library_function(lib, FILL), lib["main"]
+    finite, compare = library_function(lib, FINITE), library_function(lib, COMPARE)
+    for positive in (False, True):
+        args = DeviceArgs.drawn(fill, func, spec, dev, seed, positive)
+        args.reset()
+        main(*args.args)
+        if finite is None or compare is None:
+            expected = args.outputs()
+            share = finite_share(expected)
+        else:
+            expected = None
+            counts = [tvm.runtime.empty((1,), "int64", dev) for _ in spec.written]
+            finite(*(args.args[i] for i in spec.written), *counts)
+            dev.sync()
+            share = min((int(c.numpy()[0]) / max(1, math.prod(args.args[i].shape))
+                         for c, i in zip(counts, spec.written)), default=1.0)
+        if share >= 0.5:
+            break
+    dev.sync()
+    if expected is not None:
+        return args, None, expected
+    return args, DeviceComparison(compare, args, dev), None
 
 
 # ---- references of a tuning run -------------------------------------------------------------
@@ -379,22 +570,27 @@ class Reference:
 def build_references(mods: list[tvm.IRModule], target, builder, seed: int = 0
                      ) -> tuple[list[Reference], list[str]]:
     """One :class:`Reference` per workload of ``mods`` (one function ``main`` each): its
-    default-schedule kernel, with the :func:`compare_kernel` of its outputs beside it (function
-    :data:`COMPARE`), built with ``builder`` (a MetaSchedule builder, e.g.
+    default-schedule kernel, with the :func:`fill_kernel` of its checked inputs (function
+    :data:`FILL`) and, for float outputs, the :func:`finite_kernel` and :func:`compare_kernel`
+    of its outputs (:data:`FINITE`, :data:`COMPARE`) beside it (:func:`device_reference`),
+    built once with ``builder`` (a MetaSchedule builder, e.g.
     :class:`thomas_tune.measure.builder.Builder`) for ``target``. Where that build fails, the
     reference is computed on the measuring host with llvm instead. Returns the references and
     the artifact paths to remove once the run is over."""
     from tvm.s_tir import meta_schedule as ms
 
     from .tasks import workload_key
-    def with_compare(mod):
+    def with_checks(mod):
         kernel = default_kernel(mod, target)
-        cmp = compare_kernel(mod["main"], check_spec(mod["main"]), target)
-        if cmp is not None:
-            kernel[COMPARE] = cmp.with_attr("global_symbol", COMPARE)
+        func, spec = mod["main"], check_spec(mod["main"])
+        for name, make in ((FILL, fill_kernel), (FINITE, finite_kernel),
+                           (COMPARE, compare_kernel)):
+            extra = make(func, spec, target)
+            if extra is not None:
+                kernel[name] = extra.with_attr("global_symbol", name)
         return kernel
 
-    built = builder.build([ms.builder.BuilderInput(with_compare(m), target) for m in mods])
+    built = builder.build([ms.builder.BuilderInput(with_checks(m), target) for m in mods])
     refs, paths = [], []
     for mod, b in zip(mods, built):
         artifact = None if b.error_msg is not None else str(b.artifact_path)

@@ -170,10 +170,12 @@ def _lane_lock() -> float:
 def _lane_reference(ref: tuple, dev) -> dict:
     """(worker) The checked inputs and reference outputs of task ``ref`` (a
     :meth:`Reference.wire` tuple) on the lane's session, made once per session (the
-    :data:`REFERENCES_PER_SESSION` most recent tasks are kept on the device): the inputs
-    uploaded, the reference kernel (the task's default schedule) loaded and run on them there,
-    its outputs copied back. A reference without a built default schedule is computed on this
-    host with the llvm build of the workload."""
+    :data:`REFERENCES_PER_SESSION` most recent tasks are kept on the device): the reference
+    library loaded, the inputs drawn and the reference kernel (the task's default schedule)
+    run on them there (:func:`thomas_tune.kernel_check.device_reference`); only the seed goes
+    to the device and, for float outputs, the outputs stay there. A reference without a built
+    default schedule is computed on this host with the llvm build of the workload, and its
+    inputs uploaded."""
     import tvm
 
     from .. import kernel_check as kc
@@ -187,9 +189,7 @@ def _lane_reference(ref: tuple, dev) -> dict:
         libs = _LANE.setdefault("ref_libs", {})
         if key not in libs:
             libs[key] = _lane_load(artifact, f"ref-{key}.so", dev)
-        lib = libs[key]
-        args, expected = kc.reference_outputs(lib["main"], dev, func, seed, spec)
-        compare = _function(lib, kc.COMPARE)
+        args, compare, expected = kc.device_reference(libs[key], dev, func, seed, spec)
     else:
         host = tvm.cpu(0)
         lib = tvm.compile(tvm.IRModule({"main": func}), target="llvm")
@@ -197,21 +197,11 @@ def _lane_reference(ref: tuple, dev) -> dict:
         inputs = [a.numpy() for a in local.args]
         args = kc.DeviceArgs(inputs, spec, dev)
         compare = None
-    # the comparison on the device where the reference library has one (float outputs)
-    entry = {"args": args, "expected": expected, "tol": spec.tol,
-             "compare": kc.DeviceComparison(compare, args, dev) if compare else None}
+    entry = {"args": args, "expected": expected, "tol": spec.tol, "compare": compare}
     refs[key] = entry
     while len(refs) > REFERENCES_PER_SESSION:
         refs.popitem(last=False)
     return refs[key]
-
-
-def _function(lib, name: str):
-    """``lib``'s function ``name``, or None where it has none."""
-    try:
-        return lib.get_function(name, query_imports=True)
-    except Exception:  # a reference of outputs that are not all floats has no comparison
-        return None
 
 
 def _lane_time(repeat: int, min_repeat_ms: float, max_number: int,

@@ -1,0 +1,92 @@
+"""One candidate-check reference set-up per task, inputs drawn on the host against on the device.
+
+Over a loopback tracker and one device server of this machine's OpenCL device (the runner's own
+lane functions, one RPC session), per task of the training step (the largest first): the
+reference library loaded (uploaded, the driver's build of its programs), then, side by side and
+``--repeat`` times, the set-up with the inputs drawn on the host and uploaded, the reference's
+outputs copied back (``kernel_check.reference_outputs``, as the runner did) and with the inputs
+drawn on the device and the outputs kept there (``kernel_check.device_reference``). The first
+repeat includes the device's first launch of each kernel. Prints one JSON line per task (MB of
+the task's arguments, seconds) and the totals; both set-ups give the same reference outputs.
+
+    python3 experiments/reference_setup_cost.py [--model mobilenet_v2] [--width 0.35]
+        [--resolution 64] [--classes 10] [--batch 8] [--top 6] [--repeat 2] [--target JSON]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="mobilenet_v2")
+    p.add_argument("--width", type=float, default=0.35)
+    p.add_argument("--resolution", type=int, default=64)
+    p.add_argument("--classes", type=int, default=10)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--top", type=int, default=6, help="the largest tasks of the training step")
+    p.add_argument("--repeat", type=int, default=2)
+    p.add_argument("--target", help="target JSON file (default: this machine's OpenCL device)")
+    args = p.parse_args()
+
+    import numpy as np
+    import tvm
+
+    from thomas_tune import graph as G
+    from thomas_tune import kernel_check as kc
+    from thomas_tune import opencl, rpc
+    from thomas_tune.measure import runner as R
+    from thomas_tune.measure.builder import Builder
+    from thomas_tune.models import build
+    from thomas_tune.target import parse_target
+    from thomas_tune.tasks import extract
+    target = parse_target(args.target) if args.target else opencl.target_for(0)
+    model = build(args.model, num_classes=args.classes, resolution=args.resolution,
+                  width=args.width)
+    graph = G.training_module(model, args.batch, "all").mod
+    tasks = sorted(extract({"train": graph}, target), key=lambda t: -t.total_flops)[:args.top]
+    builder = Builder(max_workers=2, timeout_s=300)
+    try:
+        refs, _ = kc.build_references([t.mod for t in tasks], target, builder)
+    finally:
+        builder.shutdown()
+    total = {"load_s": 0.0, "host_s": [0.0] * args.repeat, "device_s": [0.0] * args.repeat}
+    clock = time.perf_counter
+    with rpc.loopback(key="setup-cost", servers=1, lifetime=1800) as addr:
+        R._lane_open(addr[0], addr[1], "setup-cost", 1800, 1)
+        dev = R._LANE["session"].device("opencl", 0)
+        for task, ref in zip(tasks, refs):
+            func, spec = tvm.ir.load_json(ref.workload_json), ref.spec
+            t0 = clock()
+            lib = R._lane_load(ref.artifact, f"ref-{ref.key}.so", dev)
+            row = {"task": task.name[:40], "load_s": round(clock() - t0, 3),
+                   "MB": round(sum(math.prod(s) * np.dtype(d).itemsize
+                                   for s, d in kc.arg_shapes(func)) / 1e6, 1)}
+            total["load_s"] += row["load_s"]
+            for r in range(args.repeat):
+                t0 = clock()
+                up, expected = kc.reference_outputs(lib["main"], dev, func, ref.seed, spec)
+                kc.DeviceComparison(kc.library_function(lib, kc.COMPARE), up, dev)
+                dev.sync()
+                t1 = clock()
+                _, comparison, _ = kc.device_reference(lib, dev, func, ref.seed, spec)
+                dev.sync()
+                t2 = clock()
+                total["host_s"][r] += t1 - t0
+                total["device_s"][r] += t2 - t1
+                row[f"host_s{r}"], row[f"device_s{r}"] = round(t1 - t0, 3), round(t2 - t1, 3)
+            row["same_outputs"] = comparison is not None and all(
+                np.array_equal(comparison.expected[k].numpy(), expected[i], equal_nan=True)
+                for k, i in enumerate(spec.written))
+            print(json.dumps(row), flush=True)
+        R._lane_close()
+    print(json.dumps({k: [round(x, 2) for x in v] if isinstance(v, list) else round(v, 2)
+                      for k, v in total.items()}))
+
+
+if __name__ == "__main__":
+    main()
