@@ -311,6 +311,38 @@ def test_inputs_drawn_on_the_device_are_the_hosts_and_wrong_kernels_still_fail(t
         shutil.rmtree(os.path.dirname(p), ignore_errors=True)
 
 
+def test_a_kernel_writing_one_value_gets_its_reference_and_check(target, rng):
+    """The loss kernel writes a 0-d tensor (the batch's mean loss): its references build as the
+    tuner builds them (the comparison and finite-count kernels of one value each), and on
+    PoCL its own default schedule passes the comparison while a loss 1% off fails it."""
+    from thomas_tune.loss import CrossEntropyLoss, cross_entropy
+    from thomas_tune.measure.builder import Builder
+    from tvm import relax
+    kernel = CrossEntropyLoss(relax.TensorType((4, 10), "float32"),
+                              relax.TensorType((4,), "int64")).kernel.with_attr(
+        "global_symbol", "main")
+    seed = int(rng.integers(1 << 62))
+    builder = Builder(max_workers=1, timeout_s=120)
+    try:
+        refs, paths = kc.build_references([tvm.IRModule({"main": kernel})], target, builder,
+                                          seed)
+    finally:
+        builder.shutdown()
+    assert all(paths)
+    dev, lib = tvm.opencl(0), tvm.runtime.load_module(paths[0])
+    _, comparison, _ = kc.device_reference(lib, dev, kernel, seed, refs[0].spec)
+    assert kc.verdict(comparison.run(lib["main"], dev), refs[0].spec.tol) is None
+    x = tvm.te.placeholder((4, 10), "float32", "x")
+    y = tvm.te.placeholder((4,), "int64", "y")
+    ref = cross_entropy(x, y)
+    wrong = tvm.te.compute((), lambda: ref[()] * tvm.tirx.const(1.01, "float32"), name="w")
+    bad = tvm.compile(kc.default_kernel(tvm.IRModule({"main": tvm.te.create_prim_func(
+        [x, y, wrong])}), target), target=target)
+    why = kc.verdict(comparison.run(bad["main"], dev), refs[0].spec.tol)
+    assert why is not None and why.startswith("wrong result"), why
+    shutil.rmtree(os.path.dirname(paths[0]), ignore_errors=True)
+
+
 def test_tuner_runner_rejects_wrong_candidates_and_times_the_right_one(target):
     from thomas_tune.measure.builder import Builder
     from thomas_tune.tuning import measure_kernels, rpc_runner

@@ -294,6 +294,11 @@ def _one_group_each(prim: tvm.tirx.PrimFunc, names: list[str], target) -> tvm.ti
     for name in names:
         block = sch.get_sblock(name)
         loops = sch.get_loops(block)
+        if len(loops) == 1:  # a 0-d tensor's: one element, nothing to split
+            outer, inner = sch.split(loops[0], [None, 1])
+            sch.bind(outer, "blockIdx.x")
+            sch.bind(inner, "threadIdx.x")
+            continue
         r = sch.fuse(*loops[1:]) if len(loops) > 2 else loops[1]
         _, inner = sch.split(r, [None, threads])
         sch.bind(loops[0], "blockIdx.x")
