@@ -16,7 +16,8 @@ what they share. This package re-exports their public names.
 
 from .blocks import contraction, padding_block, strided_read, tuple_reduction
 from .defaults import (GPU_RULES, STOCK_RULES, LeadingLoops, LongGeneralReduction, LongReduction,
-                       LongRowReduction, WideMatmul, default_gpu_schedules, dlight_target,
+                       LongRowReduction, ReductionEpilogue, WideMatmul, default_gpu_schedules,
+                       dlight_target,
                        reduction_shape, shared_bytes, split_long_sums)
 from .intrinsics import load_tensor_intrinsics
 from .padding import (KEEP_PADDING, PaddingInFill, pad_in_fill, pads_a_contraction,
@@ -33,7 +34,7 @@ from .winograd import WinogradTransform
 __all__ = [
     "GPU_RULES", "KEEP_PADDING", "SPLIT_MAX_OUTPUTS", "SPLIT_MIN_TERMS", "SPLIT_PARTIALS",
     "STOCK_RULES", "UNROLL_STEPS", "LeadingLoops", "LongGeneralReduction", "LongReduction",
-    "LongRowReduction", "PaddingInFill", "SplitReduction", "Tiling", "WideMatmul",
+    "LongRowReduction", "PaddingInFill", "ReductionEpilogue", "SplitReduction", "Tiling", "WideMatmul",
     "WinogradTransform", "anchor_key", "before_postproc", "contraction", "default_gpu_schedules",
     "dlight_target",
     "gpu_mutators", "gpu_postprocs", "gpu_rules", "json_default", "load_tensor_intrinsics",

@@ -118,6 +118,54 @@ class LeadingLoops(GPUScheduleRule):
         return sch
 
 
+class ReductionEpilogue(GPUScheduleRule):
+    """One reduction with element-wise work after it, in one kernel: a depthwise or grouped
+    convolution with its bias, BatchNorm and activation, a pooling with what follows. dlight's
+    ``Fallback`` gives such a kernel two launches, the reduction writing an intermediate tensor
+    that the element-wise part reads back; on a phone each launch and each pass over memory
+    costs. Here the producers of the reduction that are element-wise (padding) are inlined,
+    the element-wise consumers chained after it are inlined into the last of them, the
+    reduction's spatial loops are spread over work-groups of ``max_threads_per_block``
+    work-items, each summing its own output element in order (Fallback's order), and the
+    element-wise part is computed right after, under the same work-item. It applies only to a
+    kernel of exactly that shape; others go on to the next rule."""
+
+    def apply(self, func, target, _):
+        if not isinstance(func, tvm.tirx.PrimFunc) or not self.is_target_available(target):
+            return None
+        threads = int(target.attrs.get("max_threads_per_block", 256))
+        sch = tvm.s_tir.Schedule(func)
+        root = sch.get_sblock("root")
+
+        def is_reduction(block):
+            return any(iv.iter_type == tvm.tirx.IterVar.CommReduce
+                       for iv in sch.get(block).iter_vars)
+
+        reductions = [b for b in sch.get_child_blocks(root) if is_reduction(b)]
+        if len(reductions) != 1:
+            return None
+        (red,) = reductions
+        # every element-wise block that feeds another is inlined into it: the padding into the
+        # reduction, the epilogue's steps (and what they read of the parameters, a BatchNorm's
+        # scale) into its last block
+        for block in sch.get_child_blocks(root):
+            if not sch.get(block).same_as(sch.get(red)) and sch.get_consumers(block):
+                sch.compute_inline(block)
+        rest = [b for b in sch.get_child_blocks(root) if not sch.get(b).same_as(sch.get(red))]
+        if len(rest) != 1 or not any(sch.get(c).same_as(sch.get(rest[0]))
+                                     for c in sch.get_consumers(red)):
+            return None
+        n_spatial = sum(1 for iv in sch.get(red).iter_vars
+                        if iv.iter_type == tvm.tirx.IterVar.DataPar)
+        loops = sch.get_loops(red)
+        bx, tx = sch.split(sch.fuse(*loops[:n_spatial]), factors=[None, threads])
+        sch.bind(bx, "blockIdx.x")
+        sch.bind(tx, "threadIdx.x")
+        sch.reverse_compute_at(rest[0], tx)
+        sch.set_scope(red, 0, "local")  # the reduction's value stays in the work-item
+        return sch
+
+
 def shared_bytes(func: tvm.tirx.PrimFunc, target: tvm.target.Target | None = None) -> int:
     """Bytes of shared (work-group local) memory a scheduled kernel allocates, static shapes.
 
@@ -240,7 +288,7 @@ STOCK_RULES = (dl.gpu.Matmul, dl.gpu.GEMV, dl.gpu.Reduction, dl.gpu.GeneralReduc
 
 
 GPU_RULES = (WinogradTransform, WideMatmul, LongReduction, dl.gpu.Matmul, dl.gpu.GEMV,
-             LongRowReduction, LongGeneralReduction)
+             LongRowReduction, LongGeneralReduction, ReductionEpilogue)
 
 
 def split_long_sums(mod: tvm.IRModule, parts: int = 256, min_terms: int = 2048
@@ -292,7 +340,9 @@ def default_gpu_schedules(mod: tvm.IRModule, target: tvm.target.Target,
     for TVM's own defaults).
 
     Rules are tried in order per kernel (:class:`WideMatmul` for matmuls with many outputs, long
-    reductions split across threads, matmul, GEMV, reduction, general reduction); a rule
+    reductions split across threads, matmul, GEMV, reduction, general reduction, then
+    :class:`ReductionEpilogue` for a reduction and its element-wise epilogue in one kernel,
+    depthwise convolutions above all); a rule
     that does not match, or fails on an unusual backward kernel (some dlight rules assert on
     them in this TVM), is skipped, as is a schedule that stages more in shared memory than the
     target allows; then ``Fallback`` (thread-bound loops), and :class:`LeadingLoops` last.

@@ -52,6 +52,43 @@ def test_long_reduction_schedule(target, rng):
     np.testing.assert_allclose(got2, ref2, rtol=1e-4, atol=1e-4 * np.abs(ref2).max())
 
 
+def test_a_depthwise_convolution_and_its_batchnorm_are_one_kernel(target, rng):
+    """A depthwise convolution (padding 1) followed by an inference-form BatchNorm and ReLU6,
+    as a frozen layer's kernel: ReductionEpilogue's default schedule (dlight's Fallback gave two
+    kernels, the convolution's output written and read back), one kernel in the built module,
+    and the numbers of numpy in float64."""
+    from thomas_tune.schedules import ReductionEpilogue
+
+    n, c, h = 4, 8, 10
+    x = te.placeholder((n, c, h, h), name="x")
+    w = te.placeholder((c, 1, 3, 3), name="w")
+    g, b, mean, var = (te.placeholder((c,), name=k) for k in ("g", "b", "mean", "var"))
+    pad = te.compute((n, c, h + 2, h + 2), lambda i, j, p, q: te.if_then_else(
+        te.all(p >= 1, p <= h, q >= 1, q <= h), x[i, j, p - 1, q - 1], 0.0), name="pad")
+    rh, rw = te.reduce_axis((0, 3)), te.reduce_axis((0, 3))
+    conv = te.compute((n, c, h, h), lambda i, j, p, q: te.sum(
+        pad[i, j, p + rh, q + rw] * w[j, 0, rh, rw], axis=[rh, rw]), name="conv")
+    scale = te.compute((c,), lambda j: g[j] / te.sqrt(var[j] + 1e-5), name="scale")
+    out = te.compute((n, c, h, h), lambda i, j, p, q: te.min(te.max(
+        (conv[i, j, p, q] - mean[j]) * scale[j] + b[j], 0.0), 6.0), name="out")
+    f = te.create_prim_func([x, w, g, b, mean, var, out])
+    sch = ReductionEpilogue().apply(f, target, False)
+    assert sch is not None
+    scheduled = default_gpu_schedules(tvm.IRModule({"main": f}), target)
+    assert scheduled["main"].script().count('thread="blockIdx.x"') == 1
+    xn, wn = rng.standard_normal((n, c, h, h)), rng.standard_normal((c, 1, 3, 3))
+    gn, bn, mn = rng.uniform(0.5, 1.5, c), rng.standard_normal(c), rng.standard_normal(c)
+    vn = rng.uniform(0.5, 1.5, c)
+    got = run_kernel(scheduled, target, [xn, wn, gn, bn, mn, vn], (n, c, h, h))
+    f64 = [a.astype("float32").astype("float64") for a in (xn, wn, gn, bn, mn, vn)]
+    xp = np.pad(f64[0], ((0, 0), (0, 0), (1, 1), (1, 1)))
+    ref = sum(xp[:, :, i:i + h, j:j + h] * f64[1][None, :, 0, i, j, None, None]
+              for i in range(3) for j in range(3))
+    ref = (ref - f64[4][:, None, None]) * (f64[2] / np.sqrt(f64[5] + 1e-5))[:, None, None]
+    ref = np.clip(ref + f64[3][:, None, None], 0.0, 6.0)
+    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+
+
 def test_stock_default_rules_schedule_otherwise_and_compute_the_same(target, rng):
     """``bench --stock-defaults``' variant: the same weight-gradient kernel with TVM's own
     default GPU rules (``STOCK_RULES``) gets another schedule than with thomas_tune's (no
