@@ -34,7 +34,8 @@ from .winograd import WinogradTransform
 __all__ = [
     "GPU_RULES", "KEEP_PADDING", "SPLIT_MAX_OUTPUTS", "SPLIT_MIN_TERMS", "SPLIT_PARTIALS",
     "STOCK_RULES", "UNROLL_STEPS", "LeadingLoops", "LongGeneralReduction", "LongReduction",
-    "LongRowReduction", "PaddingInFill", "ReductionEpilogue", "SplitReduction", "Tiling", "WideMatmul",
+    "LongRowReduction", "PaddingInFill", "ReductionEpilogue", "SplitReduction", "Tiling",
+    "WideMatmul",
     "WinogradTransform", "anchor_key", "before_postproc", "contraction", "default_gpu_schedules",
     "dlight_target",
     "gpu_mutators", "gpu_postprocs", "gpu_rules", "json_default", "load_tensor_intrinsics",
