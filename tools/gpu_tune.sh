@@ -28,7 +28,8 @@
 # Environment: JOBS (default: every job in JOBS_FILE), JOBS_FILE (tools/gpu_jobs.txt; for PoCL
 # on the machine's CPU: JOBS_FILE=tools/pocl_jobs.txt KEY=pocl-x86_64 PLATFORM=Portable
 # SERVERS=1), SERVERS (8), TRIALS (20000),
-# TUNE_ARGS (options added after the job's own, which they override: e.g. "--match NAME").
+# TUNE_ARGS (options added after the job's own, which they override: e.g. "--match NAME"; a
+# shell parses them again, so quote what it would split: TUNE_ARGS="--match 'bn_|matmul'").
 # The machine goes back 30 s after a call ends: keep calling (e.g. 'watch', under the 10-minute
 # limit of one call) for as long as the jobs should run; a later lease resumes from the logs
 # that came back: copy their two database files and trial_errors.jsonl under tuning_logs/h100/
