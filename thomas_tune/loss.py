@@ -16,8 +16,8 @@ Each is a TE function in one PrimFunc (its two blocks are two launches once sche
 GPU); the backward is registered as the gradient of the forward's ``call_tir_with_grad``
 (:data:`GRADIENT`, by :func:`register`). The same arithmetic as PyTorch's
 ``F.cross_entropy(x, y)`` (reduction "mean", no class weights, every target counted): targets
-are class indices in ``[0, C)``; one outside it reads outside the row (the caller checks
-labels against the model's classes).
+are class indices in ``[0, C)``; one outside it reads outside the row, so the runtime checks
+labels against the model's classes before they reach the device (``Session``).
 """
 
 from __future__ import annotations
@@ -150,6 +150,9 @@ class CrossEntropyLoss(rloss.Loss):
         return out
 
     def __call__(self, predictions=None, targets=None, weights=None) -> relax.Function:
+        """The loss function ``cross_entropy_loss(predictions, targets) -> ()``, of the types
+        given at construction (``SetupTrainer`` passes the same ones). Raises ValueError for
+        class ``weights``, which this loss does not take."""
         if weights is not None:
             raise ValueError("CrossEntropyLoss: class weights are not supported")
         p = relax.Var("predictions", self.predictions)
