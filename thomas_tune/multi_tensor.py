@@ -11,8 +11,9 @@ A group holds as many parameters as a kernel's arguments allow on every OpenCL d
 OpenCL 3.0 specification (``clGetDeviceInfo``, ``CL_DEVICE_MAX_PARAMETER_SIZE``) guarantees
 1,024 bytes of kernel arguments on a full-profile device, :data:`MAX_BUFFERS` buffers of 8
 bytes. The update is in place (each new value written over the old, see
-:func:`update_kernel`), so momentum SGD passes 3 buffers per parameter (p, g, v): 42
-parameters a kernel; Adam 4 and two shared scalars: 31.
+:func:`update_kernel`), and the first kernel also advances the step count (one more buffer),
+so momentum SGD passes 3 buffers per parameter (p, g, v): 42 parameters a kernel; SGD 2: 63;
+Adam 4 and two shared scalars: 31.
 
 The kernel is written in TVMScript (an ``s_tir`` block over the flattened elements, each
 tensor read and written through a flat view of its data); the default GPU schedules bind its
@@ -52,7 +53,8 @@ def _f(value: float, dtype: str) -> str:
 
 def update_kernel(shapes: list[tuple[int, ...]], inputs: tuple[str, ...],
                   outputs: dict[str, str], dtype: str = "float32",
-                  shared: tuple[str, ...] = (), inplace: bool = False) -> tvm.tirx.PrimFunc:
+                  shared: tuple[str, ...] = (), inplace: bool = False,
+                  counter: str | None = None) -> tvm.tirx.PrimFunc:
     """A PrimFunc updating len(shapes) tensors in one loop.
 
     Its arguments are one 0-d buffer per name of ``shared`` (scalars every tensor's update
@@ -69,10 +71,15 @@ def update_kernel(shapes: list[tuple[int, ...]], inputs: tuple[str, ...],
     optimizer state updated where they are, as ``relax.call_tir_inplace`` runs it): the
     kernel's arguments are then the shared scalars and the inputs only, and each element's
     new values are all computed (bound to locals) before any is stored, so no expression reads
-    a value already overwritten. Raises ValueError for an empty list of shapes, and with
+    a value already overwritten. ``counter`` (with ``inplace``): the name of a 0-d int64
+    argument, placed after the shared scalars, that the kernel adds one to (the optimizer's
+    step count: no launch of its own). Raises ValueError for an empty list of shapes, for a
+    ``counter`` without ``inplace``, and with
     ``inplace`` for an output whose name is not an input's with ``_new`` appended."""
     if not shapes:
         raise ValueError("update_kernel: no tensor to update")
+    if counter and not inplace:
+        raise ValueError("update_kernel: a step counter is updated in place only (inplace=True)")
     over = {out: out[:-len("_new")] for out in outputs} if inplace else {}
     bad = [out for out, name in over.items() if not out.endswith("_new") or name not in inputs]
     if bad:
@@ -93,6 +100,7 @@ def update_kernel(shapes: list[tuple[int, ...]], inputs: tuple[str, ...],
 
     # call_tir's order: every input, then every output
     args = [f"{name}: T.Buffer((), '{dtype}')" for name in shared] + \
+        ([f"{counter}: T.Buffer((), 'int64')"] if counter else []) + \
         [arg(name, j) for j in range(len(shapes)) for name in inputs] + \
         [arg(name, j) for j in range(len(shapes)) for name in stored]
     views = [f"{name}{j}_ = T.decl_buffer(({sizes[j]},), '{dtype}', data={name}{j}.data)"
@@ -129,8 +137,11 @@ def update_kernel(shapes: list[tuple[int, ...]], inputs: tuple[str, ...],
         body.append(f"{indent}else:")
         chain(mid, hi, indent + "    ")
 
+    if counter:  # one work-item counts the step
+        body.insert(0, f"{' ' * 12}if vi == 0:")
+        body.insert(1, f"{' ' * 16}{counter}_w[0] = {counter}[()] + T.int64(1)")
     chain(0, len(shapes), " " * 12)
-    reads = ", ".join([f"{name}[()]" for name in shared]
+    reads = ", ".join([f"{name}[()]" for name in shared] + ([f"{counter}[()]"] if counter else [])
                       + [region(n, j) for j in range(len(shapes)) for n in inputs])
     # an overwritten input is written through a second flat view of its data, declared
     # before the loop: a block that reads and writes one buffer has no GPU schedule in dlight
@@ -138,8 +149,11 @@ def update_kernel(shapes: list[tuple[int, ...]], inputs: tuple[str, ...],
     written = [f"{over[n]}{j}_w = T.decl_buffer(({sizes[j]},), '{dtype}', "
                f"data={over[n]}{j}.data)" for j in range(len(shapes)) for n in outputs
                if n in over]
-    writes = ", ".join(f"{over[n]}{j}_w[0:{sizes[j]}]" if n in over else region(n, j)
-                       for j in range(len(shapes)) for n in outputs)
+    if counter:
+        written.append(f"{counter}_w = T.decl_buffer((1,), 'int64', data={counter}.data)")
+    writes = ", ".join(([f"{counter}_w[0:1]"] if counter else [])
+                       + [f"{over[n]}{j}_w[0:{sizes[j]}]" if n in over else region(n, j)
+                          for j in range(len(shapes)) for n in outputs])
     text = "\n".join([
         "@T.prim_func(s_tir=True)",
         f"def main({', '.join(args)}):",
