@@ -211,24 +211,35 @@ rows_job() {
   done
 }
 
-# A new device: a session seeded from a committed log and a session from nothing, one after
-# the other on this card, each with its own log under $TT/seeding (SEED_JOB: the job whose
-# model options and committed log are used, default the small MobileNetV2; SEED_TRIALS and
-# FRESH_TRIALS: each session's trials; SEED_TOP: --top tasks)
+# A new device or model: a session seeded from committed logs and a session from nothing, one
+# after the other on this card, each with its own log under $TT/seeding (SEED_JOB: the job whose
+# model options are used, default the small MobileNetV2; SEED_LOGS: the jobs whose committed
+# logs seed it, default SEED_JOB's own; SEED_COST_MODEL: the seeded session's starting cost
+# model, a folder such as tuning_logs/h100/cost_model, default none; the session from nothing
+# always starts untrained; SEED_TRIALS and FRESH_TRIALS: each session's trials, 0 skips it;
+# SEED_TOP: --top tasks). The issue's new-model case: SEED_JOB=mobilenet_v1-w1-r224-c1000-b32
+# SEED_LOGS="mobilenet_v2-w1-r224-c1000-b32 alexnet-w1-r224-c1000-b32"
+# SEED_COST_MODEL=tuning_logs/h100/cost_model SEED_TRIALS=1000 FRESH_TRIALS=0
 seeding_job() {
   local name=${SEED_JOB:-mobilenet_v2-w0.35-r64-c10-b8} dir=$TT/seeding
   local args; args=$(jobs_list | awk -v n=$name '$1 == n {$1=""; print}')
   local keep; keep=$(python3 tools/job_options.py "$args" --model --width --resolution \
     --classes --batch --trainable --target --build-workers --time-share)
-  mkdir -p $dir; committed_log $name
+  mkdir -p $dir
+  local seeds="" job
+  for job in ${SEED_LOGS:-$name}; do committed_log $job; seeds="$seeds --seed-log $TT/logs/$job"; done
   local common="$keep --top ${SEED_TOP:-20} --trials-per-iter 16 --population 64 \
-    --cost-model none --tracker 127.0.0.1:$PORT --key $KEY"
-  echo "== seeded from tuning_logs/$KEY/$name $(date +%T)"
-  $PY tune $common --seed-log $TT/logs/$name --trials ${SEED_TRIALS:-300} --log $dir/seeded \
-    --stats $dir/seeded.stats.json > $dir/seeded.out 2>&1
-  echo "== from nothing $(date +%T)"
-  $PY tune $common --trials ${FRESH_TRIALS:-900} --log $dir/fresh \
-    --stats $dir/fresh.stats.json > $dir/fresh.out 2>&1
+    --tracker 127.0.0.1:$PORT --key $KEY"
+  if [ "${SEED_TRIALS:-300}" != 0 ]; then
+    echo "== seeded from ${SEED_LOGS:-$name} $(date +%T)"
+    $PY tune $common $seeds --cost-model ${SEED_COST_MODEL:-none} --trials ${SEED_TRIALS:-300} \
+      --log $dir/seeded --stats $dir/seeded.stats.json > $dir/seeded.out 2>&1
+  fi
+  if [ "${FRESH_TRIALS:-900}" != 0 ]; then
+    echo "== from nothing $(date +%T)"
+    $PY tune $common --cost-model none --trials ${FRESH_TRIALS:-900} --log $dir/fresh \
+      --stats $dir/fresh.stats.json > $dir/fresh.out 2>&1
+  fi
   echo "== done $(date +%T)"
 }
 
