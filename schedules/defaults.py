@@ -47,10 +47,10 @@ class LongReduction(GPUScheduleRule):
         from tvm.s_tir.dlight.analysis import normalize_prim_func
         from tvm.s_tir.dlight.base import try_inline
 
-        if not isinstance(func, tvm.tirx.PrimFunc) or not self.is_target_available(target):
+        begun = _begin(self, func, target)
+        if begun is None:
             return None
-        threads = int(target.attrs.get("max_threads_per_block", 256))
-        sch = tvm.s_tir.Schedule(func)
+        sch, _, threads = begun
         infos = normalize_prim_func(sch)
         if infos is None:
             return None
@@ -86,11 +86,27 @@ class LongReduction(GPUScheduleRule):
         return sch
 
 
-def _spread(sch, loops, threads: int) -> None:
-    """Fuse ``loops`` and spread them over work-groups of ``threads`` work-items."""
+def _spread(sch, loops, threads: int):
+    """Fuse ``loops`` and spread them over work-groups of ``threads`` work-items; returns the
+    work-item loop."""
     bx, tx = sch.split(sch.fuse(*loops), factors=[None, threads])
     sch.bind(bx, "blockIdx.x")
     sch.bind(tx, "threadIdx.x")
+    return tx
+
+
+def _begin(rule: GPUScheduleRule, func, target):
+    """(schedule, its root block, ``max_threads_per_block``) of ``func`` for ``rule``, or
+    None when ``func`` is not a PrimFunc or ``target`` not one the rule serves."""
+    if not isinstance(func, tvm.tirx.PrimFunc) or not rule.is_target_available(target):
+        return None
+    sch = tvm.s_tir.Schedule(func)
+    return sch, sch.get_sblock("root"), int(target.attrs.get("max_threads_per_block", 256))
+
+
+def _n_spatial(sch, block) -> int:
+    """The number of data-parallel (spatial) axes of ``block``."""
+    return sum(1 for iv in sch.get(block).iter_vars if iv.iter_type == tvm.tirx.IterVar.DataPar)
 
 
 class LeadingLoops(GPUScheduleRule):
@@ -100,17 +116,14 @@ class LeadingLoops(GPUScheduleRule):
     pooling whose window bounds depend on the output index."""
 
     def apply(self, func, target, _):
-        if not isinstance(func, tvm.tirx.PrimFunc) or not self.is_target_available(target):
+        begun = _begin(self, func, target)
+        if begun is None:
             return None
-        threads = int(target.attrs.get("max_threads_per_block", 256))
-        sch = tvm.s_tir.Schedule(func)
-        root = sch.get_sblock("root")
+        sch, root, threads = begun
         for block in sch.get_child_blocks(root):
             loops = sch.get_loops(block)
-            n_spatial = sum(1 for iv in sch.get(block).iter_vars
-                            if iv.iter_type == tvm.tirx.IterVar.DataPar)
             lead = []
-            for loop in loops[:n_spatial]:
+            for loop in loops[:_n_spatial(sch, block)]:
                 if not isinstance(sch.get(loop).extent, tvm.tirx.IntImm):
                     break
                 lead.append(loop)
@@ -131,11 +144,10 @@ class ReductionEpilogue(GPUScheduleRule):
     kernel of exactly that shape; others go on to the next rule."""
 
     def apply(self, func, target, _):
-        if not isinstance(func, tvm.tirx.PrimFunc) or not self.is_target_available(target):
+        begun = _begin(self, func, target)
+        if begun is None:
             return None
-        threads = int(target.attrs.get("max_threads_per_block", 256))
-        sch = tvm.s_tir.Schedule(func)
-        root = sch.get_sblock("root")
+        sch, root, threads = begun
 
         def is_reduction(block):
             return any(iv.iter_type == tvm.tirx.IterVar.CommReduce
@@ -155,12 +167,7 @@ class ReductionEpilogue(GPUScheduleRule):
         if len(rest) != 1 or not any(sch.get(c).same_as(sch.get(rest[0]))
                                      for c in sch.get_consumers(red)):
             return None
-        n_spatial = sum(1 for iv in sch.get(red).iter_vars
-                        if iv.iter_type == tvm.tirx.IterVar.DataPar)
-        loops = sch.get_loops(red)
-        bx, tx = sch.split(sch.fuse(*loops[:n_spatial]), factors=[None, threads])
-        sch.bind(bx, "blockIdx.x")
-        sch.bind(tx, "threadIdx.x")
+        tx = _spread(sch, sch.get_loops(red)[:_n_spatial(sch, red)], threads)
         sch.reverse_compute_at(rest[0], tx)
         sch.set_scope(red, 0, "local")  # the reduction's value stays in the work-item
         return sch
