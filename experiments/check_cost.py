@@ -18,31 +18,45 @@ import os
 import tempfile
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def task_args(description: str) -> argparse.ArgumentParser:
+    """The options that pick the tasks of :func:`largest_tasks` (this script's and
+    ``reference_setup_cost.py``'s)."""
+    p = argparse.ArgumentParser(description=description)
     p.add_argument("--model", default="mobilenet_v2")
     p.add_argument("--width", type=float, default=0.35)
     p.add_argument("--resolution", type=int, default=64)
     p.add_argument("--classes", type=int, default=10)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--top", type=int, default=6, help="the largest tasks of the training step")
-    p.add_argument("--trials", type=int, default=48)
-    p.add_argument("--servers", type=int, default=2)
     p.add_argument("--target", help="target JSON file (default: this machine's OpenCL device)")
-    args = p.parse_args()
+    return p
 
+
+def largest_tasks(args):
+    """(target, the ``--top`` tasks of the model's training step with the most FLOPs)."""
     from thomas_tune import graph as G
-    from thomas_tune import opencl, rpc
+    from thomas_tune import opencl
     from thomas_tune.models import build
     from thomas_tune.target import parse_target
     from thomas_tune.tasks import extract
-    from thomas_tune.tuning import rpc_runner, tune
-    from thomas_tune.logs import TuningLog
     target = parse_target(args.target) if args.target else opencl.target_for(0)
     model = build(args.model, num_classes=args.classes, resolution=args.resolution,
                   width=args.width)
     graph = G.training_module(model, args.batch, "all").mod
-    tasks = sorted(extract({"train": graph}, target), key=lambda t: -t.total_flops)[:args.top]
+    return target, sorted(extract({"train": graph}, target),
+                          key=lambda t: -t.total_flops)[:args.top]
+
+
+def main() -> None:
+    p = task_args(__doc__.splitlines()[0])
+    p.add_argument("--trials", type=int, default=48)
+    p.add_argument("--servers", type=int, default=2)
+    args = p.parse_args()
+
+    from thomas_tune import rpc
+    from thomas_tune.tuning import rpc_runner, tune
+    from thomas_tune.logs import TuningLog
+    target, tasks = largest_tasks(args)
     runs = {}
     with rpc.loopback(key="check-cost", servers=args.servers, lifetime=3600) as addr:
         for check in (True, False):

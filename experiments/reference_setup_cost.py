@@ -15,40 +15,29 @@ the task's arguments, seconds) and the totals; both set-ups give the same refere
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
+import os
+import sys
 import time
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="mobilenet_v2")
-    p.add_argument("--width", type=float, default=0.35)
-    p.add_argument("--resolution", type=int, default=64)
-    p.add_argument("--classes", type=int, default=10)
-    p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--top", type=int, default=6, help="the largest tasks of the training step")
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from check_cost import largest_tasks, task_args
+
+    p = task_args(__doc__.splitlines()[0])
     p.add_argument("--repeat", type=int, default=2)
-    p.add_argument("--target", help="target JSON file (default: this machine's OpenCL device)")
     args = p.parse_args()
 
     import numpy as np
     import tvm
 
-    from thomas_tune import graph as G
     from thomas_tune import kernel_check as kc
-    from thomas_tune import opencl, rpc
+    from thomas_tune import rpc
     from thomas_tune.measure import runner as R
     from thomas_tune.measure.builder import Builder
-    from thomas_tune.models import build
-    from thomas_tune.target import parse_target
-    from thomas_tune.tasks import extract
-    target = parse_target(args.target) if args.target else opencl.target_for(0)
-    model = build(args.model, num_classes=args.classes, resolution=args.resolution,
-                  width=args.width)
-    graph = G.training_module(model, args.batch, "all").mod
-    tasks = sorted(extract({"train": graph}, target), key=lambda t: -t.total_flops)[:args.top]
+    target, tasks = largest_tasks(args)
     builder = Builder(max_workers=2, timeout_s=300)
     try:
         refs, _ = kc.build_references([t.mod for t in tasks], target, builder)
