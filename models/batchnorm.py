@@ -47,6 +47,8 @@ from float64 in the normalised values. Every kernel recomputes the mean and ``rs
 
 from __future__ import annotations
 
+from typing import Any, NamedTuple
+
 from tvm import te, tirx
 
 ACTIVATIONS = (None, "relu", "relu6")
@@ -160,6 +162,21 @@ def bn_sums(a: te.Tensor, b: te.Tensor):
         return _SUM2((a[rn, c], b[rn, c]), axis=[rn])
 
     return te.compute((a.shape[1],), body, name="bn_sums")
+
+
+class Running(NamedTuple):
+    """What the new running statistics of one training-form BatchNorm are computed from
+    (:func:`running_exprs`): the graph's values of the shift ``mu`` and the shifted sums
+    ``s0``, ``s1`` (C,), of the running mean and variance, and the values per channel
+    (``count``, M) and momentum."""
+
+    mu: Any
+    s0: Any
+    s1: Any
+    running_mean: Any
+    running_var: Any
+    count: int
+    momentum: float
 
 
 def running_exprs(count: int, momentum: float, dtype: str) -> dict[str, str]:

@@ -129,8 +129,7 @@ class Graph(Records):
         self.bb = bb
         self.new_states: dict[str, relax.Expr] = {}
         # training-form BatchNorms whose new running statistics are still to be computed (by
-        # the training graph, for all of them at once): name -> (mu, s0, s1, running mean,
-        # running var, values per channel, momentum)
+        # the training graph, for all of them at once): name -> models.batchnorm.Running
         self.running: dict[str, tuple] = {}
 
     # ---- bookkeeping -------------------------------------------------------------------------
@@ -192,7 +191,7 @@ class Graph(Records):
         p0, p1 = (self.emit(relax.TupleGetItem(partial, i)) for i in range(2))
         sums = bb.emit_te(B.bn_sums, p0, p1, primfunc_name_hint="bn_sums")
         s0, s1 = (self.emit(relax.TupleGetItem(sums, i)) for i in range(2))
-        self.running[name] = (mu, s0, s1, mean, var, n * h * w, momentum)
+        self.running[name] = B.Running(mu, s0, s1, mean, var, n * h * w, momentum)
         # the statistics' own gradient is part of the one registered for bn_act
         s0, s1 = self.emit(R.grad.no_grad(s0)), self.emit(R.grad.no_grad(s1))
         return self.emit(bb.call_te_with_grad(

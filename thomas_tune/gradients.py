@@ -314,7 +314,7 @@ def _bn_act_grad(orig_var, call, output_grad, ctx):
 
 
 _tvm_conv2d_grad = None
-_tvm_relu_grad = None
+_relu_grad_registered = False  # ours replaces TVM's, once
 
 
 _GRADIENTS = {
@@ -337,7 +337,7 @@ def register() -> None:
     from its output (:func:`_relu_grad`), the gradient of ``relax.grad.no_grad`` (none reaches
     its input), the backward of the training-form BatchNorm (:func:`_bn_act_grad`) and of the
     loss (:func:`thomas_tune.loss.register`); safe to call twice."""
-    global _tvm_conv2d_grad, _tvm_relu_grad
+    global _tvm_conv2d_grad, _relu_grad_registered
     from . import loss
     from .models import batchnorm as B
 
@@ -355,8 +355,8 @@ def register() -> None:
     if _tvm_conv2d_grad is None:
         _tvm_conv2d_grad = current
         register_gradient("relax.nn.conv2d", _conv2d_grad, level=11)
-    if _tvm_relu_grad is None:
-        _tvm_relu_grad = tvm.ir.Op.get("relax.nn.relu").get_attr("FPrimalGradient")
+    if not _relu_grad_registered:
+        _relu_grad_registered = True
         register_gradient("relax.nn.relu", _relu_grad, level=11)
 
 

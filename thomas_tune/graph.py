@@ -62,72 +62,24 @@ TRAIN_BN = "train-bn"  # suffix of a trainable set: "last:2,train-bn"
 _SUFFIXES = {FROZEN_BN: "frozen", TRAIN_BN: "train"}
 
 
-def _emit_multi_tensor(bb: relax.BlockBuilder, name: str, tensors: list[list[relax.Expr]],
-                       shapes: list[tuple[int, ...]], inputs: tuple[str, ...],
-                       outputs: dict[str, str], dtype: str,
-                       shared: dict[str, relax.Expr] | None = None,
-                       inplace: bool = True, counter: relax.Expr | None = None
-                       ) -> tuple[list[list[relax.Expr]], relax.Expr | None]:
-    """Emit the update of every parameter as multi-tensor kernels
-    (:func:`thomas_tune.multi_tensor.update_kernel`, as many parameters per kernel as its
-    arguments allow). ``tensors[j]``: parameter j's inputs in the order of ``inputs``;
-    ``shared``: 0-d tensors every update reads, by name. With ``inplace`` each output ``X_new``
-    overwrites its input ``X`` (``call_tir_inplace``): a step holds one copy of the parameters
-    and of the optimizer state, not an old and a new one (the caller drops the old handles,
-    which are the new ones); ``counter`` (0-d int64, with ``inplace``), the optimizer's step
-    count, is advanced by the first kernel. Returns, per parameter, its outputs in the order
-    of ``outputs``, and the advanced counter (None without one)."""
-    shared = shared or {}
-    size = MT.group_size(len(inputs) + (0 if inplace else len(outputs)),
-                         len(shared) + (counter is not None))
-    results: list[list[relax.Expr]] = []
-    advanced = None
-    for group in MT.groups(len(shapes), size):
-        count = counter if counter is not None and advanced is None else None
-        kernel = MT.update_kernel([shapes[j] for j in group], inputs, outputs, dtype,
-                                  tuple(shared), inplace=inplace,
-                                  counter="steps" if count is not None else None)
-        gv = bb.add_func(kernel, name)
-        head = [*shared.values(), *([count] if count is not None else [])]
-        args = [*head, *(t for j in group for t in tensors[j])]
-        out_types = [relax.TensorType(shapes[j], dtype) for j in group for _ in outputs]
-        if inplace:
-            where = [len(head) + i * len(inputs) + inputs.index(o[:-len("_new")])
-                     for i, _ in enumerate(group) for o in outputs]
-            if count is not None:
-                out_types, where = [relax.TensorType((), "int64"), *out_types], [
-                    len(shared), *where]
-            call = bb.emit(relax.call_tir_inplace(gv, args, where, out_types))
-        else:
-            call = bb.emit(relax.call_tir(gv, args, out_types))
-        first = 0
-        if count is not None:
-            advanced, first = bb.emit(relax.TupleGetItem(call, 0)), 1
-        k = len(outputs)
-        for i, _ in enumerate(group):
-            results.append([bb.emit(relax.TupleGetItem(call, first + i * k + o))
-                            for o in range(k)])
-    return results, advanced
-
-
 def _emit_running_statistics(bb: relax.BlockBuilder, g: Graph, states: list[str]) -> None:
     """Put the new running statistics of the training-form BatchNorms among ``states`` into
-    ``g.new_states``: multi-tensor kernels (:func:`_emit_multi_tensor`, not in place), one per
-    group of BatchNorms with the same values per channel and momentum, instead of a kernel
-    each (:func:`models.batchnorm.running_exprs`)."""
+    ``g.new_states``: multi-tensor kernels (:func:`thomas_tune.multi_tensor.emit_update`, not
+    in place), one per group of BatchNorms with the same values per channel and momentum,
+    instead of a kernel each (:func:`models.batchnorm.running_exprs`)."""
     from .models.batchnorm import running_exprs
     names = [n for n in dict.fromkeys(s.rsplit(".", 1)[0] for s in states)
              if n in g.running and f"{n}.running_mean" not in g.new_states]
     groups: dict[tuple, list[str]] = {}
     for n in names:
-        groups.setdefault(g.running[n][5:], []).append(n)
+        groups.setdefault((g.running[n].count, g.running[n].momentum), []).append(n)
     for (count, momentum), members in groups.items():
-        tensors = [[g.running[n][3], g.running[n][4], *g.running[n][:3]] for n in members]
+        tensors = [[r.running_mean, r.running_var, r.mu, r.s0, r.s1]
+                   for r in (g.running[n] for n in members)]
         dtype = str(tensors[0][0].ty.dtype)
-        outs, _ = _emit_multi_tensor(bb, "bn_running", tensors,
-                                  [_shape(t[0]) for t in tensors],
-                                  ("rm", "rv", "mu", "s0", "s1"),
-                                  running_exprs(count, momentum, dtype), dtype, inplace=False)
+        outs, _ = MT.emit_update(bb, "bn_running", tensors, [_shape(t[0]) for t in tensors],
+                                 ("rm", "rv", "mu", "s0", "s1"),
+                                 running_exprs(count, momentum, dtype), dtype, inplace=False)
         for n, (rm, rv) in zip(members, outs):
             g.new_states[f"{n}.running_mean"], g.new_states[f"{n}.running_var"] = rm, rv
 
@@ -175,7 +127,7 @@ class _MultiTensor:
                             bb.emit(relax.TupleGetItem(grad_var, j)),
                             *(bb.emit(relax.TupleGetItem(state_var, first + b * n + j))
                               for b in range(len(self.buffers)))] for j in range(n)]
-                outs, steps_new = _emit_multi_tensor(
+                outs, steps_new = MT.emit_update(
                     bb, self.name + "_update", tensors, [_shape(p) for p in plist],
                     ("p", "g", *self.buffers), self.exprs(), dtype, shared, counter=steps)
                 # outputs: the new buffers in order, then the new parameter (exprs' order)

@@ -15,9 +15,10 @@ bytes. The update is in place (each new value written over the old, see
 so momentum SGD passes 3 buffers per parameter (p, g, v): 42 parameters a kernel; SGD 2: 63;
 Adam 4 and two shared scalars: 31.
 
-The kernel is written in TVMScript (an ``s_tir`` block over the flattened elements, each
-tensor read and written through a flat view of its data); the default GPU schedules bind its
-loop to work-groups, and on a CPU it is a plain loop.
+:func:`emit_update` emits the calls of a graph's update as such kernels. The kernel is
+written in TVMScript (an ``s_tir`` block over the flattened elements, each tensor read and
+written through a flat view of its data); the default GPU schedules bind its loop to
+work-groups, and on a CPU it is a plain loop.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from decimal import Decimal
 
 import numpy as np
 import tvm
+from tvm import relax
 
 MAX_BUFFERS = 128  # buffer arguments of one kernel: OpenCL's 1,024 bytes of arguments / 8
 
@@ -65,17 +67,16 @@ def update_kernel(shapes: list[tuple[int, ...]], inputs: tuple[str, ...],
     each output's name to its expression: TVMScript over the inputs' names (each stands for
     the element being updated) and the outputs before it, e.g. ``{"v_new": "0.9 * v + g",
     "p_new": "p - 0.01 * v_new"}``; numbers in it are written as ``T.float32(...)`` by the
-    caller.
+    caller. Each element's new values are all computed (bound to locals) before any is stored.
 
     ``inplace``: every output ``X_new`` is written over its input ``X`` (the parameter and its
     optimizer state updated where they are, as ``relax.call_tir_inplace`` runs it): the
-    kernel's arguments are then the shared scalars and the inputs only, and each element's
-    new values are all computed (bound to locals) before any is stored, so no expression reads
-    a value already overwritten. ``counter`` (with ``inplace``): the name of a 0-d int64
-    argument, placed after the shared scalars, that the kernel adds one to (the optimizer's
-    step count: no launch of its own). Raises ValueError for an empty list of shapes, for a
-    ``counter`` without ``inplace``, and with
-    ``inplace`` for an output whose name is not an input's with ``_new`` appended."""
+    kernel's arguments are then the shared scalars and the inputs only, and since nothing is
+    stored before every value is computed, no expression reads a value already overwritten.
+    ``counter`` (with ``inplace``): the name of a 0-d int64 argument, placed after the shared
+    scalars, that the kernel adds one to (the optimizer's step count: no launch of its own).
+    Raises ValueError for an empty list of shapes, for a ``counter`` without ``inplace``, and
+    with ``inplace`` for an output whose name is not an input's with ``_new`` appended."""
     if not shapes:
         raise ValueError("update_kernel: no tensor to update")
     if counter and not inplace:
@@ -111,21 +112,14 @@ def update_kernel(shapes: list[tuple[int, ...]], inputs: tuple[str, ...],
         i = f"vi - {offsets[j]}"
         env = {name: f"{name}{j}_[{i}]" for name in inputs}
         env.update({name: f"{name}[()]" for name in shared})
-        if over:  # every new value bound first, then stored over its input
-            for out, expr in outputs.items():
-                text = expr
-                for name in sorted(env, key=len, reverse=True):
-                    text = _substitute(text, name, env[name])
-                body.append(f"{indent}{out}{j}: T.{dtype} = {text}")
-                env[out] = f"{out}{j}"
-            body.extend(f"{indent}{over[out]}{j}_w[{i}] = {out}{j}" for out in outputs)
-            return
-        for out, expr in outputs.items():
+        for out, expr in outputs.items():  # every new value bound first, then stored
             text = expr
             for name in sorted(env, key=len, reverse=True):
                 text = _substitute(text, name, env[name])
-            body.append(f"{indent}{out}{j}_[{i}] = {text}")
-            env[out] = f"({text})"  # recomputed, not read back
+            body.append(f"{indent}{out}_{j}: T.{dtype} = {text}")  # (buffer {out}{j})
+            env[out] = f"{out}_{j}"
+        body.extend(f"{indent}{over[out]}{j}_w[{i}] = {out}_{j}" if out in over
+                    else f"{indent}{out}{j}_[{i}] = {out}_{j}" for out in outputs)
 
     def chain(lo: int, hi: int, indent: str) -> None:
         if hi - lo == 1:
@@ -167,6 +161,54 @@ def update_kernel(shapes: list[tuple[int, ...]], inputs: tuple[str, ...],
         *("            " + v for v in views),
         *body, ""])
     return tvm.script.from_source(text)
+
+
+def emit_update(bb: relax.BlockBuilder, name: str, tensors: list[list[relax.Expr]],
+                       shapes: list[tuple[int, ...]], inputs: tuple[str, ...],
+                       outputs: dict[str, str], dtype: str,
+                       shared: dict[str, relax.Expr] | None = None,
+                       inplace: bool = True, counter: relax.Expr | None = None
+                       ) -> tuple[list[list[relax.Expr]], relax.Expr | None]:
+    """Emit the update of every parameter as multi-tensor kernels
+    (:func:`update_kernel`, as many parameters per kernel as its
+    arguments allow). ``tensors[j]``: parameter j's inputs in the order of ``inputs``;
+    ``shared``: 0-d tensors every update reads, by name. With ``inplace`` each output ``X_new``
+    overwrites its input ``X`` (``call_tir_inplace``): a step holds one copy of the parameters
+    and of the optimizer state, not an old and a new one (the caller drops the old handles,
+    which are the new ones); ``counter`` (0-d int64, with ``inplace``), the optimizer's step
+    count, is advanced by the first kernel. Returns, per parameter, its outputs in the order
+    of ``outputs``, and the advanced counter (None without one)."""
+    shared = shared or {}
+    size = group_size(len(inputs) + (0 if inplace else len(outputs)),
+                         len(shared) + (counter is not None))
+    results: list[list[relax.Expr]] = []
+    advanced = None
+    for group in groups(len(shapes), size):
+        count = counter if counter is not None and advanced is None else None
+        kernel = update_kernel([shapes[j] for j in group], inputs, outputs, dtype,
+                                  tuple(shared), inplace=inplace,
+                                  counter="steps" if count is not None else None)
+        gv = bb.add_func(kernel, name)
+        head = [*shared.values(), *([count] if count is not None else [])]
+        args = [*head, *(t for j in group for t in tensors[j])]
+        out_types = [relax.TensorType(shapes[j], dtype) for j in group for _ in outputs]
+        if inplace:
+            where = [len(head) + i * len(inputs) + inputs.index(o[:-len("_new")])
+                     for i, _ in enumerate(group) for o in outputs]
+            if count is not None:
+                out_types, where = [relax.TensorType((), "int64"), *out_types], [
+                    len(shared), *where]
+            call = bb.emit(relax.call_tir_inplace(gv, args, where, out_types))
+        else:
+            call = bb.emit(relax.call_tir(gv, args, out_types))
+        first = 0
+        if count is not None:
+            advanced, first = bb.emit(relax.TupleGetItem(call, 0)), 1
+        k = len(outputs)
+        for i, _ in enumerate(group):
+            results.append([bb.emit(relax.TupleGetItem(call, first + i * k + o))
+                            for o in range(k)])
+    return results, advanced
 
 
 def _substitute(text: str, name: str, value: str) -> str:
