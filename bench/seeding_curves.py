@@ -4,17 +4,23 @@
         --classes 10 --batch 8 --target targets/h100_opencl.json \
         --seeded /tmp/tt/seeding/seeded --fresh /tmp/tt/seeding/fresh --out bench/results/NAME
 
-Each session's log (``tools/gpu_tune.sh seeding`` makes both on one card) is read in the order
-its records were measured. The estimated step time after n records is
-:func:`thomas_tune.benchmark.curve.tuning_curve`'s over the tasks ``tune`` extracts for the
-model (training and inference graphs): calls x the faster of each task's default-schedule time
-and its best valid record among the first n (a failed trial counts as a trial and changes
-nothing); the default times are the unseeded session's
+Each session's log (``tools/gpu_tune.sh seeding`` makes them on one card) is read in the order
+its records were measured; either session may be left out (one curve). The estimated step time
+after n records is :func:`thomas_tune.benchmark.curve.tuning_curve`'s over the tasks ``tune``
+extracts for the model (training and inference graphs): calls x the faster of each task's
+default-schedule time and its best valid record among the first n (a failed trial counts as a
+trial and changes nothing); the default times are the unseeded session's
 (``default_latency.json`` of its log; the seeded session's where a task is missing there), so
 both curves start from the same point. A seeded log's first records are its seeds (measured on
-this device before the search; their count is in its ``seeded`` stats). Writes
-``OUT.json`` (both curves, the unseeded session's final estimate, the records each session took
-to come within 5% of it) and ``OUT.png``. Times in ms.
+this device before the search; their count is in its ``seeded`` stats).
+
+``--reference LOG``: a fully tuned log whose records were re-measured on the same card
+(``SEED_REF`` of ``gpu_tune.sh seeding``: ``remeasure --restamp``); its final estimate, with the
+same default times, is drawn as a line, and each session's records to 95% of the reference's
+gain (untuned minus the reference's estimate) are counted. Without it the goal is to come within
+5% of the unseeded session's final estimate. Each session's records to 95% of its own final gain
+are given too. Writes ``OUT.json`` (the curves, the finals, the goals and the records each
+session took to reach them) and ``OUT.png``. Times in ms.
 """
 
 from __future__ import annotations
@@ -35,39 +41,68 @@ def first_within(ms: list[float], goal: float) -> int | None:
     return next((i for i, v in enumerate(ms) if v <= goal), None)
 
 
+def to_share_of_gain(ms: list[float], final: float, share: float = 0.95) -> int | None:
+    """The fewest records after which ``ms`` (ms[0]: the untuned estimate) has ``share`` of the
+    gain from ms[0] down to ``final``; None when it never gets there or there is no gain."""
+    if not ms or ms[0] <= final:
+        return None
+    return first_within(ms, ms[0] - share * (ms[0] - final))
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_model_args(ap)
     ap.add_argument("--target", default="targets/h100_opencl.json")
-    ap.add_argument("--seeded", required=True)
-    ap.add_argument("--fresh", required=True)
+    ap.add_argument("--seeded", help="the seeded session's tuning log")
+    ap.add_argument("--fresh", help="the unseeded session's tuning log")
+    ap.add_argument("--reference", help="a fully tuned log re-measured on the same card: its "
+                    "final estimate is the goal (95%% of its gain)")
     ap.add_argument("--out", required=True, help="path prefix of OUT.json and OUT.png")
     a = ap.parse_args()
+    sessions = [(n, p) for n, p in (("seeded", a.seeded), ("fresh", a.fresh)) if p]
+    if not sessions:
+        ap.error("give --seeded, --fresh or both")
     model, _, _ = load_model(a)
     default_s: dict[str, float] = {}
-    for log in (a.seeded, a.fresh):  # the unseeded session's times win
+    for _, log in reversed(sessions):  # the unseeded session's times win
         path = os.path.join(log, "default_latency.json")
         if os.path.exists(path):
             default_s.update(json.load(open(path))["seconds"])
+    if not default_s:
+        raise SystemExit("no default_latency.json in the sessions' logs: tune with "
+                         "--time-share (or any tune run) writes it")
     # the tasks tune extracts, each with its calls and default time (ms)
     tasks = extract(model_graphs(a, model), parse_target(a.target))
     kernels = [Kernel(t.name, t.weight, t.flops, 0, key(t),
                       ms={"default": default_s[key(t)] * 1e3})
                for t in tasks if key(t) in default_s]
-    curves = {name: tuning_curve(log, kernels)["ms"]
-              for name, log in (("seeded", a.seeded), ("fresh", a.fresh))}
-    final = curves["fresh"][-1]
-    goal = final / 0.95  # within 5% of the unseeded session's final estimate
-    stats_path = os.path.join(os.path.dirname(a.seeded), "seeded.stats.json")
-    seeds = (json.load(open(stats_path)).get("seeded") or {}).get("measured") \
-        if os.path.exists(stats_path) else None
-    result = {
-        "untuned_ms": curves["fresh"][0], "fresh_final_ms": final,
-        "fresh_records": len(curves["fresh"]) - 1, "seeded_records": len(curves["seeded"]) - 1,
-        "seeded_after_seeds_ms": curves["seeded"][seeds] if seeds is not None
-        and seeds < len(curves["seeded"]) else None, "seeds": seeds,
-        "records_to_95pct_of_fresh_final": {n: first_within(c, goal) for n, c in curves.items()},
-        "curves": curves}
+    curves = {name: tuning_curve(log, kernels)["ms"] for name, log in sessions}
+    untuned = next(iter(curves.values()))[0]
+    result = {"untuned_ms": untuned, "kernels": len(kernels), "tasks": len(tasks)}
+    if a.reference:
+        ref = tuning_curve(a.reference, kernels)
+        final, final_name = ref["ms"][-1], "reference"
+        goal = untuned - 0.95 * (untuned - final)
+        result.update(reference_final_ms=final, reference_records=len(ref["ms"]) - 1,
+                      reference_skipped_records=ref["skipped_records"],
+                      goal_ms=goal, goal="95% of the reference's gain")
+    else:
+        final_name = "fresh" if "fresh" in curves else "seeded"
+        final = curves[final_name][-1]
+        goal = final / 0.95
+        result.update(goal_ms=goal, goal=f"within 5% of the {final_name} session's final")
+    for name, c in curves.items():
+        result[name] = {"records": len(c) - 1, "final_ms": c[-1],
+                        "records_to_goal": first_within(c, goal),
+                        "records_to_95pct_of_own_gain": to_share_of_gain(c, c[-1])}
+    if "seeded" in curves:
+        stats_path = os.path.join(os.path.dirname(a.seeded.rstrip("/")), "seeded.stats.json")
+        seeds = (json.load(open(stats_path)).get("seeded") or {}).get("measured") \
+            if os.path.exists(stats_path) else None
+        result["seeded"].update(
+            seeds=seeds, after_seeds_ms=curves["seeded"][seeds]
+            if seeds is not None and seeds < len(curves["seeded"]) else None)
+    result["curves"] = curves
     with open(a.out + ".json", "w") as f:
         json.dump(result, f, indent=1)
     import matplotlib
@@ -76,11 +111,16 @@ def main():
     fig, ax = plt.subplots(figsize=(7, 4))
     for name, c in curves.items():
         ax.plot(range(len(c)), c, label=f"{name} ({len(c) - 1} records)")
-    ax.axhline(goal, color="grey", ls=":", label="within 5% of the unseeded final")
+    if a.reference:
+        ax.axhline(final, color="black", ls="--", lw=1,
+                   label=f"reference, re-measured ({final:.2f} ms)")
+        ax.axhline(goal, color="grey", ls=":", label="95% of the reference's gain")
+    else:
+        ax.axhline(goal, color="grey", ls=":", label=f"within 5% of the {final_name} final")
     ax.set_xlabel("records measured on this device (trials, seeds included)")
     ax.set_ylabel("estimated step time, ms")
-    ax.set_title(f"{model.arch} {model.width:g}@{model.resolution} batch {a.batch}: "
-                 "seeded vs from nothing")
+    what = " vs ".join({"seeded": "seeded", "fresh": "from nothing"}[n] for n in curves)
+    ax.set_title(f"{model.arch} {model.width:g}@{model.resolution} batch {a.batch}: {what}")
     ax.legend()
     fig.tight_layout()
     fig.savefig(a.out + ".png", dpi=120)

@@ -9,6 +9,10 @@
 #   watch   status every minute for WATCH seconds (default 540), then once more
 #   stop    stop everything
 #   setup   install TVM and the project in /tmp/tt/site only (carry .devcarry/last)
+#   seeding set up, start tracker and servers, then a seeded session and one from nothing in the
+#           background (see seeding_job for its variables); 'seeding-status' prints progress and
+#           returns each session folder as $OUT/NAME.tgz, 'seeding-watch' does so every minute
+#           for WATCH seconds
 #   remeasure  set up, start tracker and servers, then time each job's default schedules and
 #           its logs' best records again ('thomas-tune remeasure --defaults'), one job after
 #           another, in the background; then watch (logs come back with status)
@@ -68,10 +72,18 @@ setup() {
   [ -e /usr/include/CL/cl.h ] || tar -C /usr/include -xJf $TT/cl-headers.tar.xz
   mkdir -p /etc/OpenCL/vendors
   [ -e /etc/OpenCL/vendors/nvidia.icd ] || echo libnvidia-opencl.so.1 > /etc/OpenCL/vendors/nvidia.icd
-  # the project itself, as a copy (the work tree is replaced at every call)
-  rm -rf $TT/build-src && mkdir -p $TT/build-src && cp -r setup.cfg pyproject.toml README.md thomas_tune models schedules rpc $TT/build-src/
-  python3 -m pip install -q --no-index --no-deps --no-build-isolation --upgrade --target $SITE $TT/build-src >/dev/null 2>&1 \
-    || python3 -m pip install --no-index --no-deps --no-build-isolation --upgrade --target $SITE $TT/build-src
+  # the project itself, as a copy (the work tree is replaced at every call); installed again
+  # only when its files changed, so that a second job started beside a running one (two
+  # 'seeding' sessions) does not replace the package under it
+  local files="setup.cfg pyproject.toml README.md thomas_tune models schedules rpc" sum
+  sum=$(find $files -type f -not -path '*/__pycache__/*' -not -path '*.egg-info/*' | sort | xargs sha256sum | sha256sum)
+  if [ "$sum" != "$(cat $TT/build-src.sha256 2>/dev/null)" ]; then
+    rm -rf $TT/build-src && mkdir -p $TT/build-src && cp -r $files $TT/build-src/
+    python3 -m pip install -q --no-index --no-deps --no-build-isolation --upgrade --target $SITE $TT/build-src >/dev/null 2>&1 \
+      || python3 -m pip install --no-index --no-deps --no-build-isolation --upgrade --target $SITE $TT/build-src \
+      || return 6
+    echo "$sum" > $TT/build-src.sha256
+  fi
   python3 -c "import thomas_tune.opencl as o; print(o.devices())"
 }
 
@@ -212,27 +224,52 @@ rows_job() {
 }
 
 # A new device or model: a session seeded from committed logs and a session from nothing, one
-# after the other on this card, each with its own log under $TT/seeding (SEED_JOB: the job whose
-# model options are used, default the small MobileNetV2; SEED_LOGS: the jobs whose committed
-# logs seed it, default SEED_JOB's own; SEED_COST_MODEL: the seeded session's starting cost
-# model, a folder such as tuning_logs/h100/cost_model, default none; the session from nothing
-# always starts untrained; SEED_TRIALS and FRESH_TRIALS: each session's trials, 0 skips it;
-# SEED_TOP: --top tasks). The issue's new-model case: SEED_JOB=mobilenet_v1-w1-r224-c1000-b32
+# after the other on this card, each with its own log under SEED_DIR (default $TT/seeding; its
+# output in SEED_DIR.log; give two jobs started side by side their own, named $TT/seeding-NAME
+# for seeding-status to find it, and their own servers with SEED_SERVERS, whose sum is at most
+# SERVERS). SEED_JOB: the job whose model options are used, default the small MobileNetV2;
+# SEED_LOGS: the jobs whose committed logs seed it, default SEED_JOB's own; SEED_COST_MODEL: the
+# seeded session's starting cost model, a folder such as tuning_logs/h100/cost_model, default
+# none; the session from nothing always starts untrained; SEED_TRIALS and FRESH_TRIALS: each session's trials, 0 skips
+# it; SEED_TOP: --top tasks (default the job's own); SEED_SERVERS: --servers of each run
+# (default: the servers free when it starts); SEED_REF: jobs whose committed logs are copied to
+# SEED_DIR/ref/JOB and re-measured on this card before the sessions ('remeasure --restamp
+# --top-k 1 --defaults logged', as 'start' does), the fully tuned references of the curves.
+# The issue's new-model case: SEED_JOB=mobilenet_v1-w1-r224-c1000-b32
 # SEED_LOGS="mobilenet_v2-w1-r224-c1000-b32 alexnet-w1-r224-c1000-b32"
 # SEED_COST_MODEL=tuning_logs/h100/cost_model SEED_TRIALS=1000 FRESH_TRIALS=0
+# SEED_REF=mobilenet_v1-w1-r224-c1000-b32
 seeding_job() {
-  local name=${SEED_JOB:-mobilenet_v2-w0.35-r64-c10-b8} dir=$TT/seeding
+  local name=${SEED_JOB:-mobilenet_v2-w0.35-r64-c10-b8} dir=${SEED_DIR:-$TT/seeding}
   local args; args=$(jobs_list | awk -v n=$name '$1 == n {$1=""; print}')
+  [ -n "$args" ] || { echo "SEED_JOB $name is not a job of ${JOBS_FILE:-tools/gpu_jobs.txt}"; return 2; }
   local keep; keep=$(python3 tools/job_options.py "$args" --model --width --resolution \
     --classes --batch --trainable --target --build-workers --time-share)
+  local top; top=$(python3 tools/job_options.py "$args" --top | awk '{print $2}')
+  local servers=""; [ -n "${SEED_SERVERS:-}" ] && servers="--servers $SEED_SERVERS"
   mkdir -p $dir
-  local seeds="" job
+  # what the runs read later is copied now: the work tree is replaced at every call
+  local seeds="" job cost=none
   for job in ${SEED_LOGS:-$name}; do committed_log $job; seeds="$seeds --seed-log $TT/logs/$job"; done
-  local common="$keep --top ${SEED_TOP:-20} --trials-per-iter 16 --population 64 \
-    --tracker 127.0.0.1:$PORT --key $KEY"
+  if [ -n "${SEED_COST_MODEL:-}" ] && [ "$SEED_COST_MODEL" != none ]; then
+    rm -rf $dir/cost_model && cp -r "$SEED_COST_MODEL" $dir/cost_model && cost=$dir/cost_model
+  fi
+  local common="$keep --top ${SEED_TOP:-${top:-20}} --trials-per-iter 16 --population 64 \
+    --tracker 127.0.0.1:$PORT --key $KEY $servers"
+  for job in ${SEED_REF:-}; do
+    local ref=$dir/ref/$job rargs
+    rargs=$(jobs_list | awk -v n=$job '$1 == n {$1=""; print}')
+    [ -n "$rargs" ] && [ -d tuning_logs/$KEY/$job ] || { echo "SEED_REF $job: no such job or committed log"; continue; }
+    rm -rf $ref && mkdir -p $ref && cp tuning_logs/$KEY/$job/* $ref/
+    for f in $ref/*.xz; do [ -e "$f" ] && xz -d -f "$f"; done
+    echo "== reference $job re-measured $(date +%T)"
+    $PY remeasure $(python3 tools/job_options.py "$rargs" --model --width --resolution \
+      --classes --batch --trainable --target --build-workers) $servers --restamp --top-k 1 \
+      --defaults logged --tracker 127.0.0.1:$PORT --key $KEY --log $ref > $dir/ref-$job.out 2>&1
+  done
   if [ "${SEED_TRIALS:-300}" != 0 ]; then
     echo "== seeded from ${SEED_LOGS:-$name} $(date +%T)"
-    $PY tune $common $seeds --cost-model ${SEED_COST_MODEL:-none} --trials ${SEED_TRIALS:-300} \
+    $PY tune $common $seeds --cost-model $cost --trials ${SEED_TRIALS:-300} \
       --log $dir/seeded --stats $dir/seeded.stats.json > $dir/seeded.out 2>&1
   fi
   if [ "${FRESH_TRIALS:-900}" != 0 ]; then
@@ -243,14 +280,39 @@ seeding_job() {
   echo "== done $(date +%T)"
 }
 
+# each seeding job's output, its runs' last lines and statistics; with OUT set, each SEED_DIR
+# (its tuning logs, references and outputs; not the records a restamp set aside) comes back as
+# $OUT/NAME.tgz
+seeding_status() {
+  local d f s
+  for d in $TT/seeding*/; do
+    [ -d "$d" ] || continue
+    d=${d%/}
+    echo "==== $d: $(tail -1 $d.log 2>/dev/null)"
+    for f in $d/*.out; do
+      [ -e "$f" ] || continue
+      echo "-- $(basename $f): $(tail -c 600 $f | tr '\r' '\n' | grep -v '^\s*$' | tail -1 | cut -c1-160)"
+      s=${f%.out}.stats.json
+      [ -s $s ] && python3 -c "import json,sys; d=json.load(open(sys.argv[1])); \
+print('   %d trials in %.0f s = %.2f trials/s, %s' % (d['trials'], d['elapsed_s'], \
+d['trials_per_s'], d.get('ended', 'running')))" $s
+    done
+    [ -n "${OUT:-}" ] && tar -C $TT -czf $OUT/$(basename $d).tgz --exclude='*.stale' \
+      $(basename $d) $(basename $d).log
+  done
+  return 0
+}
+
 case "${1:-status}" in
   seeding) setup && start_services || exit $?
-    setsid nohup bash tools/gpu_tune.sh seeding-job > $TT/seeding.log 2>&1 < /dev/null &
-    sleep 2; echo "seeding started" ;;
+    setsid nohup bash tools/gpu_tune.sh seeding-job > ${SEED_DIR:-$TT/seeding}.log 2>&1 < /dev/null &
+    sleep 2; echo "seeding started: ${SEED_DIR:-$TT/seeding}" ;;
   seeding-job) tracker_port; seeding_job ;;
-  seeding-status) cat $TT/seeding.log; for f in $TT/seeding/*.out; do echo "-- $f"
-      tail -c 600 $f | tr '\r' '\n' | grep -v '^\s*$' | tail -3; done
-    [ -n "${OUT:-}" ] && tar -C $TT -czf $OUT/seeding.tgz seeding ;;
+  seeding-status) seeding_status ;;
+  seeding-watch) end=$(( $(date +%s) + ${WATCH:-540} ))  # seeding-status every minute, packed at the end
+    while left=$(( end - $(date +%s) )); [ $left -gt 0 ]; do
+      sleep $(( left < 60 ? left : 60 )); echo "---- $(date +%T)"; OUT= seeding_status; done
+    seeding_status ;;
   rows) setup || exit $?
     setsid nohup bash tools/gpu_tune.sh rows-job > $TT/rows.log 2>&1 < /dev/null &
     sleep 2; echo "rows started" ;;
@@ -275,5 +337,5 @@ case "${1:-status}" in
     # most the CLI's 60-s grace): wait for them before the servers go and status packs outputs
     for _ in $(seq 70); do pgrep -f "thomas_tune.cli (tune|remeasure)" >/dev/null || break; sleep 1; done
     pkill -f "thomas_tune.cli rpc" ; status ;;
-  *) echo "usage: $0 park|setup|start|status|watch|stop|bench ARGS"; exit 2 ;;
+  *) echo "usage: $0 park|setup|start|status|watch|stop|seeding|seeding-status|seeding-watch|bench ARGS"; exit 2 ;;
 esac
