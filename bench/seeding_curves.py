@@ -14,13 +14,14 @@ trial and changes nothing); the default times are the unseeded session's
 both curves start from the same point. A seeded log's first records are its seeds (measured on
 this device before the search; their count is in its ``seeded`` stats).
 
-``--reference LOG``: a fully tuned log whose records were re-measured on the same card
-(``SEED_REF`` of ``gpu_tune.sh seeding``: ``remeasure --restamp``); its final estimate, with the
-same default times, is drawn as a line, and each session's records to 95% of the reference's
-gain (untuned minus the reference's estimate) are counted. Without it the goal is to come within
-5% of the unseeded session's final estimate. Each session's records to 95% of its own final gain
-are given too. Writes ``OUT.json`` (the curves, the finals, the goals and the records each
-session took to reach them) and ``OUT.png``. Times in ms.
+``--reference [LABEL=]LOG`` (repeatable): a tuning log of the same card whose final estimate is
+a goal, such as a fully tuned log re-measured there (``SEED_REF`` of ``gpu_tune.sh seeding``:
+``remeasure --restamp``) or a longer run; its final estimate, with the same default times, is
+drawn as a line, and each session's records to 95% of its gain (untuned minus its estimate) are
+counted. Without one the goal is to come within 5% of the unseeded session's final estimate.
+Each session's records to 95% of its own final gain are given too. Writes ``OUT.json`` (the
+curves, the finals, the goals and the records each session took to reach them) and
+``OUT.png``. Times in ms.
 """
 
 from __future__ import annotations
@@ -55,8 +56,11 @@ def main():
     ap.add_argument("--target", default="targets/h100_opencl.json")
     ap.add_argument("--seeded", help="the seeded session's tuning log")
     ap.add_argument("--fresh", help="the unseeded session's tuning log")
-    ap.add_argument("--reference", help="a fully tuned log re-measured on the same card: its "
-                    "final estimate is the goal (95%% of its gain)")
+    ap.add_argument("--reference", action="append", default=[], metavar="[LABEL=]LOG",
+                    help="a tuning log of the same card (a fully tuned log re-measured there, "
+                    "a longer run) whose final estimate is a goal: 95%% of its gain; repeatable")
+    ap.add_argument("--seeds", type=int, help="seed records at the head of the seeded log "
+                    "(default: 'seeded.measured' of seeded.stats.json beside it)")
     ap.add_argument("--out", required=True, help="path prefix of OUT.json and OUT.png")
     a = ap.parse_args()
     sessions = [(n, p) for n, p in (("seeded", a.seeded), ("fresh", a.fresh)) if p]
@@ -64,7 +68,7 @@ def main():
         ap.error("give --seeded, --fresh or both")
     model, _, _ = load_model(a)
     default_s: dict[str, float] = {}
-    for _, log in reversed(sessions):  # the unseeded session's times win
+    for _, log in sessions:  # the unseeded session's times win (it comes last)
         path = os.path.join(log, "default_latency.json")
         if os.path.exists(path):
             default_s.update(json.load(open(path))["seconds"])
@@ -79,25 +83,31 @@ def main():
     curves = {name: tuning_curve(log, kernels)["ms"] for name, log in sessions}
     untuned = next(iter(curves.values()))[0]
     result = {"untuned_ms": untuned, "kernels": len(kernels), "tasks": len(tasks)}
-    if a.reference:
-        ref = tuning_curve(a.reference, kernels)
-        final, final_name = ref["ms"][-1], "reference"
-        goal = untuned - 0.95 * (untuned - final)
-        result.update(reference_final_ms=final, reference_records=len(ref["ms"]) - 1,
-                      reference_skipped_records=ref["skipped_records"],
-                      goal_ms=goal, goal="95% of the reference's gain")
-    else:
+    goals = []  # (label, final estimate or None, goal), in ms
+    for i, spec in enumerate(a.reference):
+        label, _, path = spec.rpartition("=")
+        label = label or ("reference" if len(a.reference) == 1 else f"reference {i + 1}")
+        ref = tuning_curve(path, kernels)
+        final = ref["ms"][-1]
+        goals.append((label, final, untuned - 0.95 * (untuned - final)))
+        result.setdefault("references", []).append(
+            {"label": label, "log": path, "final_ms": final, "records": len(ref["ms"]) - 1,
+             "skipped_records": ref["skipped_records"], "goal_ms": goals[-1][2],
+             "goal": f"95% of the gain of {label}"})
+    if not goals:
         final_name = "fresh" if "fresh" in curves else "seeded"
-        final = curves[final_name][-1]
-        goal = final / 0.95
-        result.update(goal_ms=goal, goal=f"within 5% of the {final_name} session's final")
+        goals.append((f"within 5% of the {final_name} final", None,
+                      curves[final_name][-1] / 0.95))
+        result["goal_ms"], result["goal"] = goals[0][2], goals[0][0]
     for name, c in curves.items():
         result[name] = {"records": len(c) - 1, "final_ms": c[-1],
-                        "records_to_goal": first_within(c, goal),
+                        "records_to_goal": {label: first_within(c, goal)
+                                            for label, _, goal in goals},
                         "records_to_95pct_of_own_gain": to_share_of_gain(c, c[-1])}
     if "seeded" in curves:
         stats_path = os.path.join(os.path.dirname(a.seeded.rstrip("/")), "seeded.stats.json")
-        seeds = (json.load(open(stats_path)).get("seeded") or {}).get("measured") \
+        seeds = a.seeds if a.seeds is not None else \
+            (json.load(open(stats_path)).get("seeded") or {}).get("measured") \
             if os.path.exists(stats_path) else None
         result["seeded"].update(
             seeds=seeds, after_seeds_ms=curves["seeded"][seeds]
@@ -111,17 +121,18 @@ def main():
     fig, ax = plt.subplots(figsize=(7, 4))
     for name, c in curves.items():
         ax.plot(range(len(c)), c, label=f"{name} ({len(c) - 1} records)")
-    if a.reference:
-        ax.axhline(final, color="black", ls="--", lw=1,
-                   label=f"reference, re-measured ({final:.2f} ms)")
-        ax.axhline(goal, color="grey", ls=":", label="95% of the reference's gain")
-    else:
-        ax.axhline(goal, color="grey", ls=":", label=f"within 5% of the {final_name} final")
+    for i, (label, final, goal) in enumerate(goals):
+        color = ("black", "tab:red", "tab:green", "tab:purple")[i % 4]
+        if final is None:
+            ax.axhline(goal, color="grey", ls=":", label=label)
+            continue
+        ax.axhline(final, color=color, ls="--", lw=1, label=f"{label}: {final:.2f} ms")
+        ax.axhline(goal, color=color, ls=":", lw=1, label=f"95% of its gain: {goal:.2f} ms")
     ax.set_xlabel("records measured on this device (trials, seeds included)")
     ax.set_ylabel("estimated step time, ms")
     what = " vs ".join({"seeded": "seeded", "fresh": "from nothing"}[n] for n in curves)
     ax.set_title(f"{model.arch} {model.width:g}@{model.resolution} batch {a.batch}: {what}")
-    ax.legend()
+    ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(a.out + ".png", dpi=120)
     print(json.dumps({k: v for k, v in result.items() if k != "curves"}, indent=1))
