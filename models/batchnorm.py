@@ -1,4 +1,4 @@
-"""BatchNorm in its training form as eight kernels: five in the forward pass, three backward.
+"""BatchNorm in its training form as seven kernels: four in the forward pass, three backward.
 
 Written out of Relax's generic operators (mean, subtract, divide, ...), the training form of one
 BatchNorm followed by its activation costs about seventeen kernel launches per step once the
@@ -7,13 +7,18 @@ byte (a phone's GPU) wants fewer. Here, for ``x`` of shape (N, C, H, W), float32
 M = N * H * W values per channel:
 
 forward
-  ``bn_psum``, ``bn_mean``  the channel mean ``mu[c]``: a sum over each sample's (H, W), then
-                      over the samples, divided by M;
-  ``bn_stats``        per sample and channel: ``s0[n, c] = sum(d)`` and ``s1[n, c] =
-                      sum(d * d)`` over (H, W), ``d = x - mu[c]`` (a tuple reduction: two sums
-                      in one pass);
-  ``bn_sums``         per channel, the sums of the samples' ``s0`` and ``s1``: ``S0[c]``,
-                      ``S1[c]``;
+  ``bn_psum``         per sample and channel, the sum of its (H, W) values, ``p[n, c]``; the
+                      sample's mean ``m[n, c] = p[n, c] / (H * W)``;
+  ``bn_stats``        per sample and channel, the sums of the deviations from the sample's own
+                      mean and of their squares over (H, W): ``s0[n, c] = sum(x - m[n, c])``,
+                      ``s1[n, c] = sum((x - m[n, c])^2)`` (a tuple reduction: two sums in one
+                      pass; ``s0`` is the rounding error of ``m`` times H * W);
+  ``bn_combine``      per channel, the samples joined (Chan, Golub & LeVeque 1983, eq. 2.1):
+                      with the shift ``mu[c] = m[0, c]`` (the first sample's mean, a value near
+                      the channel's mean) and each sample's mean's offset from it
+                      ``e[n] = (m[n] - mu) + s0[n] / (H * W)``, the channel's shifted sums
+                      ``S0[c] = sum(x - mu) = H * W * sum(e)`` and ``S1[c] = sum((x - mu)^2) =
+                      sum(s1 - s0^2 / (H * W)) + H * W * sum(e^2)``;
   running statistics  PyTorch's rule (biased variance to normalise, unbiased into the running
                       estimate, ``new = (1 - m) * old + m * batch``): not a kernel per
                       BatchNorm but :func:`running_exprs`, which the training graph computes
@@ -31,15 +36,17 @@ samples: float32's error in a sum grows with the length of the chains that add i
 accumulator, and one sum of N * H * W values (8,192 in a test's 32x32 layer at batch 8, 401,408
 in MobileNetV2's first layer at 224 px and batch 32) left the normalised values several times
 further from float64 than two-level sums (measured kernel by kernel,
-``experiments/kernel_precision.py``). The variance is the corrected two-pass one (Chan, Golub &
-LeVeque 1983, "Algorithms for computing the sample variance", eq. 1.7): with ``m1 = S0 / M``,
-the deviations' own mean (the rounding error of ``mu``), ``var = S1 / M - m1^2`` and
-``xhat = ((x - mu) - m1) * rstd``: the deviations from the rounded mean are exact float32
-differences for values near it, so a channel whose mean is large against its spread keeps
-the mean's rounding out of the variance and of every normalised value. A one-pass variance
-shifted by one value of the channel, which saves the two kernels of the mean, was 2-5x further
-from float64 in the normalised values. Every kernel recomputes the mean and ``rstd`` from
-``mu, S0, S1`` per element: a few operations, where a separate kernel would cost a launch.
+``experiments/kernel_precision.py``). Each sample's variance is a two-pass one, its deviations
+taken from its own rounded mean and corrected by their mean (Chan, Golub & LeVeque 1983,
+"Algorithms for computing the sample variance", eq. 1.7); the samples are then joined by the
+pairwise formula of the same paper (eq. 2.1), so no pass over ``x`` waits for the channel's
+mean. The consumers see the channel through ``mu, S0, S1``: with ``m1 = S0 / M`` (the
+channel mean's offset from the shift, small against the spread), ``var = S1 / M - m1^2`` and
+``xhat = ((x - mu) - m1) * rstd``, where ``x - mu`` is an exact float32 difference for values
+near the shift. A one-pass variance shifted by one value of the channel, which saves the pass
+of the sample means, was 2-5x further from float64 in the normalised values. Every kernel
+recomputes the mean and ``rstd`` from ``mu, S0, S1`` per element: a few operations, where a
+separate kernel would cost a launch.
 
 ``act`` is ``None`` (identity), ``"relu"`` or ``"relu6"``; its derivative is PyTorch's
 (``threshold_backward``: 0 where y <= 0; ``hardtanh_backward``: 0 outside 0 < y < 6).
@@ -134,28 +141,59 @@ def bn_psum(x: te.Tensor) -> te.Tensor:
                       lambda n, c: te.sum(x[n, c, rh, rw], axis=[rh, rw]), name="bn_psum")
 
 
-def bn_mean(p: te.Tensor, count: int) -> te.Tensor:
-    """(N, C) per-sample sums -> (C,): their sum over the samples divided by ``count``."""
-    rn = te.reduce_axis((0, p.shape[0]), "n")
-    inv = tirx.const(1.0 / count, p.dtype)
-    return te.compute((p.shape[1],), lambda c: te.sum(p[rn, c] * inv, axis=[rn]),
-                      name="bn_mean")
+def _sample_mean(p: te.Tensor, hw: int, n, c):
+    """The mean of sample ``n``'s values of channel ``c`` from their sum ``p`` (N, C)."""
+    return p[n, c] * tirx.const(1.0 / hw, p.dtype)
 
 
-def bn_stats(x: te.Tensor, mu: te.Tensor):
-    """(N, C, H, W), (C,) -> (s0, s1), each (N, C): the sums of each sample's deviations from
-    ``mu`` and of their squares, per channel (module docstring)."""
+def bn_stats(x: te.Tensor, p: te.Tensor):
+    """(N, C, H, W), (N, C) sums of each sample's plane (:func:`bn_psum`) -> (s0, s1), each
+    (N, C): the sums of each sample's deviations from its own mean and of their squares, per
+    channel (module docstring)."""
     rh, rw = _plane_axes(x)
+    hw = int(x.shape[2]) * int(x.shape[3])
 
     def body(n, c):
-        d = x[n, c, rh, rw] - mu[c]
+        d = x[n, c, rh, rw] - _sample_mean(p, hw, n, c)
         return _SUM2((d, d * d), axis=[rh, rw])
 
     return te.compute((x.shape[0], x.shape[1]), body, name="bn_stats")
 
 
+def _sum3(a, b):
+    return a[0] + b[0], a[1] + b[1], a[2] + b[2]
+
+
+def _zero3(t0, t1, t2):
+    return tirx.const(0.0, t0), tirx.const(0.0, t1), tirx.const(0.0, t2)
+
+
+_SUM3 = te.comm_reducer(_sum3, _zero3, name="sum3")  # three sums in one pass
+
+
+def bn_combine(p: te.Tensor, s0: te.Tensor, s1: te.Tensor, hw: int):
+    """(N, C) per-sample sums (:func:`bn_psum`) and deviation sums (:func:`bn_stats`) of
+    samples of ``hw`` (H * W) values each -> (mu, S0, S1), each (C,): the shift and the
+    channel's sums of the deviations from it and of their squares (module docstring), as one
+    reduction over the samples; the shift, the first sample's mean, is picked by that same
+    reduction (the other samples add exact zeros), so the three come out of one kernel."""
+    dt = p.dtype
+    rn = te.reduce_axis((0, p.shape[0]), "n")
+    inv_hw, weight, zero = (tirx.const(v, dt) for v in (1.0 / hw, float(hw), 0.0))
+
+    def body(c):
+        first = _sample_mean(p, hw, 0, c)
+        e = (_sample_mean(p, hw, rn, c) - first) + s0[rn, c] * inv_hw
+        within = tirx.max(s1[rn, c] - s0[rn, c] * s0[rn, c] * inv_hw, zero)
+        return _SUM3((tirx.Select(rn == 0, first, zero), weight * e, within + weight * e * e),
+                     axis=[rn])
+
+    return te.compute((p.shape[1],), body, name="bn_combine")
+
+
 def bn_sums(a: te.Tensor, b: te.Tensor):
-    """(N, C), (N, C) -> (A, B), each (C,): the sums over the samples (axis 0), in one pass."""
+    """(N, C), (N, C) -> (A, B), each (C,): the sums over the samples (axis 0), in one pass
+    (the backward's gradients of beta and gamma)."""
     rn = te.reduce_axis((0, a.shape[0]), "n")
 
     def body(c):
@@ -183,7 +221,7 @@ def running_exprs(count: int, momentum: float, dtype: str) -> dict[str, str]:
     """The new running statistics of a BatchNorm over ``count`` values per channel (M), as
     element-wise update expressions in TVMScript (for ``thomas_tune.multi_tensor``'s
     ``update_kernel``, one element per channel): inputs ``rm``, ``rv`` (the running mean and
-    variance), ``mu`` (the shift), ``s0``, ``s1`` (the batch's shifted sums, ``bn_sums``);
+    variance), ``mu`` (the shift), ``s0``, ``s1`` (the batch's shifted sums, ``bn_combine``);
     outputs ``rm_new = (1 - momentum) * rm + momentum * mean`` and ``rv_new = (1 - momentum)
     * rv + momentum * var * M / (M - 1)``, with the mean and biased variance of
     :class:`_Channel` (PyTorch's rule: the unbiased variance goes into the estimate)."""

@@ -185,15 +185,13 @@ class Graph(Records):
         bb = self.bb
         psum = bb.emit_te(B.bn_psum, x, primfunc_name_hint="bn_psum")
         n, _, h, w = shape_of(x)
-        mu = self.emit(R.grad.no_grad(bb.emit_te(B.bn_mean, psum, n * h * w,
-                                                 primfunc_name_hint="bn_mean")))
-        partial = bb.emit_te(B.bn_stats, x, mu, primfunc_name_hint="bn_stats")
+        partial = bb.emit_te(B.bn_stats, x, psum, primfunc_name_hint="bn_stats")
         p0, p1 = (self.emit(relax.TupleGetItem(partial, i)) for i in range(2))
-        sums = bb.emit_te(B.bn_sums, p0, p1, primfunc_name_hint="bn_sums")
-        s0, s1 = (self.emit(relax.TupleGetItem(sums, i)) for i in range(2))
+        stats = bb.emit_te(B.bn_combine, psum, p0, p1, h * w, primfunc_name_hint="bn_combine")
+        mu, s0, s1 = (self.emit(R.grad.no_grad(self.emit(relax.TupleGetItem(stats, i))))
+                      for i in range(3))
         self.running[name] = B.Running(mu, s0, s1, mean, var, n * h * w, momentum)
-        # the statistics' own gradient is part of the one registered for bn_act
-        s0, s1 = self.emit(R.grad.no_grad(s0)), self.emit(R.grad.no_grad(s1))
+        # the statistics' own gradient is part of the one registered for bn_act (no_grad above)
         return self.emit(bb.call_te_with_grad(
             B.bn_act, x, mu, s0, s1, gamma, beta, eps, act, primfunc_name_hint="bn_act",
             te_grad_name=B.GRADIENT, te_grad_kwargs={"eps": float(eps), "act": act or ""}))

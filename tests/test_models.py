@@ -190,7 +190,7 @@ def test_last_layers_train_with_frozen_batchnorms_in_inference_form(rng):
 
 
 def test_batchnorm_and_optimizer_kernels_per_step():
-    """The training form of each BatchNorm is eight kernels (four for the statistics,
+    """The training form of each BatchNorm is seven kernels (three for the statistics,
     normalisation with its activation, three for the backward), the new running statistics of
     all of them a few multi-tensor kernels (one per feature-map size, 18 BatchNorms at most
     each: MobileNetV2 has six sizes and at most 21 BatchNorms of one), and momentum SGD
@@ -207,12 +207,11 @@ def test_batchnorm_and_optimizer_kernels_per_step():
         return sum(n for k, n in calls.items() if k.startswith(prefix)
                    or k.startswith(f"fused_{prefix}"))
 
-    for kernel in ("bn_psum", "bn_mean", "bn_stats", "bn_act_reduce", "bn_act_dx"):
+    for kernel in ("bn_psum", "bn_stats", "bn_combine", "bn_act_reduce", "bn_act_dx", "bn_sums"):
         assert count(kernel) == n_bn, kernel
     assert 0 < count("bn_running") <= 6 + 1
-    assert count("bn_sums") == 2 * n_bn  # the statistics' and the backward's
     assert count("bn_act") - count("bn_act_reduce") - count("bn_act_dx") == n_bn
     # nothing else of BatchNorm's generic form is left (mean, variance, their backward)
-    assert not [k for k in calls if "variance" in k or ("mean" in k and "bn_mean" not in k)]
+    assert not [k for k in calls if "variance" in k or "mean" in k]
     n_params = len(tg.trainable)
     assert sum(callees(mod[G.OPTIMIZER]).values()) == -(-n_params // 42)  # (128 - 1) // 3

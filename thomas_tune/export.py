@@ -33,13 +33,13 @@ import time
 import numpy as np
 import tvm
 
-from . import graph as G
+from . import graph as G, lift
 from tvm import relax
 
 from .compile import compile_graph
 from .record_check import checked_build
 from .dropout import draw_masks_function
-from .manifest import (FORMAT, MANIFEST, PACK_OPTIMIZER_STATE, PACK_TRAINABLE,  # noqa: F401
+from .manifest import (ADJOINT, FORMAT, MANIFEST, PACK_OPTIMIZER_STATE, PACK_TRAINABLE,  # noqa: F401
                        read_manifest)
 from .models import save_checkpoint, share_mode, spec
 from .schedules import STOCK_RULES
@@ -133,6 +133,9 @@ def export(out_dir: str, model, tensors: dict[str, np.ndarray], target: tvm.targ
     shapes = {p.name: p.shape for p in spec(model).params}
     train_mod = _with_step_functions(tg.mod, [shapes[n] for n in tg.trainable], tg.optim_state,
                                      list(tg.masks.values()))
+    if tg.frozen:  # the frozen parameters' transforms run once per load, not every step
+        train_mod[ADJOINT] = train_mod[ADJOINT].with_attr(
+            lift.ATTR, [1 + len(tg.masks), len(tg.frozen)])
     infer_mod = G.inference_module(model, infer_batch)
     rules = STOCK_RULES if stock_defaults else None
 
@@ -195,6 +198,9 @@ def export(out_dir: str, model, tensors: dict[str, np.ndarray], target: tvm.targ
         "states": [p.name for p in s.states],
         "trainable": tg.trainable,
         "frozen": tg.frozen,
+        # per frozen slot of the step, the frozen parameter it takes or "" for the next value
+        # of ADJOINT_FROZEN (lift.frozen_slots), or None: the step takes the frozen parameters
+        "frozen_slots": lift.frozen_slots(train_mod, ADJOINT, wino_train),
         # the BatchNorm mode of the step, and the BatchNorms it runs in inference form
         "batchnorm": tg.batchnorm,
         "frozen_bn": sorted(tg.frozen_bn),

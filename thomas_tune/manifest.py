@@ -17,6 +17,9 @@ FORMAT = "thomas_tune.export/2"  # 2: dropout masks drawn on the device (draw_ma
 # functions of the exported libraries (``graph`` builds them, ``runtime.Session`` calls them)
 PREDICT = "predict"
 ADJOINT = "train_adjoint"
+# what the step computes from the frozen parameters alone, computed once per load
+# (``lift.lift_frozen``; the manifest's ``frozen_slots`` say how the step takes it)
+ADJOINT_FROZEN = "train_adjoint_frozen"
 OPTIMIZER = "optimizer"
 PACK_TRAINABLE = "pack_trainable"
 PACK_OPTIMIZER_STATE = "pack_optimizer_state"

@@ -38,7 +38,7 @@ import numpy as np
 import tvm
 from tvm.runtime.vm import VirtualMachine
 
-from .manifest import (ADJOINT, DRAW_MASKS, FEATURES, HEAD_ADJOINT, OPTIMIZER,
+from .manifest import (ADJOINT, ADJOINT_FROZEN, DRAW_MASKS, FEATURES, HEAD_ADJOINT, OPTIMIZER,
                        PACK_OPTIMIZER_STATE, PACK_TRAINABLE, PREDICT, read_manifest)
 from .models import load_checkpoint, save_checkpoint
 from .models.layers import require_compiler
@@ -332,9 +332,27 @@ class Session:
         frozen parameters (``ADJOINT`` only), trainable parameters, the states the step
         updates (:meth:`_step_states`), labels (device tensors)."""
         m = self.manifest
-        frozen = self._ordered(m["frozen"]) if fn == ADJOINT else []
+        frozen = self._frozen_slots() if fn == ADJOINT else []
         return [first, *masks, *frozen, *self._ordered(m["trainable"]),
                 *self._ordered(self._step_states(fn)), y]
+
+    def _frozen_slots(self) -> list:
+        """What ``ADJOINT`` takes in the frozen parameters' place: the frozen parameters, or,
+        in an export whose step had their transforms lifted out (the manifest's
+        ``frozen_slots``, :mod:`thomas_tune.lift`), per slot the parameter itself or the next
+        value of ``ADJOINT_FROZEN``, which runs once after each load of the parameters."""
+        m = self.manifest
+        slots = m.get("frozen_slots")
+        if not slots:
+            return self._ordered(m["frozen"])
+        if "frozen" not in self._tuples:
+            out = self._timed(lambda: self._train_vm[ADJOINT_FROZEN](
+                *self._ordered(m["frozen"])))
+            n = sum(1 for s in slots if not s)
+            self._tuples["frozen"] = ([self._get_item(out, i) for i in range(n)]
+                                      if self.remote else list(out))
+        lifted = iter(self._tuples["frozen"])
+        return [self._t[s] if s else next(lifted) for s in slots]
 
     def _step_states(self, fn: str) -> list[str]:
         """The states (running statistics) the step function ``fn`` takes and returns: all
@@ -539,7 +557,7 @@ class Session:
                 *self._ordered(m["trainable"]))
             self._tuples["opt"] = self._train_vm[PACK_OPTIMIZER_STATE](*self._opt)
         res = self._train_vm[OPTIMIZER](self._tuples["params"], get(out, 1), self._tuples["opt"])
-        self._tuples = {"params": get(res, 0), "opt": get(res, 1)}
+        self._tuples.update(params=get(res, 0), opt=get(res, 1))
         for i, name in enumerate(m["trainable"]):
             self._t[name] = get(self._tuples["params"], i)
         self.steps += 1

@@ -196,7 +196,7 @@ def export_step(export_dir: str, x: np.ndarray, y: np.ndarray, device=None, rpc_
     import tvm
     from tvm.relax import VirtualMachine
 
-    from .manifest import ADJOINT, FEATURES, HEAD_ADJOINT, read_manifest
+    from .manifest import ADJOINT, ADJOINT_FROZEN, FEATURES, HEAD_ADJOINT, read_manifest
     from .models import load_checkpoint
     from .runtime import device_for
     m = read_manifest(export_dir)
@@ -214,6 +214,7 @@ def export_step(export_dir: str, x: np.ndarray, y: np.ndarray, device=None, rpc_
     def t(a):
         return tvm.runtime.tensor(np.ascontiguousarray(a), dev)
 
+    get = rpc_session.get_function("ffi.ArrayGetItem") if rpc_session is not None else None
     masks = [t(np.ones(v["shape"], "float32")) for v in m["masks"].values()]
     if cached:
         if rpc_session is not None or not m.get("features"):
@@ -228,13 +229,18 @@ def export_step(export_dir: str, x: np.ndarray, y: np.ndarray, device=None, rpc_
                                t(y.astype("int64")))
     else:
         states = m["states"]
-        ordered = [t(tensors[n]) for n in (*m["frozen"], *m["trainable"], *m["states"])]
-        out = vm[ADJOINT](t(x), *masks, *ordered, t(y.astype("int64")))
+        frozen = [t(tensors[n]) for n in m["frozen"]]
+        if m.get("frozen_slots"):  # the frozen parameters' transforms lifted out of the step
+            lifted = vm[ADJOINT_FROZEN](*frozen)
+            n = sum(1 for s in m["frozen_slots"] if not s)
+            lifted = iter([get(lifted, i) for i in range(n)] if rpc_session else list(lifted))
+            frozen = [t(tensors[s]) if s else next(lifted) for s in m["frozen_slots"]]
+        ordered = [t(tensors[n]) for n in (*m["trainable"], *m["states"])]
+        out = vm[ADJOINT](t(x), *masks, *frozen, *ordered, t(y.astype("int64")))
     if rpc_session is None:
         ret, grads = out
         loss = ret[0] if states else ret
     else:
-        get = rpc_session.get_function("ffi.ArrayGetItem")
         ret, handle = get(out, 0), get(out, 1)
         loss = get(ret, 0) if m["states"] else ret
         grads = [get(handle, i) for i in range(len(m["trainable"]))]

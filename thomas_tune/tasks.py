@@ -29,7 +29,12 @@ def fuse(mod: tvm.IRModule, winograd=None) -> tvm.IRModule:
     :func:`thomas_tune.winograd_form.eligible` takes, in the Winograd form) or a set of
     :class:`thomas_tune.winograd_form.Conv` (those convolutions only, e.g. from
     :func:`choose_winograd`).
+
+    A function marked with :data:`thomas_tune.lift.ATTR` (an export's step) then has the
+    kernels that read its frozen parameters alone lifted into a function of its own
+    (:func:`thomas_tune.lift.lift_frozen`), the Winograd weight transforms among them.
     """
+    from .lift import lift_frozen
     if winograd:
         from . import winograd_form as W
         mod, _ = W.rewrite(mod, (lambda call, conv: True) if winograd == "all"
@@ -43,7 +48,9 @@ def fuse(mod: tvm.IRModule, winograd=None) -> tvm.IRModule:
         relax.transform.FuseTIR(),
     ])
     with tvm.transform.PassContext(opt_level=3):
-        return short_kernel_names(seq(mod))
+        # lifted once fused: a kernel that reads a frozen parameter beside other inputs (a
+        # bias and its reshape fused into a convolution) stays as it is, its workload unchanged
+        return short_kernel_names(lift_frozen(seq(mod)))
 
 
 #: the longest kernel name a fused PrimFunc keeps. FuseOps names a fused kernel after its

@@ -1,0 +1,147 @@
+"""The frozen parameters' transforms computed once, not at every training step.
+
+A step function reads the frozen parameters as ordinary inputs, so whatever the graph computes
+from them alone runs again at every step although its result never changes: the Winograd form's
+weight transform of each frozen convolution (``winograd_form``: ``G g G^T`` per output and input
+channel, a launch and the weights' bytes read and written), a bias's reshape. Relax's
+``LiftTransformParams`` moves every binding that depends on marked parameters only into a
+function of its own; here that function is run once when the parameters are loaded
+(``runtime.Session``) and the step takes its outputs.
+
+:data:`ATTR` on a Relax function asks for it: ``[first, count]``, the positions of the frozen
+parameters among the function's parameters (``first``, then ``count`` of them).
+:func:`lift_frozen` (which ``tasks.fuse`` applies after the Winograd rewrite, so that the weight
+transforms are there to be lifted) then leaves two functions:
+
+* ``NAME`` itself, its frozen parameters replaced in place (from ``first`` on) by its frozen
+  slots (:data:`SLOTS`, :func:`frozen_slots`): a frozen parameter the step reads as it is
+  takes that parameter, every other slot the next output of ``NAME_frozen``; the other
+  parameters unchanged;
+* ``NAME_frozen`` (:func:`frozen_function`): ``(frozen parameters...) -> tuple of the lifted
+  values`` (each a tensor of its own), the frozen parameters in their order in ``NAME``.
+"""
+
+from __future__ import annotations
+
+import tvm
+from tvm import relax, te
+
+ATTR = "thomas_tune.lift_frozen"
+#: on the split step function: per frozen slot, the frozen parameter it takes as it is, or ""
+#: for the next output of ``NAME_frozen``
+SLOTS = "thomas_tune.frozen_slots"
+
+
+def frozen_function(name: str) -> str:
+    """The name of the function that computes ``name``'s lifted frozen values."""
+    return f"{name}_frozen"
+
+
+def lift_frozen(mod: tvm.IRModule) -> tvm.IRModule:
+    """``mod`` with each Relax function that carries :data:`ATTR` split in two (module
+    docstring); the others unchanged. Raises ValueError when the attribute's positions are not
+    among the function's parameters."""
+    todo = [gv for gv, f in mod.functions.items()
+            if isinstance(f, relax.Function) and f.attrs and ATTR in f.attrs]
+    for gv in todo:
+        mod = _lift_one(mod, gv.name_hint)
+    return mod
+
+
+def _copy(a: te.Tensor) -> te.Tensor:
+    return te.compute(a.shape, lambda *i: a(*i), name="frozen_copy")
+
+
+def _bindings(func: relax.Function) -> dict:
+    out = {}
+    for block in func.body.blocks:
+        for b in block.bindings:
+            out[b.var] = b.value
+    return out
+
+
+def _kind(mod: tvm.IRModule, expr, bindings: dict, tuple_param):
+    """What the transform's output ``expr`` is: ``("param", j)`` for the j-th frozen
+    parameter as it is, ``("kernel", None)`` for a kernel's output, ``("view", None)`` for
+    anything else (a reshape: a view of a parameter once built). ``mod`` holds the kernels."""
+    while isinstance(expr, relax.Var) and expr in bindings:
+        value = bindings[expr]
+        if isinstance(value, relax.TupleGetItem) and value.tuple_value.same_as(tuple_param):
+            return "param", int(value.index)
+        if isinstance(value, relax.Var):
+            expr = value
+            continue
+        if isinstance(value, relax.Call) and value.op.same_as(tvm.ir.Op.get("relax.call_tir")):
+            # a kernel that only reshapes becomes a view of its input in the build
+            # (RewriteDataflowReshape)
+            kernel = mod[value.args[0]]
+            return ("view", None) if relax.analysis.has_reshape_pattern(kernel) else \
+                ("kernel", None)
+        return "view", None
+    return "view", None
+
+
+def _lift_one(mod: tvm.IRModule, name: str) -> tvm.IRModule:
+    f = mod[name]
+    first, count = (int(v) for v in f.attrs[ATTR])
+    params = list(f.params)
+    if first < 0 or count < 1 or first + count > len(params):
+        raise ValueError(f"{name}: frozen parameters at {first}..{first + count - 1} are not "
+                         f"among its {len(params)} parameters")
+    frozen = params[first:first + count]
+    inputs = params[:first] + params[first + count:]
+    # LiftTransformParams takes the function's first num_input parameters as its inputs and
+    # the rest as parameters whose transforms it lifts: the frozen ones go last
+    staged = relax.Function(inputs + frozen, f.body, f.ret_ty, f.is_pure,
+                            f.attrs).without_attr(ATTR).with_attr("num_input", len(inputs))
+    mod = tvm.IRModule(dict(mod.functions), attrs=mod.attrs)
+    mod[name] = staged
+    with tvm.transform.PassContext(opt_level=3):
+        mod = relax.transform.LiftTransformParams()(mod)
+    lifted = mod[name]
+    lp = list(lifted.params)
+    transform = mod.get_global_var(f"{name}_transform_params")
+    tfunc = mod[transform]
+    bindings = _bindings(tfunc)
+    result = tfunc.body.body
+    while isinstance(result, relax.Var) and result in bindings:
+        result = bindings[result]
+    fields = list(result.fields) if isinstance(result, relax.Tuple) else None
+    if fields is None or len(fields) != len(lp) - len(inputs):
+        raise ValueError(f"{name}: the lifted transform does not return one tuple of the "
+                         f"{len(lp) - len(inputs)} lifted values")
+    kinds = [_kind(mod, e, bindings, tfunc.params[0]) for e in fields]
+    # the step's frozen slots: a frozen parameter read as it is takes the parameter itself
+    # (no copy, and no tensor that outlives the call it came in through: over RPC a call's
+    # arguments are borrowed); every other lifted value is an output of NAME_frozen, a view
+    # copied there into a tensor of its own
+    mod[name] = relax.Function(lp[:first] + lp[len(inputs):] + lp[first:len(inputs)],
+                               lifted.body, lifted.ret_ty, lifted.is_pure,
+                               lifted.attrs).without_attr("num_input").with_attr(
+        SLOTS, [str(frozen[j].name) if k == "param" else "" for k, j in kinds])
+    flat = [relax.Var(p.name, p.ty) for p in frozen]
+    bb = relax.BlockBuilder(mod)
+    with bb.function(frozen_function(name), flat):
+        out = bb.emit(relax.Call(transform, [relax.Tuple(flat)]))
+        values = []
+        for i, (k, _) in enumerate(kinds):
+            if k == "param":
+                continue
+            v = bb.emit(relax.TupleGetItem(out, i))
+            if k == "view":  # a kernel of its own (lifting runs after legalization)
+                v = bb.emit_te(_copy, v, primfunc_name_hint="frozen_copy")
+            values.append(v)
+        bb.emit_func_output(relax.Tuple(values))
+    return bb.get()
+
+
+def frozen_slots(mod: tvm.IRModule, name: str, winograd=None) -> list[str] | None:
+    """The frozen slots of ``name`` once ``mod`` is built with ``winograd`` (as
+    :func:`thomas_tune.tasks.fuse` takes it): per slot, the frozen parameter it takes as it
+    is, or "" for the next output of ``NAME_frozen``; None when ``name`` asks for no lifting.
+    What the runtime needs to call the built step (the manifest keeps it)."""
+    f = mod[name]
+    if not (f.attrs and ATTR in f.attrs):
+        return None
+    from .tasks import fuse
+    return [str(s) for s in fuse(mod, winograd)[name].attrs[SLOTS]]
