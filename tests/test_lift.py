@@ -93,8 +93,8 @@ def test_split_step_gives_the_whole_steps_numbers(rng):
 
 @needs_opencl
 def test_an_export_lifts_once_per_load(tmp_path, rng):
-    """An AlexNet ``last:3`` export on PoCL: its manifest names the slots; the lifting function
-    runs before the first step only (its launches are not repeated), and again after
+    """An AlexNet ``last:3`` export on PoCL: its manifest names the step's slots; the lifting
+    function runs before the first step only (its launches are not repeated), and again after
     ``load_tensors``, whose new frozen weights the next step uses (the loss of a fresh session
     made with them)."""
     from thomas_tune.export import export
@@ -125,3 +125,28 @@ def test_an_export_lifts_once_per_load(tmp_path, rng):
     want = fresh.train_step(x, y)
     s.load_tensors(other)
     assert s.train_step(x, y) == want
+
+
+@needs_opencl
+def test_inference_lifts_again_after_training_steps(tmp_path, rng):
+    """Inference lifts what it computes from the parameters alone (an AlexNet export with every
+    layer trainable, whose convolutions' biases are reshaped once): after training steps its
+    logits are those of a fresh session loaded with the trained tensors, not of the lifted
+    values before the steps."""
+    from thomas_tune.export import export
+    from thomas_tune.runtime import Session
+    model = build("alexnet", **SMALL["alexnet"])
+    m = export(str(tmp_path), model, random_tensors(model, rng), opencl.target_for(0), batch=4,
+               infer_batch=1, trainable="all", progress=lambda *_: None)
+    assert m["frozen_slots"] is None and "" in m["predict_slots"]
+    x = rng.standard_normal(model.input_shape(4)).astype("float32")
+    y = rng.integers(0, model.num_classes, 4)
+    s = Session(str(tmp_path))
+    before = s.predict(x[:1])
+    for _ in range(2):
+        s.train_step(x, y)
+    now = Session(str(tmp_path))
+    now.load_tensors(s.tensors())
+    after = s.predict(x[:1])
+    np.testing.assert_array_equal(after, now.predict(x[:1]))
+    assert not np.array_equal(after, before)

@@ -39,8 +39,8 @@ from tvm import relax
 from .compile import compile_graph
 from .record_check import checked_build
 from .dropout import draw_masks_function
-from .manifest import (ADJOINT, FORMAT, MANIFEST, PACK_OPTIMIZER_STATE, PACK_TRAINABLE,  # noqa: F401
-                       read_manifest)
+from .manifest import (ADJOINT, FORMAT, MANIFEST, PACK_OPTIMIZER_STATE,  # noqa: F401
+                       PACK_TRAINABLE, PREDICT, read_manifest)
 from .models import save_checkpoint, share_mode, spec
 from .schedules import STOCK_RULES
 from .target import cross_compiler, describe, export_shared, host_triple
@@ -137,6 +137,8 @@ def export(out_dir: str, model, tensors: dict[str, np.ndarray], target: tvm.targ
         train_mod[ADJOINT] = train_mod[ADJOINT].with_attr(
             lift.ATTR, [1 + len(tg.masks), len(tg.frozen)])
     infer_mod = G.inference_module(model, infer_batch)
+    n_constant = len(spec(model).params) + len(spec(model).states)
+    infer_mod[PREDICT] = infer_mod[PREDICT].with_attr(lift.ATTR, [1, n_constant])
     rules = STOCK_RULES if stock_defaults else None
 
     def build_libraries(built: dict | None) -> dict:
@@ -201,6 +203,9 @@ def export(out_dir: str, model, tensors: dict[str, np.ndarray], target: tvm.targ
         # per frozen slot of the step, the frozen parameter it takes or "" for the next value
         # of ADJOINT_FROZEN (lift.frozen_slots), or None: the step takes the frozen parameters
         "frozen_slots": lift.frozen_slots(train_mod, ADJOINT, wino_train),
+        # the same for the inference module's predict: in the place of the parameters and
+        # states, each one itself or "" for the next value of PREDICT_FROZEN
+        "predict_slots": lift.frozen_slots(infer_mod, PREDICT, wino_infer),
         # the BatchNorm mode of the step, and the BatchNorms it runs in inference form
         "batchnorm": tg.batchnorm,
         "frozen_bn": sorted(tg.frozen_bn),

@@ -138,10 +138,12 @@ def _lift_one(mod: tvm.IRModule, name: str) -> tvm.IRModule:
 def frozen_slots(mod: tvm.IRModule, name: str, winograd=None) -> list[str] | None:
     """The frozen slots of ``name`` once ``mod`` is built with ``winograd`` (as
     :func:`thomas_tune.tasks.fuse` takes it): per slot, the frozen parameter it takes as it
-    is, or "" for the next output of ``NAME_frozen``; None when ``name`` asks for no lifting.
-    What the runtime needs to call the built step (the manifest keeps it)."""
+    is, or "" for the next output of ``NAME_frozen``; None when ``name`` asks for no lifting
+    or nothing is lifted (the built function then takes its parameters as they are). What the
+    runtime needs to call the built function (the manifest keeps it)."""
     f = mod[name]
     if not (f.attrs and ATTR in f.attrs):
         return None
     from .tasks import fuse
-    return [str(s) for s in fuse(mod, winograd)[name].attrs[SLOTS]]
+    slots = [str(s) for s in fuse(mod, winograd)[name].attrs[SLOTS]]
+    return slots if "" in slots else None

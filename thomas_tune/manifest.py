@@ -20,6 +20,9 @@ ADJOINT = "train_adjoint"
 # what the step computes from the frozen parameters alone, computed once per load
 # (``lift.lift_frozen``; the manifest's ``frozen_slots`` say how the step takes it)
 ADJOINT_FROZEN = "train_adjoint_frozen"
+# the same for the inference module's predict, whose parameters and states are all constant
+# between loads and training steps (the manifest's ``predict_slots``)
+PREDICT_FROZEN = "predict_frozen"
 OPTIMIZER = "optimizer"
 PACK_TRAINABLE = "pack_trainable"
 PACK_OPTIMIZER_STATE = "pack_optimizer_state"

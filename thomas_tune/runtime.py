@@ -39,7 +39,8 @@ import tvm
 from tvm.runtime.vm import VirtualMachine
 
 from .manifest import (ADJOINT, ADJOINT_FROZEN, DRAW_MASKS, FEATURES, HEAD_ADJOINT, OPTIMIZER,
-                       PACK_OPTIMIZER_STATE, PACK_TRAINABLE, PREDICT, read_manifest)
+                       PACK_OPTIMIZER_STATE, PACK_TRAINABLE, PREDICT, PREDICT_FROZEN,
+                       read_manifest)
 from .models import load_checkpoint, save_checkpoint
 from .models.layers import require_compiler
 from .target import host_arch, machine_arch
@@ -342,16 +343,23 @@ class Session:
         ``frozen_slots``, :mod:`thomas_tune.lift`), per slot the parameter itself or the next
         value of ``ADJOINT_FROZEN``, which runs once after each load of the parameters."""
         m = self.manifest
-        slots = m.get("frozen_slots")
-        if not slots:
+        if not m.get("frozen_slots"):
             return self._ordered(m["frozen"])
-        if "frozen" not in self._tuples:
-            out = self._timed(lambda: self._train_vm[ADJOINT_FROZEN](
-                *self._ordered(m["frozen"])))
-            n = sum(1 for s in slots if not s)
-            self._tuples["frozen"] = ([self._get_item(out, i) for i in range(n)]
-                                      if self.remote else list(out))
-        lifted = iter(self._tuples["frozen"])
+        return self._slot_args(self._train_vm, ADJOINT_FROZEN, m["frozen_slots"], m["frozen"],
+                               key=None)
+
+    def _slot_args(self, vm, frozen_fn: str, slots: list[str], names: list[str], key) -> list:
+        """Per slot, the tensor ``slots`` names or the next value of ``vm``'s ``frozen_fn`` on
+        the tensors ``names``; its values are kept until ``key`` changes or the tensors are
+        loaded again (:meth:`load_tensors`)."""
+        cached = self._tuples.get(frozen_fn)
+        if cached is None or cached[0] != key:
+            out = self._timed(lambda: vm[frozen_fn](*self._ordered(names)))
+            n = slots.count("")
+            cached = (key, [self._get_item(out, i) for i in range(n)] if self.remote
+                      else list(out))
+            self._tuples[frozen_fn] = cached
+        lifted = iter(cached[1])
         return [self._t[s] if s else next(lifted) for s in slots]
 
     def _step_states(self, fn: str) -> list[str]:
@@ -408,9 +416,13 @@ class Session:
             self._check_x(chunk, batch)
             if self._renew_due():
                 self.renew()
-            params = (self._ordered(self.manifest["params"])
-                      + self._ordered(self.manifest["states"]))
-            vm = getattr(self, which)
+            m, vm = self.manifest, getattr(self, which)
+            names = m["params"] + m["states"]
+            if which == "_infer_vm" and m.get("predict_slots"):  # lifted (thomas_tune.lift)
+                params = self._slot_args(vm, PREDICT_FROZEN, m["predict_slots"], names,
+                                         key=self.steps)
+            else:
+                params = self._ordered(names)
             logits = self._timed(lambda: vm[PREDICT](tvm.runtime.tensor(chunk, self.device),
                                                      *params).numpy())
             out.append(logits[:n])
