@@ -279,3 +279,22 @@ def bn_act_dx(dz: te.Tensor, x: te.Tensor, mu: te.Tensor, s0: te.Tensor, s1: te.
 
     return te.compute(x.shape, body, name="bn_act_dx")
 
+
+
+def bn_fold(w: te.Tensor, gamma: te.Tensor, beta: te.Tensor, mean: te.Tensor, var: te.Tensor,
+            eps: float):
+    """A BatchNorm in inference form folded into the convolution before it (no bias):
+    ``w`` (O, I/groups, kh, kw) and the BatchNorm's four (O,) tensors -> (``w * s[o]``, ``beta
+    - mean * s``) with ``s = gamma / sqrt(var + eps)``, so that ``conv(x, w') + shift`` is
+    ``gamma * (conv(x, w) - mean) / sqrt(var + eps) + beta``. One kernel (two outputs); with
+    frozen weights and statistics, computed once per load (``thomas_tune.lift``)."""
+    dt = w.dtype
+    one, e = tirx.const(1.0, dt), tirx.const(eps, dt)
+
+    def scale(o):
+        return gamma[o] * (one / tirx.sqrt(var[o] + e))
+
+    folded = te.compute(w.shape, lambda o, i, kh, kw: w[o, i, kh, kw] * scale(o),
+                        name="bn_fold_weight")
+    shift = te.compute(beta.shape, lambda o: beta[o] - mean[o] * scale(o), name="bn_fold_shift")
+    return folded, shift

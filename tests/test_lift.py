@@ -150,3 +150,30 @@ def test_inference_lifts_again_after_training_steps(tmp_path, rng):
     after = s.predict(x[:1])
     np.testing.assert_array_equal(after, now.predict(x[:1]))
     assert not np.array_equal(after, before)
+
+
+@needs_opencl
+def test_frozen_batchnorms_fold_into_their_convolutions_once(tmp_path, rng):
+    """MobileNetV2 ``last:2``: every frozen BatchNorm follows a frozen convolution and is folded
+    into it; the step computes no normalisation (no square root) and no fold, the lifting
+    function every fold; the export's step on PoCL passes the step check against PyTorch's
+    float64 step (loss and every gradient)."""
+    from thomas_tune.export import export, lift_request
+    from thomas_tune.step_check import check_export
+    model = build("mobilenet_v2", **SMALL["mobilenet_v2"])
+    tg = G.training_module(model, 8, "last:2")
+    attr, inputs = lift_request(tg)
+    assert inputs[:len(tg.frozen)] == tg.frozen and len(inputs) > len(tg.frozen)
+    mod = tg.mod
+    mod[G.ADJOINT] = mod[G.ADJOINT].with_attr(lift.ATTR, attr)
+    mod = fuse(mod)
+    step = callees(mod[G.ADJOINT])
+    assert not [k for k in step if "sqrt" in k or "bn_fold" in k]
+    folds = sum(n for k, n in callees(mod["train_adjoint_transform_params"]).items()
+                if k.startswith("bn_fold"))
+    assert folds == len(tg.frozen_bn) > 40
+    tensors = random_tensors(model, rng)
+    export(str(tmp_path), model, tensors, opencl.target_for(0), batch=8, infer_batch=1,
+           trainable="last:2", progress=lambda *_: None)
+    check = check_export(str(tmp_path), seed=int(rng.integers(1 << 30)))
+    assert not check.failing, check

@@ -72,6 +72,18 @@ def _with_step_functions(mod: tvm.IRModule, trainable_shapes, optim_state,
     return bb.get()
 
 
+def lift_request(tg: G.TrainingGraph) -> tuple[list[int], list[str]]:
+    """What ``ADJOINT`` of ``tg`` lifts (:mod:`thomas_tune.lift`): the value of its
+    :data:`thomas_tune.lift.ATTR` (the frozen parameters' positions, then those of the
+    running statistics of its BatchNorms in inference form, constant too) and the names of the
+    tensors its lifting function takes, in order. For a graph with frozen parameters."""
+    first = 1 + len(tg.masks)
+    states_at = first + len(tg.frozen) + len(tg.trainable)
+    constant_states = [n for n in tg.states if n.rsplit(".", 1)[0] in tg.frozen_bn]
+    attr = [first, len(tg.frozen), *(states_at + tg.states.index(n) for n in constant_states)]
+    return attr, tg.frozen + constant_states
+
+
 def log_hash(log: TuningLog | None) -> str | None:
     """sha256 of the tuning log's two files (workloads, then records), or None without a log."""
     if log is None:
@@ -133,9 +145,12 @@ def export(out_dir: str, model, tensors: dict[str, np.ndarray], target: tvm.targ
     shapes = {p.name: p.shape for p in spec(model).params}
     train_mod = _with_step_functions(tg.mod, [shapes[n] for n in tg.trainable], tg.optim_state,
                                      list(tg.masks.values()))
-    if tg.frozen:  # the frozen parameters' transforms run once per load, not every step
-        train_mod[ADJOINT] = train_mod[ADJOINT].with_attr(
-            lift.ATTR, [1 + len(tg.masks), len(tg.frozen)])
+    # what the step computes from its constant inputs alone (the frozen parameters' Winograd
+    # transforms, the frozen BatchNorms folded into their convolutions) runs once per load
+    lift_inputs = None
+    if tg.frozen:
+        attr, lift_inputs = lift_request(tg)
+        train_mod[ADJOINT] = train_mod[ADJOINT].with_attr(lift.ATTR, attr)
     infer_mod = G.inference_module(model, infer_batch)
     n_constant = len(spec(model).params) + len(spec(model).states)
     infer_mod[PREDICT] = infer_mod[PREDICT].with_attr(lift.ATTR, [1, n_constant])
@@ -186,6 +201,7 @@ def export(out_dir: str, model, tensors: dict[str, np.ndarray], target: tvm.targ
     np.savez(os.path.join(out_dir, "optim_state.npz"),
              **{f"s{i}": a for i, a in enumerate(tg.optim_state)})
     s = spec(model)
+    frozen_slots = lift.frozen_slots(train_mod, ADJOINT, wino_train)
     manifest = {
         "format": FORMAT,
         "arch": model.arch,
@@ -202,7 +218,10 @@ def export(out_dir: str, model, tensors: dict[str, np.ndarray], target: tvm.targ
         "frozen": tg.frozen,
         # per frozen slot of the step, the frozen parameter it takes or "" for the next value
         # of ADJOINT_FROZEN (lift.frozen_slots), or None: the step takes the frozen parameters
-        "frozen_slots": lift.frozen_slots(train_mod, ADJOINT, wino_train),
+        "frozen_slots": frozen_slots,
+        # the tensors ADJOINT_FROZEN takes, in order (the frozen parameters, then the running
+        # statistics of the BatchNorms in inference form)
+        "frozen_lift_inputs": lift_inputs if frozen_slots else None,
         # the same for the inference module's predict: in the place of the parameters and
         # states, each one itself or "" for the next value of PREDICT_FROZEN
         "predict_slots": lift.frozen_slots(infer_mod, PREDICT, wino_infer),

@@ -45,6 +45,7 @@ import numpy as np
 import tvm
 import tvm_ffi
 from tvm import relax
+from tvm.relax import op as R
 from tvm.relax.training import SetupTrainer
 from tvm.relax.training import optimizer as ropt
 
@@ -296,31 +297,66 @@ class FrozenBatchNormGraph(Graph):
     in inference form: running statistics used, not updated (each new running statistic is the
     old one), dropout still in its training form (masks). See the module docstring."""
 
-    def __init__(self, bb, mode, dtype, frozen: set[str]):
+    def __init__(self, bb, mode, dtype, frozen: set[str], trainable=frozenset()):
         super().__init__(bb, mode, dtype)
         self.frozen = frozen
+        self.trainable = set(trainable)
+        # frozen convolutions without bias: (output, input, name, stride, padding, groups)
+        self._frozen_convs: list[tuple] = []
+
+    def conv2d(self, name, x, out_channels, kernel, stride=1, padding=0, groups=1, bias=False):
+        y = super().conv2d(name, x, out_channels, kernel, stride, padding, groups, bias)
+        if not bias and f"{name}.weight" not in self.trainable:
+            self._frozen_convs.append((y, x, name, stride, padding, groups))
+        return y
 
     def batch_norm(self, name, x, eps=1e-5, momentum=0.1, act=None):
         if name not in self.frozen:
             return super().batch_norm(name, x, eps, momentum, act)
-        self.training = False
-        try:
-            y = super().batch_norm(name, x, eps, momentum, act)
-        finally:
-            self.training = True
+        conv = next((c for c in self._frozen_convs if c[0].same_as(x)), None)
+        if conv is not None:
+            y = self._folded(name, conv, eps, act)
+        else:
+            self.training = False
+            try:
+                y = super().batch_norm(name, x, eps, momentum, act)
+            finally:
+                self.training = True
         for k in ("running_mean", "running_var"):
             self.new_states[f"{name}.{k}"] = self.states[f"{name}.{k}"][1]
         return y
 
+    def _folded(self, name, conv, eps, act):
+        """A frozen BatchNorm after a frozen convolution without bias, folded into it
+        (:func:`models.batchnorm.bn_fold`): the convolution again with the folded weight, plus
+        the shift, then ``act``; the first convolution is left unused (dead code)."""
+        from .models import batchnorm as B
+        _, x, conv_name, stride, padding, groups = conv
+        w = self.params[f"{conv_name}.weight"][1]
+        c = int(w.ty.shape.values[0])
+        gamma = self.param(f"{name}.weight", (c,), "ones")
+        beta = self.param(f"{name}.bias", (c,), "zeros")
+        mean = self.state(f"{name}.running_mean", (c,), "zeros")
+        var = self.state(f"{name}.running_var", (c,), "ones")
+        fold = self.emit(self.bb.call_te(B.bn_fold, w, gamma, beta, mean, var, float(eps),
+                                         primfunc_name_hint="bn_fold"))
+        # frozen: no gradient flows into the fold
+        folded, shift = (self.emit(R.grad.no_grad(self.emit(relax.TupleGetItem(fold, i))))
+                         for i in range(2))
+        y = self.emit(R.nn.conv2d(x, folded, strides=stride, padding=padding, groups=groups))
+        y = self.emit(R.add(y, R.reshape(shift, (1, c, 1, 1))))
+        return self._activate(y, act)
 
-def _trace_training(model, batch: int, dtype: str, frozen: set[str]):
+
+def _trace_training(model, batch: int, dtype: str, frozen: set[str], trainable: set[str]):
     """``models.trace(model, batch, "train", dtype)``, with :class:`FrozenBatchNormGraph` when
-    some BatchNorms (``frozen``) are in inference form."""
+    some BatchNorms (``frozen``) are in inference form (``trainable``: the trainable
+    parameters' names)."""
     if not frozen:
         return trace(model, batch, "train", dtype)
     bb = relax.BlockBuilder()
     x = relax.Var("x", relax.TensorType(model.input_shape(batch), dtype))
-    return bb, FrozenBatchNormGraph(bb, "train", dtype, frozen), x
+    return bb, FrozenBatchNormGraph(bb, "train", dtype, frozen, trainable), x
 
 
 class _PartGraph(FrozenBatchNormGraph):
@@ -331,8 +367,9 @@ class _PartGraph(FrozenBatchNormGraph):
     shapes only; in the head, each value of the frozen part is a stand-in variable, and the one
     the head reads becomes its input (:meth:`cut`). :func:`check_cache_features` first."""
 
-    def __init__(self, bb, dtype, frozen: set[str], blocks: list[str], k: int, part: str, x):
-        super().__init__(bb, "train", dtype, frozen)
+    def __init__(self, bb, dtype, frozen: set[str], blocks: list[str], k: int, part: str, x,
+                 trainable=frozenset()):
+        super().__init__(bb, "train", dtype, frozen, trainable)
         self.all_blocks, self.head_blocks, self.part = list(blocks), set(blocks[-k:]), part
         self.scratch = relax.BlockBuilder()
         self.scratch._begin_binding_block()  # a block to emit into, never closed into a function
@@ -445,14 +482,15 @@ def check_cache_features(model, trainable: str) -> int:
 
 def _feature_functions(model, batch: int, dtype: str, k: int, frozen_bn: set[str],
                        trainable: list[str]):
-    """(features function, head backbone module for SetupTrainer, :class:`FeatureSplit`): the two
-    parts of the step of ``last:k`` (:class:`_PartGraph`)."""
+    """(features module, head backbone module for SetupTrainer, :class:`FeatureSplit`): the two
+    parts of the step of ``last:k`` (:class:`_PartGraph`); the features module holds the
+    function ``FEATURES`` and the kernels it calls."""
     blocks = spec(model).blocks
     parts = {}
     for part in ("features", "head"):
         bb = relax.BlockBuilder()
         x = relax.Var("x", relax.TensorType(model.input_shape(batch), dtype))
-        g = _PartGraph(bb, dtype, frozen_bn, blocks, k, part, x)
+        g = _PartGraph(bb, dtype, frozen_bn, blocks, k, part, x, set(trainable))
         head = g.head_blocks
         name = FEATURES if part == "features" else "backbone"
         with bb.function(name):
@@ -476,7 +514,7 @@ def _feature_functions(model, batch: int, dtype: str, k: int, frozen_bn: set[str
             inputs = [x] if part == "features" else [cut, *(v for _, _, v in g.masks.values())]
             bb.emit_func_output(out, params=[*inputs, *params,
                                              *(g.states[n][1] for n in states)])
-        func = bb.get()[name]
+        func = bb.get()  # the function and the kernels it calls (a frozen BatchNorm's fold)
         if part == "head":  # the module SetupTrainer takes
             func = bb.get().with_attrs({"param_num": len(params), "state_num": len(states)})
             if [n for n, (q, _) in g.params.items() if q.block in head] != trainable:
@@ -590,7 +628,7 @@ def training_module(model, batch: int, trainable: str | list[str] = "all",
         raise ValueError(f"trainable parameters {unknown or names} are not parameters of "
                          f"{model.arch} (it has {len(known)}, e.g. {sorted(known)[:3]})")
     train_set = set(names)
-    bb, g, x = _trace_training(model, batch, dtype, frozen_bn)
+    bb, g, x = _trace_training(model, batch, dtype, frozen_bn, train_set)
     with bb.function("backbone"):
         with bb.dataflow():
             logits = bb.emit_output(model.forward(g, x))
@@ -623,7 +661,7 @@ def training_module(model, batch: int, trainable: str | list[str] = "all",
     if features:
         feat, head, split = _feature_functions(model, batch, dtype, k, frozen_bn,
                                                [n for n in g.params if n in train_set])
-        out[FEATURES] = feat.with_attr("global_symbol", FEATURES)
+        _add_functions(out, feat, FEATURES, FEATURES)
         head_mod = gradients.transpose_free_matmuls(SetupTrainer(
             loss, optimizer.build(), loss_types, legalize=False)(loss.add_kernel(head)))
         _add_functions(out, head_mod, "backbone_loss_adjoint", HEAD_ADJOINT)

@@ -8,8 +8,10 @@ channel, a launch and the weights' bytes read and written), a bias's reshape. Re
 function of its own; here that function is run once when the parameters are loaded
 (``runtime.Session``) and the step takes its outputs.
 
-:data:`ATTR` on a Relax function asks for it: ``[first, count]``, the positions of the frozen
-parameters among the function's parameters (``first``, then ``count`` of them).
+:data:`ATTR` on a Relax function asks for it: ``[first, count, extra...]``, the positions of
+the frozen parameters among the function's parameters (``first``, then ``count`` of them), and
+of other inputs that are constant too but stay in their places (the running statistics of
+BatchNorms in inference form, which the step also returns as they are).
 :func:`lift_frozen` (which ``tasks.fuse`` applies after the Winograd rewrite, so that the weight
 transforms are there to be lifted) then leaves two functions:
 
@@ -17,8 +19,8 @@ transforms are there to be lifted) then leaves two functions:
   slots (:data:`SLOTS`, :func:`frozen_slots`): a frozen parameter the step reads as it is
   takes that parameter, every other slot the next output of ``NAME_frozen``; the other
   parameters unchanged;
-* ``NAME_frozen`` (:func:`frozen_function`): ``(frozen parameters...) -> tuple of the lifted
-  values`` (each a tensor of its own), the frozen parameters in their order in ``NAME``.
+* ``NAME_frozen`` (:func:`frozen_function`): ``(frozen parameters..., extra inputs...) ->
+  tuple of the lifted values`` (each a tensor of its own), in their order in ``NAME``.
 """
 
 from __future__ import annotations
@@ -48,6 +50,18 @@ def lift_frozen(mod: tvm.IRModule) -> tvm.IRModule:
     return mod
 
 
+@relax.expr_functor.mutator
+class _Substitute(relax.PyExprMutator):
+    """Replaces variables by others (``table``: old -> new)."""
+
+    def __init__(self, table: dict):
+        super().__init__()
+        self.table = table
+
+    def visit_var_(self, op):
+        return next((new for old, new in self.table.items() if old.same_as(op)), op)
+
+
 def _copy(a: te.Tensor) -> te.Tensor:
     return te.compute(a.shape, lambda *i: a(*i), name="frozen_copy")
 
@@ -64,6 +78,8 @@ def _kind(mod: tvm.IRModule, expr, bindings: dict, tuple_param):
     """What the transform's output ``expr`` is: ``("param", j)`` for the j-th frozen
     parameter as it is, ``("kernel", None)`` for a kernel's output, ``("view", None)`` for
     anything else (a reshape: a view of a parameter once built). ``mod`` holds the kernels."""
+    if isinstance(expr, relax.TupleGetItem) and expr.tuple_value.same_as(tuple_param):
+        return "param", int(expr.index)
     while isinstance(expr, relax.Var) and expr in bindings:
         value = bindings[expr]
         if isinstance(value, relax.TupleGetItem) and value.tuple_value.same_as(tuple_param):
@@ -83,17 +99,19 @@ def _kind(mod: tvm.IRModule, expr, bindings: dict, tuple_param):
 
 def _lift_one(mod: tvm.IRModule, name: str) -> tvm.IRModule:
     f = mod[name]
-    first, count = (int(v) for v in f.attrs[ATTR])
+    first, count, *extra = (int(v) for v in f.attrs[ATTR])
     params = list(f.params)
-    if first < 0 or count < 1 or first + count > len(params):
-        raise ValueError(f"{name}: frozen parameters at {first}..{first + count - 1} are not "
-                         f"among its {len(params)} parameters")
-    frozen = params[first:first + count]
-    inputs = params[:first] + params[first + count:]
+    marked = list(range(first, first + count)) + extra
+    if first < 0 or count < 1 or len(set(marked)) != len(marked) or \
+            not all(0 <= i < len(params) for i in marked):
+        raise ValueError(f"{name}: frozen parameters at {first}..{first + count - 1} (and "
+                         f"{extra}) are not among its {len(params)} parameters")
+    kept = [i for i in range(len(params)) if i not in set(marked)]
     # LiftTransformParams takes the function's first num_input parameters as its inputs and
-    # the rest as parameters whose transforms it lifts: the frozen ones go last
-    staged = relax.Function(inputs + frozen, f.body, f.ret_ty, f.is_pure,
-                            f.attrs).without_attr(ATTR).with_attr("num_input", len(inputs))
+    # the rest as parameters whose transforms it lifts: the marked ones go last
+    staged = relax.Function([params[i] for i in kept] + [params[i] for i in marked], f.body,
+                            f.ret_ty, f.is_pure,
+                            f.attrs).without_attr(ATTR).with_attr("num_input", len(kept))
     mod = tvm.IRModule(dict(mod.functions), attrs=mod.attrs)
     mod[name] = staged
     with tvm.transform.PassContext(opt_level=3):
@@ -106,32 +124,59 @@ def _lift_one(mod: tvm.IRModule, name: str) -> tvm.IRModule:
     result = tfunc.body.body
     while isinstance(result, relax.Var) and result in bindings:
         result = bindings[result]
-    fields = list(result.fields) if isinstance(result, relax.Tuple) else None
-    if fields is None or len(fields) != len(lp) - len(inputs):
-        raise ValueError(f"{name}: the lifted transform does not return one tuple of the "
-                         f"{len(lp) - len(inputs)} lifted values")
+    if result.same_as(tfunc.params[0]):  # nothing computed: every value as it came in
+        fields = [relax.TupleGetItem(result, j) for j in range(len(marked))]
+    else:
+        fields = list(result.fields) if isinstance(result, relax.Tuple) else None
+    if fields is None or len(fields) != len(lp) - len(kept):
+        raise ValueError(f"{name}: the lifted transform returns "
+                         f"{len(fields) if fields is not None else type(result).__name__}, "
+                         f"not one tuple of the {len(lp) - len(kept)} lifted values")
     kinds = [_kind(mod, e, bindings, tfunc.params[0]) for e in fields]
-    # the step's frozen slots: a frozen parameter read as it is takes the parameter itself
-    # (no copy, and no tensor that outlives the call it came in through: over RPC a call's
-    # arguments are borrowed); every other lifted value is an output of NAME_frozen, a view
-    # copied there into a tensor of its own
-    mod[name] = relax.Function(lp[:first] + lp[len(inputs):] + lp[first:len(inputs)],
-                               lifted.body, lifted.ret_ty, lifted.is_pure,
+    values = lp[len(kept):]
+    # each kept parameter, and each extra one that the function reads as it is, in its own
+    # place; in the frozen parameters' place the frozen slots: a frozen parameter read as it
+    # is takes the parameter itself (no copy, and no tensor that outlives the call it came in
+    # through: over RPC a call's arguments are borrowed), every other lifted value is an
+    # output of NAME_frozen (a view copied there into a tensor of its own)
+    own = {marked[j]: values[i] for i, (k, j) in enumerate(kinds)
+           if k == "param" and marked[j] in extra}
+    slots = [(values[i], str(params[marked[j]].name) if k == "param" else "")
+             for i, (k, j) in enumerate(kinds) if not (k == "param" and marked[j] in extra)]
+    # a marked parameter that the function still reads outside what was lifted (a state it
+    # returns as it is, outside its dataflow block) stays a parameter of it
+    free = relax.analysis.free_vars(relax.Function(lp, lifted.body, lifted.ret_ty))
+    read = {i for i in marked if any(v.same_as(params[i]) for v in free)}
+    slots += [(params[i], str(params[i].name)) for i in range(first, first + count)
+              if i in read]
+    body = lifted.body
+    both = {own[i]: params[i] for i in read if i in own}
+    if both:  # read as it is in both places: one parameter
+        body = _Substitute(both).visit_expr(body)
+    new_params = []
+    for i, p in enumerate(params):
+        if i in kept:
+            new_params.append(lp[kept.index(i)])
+        elif i == first:
+            new_params += [v for v, _ in slots]
+        elif i in extra:  # read as it is, or a parameter the function ignores
+            new_params.append(params[i] if i in read else own.get(i, relax.Var(p.name, p.ty)))
+    mod[name] = relax.Function(new_params, body, lifted.ret_ty, lifted.is_pure,
                                lifted.attrs).without_attr("num_input").with_attr(
-        SLOTS, [str(frozen[j].name) if k == "param" else "" for k, j in kinds])
-    flat = [relax.Var(p.name, p.ty) for p in frozen]
+        SLOTS, [n for _, n in slots])
+    flat = [relax.Var(params[i].name, params[i].ty) for i in marked]
     bb = relax.BlockBuilder(mod)
     with bb.function(frozen_function(name), flat):
         out = bb.emit(relax.Call(transform, [relax.Tuple(flat)]))
-        values = []
+        outputs = []
         for i, (k, _) in enumerate(kinds):
             if k == "param":
                 continue
             v = bb.emit(relax.TupleGetItem(out, i))
             if k == "view":  # a kernel of its own (lifting runs after legalization)
                 v = bb.emit_te(_copy, v, primfunc_name_hint="frozen_copy")
-            values.append(v)
-        bb.emit_func_output(relax.Tuple(values))
+            outputs.append(v)
+        bb.emit_func_output(relax.Tuple(outputs))
     return bb.get()
 
 

@@ -345,8 +345,8 @@ class Session:
         m = self.manifest
         if not m.get("frozen_slots"):
             return self._ordered(m["frozen"])
-        return self._slot_args(self._train_vm, ADJOINT_FROZEN, m["frozen_slots"], m["frozen"],
-                               key=None)
+        return self._slot_args(self._train_vm, ADJOINT_FROZEN, m["frozen_slots"],
+                               m["frozen_lift_inputs"], key=None)
 
     def _slot_args(self, vm, frozen_fn: str, slots: list[str], names: list[str], key) -> list:
         """Per slot, the tensor ``slots`` names or the next value of ``vm``'s ``frozen_fn`` on

@@ -231,7 +231,7 @@ def export_step(export_dir: str, x: np.ndarray, y: np.ndarray, device=None, rpc_
         states = m["states"]
         frozen = [t(tensors[n]) for n in m["frozen"]]
         if m.get("frozen_slots"):  # the frozen parameters' transforms lifted out of the step
-            lifted = vm[ADJOINT_FROZEN](*frozen)
+            lifted = vm[ADJOINT_FROZEN](*(t(tensors[n]) for n in m["frozen_lift_inputs"]))
             n = sum(1 for s in m["frozen_slots"] if not s)
             lifted = iter([get(lifted, i) for i in range(n)] if rpc_session else list(lifted))
             frozen = [t(tensors[s]) if s else next(lifted) for s in m["frozen_slots"]]
