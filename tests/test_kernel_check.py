@@ -312,9 +312,10 @@ def test_inputs_drawn_on_the_device_are_the_hosts_and_wrong_kernels_still_fail(t
 
 
 def test_a_kernel_writing_one_value_gets_its_reference_and_check(target, rng):
-    """The loss kernel writes a 0-d tensor (the batch's mean loss): its references build as the
-    tuner builds them (the comparison and finite-count kernels of one value each), and on
-    PoCL its own default schedule passes the comparison while a loss 1% off fails it."""
+    """The loss kernel writes a 0-d tensor (the batch's mean loss, beside its rows' lanes): its
+    references build as the tuner builds them (the comparison and finite-count kernels of one
+    value each), and on PoCL its own default schedule passes the comparison while a loss 1%
+    off fails it."""
     from thomas_tune.loss import CrossEntropyLoss, cross_entropy
     from thomas_tune.measure.builder import Builder
     from tvm import relax
@@ -334,10 +335,10 @@ def test_a_kernel_writing_one_value_gets_its_reference_and_check(target, rng):
     assert kc.verdict(comparison.run(lib["main"], dev), refs[0].spec.tol) is None
     x = tvm.te.placeholder((4, 10), "float32", "x")
     y = tvm.te.placeholder((4,), "int64", "y")
-    ref = cross_entropy(x, y)
+    ref, m, s = cross_entropy(x, y)  # the loss, and the rows' lanes the backward reads
     wrong = tvm.te.compute((), lambda: ref[()] * tvm.tirx.const(1.01, "float32"), name="w")
     bad = tvm.compile(kc.default_kernel(tvm.IRModule({"main": tvm.te.create_prim_func(
-        [x, y, wrong])}), target), target=target)
+        [x, y, wrong, m, s])}), target), target=target)
     why = kc.verdict(comparison.run(bad["main"], dev), refs[0].spec.tol)
     assert why is not None and why.startswith("wrong result"), why
     shutil.rmtree(os.path.dirname(paths[0]), ignore_errors=True)

@@ -70,12 +70,19 @@ def test_cross_entropy_in_float32_is_as_close_to_float64_as_pytorchs(rng):
     assert ours <= 2 * max(theirs, 4 * eps * scale), (ours, theirs)
 
 
-def test_the_step_computes_the_loss_in_two_kernels_and_its_gradient_in_one_more():
+def test_the_step_computes_the_loss_in_two_kernels_and_its_gradient_in_one():
     """A model's fused step calls the loss's forward and backward kernels once each, and none
-    of Relax's generic cross-entropy (log_softmax, nll_loss and their gradients)."""
+    of Relax's generic cross-entropy (log_softmax, nll_loss and their gradients); the backward
+    reads the forward's row lanes instead of reducing the rows again (one block, no
+    reduction)."""
     from thomas_tune.tasks import callees, fuse
     model = build("alexnet", **SMALL["alexnet"])
-    calls = callees(fuse(G.training_module(model, 2, "last:3").mod)[G.ADJOINT])
-    assert calls.get("cross_entropy") == 1 and calls.get("cross_entropy_grad") == 1, calls
+    mod = fuse(G.training_module(model, 2, "last:3").mod)
+    calls = callees(mod[G.ADJOINT])
+    grads = [k for k in calls if k.removeprefix("fused_").startswith("cross_entropy_grad")]
+    assert calls.get("cross_entropy") == 1 and len(grads) == 1 and calls[grads[0]] == 1, calls
+    text = mod[grads[0]].script()
+    blocks = text.count("with T.sblock(") - text.count("# with T.sblock(")  # root: a comment
+    assert "ce_lanes" not in text and blocks == 1, text
     assert not [k for k in calls if "softmax" in k or "nll" in k], calls
     assert not [k for k in calls if "transpose" in k], calls  # weight gradients read dy in place

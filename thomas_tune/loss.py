@@ -1,4 +1,4 @@
-"""The training step's loss: softmax cross-entropy, averaged over the batch, in four kernels.
+"""The training step's loss: softmax cross-entropy, averaged over the batch, in three kernels.
 
 The generic form (``relax.training.loss.CrossEntropyLoss``: ``log_softmax`` then ``nll_loss``,
 and their gradients) takes about ten kernel launches a step for what is, on a batch of logits,
@@ -7,8 +7,9 @@ a few microseconds of arithmetic; on a phone each launch costs more than that. H
 * ``cross_entropy`` (forward, two kernels): per row ``i`` of the logits ``x`` (N, C), the
   running maximum and the sum of ``exp(x_ij - max)`` in one pass, in 16 lanes of a tuple
   reduction ("online softmax", Milakov & Gimelshein 2018, arXiv:1805.02867), joined into
-  ``m_i`` and ``s_i``; then ``loss = sum_i (m_i + log s_i - x_{i,y_i}) / N``.
-* ``cross_entropy_grad`` (backward, two kernels): the lanes again, then
+  ``m_i`` and ``s_i``; then ``loss = sum_i (m_i + log s_i - x_{i,y_i}) / N``. The lanes are
+  outputs too, kept for the backward.
+* ``cross_entropy_grad`` (backward, one kernel): from the forward's lanes,
   ``dx_ij = dloss * (exp(x_ij - m_i) / s_i - [j = y_i]) / N`` (the gradient of the mean
   softmax cross-entropy: softmax minus the one-hot target).
 
@@ -77,9 +78,11 @@ def _row(lanes, i):
     return parts[0]
 
 
-def cross_entropy(x: te.Tensor, y: te.Tensor) -> te.Tensor:
+def cross_entropy(x: te.Tensor, y: te.Tensor):
     """The mean softmax cross-entropy of logits ``x`` (N, C) float against class indices ``y``
-    (N,) int: a 0-d tensor of ``x``'s dtype (module docstring)."""
+    (N,) int: (loss, m, s), the loss a 0-d tensor of ``x``'s dtype and ``m``, ``s`` (N,
+    :data:`LANES`) the rows' lanes (:func:`_lanes`), which the backward reads (module
+    docstring)."""
     n = int(x.shape[0])
     lanes = _lanes(x)
     j = te.reduce_axis((0, n), "j")
@@ -89,31 +92,35 @@ def cross_entropy(x: te.Tensor, y: te.Tensor) -> te.Tensor:
         m, s = _row(lanes, r)
         return (m + te.log(s) - x[r, y[r]]) * inv_n
 
-    return te.compute((), lambda: te.sum(term(j), axis=j), name="ce_loss")
+    return te.compute((), lambda: te.sum(term(j), axis=j), name="ce_loss"), lanes[0], lanes[1]
 
 
-def cross_entropy_grad(dloss: te.Tensor, x: te.Tensor, y: te.Tensor) -> te.Tensor:
+def cross_entropy_grad(dloss: te.Tensor, x: te.Tensor, y: te.Tensor, m: te.Tensor,
+                       s: te.Tensor) -> te.Tensor:
     """The gradient of :func:`cross_entropy` with respect to ``x`` (N, C), for the loss's
-    gradient ``dloss`` (0-d): ``dloss * (softmax(x) - onehot(y)) / N``."""
+    gradient ``dloss`` (0-d), from the forward's lanes ``m``, ``s``: ``dloss * (softmax(x) -
+    onehot(y)) / N``, one element-wise kernel."""
     n, c = (int(d) for d in x.shape)
-    lanes = _lanes(x)
     dt = x.dtype
     inv_n = tvm.tirx.const(1.0 / n, dt)
 
     def body(i, j):
-        m, s = _row(lanes, i)
+        mi, si = _row((m, s), i)
         hit = tvm.tirx.Select(y[i] == j.astype(y.dtype), tvm.tirx.const(1, dt),
                               tvm.tirx.const(0, dt))
-        return dloss[()] * (te.exp(x[i, j] - m) / s - hit) * inv_n
+        return dloss[()] * (te.exp(x[i, j] - mi) / si - hit) * inv_n
 
     return te.compute((n, c), body, name="ce_dx")
 
 
 def _gradient(orig_var, call, output_grad, ctx):
     """The registered backward of the forward's ``call_tir_with_grad`` (arguments logits and
-    targets): the logits' gradient, and zeros for the integer targets (no gradient)."""
+    targets; outputs the loss and the rows' lanes): the logits' gradient from the lanes, and
+    zeros for the integer targets (no gradient)."""
     x, y = call.args[1].fields
-    dx = ctx.emit_te(cross_entropy_grad, output_grad, x, y,
+    dloss = ctx.emit(relax.TupleGetItem(output_grad, 0))
+    m, s = (ctx.emit(relax.TupleGetItem(orig_var, i)) for i in (1, 2))
+    dx = ctx.emit_te(cross_entropy_grad, dloss, x, y, m, s,
                      primfunc_name_hint="cross_entropy_grad")
     n = int(y.ty.shape.values[0])
     return ctx.emit(relax.Tuple([dx, relax.const(np.zeros((n,), str(y.ty.dtype)))]))
@@ -139,7 +146,7 @@ class CrossEntropyLoss(rloss.Loss):
         x = te.placeholder([int(d) for d in predictions.shape.values], str(predictions.dtype),
                            "x")
         y = te.placeholder([int(d) for d in targets.shape.values], str(targets.dtype), "y")
-        self.kernel = te.create_prim_func([x, y, cross_entropy(x, y)]).with_attr(
+        self.kernel = te.create_prim_func([x, y, *cross_entropy(x, y)]).with_attr(
             "global_symbol", "cross_entropy")
         self.gv = relax.BlockBuilder().add_func(self.kernel, "cross_entropy")  # typed
 
@@ -160,8 +167,12 @@ class CrossEntropyLoss(rloss.Loss):
         bb = relax.BlockBuilder()
         with bb.function(self._loss_name, [p, t]):
             with bb.dataflow():
-                loss = bb.emit_output(relax.call_tir_with_grad(
-                    self.gv, relax.Tuple([p, t]), relax.TensorType((), str(self.predictions.dtype)),
+                dt = str(self.predictions.dtype)
+                n = int(self.predictions.shape.values[0])
+                lanes = relax.TensorType((n, LANES), dt)
+                out = bb.emit(relax.call_tir_with_grad(
+                    self.gv, relax.Tuple([p, t]), [relax.TensorType((), dt), lanes, lanes],
                     te_grad_name=GRADIENT))
+                loss = bb.emit_output(relax.TupleGetItem(out, 0))
             bb.emit_func_output(loss)
         return bb.get()[self._loss_name]

@@ -15,8 +15,9 @@ position. F(2x2, 3x3) needs 16 multiplies for 4 outputs (36 direct, 2.25x fewer)
 The training step computes this form in four kernels per convolution (each a task of its own):
 
 - ``winograd_weight``: ``U[e, u, i, o] = sum G[e, a] G[u, b] w[o, i, a, b]`` (alpha x alpha x
-  C_in x C_out); the filters change every step, so this runs every step (C_in x C_out x alpha^2
-  values, small beside the rest);
+  C_in x C_out); trainable filters change every step, so this runs every step (C_in x C_out x
+  alpha^2 values, small beside the rest); a frozen convolution's runs once per load
+  (``thomas_tune.lift``);
 - ``winograd_input``: ``V[e, u, i, p] = sum B^T[e, a] B^T[u, b] x[n, i, tile rows, tile cols]``
   for each of the ``P = N x ceil(H/m) x ceil(W/m)`` tiles ``p`` (padding inlined);
 - ``winograd_matmul``: ``M[e, u, o, p] = sum_i U[e, u, i, o] V[e, u, i, p]``, the
