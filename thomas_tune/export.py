@@ -37,6 +37,7 @@ from . import graph as G, lift
 from tvm import relax
 
 from .compile import compile_graph
+from .tasks import frozen_slots
 from .record_check import checked_build
 from .dropout import draw_masks_function
 from .manifest import (ADJOINT, FORMAT, MANIFEST, PACK_OPTIMIZER_STATE,  # noqa: F401
@@ -201,7 +202,7 @@ def export(out_dir: str, model, tensors: dict[str, np.ndarray], target: tvm.targ
     np.savez(os.path.join(out_dir, "optim_state.npz"),
              **{f"s{i}": a for i, a in enumerate(tg.optim_state)})
     s = spec(model)
-    frozen_slots = lift.frozen_slots(train_mod, ADJOINT, wino_train)
+    step_slots = frozen_slots(train_mod, ADJOINT, wino_train)
     manifest = {
         "format": FORMAT,
         "arch": model.arch,
@@ -217,14 +218,14 @@ def export(out_dir: str, model, tensors: dict[str, np.ndarray], target: tvm.targ
         "trainable": tg.trainable,
         "frozen": tg.frozen,
         # per frozen slot of the step, the frozen parameter it takes or "" for the next value
-        # of ADJOINT_FROZEN (lift.frozen_slots), or None: the step takes the frozen parameters
-        "frozen_slots": frozen_slots,
+        # of ADJOINT_FROZEN (tasks.frozen_slots), or None: the step takes the frozen parameters
+        "frozen_slots": step_slots,
         # the tensors ADJOINT_FROZEN takes, in order (the frozen parameters, then the running
         # statistics of the BatchNorms in inference form)
-        "frozen_lift_inputs": lift_inputs if frozen_slots else None,
+        "frozen_lift_inputs": lift_inputs if step_slots else None,
         # the same for the inference module's predict: in the place of the parameters and
         # states, each one itself or "" for the next value of PREDICT_FROZEN
-        "predict_slots": lift.frozen_slots(infer_mod, PREDICT, wino_infer),
+        "predict_slots": frozen_slots(infer_mod, PREDICT, wino_infer),
         # the BatchNorm mode of the step, and the BatchNorms it runs in inference form
         "batchnorm": tg.batchnorm,
         "frozen_bn": sorted(tg.frozen_bn),

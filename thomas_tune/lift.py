@@ -3,22 +3,26 @@
 A step function reads the frozen parameters as ordinary inputs, so whatever the graph computes
 from them alone runs again at every step although its result never changes: the Winograd form's
 weight transform of each frozen convolution (``winograd_form``: ``G g G^T`` per output and input
-channel, a launch and the weights' bytes read and written), a bias's reshape. Relax's
+channel, a launch and the weights' bytes read and written), the fold of a frozen BatchNorm into
+its convolution (``models.batchnorm.bn_fold``), a bias's reshape. Relax's
 ``LiftTransformParams`` moves every binding that depends on marked parameters only into a
 function of its own; here that function is run once when the parameters are loaded
-(``runtime.Session``) and the step takes its outputs.
+(``runtime.Session``) and the step takes its outputs. It runs on the fused module, so only
+whole kernels that read constants alone move: a kernel that reads a constant beside the
+activations (a bias in a convolution's epilogue) keeps its workload and its tuning records.
 
 :data:`ATTR` on a Relax function asks for it: ``[first, count, extra...]``, the positions of
 the frozen parameters among the function's parameters (``first``, then ``count`` of them), and
 of other inputs that are constant too but stay in their places (the running statistics of
 BatchNorms in inference form, which the step also returns as they are).
-:func:`lift_frozen` (which ``tasks.fuse`` applies after the Winograd rewrite, so that the weight
-transforms are there to be lifted) then leaves two functions:
+:func:`lift_frozen` (which ``tasks.fuse`` applies last, after the Winograd rewrite and the
+fusion) then leaves two functions:
 
 * ``NAME`` itself, its frozen parameters replaced in place (from ``first`` on) by its frozen
-  slots (:data:`SLOTS`, :func:`frozen_slots`): a frozen parameter the step reads as it is
-  takes that parameter, every other slot the next output of ``NAME_frozen``; the other
-  parameters unchanged;
+  slots (:data:`SLOTS`; :func:`thomas_tune.tasks.frozen_slots` reads them from a build): a
+  frozen parameter the step reads as it is takes that parameter, every other slot the next
+  output of ``NAME_frozen``; the extra inputs in their places; the other parameters
+  unchanged;
 * ``NAME_frozen`` (:func:`frozen_function`): ``(frozen parameters..., extra inputs...) ->
   tuple of the lifted values`` (each a tensor of its own), in their order in ``NAME``.
 """
@@ -178,17 +182,3 @@ def _lift_one(mod: tvm.IRModule, name: str) -> tvm.IRModule:
             outputs.append(v)
         bb.emit_func_output(relax.Tuple(outputs))
     return bb.get()
-
-
-def frozen_slots(mod: tvm.IRModule, name: str, winograd=None) -> list[str] | None:
-    """The frozen slots of ``name`` once ``mod`` is built with ``winograd`` (as
-    :func:`thomas_tune.tasks.fuse` takes it): per slot, the frozen parameter it takes as it
-    is, or "" for the next output of ``NAME_frozen``; None when ``name`` asks for no lifting
-    or nothing is lifted (the built function then takes its parameters as they are). What the
-    runtime needs to call the built function (the manifest keeps it)."""
-    f = mod[name]
-    if not (f.attrs and ATTR in f.attrs):
-        return None
-    from .tasks import fuse
-    slots = [str(s) for s in fuse(mod, winograd)[name].attrs[SLOTS]]
-    return slots if "" in slots else None

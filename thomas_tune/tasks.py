@@ -53,6 +53,20 @@ def fuse(mod: tvm.IRModule, winograd=None) -> tvm.IRModule:
         return short_kernel_names(lift_frozen(seq(mod)))
 
 
+def frozen_slots(mod: tvm.IRModule, name: str, winograd=None) -> list[str] | None:
+    """The frozen slots of ``name`` once ``mod`` is built with ``winograd`` (as :func:`fuse`
+    takes it; :mod:`thomas_tune.lift`): per slot, the frozen parameter it takes as it is, or
+    "" for the next output of ``NAME_frozen``; None when ``name`` asks for no lifting or
+    nothing is lifted (the built function then takes its parameters as they are). What the
+    runtime needs to call the built function (the manifest keeps it)."""
+    from .lift import ATTR, SLOTS
+    f = mod[name]
+    if not (f.attrs and ATTR in f.attrs):
+        return None
+    slots = [str(s) for s in fuse(mod, winograd)[name].attrs[SLOTS]]
+    return slots if "" in slots else None
+
+
 #: the longest kernel name a fused PrimFunc keeps. FuseOps names a fused kernel after its
 #: operators and cuts the name at about 250 characters; PoCL fails to link an OpenCL kernel whose
 #: name (with the ``_kernel`` suffix the code generator adds) reaches 254 characters, and the
