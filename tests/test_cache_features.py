@@ -43,6 +43,7 @@ def test_the_cached_path_trains_as_the_full_step_on_the_same_batches_and_masks(e
     m = full.manifest
     assert m["features"]["shape"] == [256, 1, 1]  # features.12's output per image
     assert m["features"]["head_states"] == [n for n in m["states"] if n.startswith("features.13")]
+    assert "" in m["features_slots"]  # the frozen BatchNorms' folds, computed once per load
     tensors = random_tensors(full.model, rng)
     full.load_tensors(tensors)
     cached.load_tensors(tensors)

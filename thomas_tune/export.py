@@ -40,8 +40,8 @@ from .compile import compile_graph
 from .tasks import frozen_slots
 from .record_check import checked_build
 from .dropout import draw_masks_function
-from .manifest import (ADJOINT, FORMAT, MANIFEST, PACK_OPTIMIZER_STATE,  # noqa: F401
-                       PACK_TRAINABLE, PREDICT, read_manifest)
+from .manifest import (ADJOINT, FEATURES, FORMAT, MANIFEST,  # noqa: F401
+                       PACK_OPTIMIZER_STATE, PACK_TRAINABLE, PREDICT, read_manifest)
 from .models import save_checkpoint, share_mode, spec
 from .schedules import STOCK_RULES
 from .target import cross_compiler, describe, export_shared, host_triple
@@ -152,6 +152,9 @@ def export(out_dir: str, model, tensors: dict[str, np.ndarray], target: tvm.targ
     if tg.frozen:
         attr, lift_inputs = lift_request(tg)
         train_mod[ADJOINT] = train_mod[ADJOINT].with_attr(lift.ATTR, attr)
+    if tg.features:  # the frozen part alone reads constants only, but for the images
+        n = len(tg.frozen) + len(tg.features.frozen_states)
+        train_mod[FEATURES] = train_mod[FEATURES].with_attr(lift.ATTR, [1, n])
     infer_mod = G.inference_module(model, infer_batch)
     n_constant = len(spec(model).params) + len(spec(model).states)
     infer_mod[PREDICT] = infer_mod[PREDICT].with_attr(lift.ATTR, [1, n_constant])
@@ -226,6 +229,8 @@ def export(out_dir: str, model, tensors: dict[str, np.ndarray], target: tvm.targ
         # the same for the inference module's predict: in the place of the parameters and
         # states, each one itself or "" for the next value of PREDICT_FROZEN
         "predict_slots": frozen_slots(infer_mod, PREDICT, wino_infer),
+        # and for the features function (--cache-features): frozen parameters, frozen states
+        "features_slots": frozen_slots(train_mod, FEATURES, wino_train) if tg.features else None,
         # the BatchNorm mode of the step, and the BatchNorms it runs in inference form
         "batchnorm": tg.batchnorm,
         "frozen_bn": sorted(tg.frozen_bn),

@@ -23,6 +23,7 @@ ADJOINT_FROZEN = "train_adjoint_frozen"
 # the same for the inference module's predict, whose parameters and states are all constant
 # between loads and training steps (the manifest's ``predict_slots``)
 PREDICT_FROZEN = "predict_frozen"
+FEATURES_FROZEN = "features_frozen"  # and for ``features`` (the manifest's ``features_slots``)
 OPTIMIZER = "optimizer"
 PACK_TRAINABLE = "pack_trainable"
 PACK_OPTIMIZER_STATE = "pack_optimizer_state"

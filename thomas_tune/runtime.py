@@ -38,9 +38,9 @@ import numpy as np
 import tvm
 from tvm.runtime.vm import VirtualMachine
 
-from .manifest import (ADJOINT, ADJOINT_FROZEN, DRAW_MASKS, FEATURES, HEAD_ADJOINT, OPTIMIZER,
-                       PACK_OPTIMIZER_STATE, PACK_TRAINABLE, PREDICT, PREDICT_FROZEN,
-                       read_manifest)
+from .manifest import (ADJOINT, ADJOINT_FROZEN, DRAW_MASKS, FEATURES, FEATURES_FROZEN,
+                       HEAD_ADJOINT, OPTIMIZER, PACK_OPTIMIZER_STATE, PACK_TRAINABLE, PREDICT,
+                       PREDICT_FROZEN, read_manifest)
 from .models import load_checkpoint, save_checkpoint
 from .models.layers import require_compiler
 from .target import host_arch, machine_arch
@@ -495,7 +495,6 @@ class Session:
         split = self.feature_split()
         x = np.asarray(x, dtype="float32")
         out = np.empty((len(x), *split["shape"]), "float32")
-        args = self._ordered(self.manifest["frozen"]) + self._ordered(split["frozen_states"])
         for i in range(0, len(x), self.batch):
             chunk = x[i:i + self.batch]
             n = len(chunk)
@@ -504,9 +503,10 @@ class Session:
             self._check_x(chunk, self.batch)
             if self._renew_due():
                 self.renew()
-                args = (self._ordered(self.manifest["frozen"])
-                        + self._ordered(split["frozen_states"]))
-            vm = self._train_vm
+            vm, names = self._train_vm, self.manifest["frozen"] + split["frozen_states"]
+            slots = self.manifest.get("features_slots")
+            args = (self._slot_args(vm, FEATURES_FROZEN, slots, names, key=None) if slots
+                    else self._ordered(names))
             out[i:i + n] = self._timed(lambda: vm[FEATURES](
                 tvm.runtime.tensor(chunk, self.device), *args).numpy())[:n]
         return out

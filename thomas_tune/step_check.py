@@ -196,7 +196,8 @@ def export_step(export_dir: str, x: np.ndarray, y: np.ndarray, device=None, rpc_
     import tvm
     from tvm.relax import VirtualMachine
 
-    from .manifest import ADJOINT, ADJOINT_FROZEN, FEATURES, HEAD_ADJOINT, read_manifest
+    from .manifest import (ADJOINT, ADJOINT_FROZEN, FEATURES, FEATURES_FROZEN, HEAD_ADJOINT,
+                           read_manifest)
     from .models import load_checkpoint
     from .runtime import device_for
     m = read_manifest(export_dir)
@@ -221,8 +222,11 @@ def export_step(export_dir: str, x: np.ndarray, y: np.ndarray, device=None, rpc_
             raise ValueError("export_step(cached=True) runs an export made with "
                              "--cache-features on this machine")
         split = m["features"]
-        feats = vm[FEATURES](t(x), *(t(tensors[n]) for n in (*m["frozen"],
-                                                             *split["frozen_states"])))
+        constants = [t(tensors[n]) for n in (*m["frozen"], *split["frozen_states"])]
+        if m.get("features_slots"):  # what reads constants only, lifted out (thomas_tune.lift)
+            lifted = iter(list(vm[FEATURES_FROZEN](*constants)))
+            constants = [t(tensors[s]) if s else next(lifted) for s in m["features_slots"]]
+        feats = vm[FEATURES](t(x), *constants)
         states = split["head_states"]
         out = vm[HEAD_ADJOINT](feats, *masks, *(t(tensors[n]) for n in (*m["trainable"],
                                                                       *states)),
