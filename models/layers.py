@@ -131,6 +131,9 @@ class Graph(Records):
         # training-form BatchNorms whose new running statistics are still to be computed (by
         # the training graph, for all of them at once): name -> models.batchnorm.Running
         self.running: dict[str, tuple] = {}
+        # convolutions without bias: (output, input, name, stride, padding, groups), for the
+        # inference-form BatchNorm that may follow (folded into it)
+        self._convs: list[tuple] = []
 
     # ---- bookkeeping -------------------------------------------------------------------------
     def _value(self, name, shape):
@@ -149,16 +152,26 @@ class Graph(Records):
         if bias:
             b = self.param(f"{name}.bias", (out_channels,), "zeros")
             y = self.emit(R.add(y, R.reshape(b, (1, out_channels, 1, 1))))
+        else:
+            self._convs.append((y, x, name, stride, padding, groups))
         return y
+
+    def may_fold(self, conv_name: str) -> bool:
+        """Whether an inference-form BatchNorm after convolution ``conv_name`` is folded into
+        it (:meth:`batch_norm`): always here; a training graph says no for a trainable
+        convolution."""
+        return True
 
     def batch_norm(self, name, x, eps=1e-5, momentum=0.1, act=None):
         """BatchNorm2d over axis 1 (Ioffe & Szegedy 2015) with PyTorch's running-stat rule,
         followed by ``act`` (None, ``"relu"`` or ``"relu6"``).
 
         In training mode the statistics, the normalisation and its activation are the kernels
-        of :mod:`models.batchnorm` (two-level shifted sums, the backward in three kernels); in
-        inference mode the running statistics are used, element-wise operators that fuse into
-        the convolution before them."""
+        of :mod:`models.batchnorm` (two-level sums, the backward in three kernels). In
+        inference mode the running statistics are used: after a convolution without bias
+        (:meth:`may_fold`) the BatchNorm is folded into it (:func:`models.batchnorm.bn_fold`:
+        the convolution again with the folded weight, plus a shift, then ``act``; the first
+        one is left unused), else element-wise operators that fuse into what comes before."""
         n, c, h, w = shape_of(x)
         gamma = self.param(f"{name}.weight", (c,), "ones")
         beta = self.param(f"{name}.bias", (c,), "zeros")
@@ -166,6 +179,9 @@ class Graph(Records):
         var = self.state(f"{name}.running_var", (c,), "ones")
         if self.training:
             return self._batch_norm_train(name, x, gamma, beta, mean, var, eps, momentum, act)
+        conv = next((cv for cv in self._convs if cv[0].same_as(x)), None)
+        if conv is not None and self.may_fold(conv[2]):
+            return self._folded(conv, gamma, beta, mean, var, eps, act)
         shape4 = (1, c, 1, 1)
         centred = R.subtract(x, R.reshape(mean, shape4))
         inv = R.divide(relax.const(1.0, self.dtype),
@@ -173,6 +189,19 @@ class Graph(Records):
         scale = self.emit(R.multiply(R.reshape(gamma, shape4), inv))
         return self._activate(self.emit(R.add(R.multiply(centred, scale),
                                               R.reshape(beta, shape4))), act)
+
+    def _folded(self, conv, gamma, beta, mean, var, eps, act):
+        from . import batchnorm as B
+        _, x, conv_name, stride, padding, groups = conv
+        w = self.params[f"{conv_name}.weight"][1]
+        c = int(w.ty.shape.values[0])
+        fold = self.emit(self.bb.call_te(B.bn_fold, w, gamma, beta, mean, var, float(eps),
+                                         primfunc_name_hint="bn_fold"))
+        # no gradient flows into the fold (a frozen or an inference-only convolution)
+        folded, shift = (self.emit(R.grad.no_grad(self.emit(relax.TupleGetItem(fold, i))))
+                         for i in range(2))
+        y = self.emit(R.nn.conv2d(x, folded, strides=stride, padding=padding, groups=groups))
+        return self._activate(self.emit(R.add(y, R.reshape(shift, (1, c, 1, 1)))), act)
 
     def _batch_norm_train(self, name, x, gamma, beta, mean, var, eps, momentum, act):
         """The training form (:mod:`models.batchnorm`): the statistics and ``act(normalised)``,

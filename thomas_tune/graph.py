@@ -45,7 +45,6 @@ import numpy as np
 import tvm
 import tvm_ffi
 from tvm import relax
-from tvm.relax import op as R
 from tvm.relax.training import SetupTrainer
 from tvm.relax.training import optimizer as ropt
 
@@ -301,51 +300,23 @@ class FrozenBatchNormGraph(Graph):
         super().__init__(bb, mode, dtype)
         self.frozen = frozen
         self.trainable = set(trainable)
-        # frozen convolutions without bias: (output, input, name, stride, padding, groups)
-        self._frozen_convs: list[tuple] = []
 
-    def conv2d(self, name, x, out_channels, kernel, stride=1, padding=0, groups=1, bias=False):
-        y = super().conv2d(name, x, out_channels, kernel, stride, padding, groups, bias)
-        if not bias and f"{name}.weight" not in self.trainable:
-            self._frozen_convs.append((y, x, name, stride, padding, groups))
-        return y
+    def may_fold(self, conv_name: str) -> bool:
+        """A frozen BatchNorm is folded into the convolution before it when that one is frozen
+        too (a trainable one's weight gradient reads its own output)."""
+        return f"{conv_name}.weight" not in self.trainable
 
     def batch_norm(self, name, x, eps=1e-5, momentum=0.1, act=None):
         if name not in self.frozen:
             return super().batch_norm(name, x, eps, momentum, act)
-        conv = next((c for c in self._frozen_convs if c[0].same_as(x)), None)
-        if conv is not None:
-            y = self._folded(name, conv, eps, act)
-        else:
-            self.training = False
-            try:
-                y = super().batch_norm(name, x, eps, momentum, act)
-            finally:
-                self.training = True
+        self.training = False
+        try:
+            y = super().batch_norm(name, x, eps, momentum, act)
+        finally:
+            self.training = True
         for k in ("running_mean", "running_var"):
             self.new_states[f"{name}.{k}"] = self.states[f"{name}.{k}"][1]
         return y
-
-    def _folded(self, name, conv, eps, act):
-        """A frozen BatchNorm after a frozen convolution without bias, folded into it
-        (:func:`models.batchnorm.bn_fold`): the convolution again with the folded weight, plus
-        the shift, then ``act``; the first convolution is left unused (dead code)."""
-        from .models import batchnorm as B
-        _, x, conv_name, stride, padding, groups = conv
-        w = self.params[f"{conv_name}.weight"][1]
-        c = int(w.ty.shape.values[0])
-        gamma = self.param(f"{name}.weight", (c,), "ones")
-        beta = self.param(f"{name}.bias", (c,), "zeros")
-        mean = self.state(f"{name}.running_mean", (c,), "zeros")
-        var = self.state(f"{name}.running_var", (c,), "ones")
-        fold = self.emit(self.bb.call_te(B.bn_fold, w, gamma, beta, mean, var, float(eps),
-                                         primfunc_name_hint="bn_fold"))
-        # frozen: no gradient flows into the fold
-        folded, shift = (self.emit(R.grad.no_grad(self.emit(relax.TupleGetItem(fold, i))))
-                         for i in range(2))
-        y = self.emit(R.nn.conv2d(x, folded, strides=stride, padding=padding, groups=groups))
-        y = self.emit(R.add(y, R.reshape(shift, (1, c, 1, 1))))
-        return self._activate(y, act)
 
 
 def _trace_training(model, batch: int, dtype: str, frozen: set[str], trainable: set[str]):
@@ -583,19 +554,16 @@ class TrainingGraph:
         return [p.name for p in spec(self.model).params]
 
 
-def _predict_function(model, batch: int, dtype: str = "float32") -> relax.Function:
+def inference_module(model, batch: int, dtype: str = "float32") -> tvm.IRModule:
+    """Module with ``predict(x, params..., states...) -> logits (batch, classes)`` and the
+    kernels it calls (the BatchNorms' folds)."""
     bb, g, x = trace(model, batch, "infer", dtype)
     with bb.function(PREDICT):
         with bb.dataflow():
             y = bb.emit_output(model.forward(g, x))
         args = [x] + [v for _, v in g.params.values()] + [v for _, v in g.states.values()]
         bb.emit_func_output(y, params=args)
-    return bb.get()[PREDICT]
-
-
-def inference_module(model, batch: int, dtype: str = "float32") -> tvm.IRModule:
-    """Module with only ``predict(x, params..., states...) -> logits (batch, classes)``."""
-    return tvm.IRModule({PREDICT: _predict_function(model, batch, dtype)})
+    return bb.get()
 
 
 def training_module(model, batch: int, trainable: str | list[str] = "all",
@@ -650,13 +618,13 @@ def training_module(model, batch: int, trainable: str | list[str] = "all",
     out = tvm.IRModule({
         ADJOINT: mod["backbone_loss_adjoint"].with_attr("global_symbol", ADJOINT),
         OPTIMIZER: mod["optimizer"],
-        PREDICT: _predict_function(model, batch, dtype),
     })
     for gv, func in mod.functions.items():  # kernels the gradients add (depthwise backward)
         if isinstance(func, tvm.tirx.PrimFunc):
             out[gv] = func
     for gv, func in getattr(opt, "kernels", {}).items():  # the optimizer's own kernels
         out[gv] = func
+    _add_functions(out, inference_module(model, batch, dtype), PREDICT, PREDICT)
     split, entries = None, [ADJOINT, OPTIMIZER, PREDICT]
     if features:
         feat, head, split = _feature_functions(model, batch, dtype, k, frozen_bn,
