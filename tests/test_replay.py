@@ -14,10 +14,13 @@ LOG = os.path.join(ROOT, "tuning_logs", "local-cpu", "mobilenet_v2-w0.35-r64-c10
 def test_replay_committed_log(capsys):
     """The committed CPU log compiles the inference graph and the training graph of the last two
     layers (the whole graph's takes twice the time: 3.3 min on 2 cores) and their numbers match
-    the float64 reference."""
+    the float64 reference. Its records hold at least half of those graphs' untuned kernel time
+    as measured when it was tuned (``default_latency.json`` beside it): a graph change that
+    leaves the log's workloads behind shows here."""
     rc = cli.main(["replay", "--log", LOG, "--model", "mobilenet_v2", "--width", "0.35",
                    "--resolution", "64", "--classes", "10", "--batch", "8", "--target", "llvm",
-                   "--trainable", "last:2"])
+                   "--trainable", "last:2", "--min-flops-coverage", "0",
+                   "--min-time-coverage", "0.5"])
     out = capsys.readouterr().out
     print(out)
     assert "tasks have a tuning record" in out and "vs float64 reference" in out
