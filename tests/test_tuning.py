@@ -20,8 +20,10 @@ from thomas_tune.logs import TuningLog
 def small_tasks():
     model = build("mobilenet_v2", num_classes=5, resolution=32, width=0.35)
     tasks = extract({"infer": G.inference_module(model, 1)}, parse_target("llvm"))
-    # two cheap kernels with small search spaces: duplicates are likely, runs are quick
-    cheap = sorted((t for t in tasks if t.flops > 0), key=lambda t: t.flops)
+    # two cheap kernels with small search spaces: duplicates are likely, runs are quick (not a
+    # BatchNorm's fold: its space holds fewer schedules than the test's 8 trials)
+    cheap = sorted((t for t in tasks if t.flops > 0 and not t.name.startswith("bn_fold")),
+                   key=lambda t: t.flops)
     return cheap[:2]
 
 
