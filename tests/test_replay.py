@@ -135,8 +135,14 @@ def test_time_share_adds_up_over_the_records_workloads(tmp_path, capsys):
     assert abs(shares["a"] + shares["b"] - shares["all"]) <= 0.15, shares  # printed to 0.1
 
 
-def test_time_coverage_needs_device_times(capsys):
-    rc = cli.main(["replay", "--log", LOG, "--min-flops-coverage", "0", "--no-check",
+def test_time_coverage_needs_device_times(tmp_path, capsys):
+    """A log without the default schedules' times measured on the device
+    (``default_latency.json``) cannot say what share of the time its records hold."""
+    import shutil
+    log = tmp_path / "log"
+    shutil.copytree(LOG, log)
+    (log / "default_latency.json").unlink()
+    rc = cli.main(["replay", "--log", str(log), "--min-flops-coverage", "0", "--no-check",
                    "--min-time-coverage", "0.1", "--width", "0.35", "--resolution", "64",
                    "--classes", "10", "--batch", "8"])
     assert rc == 1
