@@ -205,7 +205,8 @@ def export(out_dir: str, model, tensors: dict[str, np.ndarray], target: tvm.targ
     np.savez(os.path.join(out_dir, "optim_state.npz"),
              **{f"s{i}": a for i, a in enumerate(tg.optim_state)})
     s = spec(model)
-    step_slots = frozen_slots(train_mod, ADJOINT, wino_train)
+    train_slots = frozen_slots(train_mod, wino_train)
+    step_slots = train_slots.get(ADJOINT)
     manifest = {
         "format": FORMAT,
         "arch": model.arch,
@@ -228,9 +229,9 @@ def export(out_dir: str, model, tensors: dict[str, np.ndarray], target: tvm.targ
         "frozen_lift_inputs": lift_inputs if step_slots else None,
         # the same for the inference module's predict: in the place of the parameters and
         # states, each one itself or "" for the next value of PREDICT_FROZEN
-        "predict_slots": frozen_slots(infer_mod, PREDICT, wino_infer),
+        "predict_slots": frozen_slots(infer_mod, wino_infer).get(PREDICT),
         # and for the features function (--cache-features): frozen parameters, frozen states
-        "features_slots": frozen_slots(train_mod, FEATURES, wino_train) if tg.features else None,
+        "features_slots": train_slots.get(FEATURES),
         # the BatchNorm mode of the step, and the BatchNorms it runs in inference form
         "batchnorm": tg.batchnorm,
         "frozen_bn": sorted(tg.frozen_bn),

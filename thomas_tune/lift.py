@@ -23,8 +23,9 @@ fusion) then leaves two functions:
   frozen parameter the step reads as it is takes that parameter, every other slot the next
   output of ``NAME_frozen``; the extra inputs in their places; the other parameters
   unchanged;
-* ``NAME_frozen`` (:func:`frozen_function`): ``(frozen parameters..., extra inputs...) ->
-  tuple of the lifted values`` (each a tensor of its own), in their order in ``NAME``.
+* ``NAME_frozen`` (:func:`thomas_tune.manifest.frozen_function`): ``(frozen parameters...,
+  extra inputs...) -> tuple of the lifted values`` (each a tensor of its own), in their order
+  in ``NAME``.
 """
 
 from __future__ import annotations
@@ -32,15 +33,12 @@ from __future__ import annotations
 import tvm
 from tvm import relax, te
 
+from .manifest import frozen_function
+
 ATTR = "thomas_tune.lift_frozen"
 #: on the split step function: per frozen slot, the frozen parameter it takes as it is, or ""
 #: for the next output of ``NAME_frozen``
 SLOTS = "thomas_tune.frozen_slots"
-
-
-def frozen_function(name: str) -> str:
-    """The name of the function that computes ``name``'s lifted frozen values."""
-    return f"{name}_frozen"
 
 
 def lift_frozen(mod: tvm.IRModule) -> tvm.IRModule:
@@ -82,22 +80,15 @@ def _kind(mod: tvm.IRModule, expr, bindings: dict, tuple_param):
     """What the transform's output ``expr`` is: ``("param", j)`` for the j-th frozen
     parameter as it is, ``("kernel", None)`` for a kernel's output, ``("view", None)`` for
     anything else (a reshape: a view of a parameter once built). ``mod`` holds the kernels."""
+    while isinstance(expr, relax.Var) and expr in bindings:
+        expr = bindings[expr]
     if isinstance(expr, relax.TupleGetItem) and expr.tuple_value.same_as(tuple_param):
         return "param", int(expr.index)
-    while isinstance(expr, relax.Var) and expr in bindings:
-        value = bindings[expr]
-        if isinstance(value, relax.TupleGetItem) and value.tuple_value.same_as(tuple_param):
-            return "param", int(value.index)
-        if isinstance(value, relax.Var):
-            expr = value
-            continue
-        if isinstance(value, relax.Call) and value.op.same_as(tvm.ir.Op.get("relax.call_tir")):
-            # a kernel that only reshapes becomes a view of its input in the build
-            # (RewriteDataflowReshape)
-            kernel = mod[value.args[0]]
-            return ("view", None) if relax.analysis.has_reshape_pattern(kernel) else \
-                ("kernel", None)
-        return "view", None
+    if isinstance(expr, relax.Call) and expr.op.same_as(tvm.ir.Op.get("relax.call_tir")):
+        # a kernel that only reshapes becomes a view of its input in the build
+        # (RewriteDataflowReshape)
+        reshape = relax.analysis.has_reshape_pattern(mod[expr.args[0]])
+        return ("view", None) if reshape else ("kernel", None)
     return "view", None
 
 

@@ -17,13 +17,6 @@ FORMAT = "thomas_tune.export/2"  # 2: dropout masks drawn on the device (draw_ma
 # functions of the exported libraries (``graph`` builds them, ``runtime.Session`` calls them)
 PREDICT = "predict"
 ADJOINT = "train_adjoint"
-# what the step computes from the frozen parameters alone, computed once per load
-# (``lift.lift_frozen``; the manifest's ``frozen_slots`` say how the step takes it)
-ADJOINT_FROZEN = "train_adjoint_frozen"
-# the same for the inference module's predict, whose parameters and states are all constant
-# between loads and training steps (the manifest's ``predict_slots``)
-PREDICT_FROZEN = "predict_frozen"
-FEATURES_FROZEN = "features_frozen"  # and for ``features`` (the manifest's ``features_slots``)
 OPTIMIZER = "optimizer"
 PACK_TRAINABLE = "pack_trainable"
 PACK_OPTIMIZER_STATE = "pack_optimizer_state"
@@ -33,6 +26,32 @@ DRAW_MASKS = "draw_masks"
 FEATURES = "features"
 HEAD_ADJOINT = "train_head_adjoint"
 
+
+def frozen_function(name: str) -> str:
+    """The exported function that computes, once per load, what function ``name`` reads of its
+    constant inputs (``thomas_tune.lift``; the manifest's ``frozen_slots``, ``features_slots``
+    and ``predict_slots`` say how ``name`` takes its values)."""
+    return f"{name}_frozen"
+
+
+ADJOINT_FROZEN = frozen_function(ADJOINT)
+FEATURES_FROZEN = frozen_function(FEATURES)
+PREDICT_FROZEN = frozen_function(PREDICT)
+
+
+def lifted_values(out, slots: list[str], get=None) -> list:
+    """The values a ``*_frozen`` function returned (``out``, a tuple; over RPC a handle whose
+    items ``get(out, i)`` reads), one per empty slot of ``slots``."""
+    n = slots.count("")
+    return [get(out, i) for i in range(n)] if get is not None else list(out)
+
+
+def slot_arguments(slots: list[str], named, values: list) -> list:
+    """What a function with lifted inputs takes in its constants' place: per slot, ``named(s)``
+    for the tensor ``s`` it takes as it is, or, for an empty slot, the next of ``values``
+    (:func:`lifted_values`)."""
+    lifted = iter(values)
+    return [named(s) if s else next(lifted) for s in slots]
 
 def read_manifest(export_dir: str) -> dict:
     """The manifest (``manifest.json``, a dict) of the export folder ``export_dir``.

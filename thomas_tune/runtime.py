@@ -40,7 +40,7 @@ from tvm.runtime.vm import VirtualMachine
 
 from .manifest import (ADJOINT, ADJOINT_FROZEN, DRAW_MASKS, FEATURES, FEATURES_FROZEN,
                        HEAD_ADJOINT, OPTIMIZER, PACK_OPTIMIZER_STATE, PACK_TRAINABLE, PREDICT,
-                       PREDICT_FROZEN, read_manifest)
+                       PREDICT_FROZEN, lifted_values, read_manifest, slot_arguments)
 from .models import load_checkpoint, save_checkpoint
 from .models.layers import require_compiler
 from .target import host_arch, machine_arch
@@ -355,12 +355,9 @@ class Session:
         cached = self._tuples.get(frozen_fn)
         if cached is None or cached[0] != key:
             out = self._timed(lambda: vm[frozen_fn](*self._ordered(names)))
-            n = slots.count("")
-            cached = (key, [self._get_item(out, i) for i in range(n)] if self.remote
-                      else list(out))
+            cached = (key, lifted_values(out, slots, self._get_item if self.remote else None))
             self._tuples[frozen_fn] = cached
-        lifted = iter(cached[1])
-        return [self._t[s] if s else next(lifted) for s in slots]
+        return slot_arguments(slots, self._t.__getitem__, cached[1])
 
     def _step_states(self, fn: str) -> list[str]:
         """The states (running statistics) the step function ``fn`` takes and returns: all

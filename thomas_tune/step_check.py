@@ -197,7 +197,7 @@ def export_step(export_dir: str, x: np.ndarray, y: np.ndarray, device=None, rpc_
     from tvm.relax import VirtualMachine
 
     from .manifest import (ADJOINT, ADJOINT_FROZEN, FEATURES, FEATURES_FROZEN, HEAD_ADJOINT,
-                           read_manifest)
+                           lifted_values, read_manifest, slot_arguments)
     from .models import load_checkpoint
     from .runtime import device_for
     m = read_manifest(export_dir)
@@ -223,9 +223,10 @@ def export_step(export_dir: str, x: np.ndarray, y: np.ndarray, device=None, rpc_
                              "--cache-features on this machine")
         split = m["features"]
         constants = [t(tensors[n]) for n in (*m["frozen"], *split["frozen_states"])]
-        if m.get("features_slots"):  # what reads constants only, lifted out (thomas_tune.lift)
-            lifted = iter(list(vm[FEATURES_FROZEN](*constants)))
-            constants = [t(tensors[s]) if s else next(lifted) for s in m["features_slots"]]
+        slots = m.get("features_slots")
+        if slots:  # what reads constants only, lifted out (thomas_tune.lift)
+            constants = slot_arguments(slots, lambda s: t(tensors[s]), lifted_values(
+                vm[FEATURES_FROZEN](*constants), slots))
         feats = vm[FEATURES](t(x), *constants)
         states = split["head_states"]
         out = vm[HEAD_ADJOINT](feats, *masks, *(t(tensors[n]) for n in (*m["trainable"],
@@ -234,11 +235,11 @@ def export_step(export_dir: str, x: np.ndarray, y: np.ndarray, device=None, rpc_
     else:
         states = m["states"]
         frozen = [t(tensors[n]) for n in m["frozen"]]
-        if m.get("frozen_slots"):  # the frozen parameters' transforms lifted out of the step
-            lifted = vm[ADJOINT_FROZEN](*(t(tensors[n]) for n in m["frozen_lift_inputs"]))
-            n = sum(1 for s in m["frozen_slots"] if not s)
-            lifted = iter([get(lifted, i) for i in range(n)] if rpc_session else list(lifted))
-            frozen = [t(tensors[s]) if s else next(lifted) for s in m["frozen_slots"]]
+        slots = m.get("frozen_slots")
+        if slots:  # the frozen parameters' transforms lifted out of the step
+            out = vm[ADJOINT_FROZEN](*(t(tensors[n]) for n in m["frozen_lift_inputs"]))
+            frozen = slot_arguments(slots, lambda s: t(tensors[s]),
+                                    lifted_values(out, slots, get))
         ordered = [t(tensors[n]) for n in (*m["trainable"], *m["states"])]
         out = vm[ADJOINT](t(x), *masks, *frozen, *ordered, t(y.astype("int64")))
     if rpc_session is None:

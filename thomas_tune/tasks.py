@@ -17,6 +17,8 @@ from tvm import relax
 from tvm.s_tir import meta_schedule as ms
 from tvm.s_tir.analysis import estimate_tir_flops
 
+from .lift import ATTR, SLOTS, lift_frozen
+
 
 def fuse(mod: tvm.IRModule, winograd=None) -> tvm.IRModule:
     """Legalize and fuse a Relax module: every fused PrimFunc is one kernel of the graph.
@@ -34,7 +36,6 @@ def fuse(mod: tvm.IRModule, winograd=None) -> tvm.IRModule:
     kernels that read its frozen parameters alone lifted into a function of its own
     (:func:`thomas_tune.lift.lift_frozen`), the Winograd weight transforms among them.
     """
-    from .lift import lift_frozen
     if winograd:
         from . import winograd_form as W
         mod, _ = W.rewrite(mod, (lambda call, conv: True) if winograd == "all"
@@ -53,18 +54,20 @@ def fuse(mod: tvm.IRModule, winograd=None) -> tvm.IRModule:
         return short_kernel_names(lift_frozen(seq(mod)))
 
 
-def frozen_slots(mod: tvm.IRModule, name: str, winograd=None) -> list[str] | None:
-    """The frozen slots of ``name`` once ``mod`` is built with ``winograd`` (as :func:`fuse`
-    takes it; :mod:`thomas_tune.lift`): per slot, the frozen parameter it takes as it is, or
-    "" for the next output of ``NAME_frozen``; None when ``name`` asks for no lifting or
-    nothing is lifted (the built function then takes its parameters as they are). What the
-    runtime needs to call the built function (the manifest keeps it)."""
-    from .lift import ATTR, SLOTS
-    f = mod[name]
-    if not (f.attrs and ATTR in f.attrs):
-        return None
-    slots = [str(s) for s in fuse(mod, winograd)[name].attrs[SLOTS]]
-    return slots if "" in slots else None
+def frozen_slots(mod: tvm.IRModule, winograd=None) -> dict[str, list[str] | None]:
+    """The frozen slots of each function of ``mod`` that asks for lifting
+    (:data:`thomas_tune.lift.ATTR`), once ``mod`` is built with ``winograd`` (as :func:`fuse`
+    takes it), by function name: per slot, the constant input it takes as it is, or "" for
+    the next output of its ``NAME_frozen``; None where nothing is lifted (the built function
+    then takes its inputs as they are). What the runtime needs to call the built functions
+    (the manifest keeps it); one fusion of ``mod`` for all of them."""
+    fused = fuse(mod, winograd)
+    out = {}
+    for gv, f in mod.functions.items():
+        if isinstance(f, relax.Function) and f.attrs and ATTR in f.attrs:
+            slots = [str(s) for s in fused[gv.name_hint].attrs[SLOTS]]
+            out[gv.name_hint] = slots if "" in slots else None
+    return out
 
 
 #: the longest kernel name a fused PrimFunc keeps. FuseOps names a fused kernel after its
