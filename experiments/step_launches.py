@@ -7,7 +7,7 @@
 Exports the model with fresh random weights for ``--target`` with ``--log``'s records (not
 checked: the kernels are not timed here), loads it on OpenCL device 0 (PoCL in CI), runs one
 step, then counts the launches of a second one (``thomas_tune.opencl.stats``) and lists the
-step's calls that launch more than one kernel. A build for another device's target runs on
+step's calls that launch more than one kernel (``--calls``: every call). A build for another device's target runs on
 this one as it would there, launch for launch.
 """
 
@@ -41,6 +41,8 @@ def main():
     ap.add_argument("--trainable", default="all")
     ap.add_argument("--target", default="targets/h100_opencl.json")
     ap.add_argument("--log", default=None)
+    ap.add_argument("--calls", action="store_true",
+                    help="list every call of the step, not only those of several launches")
     a = ap.parse_args()
     model = build(a.model, width=a.width, resolution=a.resolution, num_classes=a.classes)
     rng = np.random.default_rng(0)
@@ -73,8 +75,8 @@ def main():
     print(f"{a.model} {a.trainable}: {opencl.stats()['launches'] - start} launches a step, "
           f"{sum(calls.values())} calls")
     for name, n in calls.most_common():
-        if launched.get(name, 1) > 1:
-            print(f"  {n} x {name}: {launched[name]} launches a call")
+        if a.calls or launched.get(name, 1) > 1:
+            print(f"  {n} x {name}: {launched.get(name, 0)} launches a call")
 
 
 if __name__ == "__main__":

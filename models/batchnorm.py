@@ -1,4 +1,4 @@
-"""BatchNorm in its training form as seven kernels: four in the forward pass, three backward.
+"""BatchNorm in its training form as four kernels: two in the forward pass, two backward.
 
 Written out of Relax's generic operators (mean, subtract, divide, ...), the training form of one
 BatchNorm followed by its activation costs about seventeen kernel launches per step once the
@@ -7,46 +7,35 @@ byte (a phone's GPU) wants fewer. Here, for ``x`` of shape (N, C, H, W), float32
 M = N * H * W values per channel:
 
 forward
-  ``bn_psum``         per sample and channel, the sum of its (H, W) values, ``p[n, c]``; the
-                      sample's mean ``m[n, c] = p[n, c] / (H * W)``;
-  ``bn_stats``        per sample and channel, the sums of the deviations from the sample's own
-                      mean and of their squares over (H, W): ``s0[n, c] = sum(x - m[n, c])``,
-                      ``s1[n, c] = sum((x - m[n, c])^2)`` (a tuple reduction: two sums in one
-                      pass; ``s0`` is the rounding error of ``m`` times H * W);
-  ``bn_combine``      per channel, the samples joined (Chan, Golub & LeVeque 1983, eq. 2.1):
-                      with the shift ``mu[c] = m[0, c]`` (the first sample's mean, a value near
-                      the channel's mean) and each sample's mean's offset from it
-                      ``e[n] = (m[n] - mu) + s0[n] / (H * W)``, the channel's shifted sums
-                      ``S0[c] = sum(x - mu) = H * W * sum(e)`` and ``S1[c] = sum((x - mu)^2) =
-                      sum(s1 - s0^2 / (H * W)) + H * W * sum(e^2)``;
+  ``bn_stats``        per channel, in one pass over ``x``: the sum of squared deviations from
+                      the mean ``m2[c]``, the mean ``mean[c]`` and the count M, as one reduction
+                      whose combiner is Chan, Golub & LeVeque's pairwise update (1983,
+                      "Algorithms for computing the sample variance", eq. 2.1; with one value
+                      at a time it is Welford's 1962 update): ``(m2, mean, n) + (m2', mean',
+                      n') = (m2 + m2' + d^2 n n' / (n + n'), mean + d n' / (n + n'), n + n')``,
+                      ``d = mean' - mean``;
   running statistics  PyTorch's rule (biased variance to normalise, unbiased into the running
                       estimate, ``new = (1 - m) * old + m * batch``): not a kernel per
                       BatchNorm but :func:`running_exprs`, which the training graph computes
                       for every BatchNorm of the step in a few multi-tensor kernels;
-  ``bn_act``          ``z = act(gamma * xhat + beta)`` (one element-wise pass);
+  ``bn_act``          ``z = act(gamma * xhat + beta)``, ``xhat = (x - mean) * rstd``,
+                      ``rstd = 1 / sqrt(m2 / M + eps)`` (one element-wise pass);
 backward
-  ``bn_act_reduce``   per sample and channel, one pass over ``x`` and ``dz``: the sums of
-                      ``dy`` and ``dy * xhat`` over (H, W) with ``dy = dz * act'(y)``;
-  ``bn_sums``         their sums over the samples: the gradients of beta and gamma;
+  ``bn_act_reduce``   per channel, one pass over ``x`` and ``dz``: ``sum(dy)`` and
+                      ``sum(dy * xhat)`` over (N, H, W) with ``dy = dz * act'(y)``, the
+                      gradients of beta and gamma;
   ``bn_act_dx``       ``dx = gamma * rstd * (dy - sum(dy) / M - xhat * sum(dy * xhat) / M)``
                       (Ioffe & Szegedy 2015, section 3, the backward of Algorithm 1).
 
-Every channel sum is taken in two levels, over each sample's H * W values and then over the N
-samples: float32's error in a sum grows with the length of the chains that add into one
-accumulator, and one sum of N * H * W values (8,192 in a test's 32x32 layer at batch 8, 401,408
-in MobileNetV2's first layer at 224 px and batch 32) left the normalised values several times
-further from float64 than two-level sums (measured kernel by kernel,
-``experiments/kernel_precision.py``). Each sample's variance is a two-pass one, its deviations
-taken from its own rounded mean and corrected by their mean (Chan, Golub & LeVeque 1983,
-"Algorithms for computing the sample variance", eq. 1.7); the samples are then joined by the
-pairwise formula of the same paper (eq. 2.1), so no pass over ``x`` waits for the channel's
-mean. The consumers see the channel through ``mu, S0, S1``: with ``m1 = S0 / M`` (the
-channel mean's offset from the shift, small against the spread), ``var = S1 / M - m1^2`` and
-``xhat = ((x - mu) - m1) * rstd``, where ``x - mu`` is an exact float32 difference for values
-near the shift. A one-pass variance shifted by one value of the channel, which saves the pass
-of the sample means, was 2-5x further from float64 in the normalised values. Every kernel
-recomputes the mean and ``rstd`` from ``mu, S0, S1`` per element: a few operations, where a
-separate kernel would cost a launch.
+The statistics' combiner is registered with TVM's schedule primitives
+(:func:`register_reducer`), so that a GPU schedule splits each channel's pass across a
+work-group's threads (cross-thread reduction) and a CPU one into partial results (``rfactor``):
+each thread's or part's values are taken one at a time, and the partial results are joined in
+a tree by the same pairwise formula, so neither the mean nor the variance is a long chain of
+float32 roundings and no pass over ``x`` waits for the channel's mean. The combiner's outputs
+are ordered ``(m2, mean, n)`` because TVM's cross-thread lowering writes them back one by one:
+each reads only the partial results of those after it, which are still unchanged when it is
+written. The backward's two sums are split the same way by the same schedules.
 
 ``act`` is ``None`` (identity), ``"relu"`` or ``"relu6"``; its derivative is PyTorch's
 (``threshold_backward``: 0 where y <= 0; ``hardtanh_backward``: 0 outside 0 < y < 6).
@@ -84,31 +73,67 @@ def _zero2(t0, t1):
 _SUM2 = te.comm_reducer(_sum2, _zero2, name="sum2")  # two sums in one pass
 
 
-class _Channel:
-    """Per-channel mean and 1/sqrt(var + eps) of ``x`` from its sums ``s`` (S0, S1) shifted by
-    ``shift`` (C,)."""
+def _pairwise(a, b):
+    """Chan, Golub & LeVeque's pairwise join of two partial results ``(m2, mean, n)``."""
+    n = a[2] + b[2]
+    frac = b[2] / tirx.max(n, tirx.const(1.0, str(n.ty)))
+    d = b[1] - a[1]
+    return a[0] + b[0] + d * d * a[2] * frac, a[1] + d * frac, n
 
-    def __init__(self, x: te.Tensor, shift: te.Tensor, s, eps: float):
-        self.x, self.shift, self.s, self.eps = x, shift, s, eps
+
+def _pairwise_identity(*dtypes):
+    return tuple(tirx.const(0.0, t) for t in dtypes)
+
+
+_registered = False
+
+
+def register_reducer() -> None:
+    """Register the statistics' combiner (:func:`bn_stats`, any float type) with TVM's schedule
+    primitives, once per process: rfactor and cross-thread reduction apply only to
+    reductions whose combiner TVM's registry knows (``s_tir.schedule.RegisterReducer``); a
+    process that schedules or builds these kernels (the tuner, its build workers, ``export``)
+    needs it before it does. ``thomas_tune``'s import calls it where the compiler is present."""
+    global _registered
+    if _registered:
+        return
+    import ctypes
+
+    import tvm
+    import tvm_ffi
+
+    def combiner(x, y):
+        return list(_pairwise(x, y))
+
+    def identity(values):
+        return [tirx.const(0.0, str(v.ty)) for v in values]
+
+    # TVM's registry keeps the two callbacks until its static destructors run, after Python
+    # has finalised: releasing a Python callback then aborts the process. One reference each
+    # that is never released keeps them alive to the end (they are needed to the end anyway).
+    callbacks = [tvm_ffi.convert(f) for f in (combiner, identity)]
+    for cb in callbacks:
+        ctypes.pythonapi.Py_IncRef(ctypes.py_object(cb))
+    tvm.get_global_func("s_tir.schedule.RegisterReducer")(3, *callbacks)
+    _registered = True
+
+
+_PAIRWISE = te.comm_reducer(_pairwise, _pairwise_identity, name="pairwise_variance")
+
+
+class _Channel:
+    """Per-channel mean and 1/sqrt(var + eps) of ``x`` from its mean and sum of squared
+    deviations ``m2`` (C,)."""
+
+    def __init__(self, x: te.Tensor, mean: te.Tensor, m2: te.Tensor, eps: float):
+        self.x, self.mean, self.m2, self.eps = x, mean, m2, eps
         self.dt = x.dtype
         self.inv_m = tirx.const(1.0 / _count(x), self.dt)
 
-    def _m1_var(self, c):
-        """The mean of the deviations from the shift, S0/M, and the biased variance."""
-        m1 = self.s[0][c] * self.inv_m
-        return m1, tirx.max(self.s[1][c] * self.inv_m - m1 * m1, tirx.const(0.0, self.dt))
-
-    def mean_var(self, c):
-        m1, var = self._m1_var(c)
-        return self.shift[c] + m1, var
-
     def normalized(self, n, c, h, w):
-        # (x - shift) - S0/M, not x - mean: the difference from the shift is exact for values
-        # near it, and a channel whose mean is large against its spread keeps the rounding of
-        # its mean (the shift's rounding, which S0/M is) out of every normalised value
-        m1, var = self._m1_var(c)
+        var = self.m2[c] * self.inv_m
         rstd = tirx.const(1.0, self.dt) / tirx.sqrt(var + tirx.const(self.eps, self.dt))
-        return ((self.x[n, c, h, w] - self.shift[c]) - m1) * rstd, rstd
+        return (self.x[n, c, h, w] - self.mean[c]) * rstd, rstd
 
 
 def _activate(y, act, dt):
@@ -128,89 +153,31 @@ def _act_grad(dz, y, act, dt):
     return dz
 
 
-def _plane_axes(x: te.Tensor):
-    """Reduction axes over one sample's plane (H, W) of an (N, C, H, W) tensor."""
-    _, _, h, w = x.shape
-    return te.reduce_axis((0, h), "h"), te.reduce_axis((0, w), "w")
+def _channel_axes(x: te.Tensor):
+    """Reduction axes over one channel's values (N, H, W) of an (N, C, H, W) tensor."""
+    n, _, h, w = x.shape
+    return te.reduce_axis((0, n), "n"), te.reduce_axis((0, h), "h"), te.reduce_axis((0, w), "w")
 
 
-def bn_psum(x: te.Tensor) -> te.Tensor:
-    """(N, C, H, W) -> (N, C): the sum of each sample's values of each channel."""
-    rh, rw = _plane_axes(x)
-    return te.compute((x.shape[0], x.shape[1]),
-                      lambda n, c: te.sum(x[n, c, rh, rw], axis=[rh, rw]), name="bn_psum")
-
-
-def _sample_mean(p: te.Tensor, hw: int, n, c):
-    """The mean of sample ``n``'s values of channel ``c`` from their sum ``p`` (N, C)."""
-    return p[n, c] * tirx.const(1.0 / hw, p.dtype)
-
-
-def bn_stats(x: te.Tensor, p: te.Tensor):
-    """(N, C, H, W), (N, C) sums of each sample's plane (:func:`bn_psum`) -> (s0, s1), each
-    (N, C): the sums of each sample's deviations from its own mean and of their squares, per
-    channel (module docstring)."""
-    rh, rw = _plane_axes(x)
-    hw = int(x.shape[2]) * int(x.shape[3])
-
-    def body(n, c):
-        d = x[n, c, rh, rw] - _sample_mean(p, hw, n, c)
-        return _SUM2((d, d * d), axis=[rh, rw])
-
-    return te.compute((x.shape[0], x.shape[1]), body, name="bn_stats")
-
-
-def _sum3(a, b):
-    return a[0] + b[0], a[1] + b[1], a[2] + b[2]
-
-
-def _zero3(t0, t1, t2):
-    return tirx.const(0.0, t0), tirx.const(0.0, t1), tirx.const(0.0, t2)
-
-
-_SUM3 = te.comm_reducer(_sum3, _zero3, name="sum3")  # three sums in one pass
-
-
-def bn_combine(p: te.Tensor, s0: te.Tensor, s1: te.Tensor, hw: int):
-    """(N, C) per-sample sums (:func:`bn_psum`) and deviation sums (:func:`bn_stats`) of
-    samples of ``hw`` (H * W) values each -> (mu, S0, S1), each (C,): the shift and the
-    channel's sums of the deviations from it and of their squares (module docstring), as one
-    reduction over the samples; the shift, the first sample's mean, is picked by that same
-    reduction (the other samples add exact zeros), so the three come out of one kernel."""
-    dt = p.dtype
-    rn = te.reduce_axis((0, p.shape[0]), "n")
-    inv_hw, weight, zero = (tirx.const(v, dt) for v in (1.0 / hw, float(hw), 0.0))
-
-    def body(c):
-        first = _sample_mean(p, hw, 0, c)
-        e = (_sample_mean(p, hw, rn, c) - first) + s0[rn, c] * inv_hw
-        within = tirx.max(s1[rn, c] - s0[rn, c] * s0[rn, c] * inv_hw, zero)
-        return _SUM3((tirx.Select(rn == 0, first, zero), weight * e, within + weight * e * e),
-                     axis=[rn])
-
-    return te.compute((p.shape[1],), body, name="bn_combine")
-
-
-def bn_sums(a: te.Tensor, b: te.Tensor):
-    """(N, C), (N, C) -> (A, B), each (C,): the sums over the samples (axis 0), in one pass
-    (the backward's gradients of beta and gamma)."""
-    rn = te.reduce_axis((0, a.shape[0]), "n")
-
-    def body(c):
-        return _SUM2((a[rn, c], b[rn, c]), axis=[rn])
-
-    return te.compute((a.shape[1],), body, name="bn_sums")
+def bn_stats(x: te.Tensor):
+    """(N, C, H, W) -> (m2, mean, count), each (C,): per channel the sum of squared deviations
+    from the mean, the mean and the number of values M (float), in one reduction (module
+    docstring; :func:`register_reducer` before scheduling it)."""
+    rn, rh, rw = _channel_axes(x)
+    zero, one = tirx.const(0.0, x.dtype), tirx.const(1.0, x.dtype)
+    return te.compute((x.shape[1],),
+                      lambda c: _PAIRWISE((zero, x[rn, c, rh, rw], one), axis=[rn, rh, rw]),
+                      name="bn_stats")
 
 
 class Running(NamedTuple):
     """What the new running statistics of one training-form BatchNorm are computed from
-    (:func:`running_exprs`): the graph's values of the shift ``mu`` and the shifted sums
-    ``s0``, ``s1`` (C,), of the running mean and variance, and the values per channel
+    (:func:`running_exprs`): the graph's values of the batch's mean and sum of squared
+    deviations ``m2`` (C,), of the running mean and variance, and the values per channel
     (``count``, M) and momentum."""
 
-    mu: Any
-    s0: Any
-    s1: Any
+    mean: Any
+    m2: Any
     running_mean: Any
     running_var: Any
     count: int
@@ -221,25 +188,22 @@ def running_exprs(count: int, momentum: float, dtype: str) -> dict[str, str]:
     """The new running statistics of a BatchNorm over ``count`` values per channel (M), as
     element-wise update expressions in TVMScript (for ``thomas_tune.multi_tensor``'s
     ``update_kernel``, one element per channel): inputs ``rm``, ``rv`` (the running mean and
-    variance), ``mu`` (the shift), ``s0``, ``s1`` (the batch's shifted sums, ``bn_combine``);
-    outputs ``rm_new = (1 - momentum) * rm + momentum * mean`` and ``rv_new = (1 - momentum)
-    * rv + momentum * var * M / (M - 1)``, with the mean and biased variance of
-    :class:`_Channel` (PyTorch's rule: the unbiased variance goes into the estimate)."""
+    variance), ``mean``, ``m2`` (the batch's, :func:`bn_stats`); outputs ``rm_new = (1 -
+    momentum) * rm + momentum * mean`` and ``rv_new = (1 - momentum) * rv + momentum * m2 /
+    (M - 1)`` (PyTorch's rule: the unbiased variance goes into the estimate)."""
     def f(v):
         return f"T.{dtype}({float(v)!r})"
 
-    m1 = f"(s0 * {f(1.0 / count)})"
-    var = f"T.max(s1 * {f(1.0 / count)} - {m1} * {m1}, {f(0.0)})"
-    return {"rm_new": f"{f(1.0 - momentum)} * rm + {f(momentum)} * (mu + {m1})",
-            "rv_new": f"{f(1.0 - momentum)} * rv + {f(momentum)} * "
-                      f"({var} * {f(count / max(count - 1, 1))})"}
+    return {"rm_new": f"{f(1.0 - momentum)} * rm + {f(momentum)} * mean",
+            "rv_new": f"{f(1.0 - momentum)} * rv + {f(momentum / max(count - 1, 1))} * m2"}
 
 
-def bn_act(x: te.Tensor, mu: te.Tensor, s0: te.Tensor, s1: te.Tensor, gamma: te.Tensor,
-           beta: te.Tensor, eps: float, act: str | None) -> te.Tensor:
-    """(N, C, H, W) -> (N, C, H, W): ``act(gamma * xhat + beta)`` with the batch statistics."""
+def bn_act(x: te.Tensor, mean: te.Tensor, m2: te.Tensor, gamma: te.Tensor, beta: te.Tensor,
+           eps: float, act: str | None) -> te.Tensor:
+    """(N, C, H, W) -> (N, C, H, W): ``act(gamma * xhat + beta)`` with the batch statistics
+    (:func:`bn_stats`)."""
     _check_act(act)
-    ch = _Channel(x, mu, (s0, s1), eps)
+    ch = _Channel(x, mean, m2, eps)
 
     def body(n, c, h, w):
         xhat, _ = ch.normalized(n, c, h, w)
@@ -253,32 +217,32 @@ def _dy(ch: _Channel, dz, gamma, beta, act, n, c, h, w):
     return _act_grad(dz[n, c, h, w], gamma[c] * xhat + beta[c], act, ch.dt), xhat, rstd
 
 
-def bn_act_reduce(dz: te.Tensor, x: te.Tensor, mu: te.Tensor, s0: te.Tensor, s1: te.Tensor,
+def bn_act_reduce(dz: te.Tensor, x: te.Tensor, mean: te.Tensor, m2: te.Tensor,
                   gamma: te.Tensor, beta: te.Tensor, eps: float, act: str | None):
-    """(sum(dy), sum(dy * xhat)) over each sample's (H, W), each (N, C); their sums over the
-    samples (:func:`bn_sums`) are the gradients of beta and gamma."""
-    ch = _Channel(x, mu, (s0, s1), eps)
-    rh, rw = _plane_axes(x)
+    """(dbeta, dgamma), each (C,): ``sum(dy)`` and ``sum(dy * xhat)`` over each channel's
+    (N, H, W), in one pass over ``dz`` (N, C, H, W) and ``x``: the gradients of beta and
+    gamma."""
+    ch = _Channel(x, mean, m2, eps)
+    rn, rh, rw = _channel_axes(x)
 
-    def body(n, c):
-        dy, xhat, _ = _dy(ch, dz, gamma, beta, act, n, c, rh, rw)
-        return _SUM2((dy, dy * xhat), axis=[rh, rw])
+    def body(c):
+        dy, xhat, _ = _dy(ch, dz, gamma, beta, act, rn, c, rh, rw)
+        return _SUM2((dy, dy * xhat), axis=[rn, rh, rw])
 
-    return te.compute((x.shape[0], x.shape[1]), body, name="bn_act_reduce")
+    return te.compute((x.shape[1],), body, name="bn_act_reduce")
 
 
-def bn_act_dx(dz: te.Tensor, x: te.Tensor, mu: te.Tensor, s0: te.Tensor, s1: te.Tensor,
-              gamma: te.Tensor, beta: te.Tensor, dbeta: te.Tensor, dgamma: te.Tensor, eps: float,
+def bn_act_dx(dz: te.Tensor, x: te.Tensor, mean: te.Tensor, m2: te.Tensor, gamma: te.Tensor,
+              beta: te.Tensor, dbeta: te.Tensor, dgamma: te.Tensor, eps: float,
               act: str | None) -> te.Tensor:
     """(N, C, H, W): the gradient of ``x`` through the batch statistics (module docstring)."""
-    ch = _Channel(x, mu, (s0, s1), eps)
+    ch = _Channel(x, mean, m2, eps)
 
     def body(n, c, h, w):
         dy, xhat, rstd = _dy(ch, dz, gamma, beta, act, n, c, h, w)
         return gamma[c] * rstd * (dy - (dbeta[c] + xhat * dgamma[c]) * ch.inv_m)
 
     return te.compute(x.shape, body, name="bn_act_dx")
-
 
 
 def bn_fold(w: te.Tensor, gamma: te.Tensor, beta: te.Tensor, mean: te.Tensor, var: te.Tensor,

@@ -212,17 +212,14 @@ class Graph(Records):
         from . import batchnorm as B
 
         bb = self.bb
-        psum = bb.emit_te(B.bn_psum, x, primfunc_name_hint="bn_psum")
         n, _, h, w = shape_of(x)
-        partial = bb.emit_te(B.bn_stats, x, psum, primfunc_name_hint="bn_stats")
-        p0, p1 = (self.emit(relax.TupleGetItem(partial, i)) for i in range(2))
-        stats = bb.emit_te(B.bn_combine, psum, p0, p1, h * w, primfunc_name_hint="bn_combine")
-        mu, s0, s1 = (self.emit(R.grad.no_grad(self.emit(relax.TupleGetItem(stats, i))))
-                      for i in range(3))
-        self.running[name] = B.Running(mu, s0, s1, mean, var, n * h * w, momentum)
+        stats = bb.emit_te(B.bn_stats, x, primfunc_name_hint="bn_stats")
+        m2, mean_b = (self.emit(R.grad.no_grad(self.emit(relax.TupleGetItem(stats, i))))
+                      for i in range(2))
+        self.running[name] = B.Running(mean_b, m2, mean, var, n * h * w, momentum)
         # the statistics' own gradient is part of the one registered for bn_act (no_grad above)
         return self.emit(bb.call_te_with_grad(
-            B.bn_act, x, mu, s0, s1, gamma, beta, eps, act, primfunc_name_hint="bn_act",
+            B.bn_act, x, mean_b, m2, gamma, beta, eps, act, primfunc_name_hint="bn_act",
             te_grad_name=B.GRADIENT, te_grad_kwargs={"eps": float(eps), "act": act or ""}))
 
     def _activate(self, x, act):

@@ -30,7 +30,7 @@ def broken_bn_backward(factor: float):
         parts = gradients._bn_act_grad(orig_var, call, output_grad, ctx)
         if next(calls):
             return parts
-        fields = [ctx.emit(relax.TupleGetItem(parts, i)) for i in range(6)]
+        fields = [ctx.emit(relax.TupleGetItem(parts, i)) for i in range(5)]
         fields[0] = ctx.emit(R.multiply(fields[0], relax.const(factor, "float32")))
         return ctx.emit(relax.Tuple(fields))
 

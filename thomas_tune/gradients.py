@@ -289,28 +289,25 @@ def _no_grad_grad(orig_var, orig_call, output_grad, ctx):
 
 def _bn_act_grad(orig_var, call, output_grad, ctx):
     """The backward of :func:`models.batchnorm.bn_act` (``call`` is its
-    ``call_tir_with_grad``, arguments x, the channel mean, the two shifted sums, gamma, beta):
-    three kernels, ``bn_act_reduce`` (per sample, the sums that make the gradients of beta and
-    gamma), ``bn_sums`` (their sums over the samples) and ``bn_act_dx``. The mean and the
-    shifted sums get zero partials that nothing reads: their gradient is inside ``bn_act_dx``,
-    and they are marked ``no_grad`` where they are made. Returns the tuple of the six partials,
-    bound in ``ctx``."""
+    ``call_tir_with_grad``, arguments x, the batch's sum of squared deviations and mean,
+    gamma, beta): two kernels, ``bn_act_reduce`` (the gradients of beta and gamma) and
+    ``bn_act_dx``. The statistics get zero partials that nothing reads: their gradient is
+    inside ``bn_act_dx``, and they are marked ``no_grad`` where they are made. Returns the
+    tuple of the five partials, bound in ``ctx``."""
     from .models import batchnorm as B
 
-    x, mu, s0, s1, gamma, beta = call.args[1].fields
+    x, mean, m2, gamma, beta = call.args[1].fields
     kwargs = call.attrs.te_grad_kwargs
     eps, act = float(kwargs["eps"]), (str(kwargs["act"]) or None)
     c, dt = _shape(x)[1], _dtype(x)
-    r = ctx.emit_te(B.bn_act_reduce, output_grad, x, mu, s0, s1, gamma, beta, eps, act,
+    r = ctx.emit_te(B.bn_act_reduce, output_grad, x, mean, m2, gamma, beta, eps, act,
                     primfunc_name_hint="bn_act_reduce")
-    r = ctx.emit_te(B.bn_sums, ctx.emit(relax.TupleGetItem(r, 0)),
-                    ctx.emit(relax.TupleGetItem(r, 1)), primfunc_name_hint="bn_sums")
     dbeta = ctx.emit(relax.TupleGetItem(r, 0))
     dgamma = ctx.emit(relax.TupleGetItem(r, 1))
-    dx = ctx.emit_te(B.bn_act_dx, output_grad, x, mu, s0, s1, gamma, beta, dbeta, dgamma, eps,
+    dx = ctx.emit_te(B.bn_act_dx, output_grad, x, mean, m2, gamma, beta, dbeta, dgamma, eps,
                      act, primfunc_name_hint="bn_act_dx")
     zeros = relax.const(np.zeros((c,), dt))
-    return ctx.emit(relax.Tuple([dx, zeros, zeros, zeros, dgamma, dbeta]))
+    return ctx.emit(relax.Tuple([dx, zeros, zeros, dgamma, dbeta]))
 
 
 _tvm_conv2d_grad = None

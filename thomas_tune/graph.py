@@ -74,11 +74,11 @@ def _emit_running_statistics(bb: relax.BlockBuilder, g: Graph, states: list[str]
     for n in names:
         groups.setdefault((g.running[n].count, g.running[n].momentum), []).append(n)
     for (count, momentum), members in groups.items():
-        tensors = [[r.running_mean, r.running_var, r.mu, r.s0, r.s1]
+        tensors = [[r.running_mean, r.running_var, r.mean, r.m2]
                    for r in (g.running[n] for n in members)]
         dtype = str(tensors[0][0].ty.dtype)
         outs, _ = MT.emit_update(bb, "bn_running", tensors, [_shape(t[0]) for t in tensors],
-                                 ("rm", "rv", "mu", "s0", "s1"),
+                                 ("rm", "rv", "mean", "m2"),
                                  running_exprs(count, momentum, dtype), dtype, inplace=False)
         for n, (rm, rv) in zip(members, outs):
             g.new_states[f"{n}.running_mean"], g.new_states[f"{n}.running_var"] = rm, rv

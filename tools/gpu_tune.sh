@@ -125,11 +125,13 @@ committed_log() {
 
 start_jobs() {
   mkdir -p $TT/logs $TT/out
-  jobs_list | while read -r name args; do
+  jobs_list | while read -r job args; do
+    # a job named LOG:TAG tunes into the log LOG (a second pass over one log, another graph)
+    local name=${job%%:*} out=${job//:/-}
     if pgrep -f -- "thomas_tune.cli tune .*--log $TT/logs/$name " >/dev/null; then echo "$name: running"; continue; fi
     log=$TT/logs/$name
     committed_log $name
-    echo "$name: starting ($args)"
+    echo "$job: starting ($args)"
     # a log whose times are of another or an unknown code generation (the committed logs are
     # unstamped) is re-measured first: each workload's best record and the defaults, the other
     # records set aside in .stale ('remeasure --restamp'); tune refuses it otherwise
@@ -141,8 +143,8 @@ sys.exit(TuningLog(sys.argv[1]).version().status != 'current')" $log 2>/dev/null
       restamp="$PY remeasure $keep --restamp --top-k 1 --defaults logged --tracker 127.0.0.1:$PORT --key $KEY --log $log;"
     fi
     setsid nohup bash -c "$restamp $PY tune $args ${TUNE_ARGS:-} --tracker 127.0.0.1:$PORT \
-      --key $KEY --log $log --stats $TT/out/$name.stats.json --trials ${TRIALS:-20000}" \
-      > $TT/out/$name.out 2>&1 < /dev/null &
+      --key $KEY --log $log --stats $TT/out/$out.stats.json --trials ${TRIALS:-20000}" \
+      > $TT/out/$out.out 2>&1 < /dev/null &
   done
 }
 
@@ -176,7 +178,7 @@ status() {
   for f in $TT/out/*.out; do
     [ -e "$f" ] || continue
     n=$(basename $f .out)
-    recs=$(cat $TT/logs/$n/database_tuning_record.json 2>/dev/null | wc -l)
+    recs=$(cat $TT/logs/${n%-last*}/database_tuning_record.json 2>/dev/null | wc -l)
     echo "== $n: $recs records; $(pgrep -f -- "thomas_tune.cli (tune|remeasure) .*--log $TT/logs/$n( |$)" >/dev/null && echo running || echo stopped)"
     grep -a -E "default schedules|tuning [0-9]+ tasks|throughput|measured|records$|error|Error" $f | tail -4
     tail -c 400 $f | tr '\r' '\n' | grep -v '^\s*$' | tail -1
