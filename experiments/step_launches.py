@@ -7,8 +7,8 @@
 Exports the model with fresh random weights for ``--target`` with ``--log``'s records (not
 checked: the kernels are not timed here), loads it on OpenCL device 0 (PoCL in CI), runs one
 step, then counts the launches of a second one (``thomas_tune.opencl.stats``) and lists the
-step's calls that launch more than one kernel (``--calls``: every call). A build for another device's target runs on
-this one as it would there, launch for launch.
+step's calls that launch more than one kernel (``--calls``: every call). A build for another
+device's target runs on this one as it would there, launch for launch.
 """
 
 import argparse
