@@ -41,7 +41,8 @@ from .tasks import frozen_slots
 from .record_check import checked_build
 from .dropout import draw_masks_function
 from .manifest import (ADJOINT, FEATURES, FORMAT, MANIFEST,  # noqa: F401
-                       PACK_OPTIMIZER_STATE, PACK_TRAINABLE, PREDICT, read_manifest)
+                       PACK_OPTIMIZER_STATE, PACK_TRAINABLE, PREDICT, TRAIN_STEP,
+                       read_manifest)
 from .models import save_checkpoint, share_mode, spec
 from .schedules import STOCK_RULES
 from .target import cross_compiler, describe, export_shared, host_triple
@@ -148,10 +149,14 @@ def export(out_dir: str, model, tensors: dict[str, np.ndarray], target: tvm.targ
                                      list(tg.masks.values()))
     # what the step computes from its constant inputs alone (the frozen parameters' Winograd
     # transforms, the frozen BatchNorms folded into their convolutions) runs once per load
+    # the step in one function, its gradients buffers of the step (graph.add_train_step)
+    train_mod = G.add_train_step(train_mod, 1 + len(tg.masks) + len(tg.frozen),
+                                 len(tg.trainable))
     lift_inputs = None
     if tg.frozen:
         attr, lift_inputs = lift_request(tg)
-        train_mod[ADJOINT] = train_mod[ADJOINT].with_attr(lift.ATTR, attr)
+        for fn in (ADJOINT, TRAIN_STEP):  # the same parameters in the same places
+            train_mod[fn] = train_mod[fn].with_attr(lift.ATTR, attr)
     if tg.features:  # the frozen part alone reads constants only, but for the images
         n = len(tg.frozen) + len(tg.features.frozen_states)
         train_mod[FEATURES] = train_mod[FEATURES].with_attr(lift.ATTR, [1, n])
@@ -207,6 +212,7 @@ def export(out_dir: str, model, tensors: dict[str, np.ndarray], target: tvm.targ
     s = spec(model)
     train_slots = frozen_slots(train_mod, wino_train)
     step_slots = train_slots.get(ADJOINT)
+    train_step_slots = train_slots.get(TRAIN_STEP)
     manifest = {
         "format": FORMAT,
         "arch": model.arch,
@@ -227,6 +233,9 @@ def export(out_dir: str, model, tensors: dict[str, np.ndarray], target: tvm.targ
         # the tensors ADJOINT_FROZEN takes, in order (the frozen parameters, then the running
         # statistics of the BatchNorms in inference form)
         "frozen_lift_inputs": lift_inputs if step_slots else None,
+        # the step in one function (TRAIN_STEP, graph.add_train_step), which Session.train_step
+        # runs: its frozen slots as frozen_slots' (TRAIN_STEP_FROZEN takes frozen_lift_inputs)
+        "train_step": {"frozen_slots": train_step_slots},
         # the same for the inference module's predict: in the place of the parameters and
         # states, each one itself or "" for the next value of PREDICT_FROZEN
         "predict_slots": frozen_slots(infer_mod, wino_infer).get(PREDICT),

@@ -52,7 +52,7 @@ from . import gradients  # noqa: F401  (registers the missing gradients)
 from . import multi_tensor as MT
 from .loss import CrossEntropyLoss
 from .manifest import (ADJOINT, FEATURES, HEAD_ADJOINT, OPTIMIZER,  # the exported functions'
-                       PREDICT)  # names
+                       PREDICT, TRAIN_STEP)  # names
 from .models import ShapeGraph, spec, trace
 from .models.layers import Graph
 
@@ -564,6 +564,36 @@ def inference_module(model, batch: int, dtype: str = "float32") -> tvm.IRModule:
         args = [x] + [v for _, v in g.params.values()] + [v for _, v in g.states.values()]
         bb.emit_func_output(y, params=args)
     return bb.get()
+
+
+def add_train_step(mod: tvm.IRModule, trainable_at: int, n_trainable: int) -> tvm.IRModule:
+    """``mod`` (a training module: ``ADJOINT`` and ``OPTIMIZER``) plus ``TRAIN_STEP``: the two
+    inlined into one function, ``(ADJOINT's parameters..., optimizer state) -> (ADJOINT's first
+    output, new trainable parameters, new optimizer state)``, the trainable parameters being
+    ``ADJOINT``'s parameters ``trainable_at`` to ``trainable_at + n_trainable``.
+
+    Why: between the two functions the gradients are outputs of ``ADJOINT``, allocated apart
+    from the step's own buffers and alive with them; inside one function they are buffers of the
+    step, which the static memory planner places in the storage of tensors already dead by the
+    backward pass (the frozen part's activations, the Winograd form's tiles). A step then holds
+    up to the trainable parameters' bytes less at its peak. ``ADJOINT`` stays for the checks
+    that read the gradients (``step_check``). The optimizer updates the parameters in place as
+    it does alone."""
+    adj, opt = mod[ADJOINT], mod[OPTIMIZER]
+    bb = relax.BlockBuilder(mod)
+    # private copies (no global symbol), which InlinePrivateFunctions inlines and drops
+    adj_gv = bb.add_func(adj.without_attr("global_symbol"), f"{TRAIN_STEP}_adjoint")
+    opt_gv = bb.add_func(opt.without_attr("global_symbol"), f"{TRAIN_STEP}_optimizer")
+    params = [relax.Var(p.name, p.ty) for p in adj.params]
+    state = relax.Var("optimizer_state", opt.params[2].ty)
+    with bb.function(TRAIN_STEP, params + [state]):
+        out = bb.emit(relax.Call(adj_gv, params))
+        first, grads = (bb.emit(relax.TupleGetItem(out, i)) for i in range(2))
+        trained = bb.emit(relax.Tuple(params[trainable_at:trainable_at + n_trainable]))
+        new = bb.emit(relax.Call(opt_gv, [trained, grads, state]))
+        bb.emit_func_output(relax.Tuple([first, relax.TupleGetItem(new, 0),
+                                         relax.TupleGetItem(new, 1)]))
+    return relax.transform.InlinePrivateFunctions()(bb.get())
 
 
 def training_module(model, batch: int, trainable: str | list[str] = "all",

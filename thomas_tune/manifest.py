@@ -25,6 +25,9 @@ DRAW_MASKS = "draw_masks"
 # the trainable part on features (``graph.training_module(..., features=True)``)
 FEATURES = "features"
 HEAD_ADJOINT = "train_head_adjoint"
+# the training step in one function: ``ADJOINT`` and ``OPTIMIZER`` inlined into one, so that the
+# gradients are buffers of the step rather than its outputs (``graph.add_train_step``)
+TRAIN_STEP = "train_step"
 
 
 def frozen_function(name: str) -> str:
@@ -35,6 +38,7 @@ def frozen_function(name: str) -> str:
 
 
 ADJOINT_FROZEN = frozen_function(ADJOINT)
+TRAIN_STEP_FROZEN = frozen_function(TRAIN_STEP)
 FEATURES_FROZEN = frozen_function(FEATURES)
 PREDICT_FROZEN = frozen_function(PREDICT)
 

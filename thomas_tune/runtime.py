@@ -40,6 +40,7 @@ from tvm.runtime.vm import VirtualMachine
 
 from .manifest import (ADJOINT, ADJOINT_FROZEN, DRAW_MASKS, FEATURES, FEATURES_FROZEN,
                        HEAD_ADJOINT, OPTIMIZER, PACK_OPTIMIZER_STATE, PACK_TRAINABLE, PREDICT,
+                       TRAIN_STEP, TRAIN_STEP_FROZEN,
                        PREDICT_FROZEN, lifted_values, read_manifest, slot_arguments)
 from .models import load_checkpoint, save_checkpoint
 from .models.layers import require_compiler
@@ -333,20 +334,22 @@ class Session:
         frozen parameters (``ADJOINT`` only), trainable parameters, the states the step
         updates (:meth:`_step_states`), labels (device tensors)."""
         m = self.manifest
-        frozen = self._frozen_slots() if fn == ADJOINT else []
+        frozen = self._frozen_slots(fn) if fn in (ADJOINT, TRAIN_STEP) else []
         return [first, *masks, *frozen, *self._ordered(m["trainable"]),
                 *self._ordered(self._step_states(fn)), y]
 
-    def _frozen_slots(self) -> list:
-        """What ``ADJOINT`` takes in the frozen parameters' place: the frozen parameters, or,
-        in an export whose step had their transforms lifted out (the manifest's
-        ``frozen_slots``, :mod:`thomas_tune.lift`), per slot the parameter itself or the next
-        value of ``ADJOINT_FROZEN``, which runs once after each load of the parameters."""
+    def _frozen_slots(self, fn: str = ADJOINT) -> list:
+        """What ``fn`` (``ADJOINT`` or ``TRAIN_STEP``) takes in the frozen parameters' place:
+        the frozen parameters, or, in an export whose step had their transforms lifted out (the
+        manifest's ``frozen_slots``, :mod:`thomas_tune.lift`), per slot the parameter itself or
+        the next value of ``fn``'s ``*_frozen`` function, which runs once after each load of
+        the parameters."""
         m = self.manifest
-        if not m.get("frozen_slots"):
+        slots = m["train_step"]["frozen_slots"] if fn == TRAIN_STEP else m.get("frozen_slots")
+        if not slots:
             return self._ordered(m["frozen"])
-        return self._slot_args(self._train_vm, ADJOINT_FROZEN, m["frozen_slots"],
-                               m["frozen_lift_inputs"], key=None)
+        lifted = TRAIN_STEP_FROZEN if fn == TRAIN_STEP else ADJOINT_FROZEN
+        return self._slot_args(self._train_vm, lifted, slots, m["frozen_lift_inputs"], key=None)
 
     def _slot_args(self, vm, frozen_fn: str, slots: list[str], names: list[str], key) -> list:
         """Per slot, the tensor ``slots`` names or the next value of ``vm``'s ``frozen_fn`` on
@@ -362,7 +365,9 @@ class Session:
     def _step_states(self, fn: str) -> list[str]:
         """The states (running statistics) the step function ``fn`` takes and returns: all
         of them (``ADJOINT``), or the trainable layers' (``HEAD_ADJOINT``)."""
-        return self.manifest["states"] if fn == ADJOINT else self.feature_split()["head_states"]
+        if fn in (ADJOINT, TRAIN_STEP):
+            return self.manifest["states"]
+        return self.feature_split()["head_states"]
 
     def sync(self) -> None:
         """Wait for the device to finish queued work (for timing)."""
@@ -532,19 +537,24 @@ class Session:
 
     def _step(self, fn: str, first, y) -> float:
         """One step of the step function ``fn`` (``ADJOINT`` or ``HEAD_ADJOINT``) on device
-        tensors ``first`` (images or features) and ``y``, then the optimizer."""
+        tensors ``first`` (images or features) and ``y``, then the optimizer; for ``ADJOINT``
+        in an export that has it, both in one call of ``TRAIN_STEP`` (here, not over RPC)."""
         m, states = self.manifest, self._step_states(fn)
         if self.remote:
             return self._timed(lambda: self._remote_step(
                 fn, self._step_args(fn, first, y, self.draw_masks()), states))
-        args = self._step_args(fn, first, y, self.draw_masks())
-        ret, grads = self._train_vm[fn](*args)
+        if fn == ADJOINT and m.get("train_step"):  # the step and the update in one call
+            args = self._step_args(TRAIN_STEP, first, y, self.draw_masks())
+            ret, new_params, self._opt = self._train_vm[TRAIN_STEP](*args, self._opt)
+        else:
+            args = self._step_args(fn, first, y, self.draw_masks())
+            ret, grads = self._train_vm[fn](*args)
+            new_params, self._opt = self._train_vm[OPTIMIZER](self._ordered(m["trainable"]),
+                                                              grads, self._opt)
         loss = ret[0] if states else ret
         if states:
             for name, value in zip(states, list(ret)[1:]):
                 self._t[name] = value
-        new_params, self._opt = self._train_vm[OPTIMIZER](self._ordered(m["trainable"]), grads,
-                                                          self._opt)
         for name, value in zip(m["trainable"], new_params):
             self._t[name] = value
         self.steps += 1

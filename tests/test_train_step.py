@@ -1,0 +1,110 @@
+"""The training step in one function (``graph.add_train_step``): ``train_adjoint`` and the
+optimizer inlined into ``train_step``, which ``Session.train_step`` runs."""
+
+import numpy as np
+
+from thomas_tune import graph as G
+from thomas_tune import opencl
+from thomas_tune.manifest import TRAIN_STEP
+from thomas_tune.models import build
+from thomas_tune.tasks import callees, fuse
+
+from conftest import SMALL, random_tensors
+from opencl_kernels import NEEDS_OPENCL as needs_opencl  # the one OpenCL guard
+
+
+def test_the_step_function_calls_the_kernels_of_both():
+    """``TRAIN_STEP`` of MobileNetV2 ``last:2`` (BatchNorm in training form in its trainable
+    layers, the frozen ones folded) calls every kernel of ``train_adjoint`` and of the
+    optimizer as often as the two do, and nothing else; its gradients are no outputs (it
+    returns the loss and running statistics, the parameters and the optimizer state)."""
+    model = build("mobilenet_v2", **SMALL["mobilenet_v2"])
+    tg = G.training_module(model, 2, "last:2")
+    mod = G.add_train_step(tg.mod, 1 + len(tg.masks) + len(tg.frozen), len(tg.trainable))
+    fused = fuse(mod)
+    both: dict[str, int] = {}
+    for fn in (G.ADJOINT, G.OPTIMIZER):
+        for k, n in callees(fused[fn]).items():
+            both[k] = both.get(k, 0) + n
+    assert callees(fused[TRAIN_STEP]) == both
+    out = mod[TRAIN_STEP].ret_ty.fields
+    assert len(out) == 3
+    assert len(out[1].fields) == len(tg.trainable)  # the new parameters, not the gradients
+    assert len(mod[TRAIN_STEP].params) == len(mod[G.ADJOINT].params) + 1
+
+
+@needs_opencl
+def test_one_function_steps_are_the_two_call_steps(tmp_path, rng):
+    """An AlexNet ``last:3`` export on PoCL (dropout masks, lifted frozen inputs, momentum SGD):
+    three steps of ``train_step`` and three of ``train_adjoint`` then ``optimizer`` (the same
+    export, its manifest's ``train_step`` left out) from the same seed give the same losses,
+    parameters and optimizer state bit for bit, with the same launches per step."""
+    from thomas_tune.export import export
+    from thomas_tune.runtime import Session
+    model = build("alexnet", **SMALL["alexnet"])
+    tensors = random_tensors(model, rng)
+    m = export(str(tmp_path), model, tensors, opencl.target_for(0), batch=4,
+               infer_batch=1, trainable="last:3", progress=lambda *_: None)
+    assert m["train_step"]["frozen_slots"] == m["frozen_slots"] and m["frozen_slots"]
+    data = [(rng.standard_normal(model.input_shape(4)).astype("float32"),
+             rng.integers(0, model.num_classes, 4)) for _ in range(3)]
+
+    def steps(one_function: bool):
+        s = Session(str(tmp_path), seed=7)
+        if not one_function:
+            s.manifest = {k: v for k, v in s.manifest.items() if k != "train_step"}
+        losses, launches = [], []
+        for x, y in data:
+            before = opencl.stats()["launches"]
+            losses.append(s.train_step(x, y))
+            s.sync()
+            launches.append(opencl.stats()["launches"] - before)
+        return losses, launches[1:], s.tensors(), [t.numpy() for t in s._opt]
+
+    one, two = steps(True), steps(False)
+    assert one[0] == two[0] and one[1] == two[1]
+    for name in one[2]:
+        np.testing.assert_array_equal(one[2][name], two[2][name], err_msg=name)
+    for a, b in zip(one[3], two[3]):
+        np.testing.assert_array_equal(a, b)
+    assert not np.array_equal(one[2]["classifier.6.weight"], tensors["classifier.6.weight"])
+
+
+_PEAK = """
+import json, sys
+import numpy as np
+from thomas_tune import opencl
+from thomas_tune.runtime import Session
+s = Session(sys.argv[1], seed=3)
+if sys.argv[2] == "two-call":
+    s.manifest = {k: v for k, v in s.manifest.items() if k != "train_step"}
+rng = np.random.default_rng(5)
+for _ in range(3):
+    x = rng.standard_normal(s.model.input_shape(s.batch)).astype("float32")
+    s.train_step(x, rng.integers(0, s.model.num_classes, s.batch))
+s.sync()
+print(json.dumps(opencl.stats()["device_peak_bytes"]))
+"""
+
+
+@needs_opencl
+def test_one_function_steps_hold_less_device_memory(tmp_path, rng):
+    """MobileNetV2 ``last:2`` on PoCL, each way in a fresh process (the runtime's pools outlive
+    a session), three steps: the one-function step's peak of device memory is below the
+    two-call step's by at least half the gradients' bytes (the trainable parameters', float32),
+    which it keeps in storage the step's dead tensors free instead of as outputs."""
+    import subprocess
+    import sys
+
+    from thomas_tune.export import export
+    model = build("mobilenet_v2", **SMALL["mobilenet_v2"])
+    tensors = random_tensors(model, rng)
+    m = export(str(tmp_path), model, tensors, opencl.target_for(0), batch=4, infer_batch=1,
+               trainable="last:2", progress=lambda *_: None)
+    peaks = {}
+    for way in ("one-function", "two-call"):
+        p = subprocess.run([sys.executable, "-c", _PEAK, str(tmp_path), way],
+                           capture_output=True, text=True, check=True)
+        peaks[way] = int(p.stdout.strip().splitlines()[-1])
+    grad_bytes = 4 * sum(tensors[n].size for n in m["trainable"])
+    assert peaks["one-function"] <= peaks["two-call"] - grad_bytes // 2, (peaks, grad_bytes)
