@@ -275,3 +275,28 @@ def test_gpu_host_code_is_generated_unoptimised():
     assert int(codegen_target(own).host.attrs["opt-level"]) == 2
     cpu = parse_target("llvm")
     assert codegen_target(cpu).export() == cpu.export()
+
+
+def test_remote_steps_are_the_local_ones_either_way(farm, small_export, rng):
+    # train_step over RPC runs the export's one-function step, its parameters updated in place
+    # in the tuple the device's VM owns; the two-call step (its manifest's train_step left out)
+    # and a local session give the same numbers from the same seed
+    addr, _, _ = farm
+    x = rng.standard_normal((BATCH, 3, 67, 67)).astype("float32")
+    y = rng.integers(0, MODEL["num_classes"], BATCH)
+    seed = int(rng.integers(1 << 30))
+    runs = []
+    for remote, one_function in ((True, True), (True, False), (False, True)):
+        with Session(small_export, seed=seed,
+                     remote=RemoteDevice(addr, KEY, 600) if remote else None) as s:
+            assert s.manifest.get("train_step")
+            if not one_function:
+                s.manifest = {k: v for k, v in s.manifest.items() if k != "train_step"}
+            runs.append(([s.train_step(x, y) for _ in range(3)], s.tensors()))
+    (losses, tensors), *others = runs
+    assert losses[-1] < losses[0], losses
+    for other_losses, other_tensors in others:
+        np.testing.assert_allclose(other_losses, losses, rtol=1e-5, atol=1e-6)
+        for name, value in tensors.items():
+            np.testing.assert_allclose(other_tensors[name], value, rtol=1e-4, atol=1e-6,
+                                       err_msg=name)

@@ -538,11 +538,11 @@ class Session:
     def _step(self, fn: str, first, y) -> float:
         """One step of the step function ``fn`` (``ADJOINT`` or ``HEAD_ADJOINT``) on device
         tensors ``first`` (images or features) and ``y``, then the optimizer; for ``ADJOINT``
-        in an export that has it, both in one call of ``TRAIN_STEP`` (here, not over RPC)."""
+        in an export that has it, both in one call of ``TRAIN_STEP``."""
         m, states = self.manifest, self._step_states(fn)
         if self.remote:
-            return self._timed(lambda: self._remote_step(
-                fn, self._step_args(fn, first, y, self.draw_masks()), states))
+            masks = self.draw_masks()
+            return self._timed(lambda: self._remote_step(fn, first, y, masks, states))
         if fn == ADJOINT and m.get("train_step"):  # the step and the update in one call
             args = self._step_args(TRAIN_STEP, first, y, self.draw_masks())
             ret, new_params, self._opt = self._train_vm[TRAIN_STEP](*args, self._opt)
@@ -560,10 +560,28 @@ class Session:
         self.steps += 1
         return float(loss.numpy())
 
-    def _remote_step(self, fn: str, args, states: list[str]) -> float:
+    def _remote_step(self, fn: str, first, y, masks: list, states: list[str]) -> float:
         # the results stay on the device: a handle to each tuple, single tensors read there
-        m, get = self.manifest, self._get_item
-        out = self._train_vm[fn](*args)
+        m, get, vm = self.manifest, self._get_item, self._train_vm
+        if "params" not in self._tuples:
+            # the trainable parameters and the optimizer state as tuples the device's VM owns
+            # (a tensor argument that arrived over RPC is only borrowed for the call); the
+            # updates write into them in place
+            self._tuples["params"] = vm[PACK_TRAINABLE](*self._ordered(m["trainable"]))
+            self._tuples["opt"] = vm[PACK_OPTIMIZER_STATE](*self._opt)
+            for i, name in enumerate(m["trainable"]):
+                self._t[name] = get(self._tuples["params"], i)
+        one = fn == ADJOINT and m.get("train_step")
+        args = self._step_args(TRAIN_STEP if one else fn, first, y, masks)
+        if one:  # the update writes into the session's tuple of parameters; the state is new
+            out = vm[TRAIN_STEP](*args, self._tuples["opt"])
+            self._tuples["opt"] = get(out, 2)
+        else:
+            out = vm[fn](*args)
+            res = vm[OPTIMIZER](self._tuples["params"], get(out, 1), self._tuples["opt"])
+            self._tuples.update(params=get(res, 0), opt=get(res, 1))
+            for i, name in enumerate(m["trainable"]):
+                self._t[name] = get(self._tuples["params"], i)
         if states:
             head = get(out, 0)
             loss = get(head, 0)
@@ -571,14 +589,6 @@ class Session:
                 self._t[name] = get(head, i + 1)
         else:
             loss = get(out, 0)
-        if "params" not in self._tuples:
-            self._tuples["params"] = self._train_vm[PACK_TRAINABLE](
-                *self._ordered(m["trainable"]))
-            self._tuples["opt"] = self._train_vm[PACK_OPTIMIZER_STATE](*self._opt)
-        res = self._train_vm[OPTIMIZER](self._tuples["params"], get(out, 1), self._tuples["opt"])
-        self._tuples.update(params=get(res, 0), opt=get(res, 1))
-        for i, name in enumerate(m["trainable"]):
-            self._t[name] = get(self._tuples["params"], i)
         self.steps += 1
         return float(loss.numpy())
 
