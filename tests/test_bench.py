@@ -215,6 +215,91 @@ def test_bench_verb_on_an_export(small_export, tmp_path, capsys):
     assert res["kernels"][0]["name"] in text
 
 
+@pytest.fixture(scope="module")
+def frozen_features_export(tmp_path_factory):
+    """The small AlexNet of :func:`small_export` exported with its classifier alone trainable
+    (last:3; the features frozen). torch.compile 2.13's inductor computes zero gradients for
+    this AlexNet's convolutions on the CPU when they train (its max-pool backward is scheduled
+    after the kernel that reads its result, where the adaptive average pool widens 2x2 to 6x6):
+    the bench's check rejects that side, rightly, so the test that times it trains the
+    classifier."""
+    from thomas_tune.export import export
+    from thomas_tune.models import build, init_params
+    from thomas_tune.target import parse_target
+    model = build("alexnet", num_classes=5, resolution=67, width=0.1)
+    out = str(tmp_path_factory.mktemp("bench") / "export-last3")
+    export(out, model, init_params(model, seed=3), parse_target("llvm"), batch=2,
+           trainable="last:3", progress=lambda m: None)
+    return out
+
+
+def test_bench_times_torch_compile_after_checking_it(frozen_features_export, tmp_path, capsys):
+    """--torch-compile adds PyTorch under torch.compile: compiled before the timed rounds (its
+    compile time apart, nothing compiled inside them), its loss and every trainable gradient
+    checked against PyTorch float64 as an export's are and against PyTorch eager float32 on
+    the same batches, then timed with the others, with the eager side's fields, its row and
+    the build's speed-up over it."""
+    pytest.importorskip("torch")
+    from thomas_tune.cli import main
+    out = tmp_path / "bench.json"
+    assert main(["bench", "--export", frozen_features_export, "--steps", "3", "--warmup", "1",
+                 "--kernels", "0", "--no-startup", "--torch-compile", "--quiet",
+                 "--json", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert res["skipped"] == {}, res["skipped"]
+    check = res["checks"]["torch.compile"]
+    assert check["ok"], check["line"]
+    trainable = {f"classifier.{i}.{k}" for i in (1, 4, 6) for k in ("weight", "bias")}
+    assert set(check["errors"]) == set(res["checks"]["default"]["errors"]) == trainable
+    assert check["loss_ref"] == res["checks"]["default"]["loss_ref"]  # the same reference
+    # the same step as PyTorch eager float32 to float32 rounding: a gradient of a kernel
+    # fused wrongly is off by 1e-2..1
+    eager = check["against_eager"]
+    assert set(eager["errors"]) == trainable and max(eager["errors"].values()) < 1e-4, eager
+    assert eager["loss_err"] < 1e-6, eager
+    v = res["variants"]["torch.compile"]
+    assert v["checked"] and "torch.compile" in v["device"], v
+    assert set(res["variants"]["torch"]) <= set(v)
+    for key in ("train_ms", "infer_ms", "compile_s", "train_images_per_s",
+                "infer_images_per_s", "share_of_peak_flops"):
+        assert np.isfinite(v[key]) and v[key] > 0, (key, v[key])
+    assert v["train_ms_spread"]["n"] == v["infer_ms_spread"]["n"] == 3
+    assert v["graphs"] >= 2 and v["recompiled_while_timed"] == 0, v
+    text = capsys.readouterr().out
+    assert "\ntorch.compile " in text and "default vs torch.compile: " in text, text
+
+
+NO_CXX_CHILD = r"""
+import sys
+import torch._inductor.config as inductor_config
+inductor_config.cpp.cxx = (None, sys.argv[1])  # the one C++ compiler inductor may use: none
+from thomas_tune.cli import main
+sys.exit(main(sys.argv[2:]))
+"""
+
+
+def test_bench_names_why_torch_compile_cannot_run(small_export, tmp_path):
+    """Where torch.compile cannot compile (here inductor finds no C++ compiler for the CPU),
+    bench names the cause and the fix, times the other sides and reports no compiled side:
+    no eager step stands in for it."""
+    pytest.importorskip("torch")
+    out = tmp_path / "bench.json"
+    missing = str(tmp_path / "no-such-c++")
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"))  # nothing cached
+    proc = subprocess.run([sys.executable, "-c", NO_CXX_CHILD, missing, "bench", "--export",
+                           small_export, "--steps", "2", "--warmup", "1", "--kernels", "0",
+                           "--no-startup", "--no-torch", "--torch-compile", "--quiet",
+                           "--json", str(out)],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    res = json.loads(out.read_text())
+    assert "torch.compile" not in res["variants"] and res["variants"]["default"]["train_ms"] > 0
+    why = res["skipped"]["torch.compile"]
+    assert "InvalidCxxCompiler" in why and missing in why and "install a C++ compiler" in why, why
+    assert f"torch.compile not timed: {why}" in proc.stdout, proc.stdout
+    assert "vs torch.compile" not in proc.stdout
+
+
 @needs_opencl
 def test_device_timer_spans_the_recorded_kernels(kernel_library, rng):
     """record_start/record_stop time exactly the kernels launched between them, by the

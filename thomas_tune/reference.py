@@ -22,14 +22,16 @@ class TorchGraph:
     ``masks[name + ".mask"]`` when given, else draws with ``torch.nn.functional.dropout``.
     ``frozen_bn``: in training, BatchNorm in its inference form (running statistics used and
     not updated), as ``BatchNorm2d.eval()`` in a network that is otherwise in ``train()``:
-    True for every BatchNorm, or a set of BatchNorm names.
+    True for every BatchNorm, or a set of BatchNorm names. ``dropout``: False makes dropout the
+    identity in training too (the step checks' setting, masks of ones).
     """
 
-    def __init__(self, params, states, masks, training, frozen_bn=False):
+    def __init__(self, params, states, masks, training, frozen_bn=False, dropout=True):
         import torch
         self.torch = torch
         self.F = torch.nn.functional
         self.p, self.s, self.masks, self.training = params, states, masks, training
+        self.drop = dropout
         named = isinstance(frozen_bn, (set, frozenset, list, tuple))
         self.bn_training = training and (named or not frozen_bn)
         self.frozen_bn = set(frozen_bn) if named else set()
@@ -84,7 +86,7 @@ class TorchGraph:
         return self.F.linear(x, self.p[f"{name}.weight"], self.p[f"{name}.bias"])
 
     def dropout(self, name, x, p):
-        if not self.training or p == 0.0:
+        if not self.training or p == 0.0 or not self.drop:
             return x
         if f"{name}.mask" in self.masks:
             return x * self.masks[f"{name}.mask"]
@@ -97,8 +99,9 @@ def torch_module(model, tensors, dtype="float32"):
     whose forward is the model's in the module's mode (``train()``: batch statistics, running
     statistics updated as PyTorch does; ``eval()``). Setting the module's ``frozen_bn`` to True
     keeps every BatchNorm in its inference form while the module trains (as calling
-    ``eval()`` on each ``BatchNorm2d`` of a torchvision network does). Used to write ONNX files
-    as users export them and to train on the desktop."""
+    ``eval()`` on each ``BatchNorm2d`` of a torchvision network does); setting its ``dropout``
+    to False turns dropout off while it trains (as ``eval()`` on each ``Dropout`` does). Used
+    to write ONNX files as users export them and to train on the desktop."""
     import torch
 
     s = spec(model)
@@ -108,7 +111,7 @@ def torch_module(model, tensors, dtype="float32"):
         def forward(self, x):
             p = {n: self.get_parameter(n) for n in pnames}
             st = {n: self.get_buffer(n) for n in snames}
-            g = TorchGraph(p, st, {}, self.training, self.frozen_bn)
+            g = TorchGraph(p, st, {}, self.training, self.frozen_bn, self.dropout)
             out = model.forward(g, x)
             if self.training:
                 with torch.no_grad():
@@ -117,7 +120,7 @@ def torch_module(model, tensors, dtype="float32"):
             return out
 
     net = Net()
-    net.frozen_bn = False
+    net.frozen_bn, net.dropout = False, True
     for n in pnames + snames:
         *path, leaf = n.split(".")
         mod = net

@@ -2,7 +2,10 @@
 
 Variants: the model compiled (a) with a tuning log ("tuned"), (b) with default schedules
 ("default"), (c) PyTorch eager on the same device class ("torch": CUDA when
-``torch.cuda.is_available()``, else the CPU; skipped when torch is not installed). For each:
+``torch.cuda.is_available()``, else the CPU; skipped when torch is not installed), (d) with
+``BenchConfig.torch_compile``, the same PyTorch step under ``torch.compile`` ("torch.compile":
+compiled before timing, checked as the builds are, skipped with its cause where it cannot
+compile: :mod:`.compiled`). For each:
 ms per training step and per inference pass (median and interquartile range over ``steps``
 interleaved rounds on fresh random inputs, after warm-up, by the host's clock and by the
 device's timer: :mod:`.timing`), images/s, and the share of the device's measured peak FLOP/s
@@ -26,7 +29,8 @@ of this package (:func:`.peaks.measure_peaks`) and cached in ``<cache>/peaks.jso
 Modules: :mod:`.run` (the whole bench and its report), :mod:`.checks` (each build's step
 against PyTorch before it is timed), :mod:`.exports` (the compiled variants, start-up,
 counters), :mod:`.timing` (the builds timed side by side), :mod:`.kernels` (the kernel table),
-:mod:`.peaks`, :mod:`.curve`, :mod:`.torch_baseline`.
+:mod:`.peaks`, :mod:`.curve`, :mod:`.torch_baseline`, :mod:`.compiled` (PyTorch's step under
+``torch.compile``).
 """
 
 from .checks import check_variants, torch_float32_check

@@ -6,7 +6,8 @@ import math
 import os
 from dataclasses import dataclass
 
-from .checks import check_variants
+from .checks import bench_reference, check_variants
+from .compiled import compiled_side, graphs_now
 from .curve import tuning_curve
 from .exports import export_counters, startup
 from .kernels import exported_training_module, mark_tuned, step_kernels, time_kernels
@@ -19,9 +20,10 @@ from .torch_baseline import torch_device
 class BenchConfig:
     """What to run: steps (timed runs per measurement), warm-up runs, kernels (rows of the
     kernel table; 0 skips per-kernel timing), kernel_min_ms (length of one timed repeat of a
-    kernel), startup (first/second start), torch (PyTorch eager), refresh_peaks, seed, check
-    (each build's loss and gradients against PyTorch before it is timed; a wrong build is not
-    timed)."""
+    kernel), startup (first/second start), torch (PyTorch eager), torch_compile (PyTorch with
+    ``torch.compile``: compiled before timing, checked as the builds are), refresh_peaks, seed,
+    check (each build's loss and gradients against PyTorch before it is timed; a wrong build is
+    not timed)."""
 
     steps: int = 20
     warmup: int = 2
@@ -29,6 +31,7 @@ class BenchConfig:
     kernel_min_ms: float = 1.0
     startup: bool = True
     torch: bool = True
+    torch_compile: bool = False
     refresh_peaks: bool = False
     seed: int = 0
     progress: bool = True
@@ -84,8 +87,10 @@ def run_bench(model, tensors, target, exports: dict, cfg: BenchConfig, log_path:
         tuned_ks = own.get("tuned", kernels)
         mark_tuned([*kernels, *tuned_ks] if separate else kernels, log_path, target)
         res["step"]["tuned_kernels"] = sum(k.tuned for k in tuned_ks)
-    checks = check_variants(exports, cfg.seed, say) if cfg.check else {}
+    ref = bench_reference(exports, cfg.seed) if cfg.check else None
+    checks = check_variants(exports, cfg.seed, say, ref) if cfg.check else {}
     res["checks"] = {k: c.as_dict() for k, c in checks.items()}
+    res["skipped"] = {}
     sides = {}
     for variant, folder in exports.items():
         if variant in checks and not checks[variant].ok:
@@ -103,6 +108,9 @@ def run_bench(model, tensors, target, exports: dict, cfg: BenchConfig, log_path:
             if td == "cuda":
                 say("[bench] PyTorch eager on cuda: cudnn.benchmark off and on ...")
             torch_by_setting = sides["torch"].choose_cudnn_benchmark(cfg.steps, cfg.warmup)
+    compiled = _add_torch_compile(sides, res, model, tensors, tg, batch, infer_batch, cfg, ref,
+                                  say) if cfg.torch_compile else None
+    graphs_before = graphs_now() if compiled else 0
     say(f"[bench] timing {', '.join(sides)} side by side: {cfg.steps} interleaved rounds of "
         "training steps, then of inference passes ...")
     timed = time_interleaved(sides, cfg.steps, cfg.warmup)
@@ -110,6 +118,12 @@ def run_bench(model, tensors, target, exports: dict, cfg: BenchConfig, log_path:
         if variant == "torch":
             r = torch_result(side, torch_by_setting, timed[variant])
             r["checked"] = True  # the reference itself
+            res["variants"][variant] = r
+            continue
+        if variant == "torch.compile":
+            r = {**torch_result(side, {}, timed[variant]), **compiled,
+                 "recompiled_while_timed": graphs_now() - graphs_before,
+                 "checked": variant in res["checks"]}
             res["variants"][variant] = r
             continue
         folder = exports[variant]
@@ -164,6 +178,39 @@ def run_bench(model, tensors, target, exports: dict, cfg: BenchConfig, log_path:
     return res
 
 
+def _add_torch_compile(sides, res, model, tensors, tg, batch, infer_batch, cfg, ref,
+                       say) -> dict | None:
+    """Add the ``torch.compile`` side to ``sides`` (:func:`compiled_side`) once it is compiled
+    and its numbers are right (with ``cfg.check``); its check goes to ``res["checks"]``, the
+    cause of a failure to ``res["skipped"]``. Returns the compile figures of the result
+    (``compile_s``, ``graphs``, ``graph_breaks``), None where the side is not timed."""
+    eager = sides.get("torch")
+    if eager is not None and eager.dev.type == "cuda":  # its peak, before another side allocates
+        eager.peak_bytes = eager.torch.cuda.max_memory_allocated()
+    say("[bench] torch.compile: compiling the training step and the inference forward "
+        "(untimed) ...")
+    side, info = compiled_side(model, tensors, tg.trainable, tg.optimizer, batch, infer_batch,
+                               cfg.seed, tg.frozen_bn, ref)
+    if side is None:
+        say(f"[bench] torch.compile: not timed, it cannot compile here: {info['error']}")
+        res["skipped"]["torch.compile"] = info["error"]
+        return None
+    say(f"[bench] torch.compile: compiled in {info['compile_s']:.1f} s ({info['graphs']} "
+        f"graphs, {info['graph_breaks']} graph breaks)")
+    check, against = info["check"], info["against_eager"]
+    if check is not None:
+        res["checks"]["torch.compile"] = {**check.as_dict(), "against_eager": against.as_dict()}
+        name, err = against.worst
+        say(f"[bench] numbers of torch.compile against PyTorch float64: {check.line()}; "
+            f"against PyTorch eager float32: loss {against.loss_err:.1e}, worst gradient "
+            f"{name} {err:.1e}")
+        if not check.ok:
+            say("[bench] torch.compile: not timed, its numbers are wrong")
+            return None
+    sides["torch.compile"] = side
+    return {k: info[k] for k in ("compile_s", "graphs", "graph_breaks")}
+
+
 def _fmt(v, spec=".1f", none="-"):
     if v is None or (isinstance(v, float) and not math.isfinite(v)):
         return none
@@ -202,7 +249,7 @@ def format_report(res: dict, top: int = 12) -> str:
              f"GFLOP, {res['step']['argument_gbytes'] * 1e3:.1f} MB of kernel arguments; "
              f"'thomas-tune memory' estimates a peak of "
              f"{res['step'].get('memory_estimate_bytes', 0) / 1e6:.1f} MB", ""]
-    hdr = (f"{'variant':<9} {'train ms':>9} {'IQR':>13} {'device ms':>9} {'IQR':>13} "
+    hdr = (f"{'variant':<13} {'train ms':>9} {'IQR':>13} {'device ms':>9} {'IQR':>13} "
            f"{'img/s':>8} {'infer ms':>9} {'device ms':>9} {'img/s':>8} "
            f"{'%peak FLOP':>10} {'%peak BW':>9} {'launches':>8} {'peak MB':>8} "
            f"{'kernels ms':>10} "
@@ -210,12 +257,14 @@ def format_report(res: dict, top: int = 12) -> str:
     lines.append(hdr)
     for name, c in res.get("checks", {}).items():
         if not c["ok"] and name != "torch_float32":  # wrong, dead or not checkable
-            lines.append(f"{name:<9} not timed: {c['line']}")
+            lines.append(f"{name:<13} not timed: {c['line']}")
+    for name, why in res.get("skipped", {}).items():
+        lines.append(f"{name:<13} not timed: {why}")
     for name, r in res["variants"].items():
         st = r.get("startup") or {}
         mark = "" if r.get("checked", True) else " (unchecked: its numbers were not compared)"
         lines.append(
-            f"{name:<9} {r['train_ms']:>9.2f} {_iqr(r.get('train_ms_spread')):>13} "
+            f"{name:<13} {r['train_ms']:>9.2f} {_iqr(r.get('train_ms_spread')):>13} "
             f"{_fmt(r.get('train_device_ms'), '.2f'):>9} "
             f"{_iqr(r.get('train_device_ms_spread')):>13} {r['train_images_per_s']:>8.1f} "
             f"{r['infer_ms']:>9.3f} {_fmt(r.get('infer_device_ms'), '.3f'):>9} "
@@ -231,7 +280,8 @@ def format_report(res: dict, top: int = 12) -> str:
     good = {n: r for n, r in v.items() if r.get("checked", True)}
     ratios = []
     for a, b in (("default", "tuned"), ("stock", "tuned"), ("stock", "default"),
-                 ("torch", "tuned"), ("torch", "default")):
+                 ("torch", "tuned"), ("torch", "default"), ("torch.compile", "tuned"),
+                 ("torch.compile", "default"), ("torch", "torch.compile")):
         if a in good and b in good:
             parts = []
             for what in ("train", "infer"):
@@ -246,9 +296,19 @@ def format_report(res: dict, top: int = 12) -> str:
             yard = c.get("torch_float32_errors") or {}
             beside = (f" (PyTorch float32 {yard[c['worst'][0]]:.1e})"
                       if c["worst"][0] in yard else "")
+            eager = c.get("against_eager")
+            if eager:
+                beside += (f"; against PyTorch eager float32: worst gradient "
+                           f"{eager['worst'][0]} {eager['worst'][1]:.1e}")
             lines.append(f"numbers of {name}: loss {c['loss']:.6f} (PyTorch float64 "
                          f"{c['loss_ref']:.6f}), worst gradient {c['worst'][0]} "
                          f"{c['worst'][1]:.1e}{beside}")
+    for name, r in v.items():
+        if r.get("compile_s") is not None:
+            lines.append(f"compilation of {name} (untimed): {r['compile_s']:.1f} s, "
+                         f"{r['graphs']} graphs, {r['graph_breaks']} graph breaks"
+                         + (f"; compiled again {r['recompiled_while_timed']} times while timed"
+                            if r.get("recompiled_while_timed") else ""))
     for name, r in v.items():
         st = r.get("startup")
         if st:

@@ -75,15 +75,18 @@ class ExportSide:
 
 
 class TorchSide:
-    """PyTorch eager float32 (TF32 off) of the same step, one timed step at a time: see
+    """PyTorch float32 (TF32 off) of the same step, eager or with ``torch.compile``
+    (``compiled``), one timed step at a time: see
     :func:`thomas_tune.benchmark.torch_baseline.torch_step` for the network, the frozen part
     and the optimizer. The device timer is a CUDA event pair on a GPU, none on the CPU."""
 
     def __init__(self, model, tensors, trainable, optimizer, batch: int, infer_batch: int,
-                 seed: int = 0, use_torchvision: bool = True, frozen_bn=frozenset()):
+                 seed: int = 0, use_torchvision: bool = True, frozen_bn=frozenset(),
+                 compiled: bool = False):
         from .torch_baseline import torch_step
         self.__dict__.update(torch_step(model, tensors, trainable, optimizer, batch,
-                                        infer_batch, seed, use_torchvision, frozen_bn))
+                                        infer_batch, seed, use_torchvision, frozen_bn,
+                                        compiled))
         self.batch, self.infer_batch = batch, infer_batch
 
     def _timed(self, fn):
@@ -199,10 +202,14 @@ def time_torch(model, tensors, trainable: list[str], optimizer, batch: int, infe
 def torch_result(side, by_setting: dict, timed: dict) -> dict:
     """The result dict of PyTorch's side (see :func:`time_torch`) from its timings
     (:func:`time_interleaved`'s entry) and the medians by
-    ``cudnn.benchmark`` setting."""
+    ``cudnn.benchmark`` setting. ``device_peak_bytes``: the side's ``peak_bytes`` where set
+    (a peak taken before another PyTorch side of the process allocated), else
+    ``torch.cuda.max_memory_allocated``; None on the CPU."""
     from .torch_baseline import torch_description
     cuda = side.dev.type == "cuda"
-    peak = side.torch.cuda.max_memory_allocated() if cuda else None
+    peak = getattr(side, "peak_bytes", None)  # taken before another PyTorch side was made
+    if cuda and peak is None:
+        peak = side.torch.cuda.max_memory_allocated()
     return {**as_result(timed), "batch": side.batch, "infer_batch": side.infer_batch,
             "launches_per_step": None, "device_peak_bytes": peak, **torch_description(side),
             "train_ms_by_cudnn_benchmark": by_setting}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 
 import numpy as np
 
@@ -41,24 +42,33 @@ def torchvision_module(model, tensors):
 
 def torch_step(model, tensors, trainable: list[str], optimizer, batch: int, infer_batch: int,
                seed: int = 0, use_torchvision: bool = True,
-               frozen_bn: set[str] = frozenset()) -> dict:
+               frozen_bn: set[str] = frozenset(), compiled: bool = False) -> dict:
     """PyTorch's side of a bench, set up: float32 (TF32 off) on :func:`torch_device`,
     torchvision's network where torchvision has it (:func:`torchvision_module`;
     ``use_torchvision``), else the same architecture (:func:`thomas_tune.reference.
     torch_module`), the same trainable set (the others frozen: no gradient, so autograd records
     nothing of the frozen part) and optimizer (momentum SGD, SGD or Adam with the same
     settings), the BatchNorms of ``frozen_bn`` in ``eval()`` while the network trains (as the
-    step being compared runs them: ``TrainingGraph.frozen_bn``). Returns a dict: ``torch``,
+    step being compared runs them: ``TrainingGraph.frozen_bn``). ``compiled``: the forward
+    with its cross-entropy (and so, through AOTAutograd, its backward), the inference forward
+    and the optimizer step each wrapped in ``torch.compile`` (default mode, inductor); each
+    compiles at its first call (:func:`thomas_tune.benchmark.compiled.compiled_side` makes
+    those calls before timing). Returns a dict: ``torch``,
     ``dev``, ``net``, ``impl`` (which network), ``step(x, y)`` (forward, cross-entropy,
     backward, optimizer step), ``infer(x)`` (a forward without grad: in inference form after
     ``net.eval()``), ``training_mode()`` (back to the training step's modes: the network in
     ``train()``, the BatchNorms of ``frozen_bn`` in ``eval()``), ``new_batch()`` /
     ``new_images()`` (fresh random float32 images and integer labels of ``seed``'s
-    generator, on the device). Raises RuntimeError when torch is not installed."""
+    generator, on the device), ``loss_and_grads(x, y)`` (the step without its optimizer
+    update: the loss, float, and the gradients of the trainable parameters, name -> float64
+    numpy array), ``no_dropout()`` (a context in which dropout is off while the network
+    trains, as the step checks run it). Raises RuntimeError when torch is not installed."""
     dev_name = torch_device()
     if dev_name is None:
         raise RuntimeError("torch is not installed")
     import torch
+
+    from ..models import spec
     from ..reference import torch_module
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
@@ -91,15 +101,51 @@ def torch_step(model, tensors, trainable: list[str], optimizer, batch: int, infe
         else:
             net.frozen_bn = set(frozen_bn)
 
+    def loss_of(x, y):
+        return torch.nn.functional.cross_entropy(net(x), y)
+
+    forward, opt_step = net, opt.step
+    if compiled:
+        loss_of, forward, opt_step = (torch.compile(loss_of), torch.compile(net),
+                                      torch.compile(opt.step))
+
     def step(x, y):
-        loss = torch.nn.functional.cross_entropy(net(x), y)
+        loss = loss_of(x, y)
         opt.zero_grad(set_to_none=True)
         loss.backward()
-        opt.step()
+        opt_step()
 
     def infer(x):
         with torch.no_grad():
-            net(x)
+            forward(x)
+
+    def loss_and_grads(x, y):
+        loss = loss_of(x, y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        return float(loss.detach()), {n: p.grad.detach().cpu().numpy().astype("float64")
+                                      for n, p in net.named_parameters() if n in train}
+
+    def set_dropout(m, on: bool):
+        if impl == "torchvision":
+            m.train(on)
+        else:
+            m.dropout = on
+
+    @contextlib.contextmanager
+    def no_dropout():
+        # only what draws masks is switched: a switch makes a compiled step compile again
+        if impl == "torchvision":
+            drops = [m for m in net.modules() if isinstance(m, torch.nn.Dropout) and m.p > 0]
+        else:
+            drops = [net] if spec(model).masks else []
+        for m in drops:
+            set_dropout(m, False)
+        try:
+            yield
+        finally:
+            for m in drops:
+                set_dropout(m, True)
 
     def new_images(n=infer_batch):
         return torch.randn(model.input_shape(n), generator=gen).to(dev)
@@ -113,15 +159,17 @@ def torch_step(model, tensors, trainable: list[str], optimizer, batch: int, infe
         torch.cuda.reset_peak_memory_stats()
     return {"torch": torch, "dev": dev, "net": net, "impl": impl, "step": step,
             "infer": infer, "new_batch": new_batch, "new_images": new_images,
-            "training_mode": training_mode}
+            "training_mode": training_mode, "loss_and_grads": loss_and_grads,
+            "no_dropout": no_dropout, "compiled": compiled}
 
 
 def torch_description(side) -> dict:
     """What a :class:`~thomas_tune.benchmark.timing.TorchSide` ran: ``device`` (torch version,
-    device and its name, network), ``implementation``, ``cudnn_benchmark`` (None on the
-    CPU)."""
+    device and its name, network, torch.compile where compiled), ``implementation``,
+    ``cudnn_benchmark`` (None on the CPU)."""
     torch, dev = side.torch, side.dev
     name = torch.cuda.get_device_name(0) if dev.type == "cuda" else "cpu"
-    return {"device": f"torch {torch.__version__} {dev.type} ({name}), {side.impl}",
+    how = ", torch.compile (inductor)" if getattr(side, "compiled", False) else ""
+    return {"device": f"torch {torch.__version__} {dev.type} ({name}), {side.impl}{how}",
             "implementation": side.impl,
             "cudnn_benchmark": getattr(side, "cudnn_benchmark", None)}

@@ -37,8 +37,9 @@ def _bench_remote(args) -> int:
 
 def cmd_bench(args) -> int:
     """Side by side on this machine's device: the model compiled with --log (tuned) and with
-    default schedules, and PyTorch eager; see :mod:`thomas_tune.benchmark`. With --tracker/--key:
-    one export timed on that device server (``_bench_remote``)."""
+    default schedules, PyTorch eager and, with --torch-compile, PyTorch with torch.compile;
+    see :mod:`thomas_tune.benchmark`. With --tracker/--key: one export timed on that device
+    server (``_bench_remote``)."""
     if args.tracker or args.key:
         return _bench_remote(args)
     from .. import benchmark as bench
@@ -66,7 +67,8 @@ def cmd_bench(args) -> int:
                                         stock=args.stock_defaults)
     cfg = bench.BenchConfig(steps=args.steps, warmup=args.warmup, kernels=args.kernels,
                             kernel_min_ms=args.kernel_min_ms, startup=not args.no_startup,
-                            torch=not args.no_torch, refresh_peaks=args.refresh_peaks,
+                            torch=not args.no_torch, torch_compile=args.torch_compile,
+                            refresh_peaks=args.refresh_peaks,
                             seed=args.seed, progress=not args.quiet)
     res = bench.run_bench(model, tensors, target, exports, cfg, log, trainable, optimizer)
     res["exports"] = exports
@@ -108,6 +110,11 @@ def add_bench(sub) -> None:
     s.add_argument("--no-startup", action="store_true",
                    help="skip the first/second start measurement (OpenCL)")
     s.add_argument("--no-torch", action="store_true", help="skip PyTorch eager")
+    s.add_argument("--torch-compile", action="store_true",
+                   help="also PyTorch with torch.compile (inductor), the same network and "
+                   "training step, compiled before timing (its compile time is reported apart) "
+                   "and checked as the builds are; where it cannot compile (no C++ compiler "
+                   "on the CPU, say) the cause is printed and the side skipped")
     s.add_argument("--stock-defaults", action="store_true",
                    help="also a variant whose kernels get TVM's own default GPU schedules "
                    "(dlight's rules) instead of thomas_tune's: what tuning gains over TVM "
