@@ -301,7 +301,8 @@ GPU_RULES = (WinogradTransform, WideMatmul, LongReduction, dl.gpu.Matmul, dl.gpu
 def split_long_sums(mod: tvm.IRModule, parts: int = 256, min_terms: int = 2048
                     ) -> tvm.IRModule:
     """``mod`` with each unscheduled kernel of one reduction of at least ``min_terms`` terms
-    per output split into ``parts`` partial sums and their sum (``rfactor``), for a CPU target,
+    per output split into ``parts`` partial sums (fewer where ``parts`` does not divide the
+    terms: as many as leave no part empty) and their sum (``rfactor``), for a CPU target,
     whose loops run in order: a float32 sum of N*H*W terms in a row loses up to N*H*W
     roundings, a sum of partial sums about N*H*W / ``parts`` + ``parts`` (what a GPU's
     work-group gets from :class:`LongReduction`). A kernel the split does not fit is left as
@@ -331,7 +332,11 @@ def split_long_sums(mod: tvm.IRModule, parts: int = 256, min_terms: int = 2048
                 terms *= int(sch.get(lp).extent)
             if terms < min_terms:
                 continue
-            outer, _ = sch.split(sch.fuse(*r_loops), [parts, None])
+            # no part without terms: a part whose every iteration the split's bound check
+            # skips never runs its initialisation either, and the sum of the parts would add
+            # whatever its memory held (2,916 terms in 256 parts of 12 left 13 parts empty)
+            per_part = -(-terms // parts)
+            outer, _ = sch.split(sch.fuse(*r_loops), [-(-terms // per_part), per_part])
             sch.rfactor(outer, 0)
             out[gv] = sch.mod["main"]
         except Exception:  # the kernel stays unsplit (right, with longer sums)
