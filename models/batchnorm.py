@@ -74,7 +74,9 @@ _SUM2 = te.comm_reducer(_sum2, _zero2, name="sum2")  # two sums in one pass
 
 
 def _pairwise(a, b):
-    """Chan, Golub & LeVeque's pairwise join of two partial results ``(m2, mean, n)``."""
+    """Chan, Golub & LeVeque's pairwise join of two partial results ``(m2, mean, n)``. The same
+    tree, node for node, is the combiner registered with TVM in C++ (``thomas_tune/csrc``,
+    :func:`register_reducer`)."""
     n = a[2] + b[2]
     frac = b[2] / tirx.max(n, tirx.const(1.0, str(n.ty)))
     d = b[1] - a[1]
@@ -85,37 +87,24 @@ def _pairwise_identity(*dtypes):
     return tuple(tirx.const(0.0, t) for t in dtypes)
 
 
-_registered = False
-
-
 def register_reducer() -> None:
     """Register the statistics' combiner (:func:`bn_stats`, any float type) with TVM's schedule
-    primitives, once per process: rfactor and cross-thread reduction apply only to
-    reductions whose combiner TVM's registry knows (``s_tir.schedule.RegisterReducer``); a
-    process that schedules or builds these kernels (the tuner, its build workers, ``export``)
-    needs it before it does. ``thomas_tune``'s import calls it where the compiler is present."""
-    global _registered
-    if _registered:
-        return
-    import ctypes
-
-    import tvm
+    primitives, once per process: rfactor and cross-thread reduction apply only to reductions
+    whose combiner TVM's registry knows (``s_tir.schedule.RegisterReducer``); a process that
+    schedules or builds these kernels (the tuner, its build workers, ``export``) needs it
+    before it does. The callbacks are C++ (``thomas_tune/csrc``, loaded with the OpenCL
+    sidecar): a Python one, reached from the threads on which MetaSchedule's ``JSONDatabase``
+    replays a log's records while the calling thread holds the interpreter lock, waits for that
+    lock forever. ``thomas_tune``'s import calls this where the compiler and the sidecar are
+    present; without the sidecar the statistics are one unsplit reduction per channel (right,
+    with longer chains of roundings). Raises RuntimeError when the sidecar is not loaded."""
     import tvm_ffi
-
-    def combiner(x, y):
-        return list(_pairwise(x, y))
-
-    def identity(values):
-        return [tirx.const(0.0, str(v.ty)) for v in values]
-
-    # TVM's registry keeps the two callbacks until its static destructors run, after Python
-    # has finalised: releasing a Python callback then aborts the process. One reference each
-    # that is never released keeps them alive to the end (they are needed to the end anyway).
-    callbacks = [tvm_ffi.convert(f) for f in (combiner, identity)]
-    for cb in callbacks:
-        ctypes.pythonapi.Py_IncRef(ctypes.py_object(cb))
-    tvm.get_global_func("s_tir.schedule.RegisterReducer")(3, *callbacks)
-    _registered = True
+    register = tvm_ffi.get_global_func("thomas_tune.register_pairwise_reducer",
+                                       allow_missing=True)
+    if register is None:
+        raise RuntimeError("BatchNorm's combiner is registered by thomas_tune's OpenCL sidecar, "
+                           "which is not loaded (thomas_tune.opencl.load())")
+    register()
 
 
 _PAIRWISE = te.comm_reducer(_pairwise, _pairwise_identity, name="pairwise_variance")

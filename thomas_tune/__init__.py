@@ -35,13 +35,15 @@ if compiler_available():
     from . import opencl_source as _opencl_source  # noqa: E402
 
     _opencl_source.register()
-    # BatchNorm's statistics are one reduction with their own combiner, which TVM's schedule
-    # primitives (cross-thread reduction, rfactor) must know in every compiling process
-    from .models import batchnorm as _batchnorm  # noqa: E402
-
-    _batchnorm.register_reducer()
 
 try:
     _opencl.load()
+    if compiler_available():
+        # BatchNorm's statistics are one reduction with their own combiner, which TVM's
+        # schedule primitives (cross-thread reduction, rfactor) must know in every compiling
+        # process; the sidecar registers it (C++ callbacks)
+        from .models import batchnorm as _batchnorm  # noqa: E402
+
+        _batchnorm.register_reducer()
 except _opencl.OpenCLUnavailable:  # reported when OpenCL is actually used
     pass

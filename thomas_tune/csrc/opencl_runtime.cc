@@ -45,8 +45,10 @@
 #include <CL/cl.h>
 
 #include <tvm/ffi/cast.h>
+#include <tvm/ffi/container/array.h>
 #include <tvm/ffi/extra/module.h>
 #include <tvm/ffi/function.h>
+#include <tvm/ffi/reflection/accessor.h>
 #include <tvm/ffi/reflection/registry.h>
 #include <tvm/runtime/device_api.h>
 
@@ -1218,6 +1220,66 @@ class KernelTimerNode : public TimerNodeABI {
 }  // namespace opencl
 }  // namespace thomas_tune
 
+// ---- BatchNorm's statistics: their combiner, registered with TVM's schedule primitives ------
+//
+// models/batchnorm.py's bn_stats is one reduction whose combiner is Chan, Golub & LeVeque's
+// pairwise update of (m2, mean, n). TVM's rfactor and cross-thread reduction apply only to a
+// reduction whose combiner its registry knows (s_tir.schedule.RegisterReducer). The two
+// callbacks are written here, in C++: MetaSchedule's JSONDatabase replays the records of a log
+// on several threads while the calling Python thread holds the interpreter lock, and a Python
+// callback reached from one of those threads waited for that lock forever. The expression tree
+// is the one models/batchnorm.py's _pairwise builds, node for node, through the same operator
+// functions (the registry matches it structurally, and the tuning logs key their records by
+// the kernels it makes).
+namespace thomas_tune {
+namespace reducers {
+
+using tvm::ffi::Any;
+using tvm::ffi::Array;
+using tvm::ffi::Function;
+using tvm::ffi::ObjectRef;
+
+Any Op(const char* op, const Any& a, const Any& b) {
+  static std::unordered_map<std::string, Function> ops;
+  auto it = ops.find(op);
+  if (it == ops.end()) it = ops.emplace(op, Function::GetGlobalRequired(op)).first;
+  return it->second(a, b, Any());
+}
+
+// 1.0 in the data type of the expression e
+Any One(const Any& e) {
+  static tvm::ffi::reflection::FieldGetter expr_type("ir.Expr", "ty");
+  static tvm::ffi::reflection::FieldGetter prim_dtype("ir.PrimType", "dtype");
+  static Function float_imm = Function::GetGlobalRequired("ir.FloatImm");
+  Any dtype = prim_dtype(expr_type(e.cast<ObjectRef>()).cast<ObjectRef>());
+  return float_imm(dtype, 1.0, Any());
+}
+
+Array<Any> Pairwise(Array<Any> x, Array<Any> y) {
+  Any n = Op("prim._OpAdd", x[2], y[2]);
+  Any frac = Op("prim._OpDiv", y[2], Op("prim._OpMax", n, One(n)));
+  Any d = Op("prim._OpSub", y[1], x[1]);
+  Any m2 = Op("prim._OpAdd", Op("prim._OpAdd", x[0], y[0]),
+              Op("prim._OpMul", Op("prim._OpMul", Op("prim._OpMul", d, d), x[2]), frac));
+  Any mean = Op("prim._OpAdd", x[1], Op("prim._OpMul", d, frac));
+  return Array<Any>{m2, mean, n};
+}
+
+// the identity the registry compares with a block's initial values: those values themselves
+// (zeros in bn_stats); the combiner's tree decides the match
+Array<Any> SameValues(Array<Any> values) { return values; }
+
+void RegisterPairwise() {
+  static std::once_flag once;
+  std::call_once(once, []() {
+    Function::GetGlobalRequired("s_tir.schedule.RegisterReducer")(
+        3, Function::FromTyped(Pairwise), Function::FromTyped(SameValues));
+  });
+}
+
+}  // namespace reducers
+}  // namespace thomas_tune
+
 TVM_FFI_STATIC_INIT_BLOCK() {
   namespace refl = tvm::ffi::reflection;
   using thomas_tune::opencl::Workspace;
@@ -1276,6 +1338,7 @@ TVM_FFI_STATIC_INIT_BLOCK() {
       .def("thomas_tune.opencl.build_programs", thomas_tune::opencl::BuildPrograms)
       .def("thomas_tune.opencl.cache_dir",
            []() { return tvm::ffi::String(thomas_tune::opencl::BinaryCacheDir()); })
+      .def("thomas_tune.register_pairwise_reducer", thomas_tune::reducers::RegisterPairwise)
       .def("thomas_tune.opencl.num_devices",
            []() { return static_cast<int64_t>(Workspace::Global()->Devices().size()); });
 }
