@@ -86,6 +86,31 @@ def lift_request(tg: G.TrainingGraph) -> tuple[list[int], list[str]]:
     return attr, tg.frozen + constant_states
 
 
+def training_library_module(model, tg: G.TrainingGraph) -> tuple[tvm.IRModule, list[str] | None]:
+    """The Relax module that :func:`export` compiles into ``train.so`` for the training graph
+    ``tg`` of ``model`` (kernel names in the library come from fusing exactly this module), and
+    the names of the tensors ``ADJOINT_FROZEN`` takes (None without frozen parameters): the
+    graph's functions, the packing functions and ``draw_masks``, ``TRAIN_STEP``
+    (``graph.add_train_step``), and what is to be lifted marked (:mod:`thomas_tune.lift`)."""
+    shapes = {p.name: p.shape for p in spec(model).params}
+    train_mod = _with_step_functions(tg.mod, [shapes[n] for n in tg.trainable], tg.optim_state,
+                                     list(tg.masks.values()))
+    # the step in one function, its gradients buffers of the step (graph.add_train_step)
+    train_mod = G.add_train_step(train_mod, 1 + len(tg.masks) + len(tg.frozen),
+                                 len(tg.trainable))
+    # what the step computes from its constant inputs alone (the frozen parameters' Winograd
+    # transforms, the frozen BatchNorms folded into their convolutions) runs once per load
+    lift_inputs = None
+    if tg.frozen:
+        attr, lift_inputs = lift_request(tg)
+        for fn in (ADJOINT, TRAIN_STEP):  # the same parameters in the same places
+            train_mod[fn] = train_mod[fn].with_attr(lift.ATTR, attr)
+    if tg.features:  # the frozen part alone reads constants only, but for the images
+        n = len(tg.frozen) + len(tg.features.frozen_states)
+        train_mod[FEATURES] = train_mod[FEATURES].with_attr(lift.ATTR, [1, n])
+    return train_mod, lift_inputs
+
+
 def log_hash(log: TuningLog | None) -> str | None:
     """sha256 of the tuning log's two files (workloads, then records), or None without a log."""
     if log is None:
@@ -144,22 +169,7 @@ def export(out_dir: str, model, tensors: dict[str, np.ndarray], target: tvm.targ
     cross_compiler(target)  # a missing or wrong cross compiler fails here, before any work
     os.makedirs(out_dir, exist_ok=True)
     tg = G.training_module(model, batch, trainable, optimizer, features=cache_features)
-    shapes = {p.name: p.shape for p in spec(model).params}
-    train_mod = _with_step_functions(tg.mod, [shapes[n] for n in tg.trainable], tg.optim_state,
-                                     list(tg.masks.values()))
-    # what the step computes from its constant inputs alone (the frozen parameters' Winograd
-    # transforms, the frozen BatchNorms folded into their convolutions) runs once per load
-    # the step in one function, its gradients buffers of the step (graph.add_train_step)
-    train_mod = G.add_train_step(train_mod, 1 + len(tg.masks) + len(tg.frozen),
-                                 len(tg.trainable))
-    lift_inputs = None
-    if tg.frozen:
-        attr, lift_inputs = lift_request(tg)
-        for fn in (ADJOINT, TRAIN_STEP):  # the same parameters in the same places
-            train_mod[fn] = train_mod[fn].with_attr(lift.ATTR, attr)
-    if tg.features:  # the frozen part alone reads constants only, but for the images
-        n = len(tg.frozen) + len(tg.features.frozen_states)
-        train_mod[FEATURES] = train_mod[FEATURES].with_attr(lift.ATTR, [1, n])
+    train_mod, lift_inputs = training_library_module(model, tg)
     infer_mod = G.inference_module(model, infer_batch)
     n_constant = len(spec(model).params) + len(spec(model).states)
     infer_mod[PREDICT] = infer_mod[PREDICT].with_attr(lift.ATTR, [1, n_constant])

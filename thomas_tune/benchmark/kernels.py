@@ -32,11 +32,8 @@ def exported_training_module(model, tg):
     """The Relax module that :func:`thomas_tune.export.export` compiles into ``train.so`` for
     the training graph ``tg`` (``graph.training_module``): kernel names in the library come from
     fusing exactly this module."""
-    from .. import export as E
-    from ..models import spec
-    shapes = {p.name: p.shape for p in spec(model).params}
-    return E._with_step_functions(tg.mod, [shapes[n] for n in tg.trainable], tg.optim_state,
-                                  list(tg.masks.values()))
+    from ..export import training_library_module
+    return training_library_module(model, tg)[0]
 
 
 def step_kernels(train_mod, winograd=None) -> list[Kernel]:
