@@ -1239,11 +1239,19 @@ using tvm::ffi::Array;
 using tvm::ffi::Function;
 using tvm::ffi::ObjectRef;
 
-Any Op(const char* op, const Any& a, const Any& b) {
-  static std::unordered_map<std::string, Function> ops;
-  auto it = ops.find(op);
-  if (it == ops.end()) it = ops.emplace(op, Function::GetGlobalRequired(op)).first;
-  return it->second(a, b, Any());
+// TVM's operator functions, looked up once (a static local: initialised once even when the
+// registry calls the combiner from several threads at a time, as JSONDatabase does)
+struct Ops {
+  Function add = Function::GetGlobalRequired("prim._OpAdd");
+  Function sub = Function::GetGlobalRequired("prim._OpSub");
+  Function mul = Function::GetGlobalRequired("prim._OpMul");
+  Function div = Function::GetGlobalRequired("prim._OpDiv");
+  Function max = Function::GetGlobalRequired("prim._OpMax");
+};
+
+const Ops& GetOps() {
+  static const Ops ops;
+  return ops;
 }
 
 // 1.0 in the data type of the expression e
@@ -1256,12 +1264,14 @@ Any One(const Any& e) {
 }
 
 Array<Any> Pairwise(Array<Any> x, Array<Any> y) {
-  Any n = Op("prim._OpAdd", x[2], y[2]);
-  Any frac = Op("prim._OpDiv", y[2], Op("prim._OpMax", n, One(n)));
-  Any d = Op("prim._OpSub", y[1], x[1]);
-  Any m2 = Op("prim._OpAdd", Op("prim._OpAdd", x[0], y[0]),
-              Op("prim._OpMul", Op("prim._OpMul", Op("prim._OpMul", d, d), x[2]), frac));
-  Any mean = Op("prim._OpAdd", x[1], Op("prim._OpMul", d, frac));
+  const Ops& op = GetOps();
+  Any none;
+  Any n = op.add(x[2], y[2], none);
+  Any frac = op.div(y[2], op.max(n, One(n), none), none);
+  Any d = op.sub(y[1], x[1], none);
+  Any m2 = op.add(op.add(x[0], y[0], none),
+                  op.mul(op.mul(op.mul(d, d, none), x[2], none), frac, none), none);
+  Any mean = op.add(x[1], op.mul(d, frac, none), none);
   return Array<Any>{m2, mean, n};
 }
 
