@@ -338,7 +338,7 @@ class Session:
         return [first, *masks, *frozen, *self._ordered(m["trainable"]),
                 *self._ordered(self._step_states(fn)), y]
 
-    def _frozen_slots(self, fn: str = ADJOINT) -> list:
+    def _frozen_slots(self, fn: str) -> list:
         """What ``fn`` (``ADJOINT`` or ``TRAIN_STEP``) takes in the frozen parameters' place:
         the frozen parameters, or, in an export whose step had their transforms lifted out (the
         manifest's ``frozen_slots``, :mod:`thomas_tune.lift`), per slot the parameter itself or
@@ -474,7 +474,8 @@ class Session:
             self.renew()
         if not (isinstance(x, tvm.runtime.Tensor) and isinstance(y, tvm.runtime.Tensor)):
             x, y = self.upload(x, y)
-        return self._step(ADJOINT, x, y)
+        # the step and the update in one call where the export has it (graph.add_train_step)
+        return self._step(TRAIN_STEP if self.manifest.get("train_step") else ADJOINT, x, y)
 
     def feature_split(self) -> dict:
         """The manifest's ``features`` (``shape`` of one image's features, ``frozen_states``,
@@ -537,17 +538,16 @@ class Session:
 
     def _step(self, fn: str, first, y) -> float:
         """One step of the step function ``fn`` (``ADJOINT`` or ``HEAD_ADJOINT``) on device
-        tensors ``first`` (images or features) and ``y``, then the optimizer; for ``ADJOINT``
-        in an export that has it, both in one call of ``TRAIN_STEP``."""
+        tensors ``first`` (images or features) and ``y``, then the optimizer; or both in one
+        call of ``fn`` = ``TRAIN_STEP``."""
         m, states = self.manifest, self._step_states(fn)
         if self.remote:
             masks = self.draw_masks()
             return self._timed(lambda: self._remote_step(fn, first, y, masks, states))
-        if fn == ADJOINT and m.get("train_step"):  # the step and the update in one call
-            args = self._step_args(TRAIN_STEP, first, y, self.draw_masks())
-            ret, new_params, self._opt = self._train_vm[TRAIN_STEP](*args, self._opt)
+        args = self._step_args(fn, first, y, self.draw_masks())
+        if fn == TRAIN_STEP:
+            ret, new_params, self._opt = self._train_vm[fn](*args, self._opt)
         else:
-            args = self._step_args(fn, first, y, self.draw_masks())
             ret, grads = self._train_vm[fn](*args)
             new_params, self._opt = self._train_vm[OPTIMIZER](self._ordered(m["trainable"]),
                                                               grads, self._opt)
@@ -571,10 +571,9 @@ class Session:
             self._tuples["opt"] = vm[PACK_OPTIMIZER_STATE](*self._opt)
             for i, name in enumerate(m["trainable"]):
                 self._t[name] = get(self._tuples["params"], i)
-        one = fn == ADJOINT and m.get("train_step")
-        args = self._step_args(TRAIN_STEP if one else fn, first, y, masks)
-        if one:  # the update writes into the session's tuple of parameters; the state is new
-            out = vm[TRAIN_STEP](*args, self._tuples["opt"])
+        args = self._step_args(fn, first, y, masks)
+        if fn == TRAIN_STEP:  # the update writes into the session's tuple of parameters
+            out = vm[fn](*args, self._tuples["opt"])
             self._tuples["opt"] = get(out, 2)
         else:
             out = vm[fn](*args)

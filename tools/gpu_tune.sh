@@ -127,7 +127,7 @@ start_jobs() {
   mkdir -p $TT/logs $TT/out
   jobs_list | while read -r job args; do
     # a job named LOG:TAG tunes into the log LOG (a second pass over one log, another graph)
-    local name=${job%%:*} out=${job//:/-}
+    local name=${job%%:*} out=${job//:/@}
     if pgrep -f -- "thomas_tune.cli tune .*--log $TT/logs/$name " >/dev/null; then echo "$name: running"; continue; fi
     log=$TT/logs/$name
     committed_log $name
@@ -178,7 +178,7 @@ status() {
   for f in $TT/out/*.out; do
     [ -e "$f" ] || continue
     n=$(basename $f .out)
-    recs=$(cat $TT/logs/${n%-last*}/database_tuning_record.json 2>/dev/null | wc -l)
+    recs=$(cat $TT/logs/${n%%@*}/database_tuning_record.json 2>/dev/null | wc -l)  # LOG@TAG
     echo "== $n: $recs records; $(pgrep -f -- "thomas_tune.cli (tune|remeasure) .*--log $TT/logs/$n( |$)" >/dev/null && echo running || echo stopped)"
     grep -a -E "default schedules|tuning [0-9]+ tasks|throughput|measured|records$|error|Error" $f | tail -4
     tail -c 400 $f | tr '\r' '\n' | grep -v '^\s*$' | tail -1
