@@ -1,7 +1,8 @@
 """Seeding a session from another tuning log, and the code-generation stamp of a log, on PoCL
 over a loopback tracker and device server: seeds are checked and measured on this device and
 land in its log with its own times, the seed log is only read, a resumed run measures no seed
-twice; a log stamped with another version is flagged by 'log check', refused by tune, export and
+twice, a task whose kernel the seed log has only at another shape gets its records refitted; a
+log stamped with another version is flagged by 'log check', refused by tune, export and
 a partial re-measure, and 'remeasure --restamp' measures it again and stamps it."""
 
 import hashlib
@@ -138,3 +139,40 @@ def test_seeds_are_measured_here_and_versions_are_flagged(tmp_path, target, rng,
     assert read_version(own_dir).status == "unknown"
     cli.main(["log", "show", own_dir])
     assert "code generation unknown" in capsys.readouterr().out
+
+
+def test_seeds_from_other_shapes_are_refitted_and_measured_here(tmp_path, target, rng):
+    from thomas_tune import graph as G
+    from thomas_tune.logs import TuningLog, mean_seconds
+    from thomas_tune.models import build
+    from thomas_tune.tasks import extract
+    from thomas_tune.tuning import rpc_runner, tune
+    from thomas_tune.tuning.resized import family
+
+    model = build("mobilenet_v2", num_classes=5, resolution=32, width=0.35)
+    one = [t for t in extract({"infer": G.inference_module(model, 1)}, target) if t.flops > 0]
+    two = [t for t in extract({"infer": G.inference_module(model, 2)}, target) if t.flops > 0]
+    # tasks of batch 2 whose kernel at batch 1 (another shape, one family) is in the seed log
+    kin = {family(t.mod): t for t in one}
+    pairs = sorted(((kin[family(t.mod)], t) for t in two if family(t.mod) in kin),
+                   key=lambda p: p[0].flops)[:6]
+    pairs = [pairs[i] for i in rng.choice(len(pairs), 2, replace=False)]
+    seed_dir, own_dir = str(tmp_path / "seed"), str(tmp_path / "own")
+    quick = dict(trials_per_iter=2, population=16, genetic_iters=1, refine_top=0,
+                 show_progress=False, seed=int(rng.integers(1 << 20)))
+    with rpc.loopback(key="pocl-resize", servers=1, lifetime=600) as addr:
+        tune([a for a, _ in pairs], target, TuningLog(seed_dir), rpc_runner(addr, "pocl-resize"),
+             trials=8, **quick)
+        before = _folder_hashes(seed_dir)
+        own = TuningLog(own_dir)
+        report = tune([b for _, b in pairs], target, own, rpc_runner(addr, "pocl-resize"),
+                      trials=2, seed_logs=(seed_dir,), seed_top=2, **quick)
+    seeded = report.seeded
+    # no seed workload is one of these kernels: every seed was refitted from the other shape
+    assert seeded["resized"] >= seeded["measured"] >= 2, seeded
+    assert seeded["measured"] - seeded["failed"] >= 1, seeded
+    assert report.phases["counts"].get("run.check", 0) >= seeded["measured"] - seeded["failed"]
+    assert _folder_hashes(seed_dir) == before  # the seed log is only read
+    db = own.database(check=False)
+    timed = [mean_seconds(b) for _, t in pairs for b in db.bodies(db.find_workload(t.mod))]
+    assert any(s < 1e9 for s in timed), timed  # measured here, on this log's own workloads

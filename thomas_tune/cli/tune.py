@@ -124,7 +124,8 @@ def cmd_tune(args) -> int:
         r = report.seeded
         print(f"seeded from {len(args.seed_log)} log(s): {r['measured']} seed records checked "
               f"and measured on this device ({r['failed']} failed, recorded as failed trials; "
-              f"{r['unusable']} did not apply here), {r['better']} task(s) got a faster record")
+              f"{r['resized']} of them refitted from other shapes; {r['unusable']} did not apply "
+              f"here), {r['better']} task(s) got a faster record")
     print(f"throughput: {report.throughput_line()}")
     for t in report.tasks:
         if t.trials:
@@ -281,10 +282,13 @@ def add_tune(sub) -> None:
                    help="a tuning log (of another device, model or code generation; packed or "
                    "not; repeatable) to seed the search from: before it, the --seed-top best "
                    "records of each of its workloads that a task matches (the same kernel, or "
-                   "a twin of the same contraction) are checked and measured on this device "
-                   "and enter --log as its own trials; the seed logs are only read")
+                   "a twin of the same contraction; for a task that matches none, the best "
+                   "records of the nearest kernels of the same computation at other shapes, "
+                   "tile sizes refitted) are checked and measured on this device and enter "
+                   "--log as its own trials; the seed logs are only read")
     s.add_argument("--seed-top", type=int, default=4,
-                   help="records per matching workload of each --seed-log measured (default 4)")
+                   help="records per matching workload of each --seed-log measured, and per "
+                   "task seeded from other shapes (default 4)")
     s.add_argument("--stats", help="write trials/s and the time split as JSON here (every "
                    "30 s while tuning, and at the end, also after SIGINT or SIGTERM; its 'ended' "
                    "says how the run ended), and per task the trials, in the log's order, to "

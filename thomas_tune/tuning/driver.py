@@ -279,8 +279,9 @@ def _tune_locked(tasks: list[Task], target, log: TuningLog, runner: ms.Runner,
             r = report.seeded
             if opt.show_progress:
                 print(refinement_line(r, f"seeds from {len(seeds)} log(s): {r['measured']} "
-                                          f"records measured on this device ({r['unusable']} "
-                                          "did not apply here)"), file=sys.stderr, flush=True)
+                                          f"records measured on this device ({r['resized']} "
+                                          f"refitted from other shapes, {r['unusable']} did not "
+                                          "apply here)"), file=sys.stderr, flush=True)
         if opt.refine_top > 0:
             report.transferred = refining(refine_transfer, contexts, progress, database,
                                           target, runner, builder, opt.refine_top,

@@ -11,6 +11,7 @@ import tvm_ffi
 from ..logs import LogDatabase, TuningLog
 from ..schedules import anchor_key, before_postproc, plain_json, transferred
 from .refine import _measure_variants
+from .resized import extents, family, refitted, shape_distance
 
 
 def open_seed_logs(paths: list[str], own: TuningLog) -> list[tuple[str, LogDatabase]]:
@@ -45,8 +46,11 @@ def refine_seeds(contexts, progress, database, target, runner, builder, seeds, t
     its records apply as they are) or a twin of the same contraction (:func:`thomas_tune.
     schedules.anchor_key`: the same loops and shapes with other element-wise blocks around,
     such as a fused ReLU; its records rewritten by :func:`thomas_tune.schedules.transferred`).
-    A kernel of the same computation at other shapes does not match: its tile sizes and
-    thread bindings were chosen for other extents and would not carry over as decisions.
+    A task that neither matches takes, from the seed workloads of its :func:`.resized.family`
+    (the same computation at other shapes: a pointwise convolution of other channel counts),
+    the best record of each of the ``top_k`` nearest (:func:`.resized.shape_distance`),
+    then their second best and so on, ``top_k`` in all, each trace replayed with its tile
+    sizes refitted to this task's extents (:func:`.resized.refitted`).
     Each seed is postprocessed for this run's target (one the postprocessors reject is left
     out), checked against its task's reference and timed through the same runner and
     builder as the search's trials (:func:`.refine._measure_variants`); one that fails here
@@ -57,8 +61,11 @@ def refine_seeds(contexts, progress, database, target, runner, builder, seeds, t
     each task's best records in the database, so seeds that win start the search. Arguments
     ``progress`` ... ``references`` as :func:`.refine.refine_unroll`'s. Returns its dict
     (``measured``, ``failed``, ``better``, ``seconds``) with ``unusable``: seed records whose
-    trace does not apply to its workload here (another TVM, another graph)."""
+    trace does not apply to its workload here (another TVM, another graph), and ``resized``:
+    candidates refitted from other shapes (before postprocessing; those it rejects are not
+    measured)."""
     twins: dict[int, list[tuple[LogDatabase, object]]] = {}
+    families: dict[str, list[tuple[LogDatabase, object, tuple[int, ...]]]] = {}
     for _, seed in seeds:
         for workload in seed.workloads:
             try:
@@ -67,7 +74,12 @@ def refine_seeds(contexts, progress, database, target, runner, builder, seeds, t
                 key = None
             if key is not None:
                 twins.setdefault(key, []).append((seed, workload))
-    unusable = [0]
+            try:
+                kin = family(workload.mod)
+            except Exception:  # a kernel TVMScript cannot print: no family
+                continue
+            families.setdefault(kin, []).append((seed, workload, extents(workload.mod)))
+    unusable, resized = [0], [0]
 
     def top(seed: LogDatabase, workload) -> list:
         try:
@@ -78,12 +90,14 @@ def refine_seeds(contexts, progress, database, target, runner, builder, seeds, t
 
     def candidates(c, ctx, workload, best_s):
         own = int(tvm_ffi.structural_hash(ctx.mod))
+        found = False
         for _, seed in seeds:
             same = seed.find_workload(ctx.mod)  # (no commit: a seed log is never written)
             if same is not None:
                 for rec in top(seed, same):
                     try:
                         yield list(before_postproc(*plain_json(rec.trace.as_json())))
+                        found = True
                     except TypeError:  # an object with no JSON form
                         unusable[0] += 1
         key = anchor_key(ctx.mod)
@@ -98,9 +112,35 @@ def refine_seeds(contexts, progress, database, target, runner, builder, seeds, t
                 if trace is None:
                     unusable[0] += 1
                 else:
+                    found = True
                     yield trace
+        if not found:
+            yield from other_shapes(ctx.mod, own)
+
+    def other_shapes(mod, own):
+        try:
+            kin, here = family(mod), extents(mod)
+        except Exception:  # a kernel TVMScript cannot print: no family
+            return
+        near = sorted((d for d in families.get(kin, ())
+                       if int(tvm_ffi.structural_hash(d[1].mod)) != own),
+                      key=lambda d: shape_distance(d[2], here))[:top_k]
+        ranked = [(donor, top(seed, donor)) for seed, donor, _ in near]
+        picks = [(donor, recs[depth]) for depth in range(top_k)
+                 for donor, recs in ranked if depth < len(recs)][:top_k]
+        for donor, rec in picks:
+            try:
+                trace = refitted(rec.trace.as_json(), donor.mod, mod)
+            except TypeError:
+                trace = None
+            if trace is None:
+                unusable[0] += 1
+            else:
+                resized[0] += 1
+                yield trace
 
     out = _measure_variants(contexts, progress, database, target, runner, builder, candidates,
                             errors, measured, references)
     out["unusable"] = unusable[0]
+    out["resized"] = resized[0]
     return out
