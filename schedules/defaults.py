@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
+import math
 import os
 import tempfile
 
@@ -298,15 +299,31 @@ GPU_RULES = (WinogradTransform, WideMatmul, LongReduction, dl.gpu.Matmul, dl.gpu
              LongRowReduction, LongGeneralReduction, ReductionEpilogue)
 
 
-def split_long_sums(mod: tvm.IRModule, parts: int = 256, min_terms: int = 2048
-                    ) -> tvm.IRModule:
-    """``mod`` with each unscheduled kernel of one reduction of at least ``min_terms`` terms
-    per output split into ``parts`` partial sums (fewer where ``parts`` does not divide the
-    terms: as many as leave no part empty) and their sum (``rfactor``), for a CPU target,
-    whose loops run in order: a float32 sum of N*H*W terms in a row loses up to N*H*W
-    roundings, a sum of partial sums about N*H*W / ``parts`` + ``parts`` (what a GPU's
-    work-group gets from :class:`LongReduction`). A kernel the split does not fit is left as
-    it is."""
+def split_long_sums(mod: tvm.IRModule, parts: int = 256, min_terms: int = 2048,
+                    chain: int = 512, max_partials: int = 1 << 22) -> tvm.IRModule:
+    """``mod`` with the long sums of its unscheduled kernels taken as sums of partial sums, for
+    a CPU target, whose loops run in order: a float32 sum of n terms in a row is about
+    sqrt(n) roundings of its running value from the exact sum (Higham 2002, "Accuracy and
+    Stability of Numerical Algorithms", 2nd ed., sec. 4.2), a sum of p partial sums about
+    sqrt(n / p) + sqrt(p). Applies to kernels with one reduction block (``rfactor``); the
+    element-wise blocks before it (padding) are inlined into it, those after it (bias, ReLU)
+    stay as they are.
+
+    - Few outputs and at least ``min_terms`` terms per output (weight and bias gradients, sums
+      over N*H*W): ``parts`` partial sums (fewer where ``parts`` does not divide the terms:
+      as many as leave no part empty), each over a contiguous run of the terms, in one
+      buffer of ``parts`` x outputs, then their sum (what a GPU's work-group gets from
+      :class:`LongReduction`).
+    - Where that buffer would hold more than ``max_partials`` values (convolutions and
+      matmuls of the forward pass and the data gradients: millions of outputs), and the sum
+      has at least ``chain`` terms: partial sums per output, each over a run of the outermost
+      summed axis (input channels) and the whole of the others, as near sqrt(terms) terms as
+      that axis's divisors allow, in a buffer of one output's partial sums. The chain of 1,600
+      terms of AlexNet's second convolution was 2.3x further from float64 than PyTorch
+      float32's (blocked, vectorised) sum; its max-pool then routed more gradients elsewhere
+      than float64 does (docs/journal/precision.md).
+
+    A kernel the split does not fit is left as it is."""
     from .blocks import reduction_blocks
 
     out = tvm.IRModule(mod.functions, attrs=mod.attrs)
@@ -323,21 +340,47 @@ def split_long_sums(mod: tvm.IRModule, parts: int = 256, min_terms: int = 2048
             block = sch.get_sblock(name)
             for other in sch.get_child_blocks(sch.get_sblock("root")):
                 if sch.get(other).name_hint != name:
-                    sch.compute_inline(other)
+                    with contextlib.suppress(Exception):  # a consumer of the sum stays
+                        sch.compute_inline(other)
             kinds = [iv.iter_type for iv in sch.get(block).iter_vars]
             loops = sch.get_loops(block)
             r_loops = [lp for lp, k in zip(loops, kinds) if k == tvm.tirx.IterVar.CommReduce]
-            terms = 1
+            s_loops = [lp for lp, k in zip(loops, kinds) if k == tvm.tirx.IterVar.DataPar]
+            if len(r_loops) + len(s_loops) != len(loops) or not s_loops:
+                continue
+            terms = outputs = 1
             for lp in r_loops:
                 terms *= int(sch.get(lp).extent)
-            if terms < min_terms:
-                continue
+            for lp in s_loops:
+                outputs *= int(sch.get(lp).extent)
             # no part without terms: a part whose every iteration the split's bound check
             # skips never runs its initialisation either, and the sum of the parts would add
             # whatever its memory held (2,916 terms in 256 parts of 12 left 13 parts empty)
             per_part = -(-terms // parts)
-            outer, _ = sch.split(sch.fuse(*r_loops), [-(-terms // per_part), per_part])
-            sch.rfactor(outer, 0)
+            n_parts = -(-terms // per_part)
+            if terms >= min_terms and n_parts * outputs <= max_partials:
+                outer, _ = sch.split(sch.fuse(*r_loops), [n_parts, per_part])
+                sch.rfactor(outer, 0)
+            elif terms >= chain:
+                # parts of the outermost summed axis (a convolution's input channels), so
+                # that the loops over the others (the filter's rows and columns) stay whole:
+                # k of its values per part, k dividing its extent, k times the other axes'
+                # terms nearest sqrt(terms)
+                first = int(sch.get(r_loops[0]).extent)
+                rest = terms // first
+                k = min((d for d in range(1, first + 1) if first % d == 0),
+                        key=lambda d: abs(math.log(d * rest / terms ** 0.5)))
+                if first // k < 2:
+                    continue
+                outer, _ = sch.split(r_loops[0], [first // k, k])
+                sch.reorder(*s_loops, outer)
+                rf = sch.rfactor(outer, 0)
+                # the write-back block's loops: the outputs, then the parts; the partial
+                # sums of one output are made right before they are added
+                wb_loops = sch.get_loops(sch.get_sblock(name))
+                sch.compute_at(rf, wb_loops[len(s_loops) - 1])
+            else:
+                continue
             out[gv] = sch.mod["main"]
         except Exception:  # the kernel stays unsplit (right, with longer sums)
             continue
