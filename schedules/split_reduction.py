@@ -27,6 +27,15 @@ SPLIT_MIN_TERMS = 64
 SPLIT_MAX_OUTPUTS = 1 << 19
 
 
+#: a reduction of several values at once (BatchNorm's statistics, the two sums of its backward)
+#: is split only with at most this many outputs (channels) and at least
+#: :data:`TUPLE_MIN_TERMS` terms per output: a work-group per channel leaves most of a GPU idle
+#: there (32 channels of 32x112x112 values ran at 105 GB/s on the H100), while a split costs a
+#: second launch per call, which a kernel with enough channels does not repay
+TUPLE_MAX_OUTPUTS = 256
+TUPLE_MIN_TERMS = 1 << 14
+
+
 def split_parts(extent: int, outputs: int, rest: int = 1) -> list[int]:
     """The part counts G offered for splitting a reduction loop of ``extent`` iterations (a
     matmul's k) of a kernel with ``outputs`` outputs, whose other reduction loops have ``rest``
@@ -75,6 +84,11 @@ class SplitReduction(ms.schedule_rule.PyScheduleRule):
     layers at batch 32 are such kernels: 32x4096 outputs of 9216- or 4096-term sums, which
     tiling maps to a few dozen work-groups.
 
+    A reduction of several values at once (BatchNorm's statistics, a tuple reduction whose
+    combiner TVM's registry knows: ``models/batchnorm.py``) is factored the same way, its
+    partial results joined by its own combiner, where it has few outputs and long sums
+    (:data:`TUPLE_MAX_OUTPUTS`, :data:`TUPLE_MIN_TERMS`); it is never tiled.
+
     Applies to a reduction block with constant loops bound one to one to its iterators and at
     least ``min_terms`` terms per output; factors a reduction loop of at least 4 iterations
     that leaves at least 64 terms (at most the first two such loops) when the block has at
@@ -104,7 +118,7 @@ class SplitReduction(ms.schedule_rule.PyScheduleRule):
         first)]); an empty list when the rule does not apply."""
         b = sch.get(block)
         loops = sch.get_loops(block)
-        if b.init is None or len(b.writes) != 1 or len(loops) != len(b.iter_vars):
+        if b.init is None or not b.writes or len(loops) != len(b.iter_vars):
             return 0, []
         outputs = terms = 1
         reductions = []  # (loop index, extent)
@@ -123,6 +137,8 @@ class SplitReduction(ms.schedule_rule.PyScheduleRule):
         if terms < self.min_terms or outputs > SPLIT_MAX_OUTPUTS or \
                 [i for i, _ in reductions] != list(range(n_spatial, len(loops))):
             return 0, []
+        if len(b.writes) > 1 and (outputs > TUPLE_MAX_OUTPUTS or terms < TUPLE_MIN_TERMS):
+            return 0, []
         whole = [(i, None) for i, e in reductions if e >= 4 and terms // e >= SPLIT_MIN_TERMS][:2]
         if whole and outputs <= self.max_outputs:
             return n_spatial, whole
@@ -135,7 +151,7 @@ class SplitReduction(ms.schedule_rule.PyScheduleRule):
         n_spatial, at = self._factor_loops(sch, block)
         if not at:
             return [sch]
-        contraction = indexed_contraction(sch.get(block))
+        contraction = indexed_contraction(sch.get(block)) and len(sch.get(block).writes) == 1
         spaces = []
         for i, parts in at:
             for tiled in ((False, True) if contraction else (False,)):

@@ -194,6 +194,79 @@ def test_weight_gradient_with_many_outputs_gets_its_longest_loop_split(target, r
         raise AssertionError("none of 8 sampled candidates built")
 
 
+def _run_outputs(mod, target, arrays, shapes):
+    """``main(*arrays, *outs)`` on OpenCL device 0 with float32 arrays and outputs of
+    ``shapes``; the outputs in float64."""
+    lib = tvm.compile(mod, target) if isinstance(mod, tvm.IRModule) else mod
+    dev = tvm.opencl(0)
+    outs = [tvm.runtime.empty(s, "float32", dev) for s in shapes]
+    lib["main"](*(tvm.runtime.tensor(a.astype("float32"), dev) for a in arrays), *outs)
+    return [o.numpy().astype("float64") for o in outs]
+
+
+def test_batchnorm_reductions_with_few_channels_get_split_spaces_that_match_numpy(target, rng):
+    """BatchNorm's statistics (mean and sum of squared deviations in one pass, Chan's pairwise
+    combiner) and its backward's two sums are reductions of several values at once; with few
+    channels and long sums they get split spaces (schedules.SplitReduction: partial results
+    per batch entry, joined by the same combiner), whose sampled candidates build for PoCL and
+    match numpy in float64 on data centred far from zero. With many channels, or short sums,
+    they get none (a split costs a launch)."""
+    from thomas_tune.models import batchnorm as B
+    from thomas_tune.schedules.split_reduction import TUPLE_MAX_OUTPUTS, TUPLE_MIN_TERMS
+
+    def spaces(mod, seed):
+        ctx = ms.TuneContext(mod=mod, target=target, space_generator=space_generator(target),
+                             task_name="bn", num_threads=1, rand_state=seed,
+                             search_strategy=ms.search_strategy.ReplayTrace())
+        split = [sp for sp in ctx.generate_design_space() if "rfactor" in str(sp.trace)]
+        return ctx, split
+
+    def candidates(ctx, split, n=2):
+        ctx.pre_tuning(max_trials=n, num_trials_per_iter=n, design_spaces=split)
+        return [c.sch.mod for c in ctx.generate_measure_candidates()]
+
+    n, c, h, w = 8, 16, 48, 48  # 18,432 values per channel
+    assert n * h * w >= TUPLE_MIN_TERMS and c <= TUPLE_MAX_OUTPUTS
+    seed = int(rng.integers(1 << 20))
+    x = te.placeholder((n, c, h, w), name="x")
+    ctx, split = spaces(prim_module(x, *B.bn_stats(x)), seed)
+    assert split and not any("tiling_structure" in sp.mod.script() for sp in split)
+    centre = rng.uniform(-50, 50, c)[None, :, None, None]
+    xn = centre + rng.standard_normal((n, c, h, w))
+    x64 = xn.astype("float32").astype("float64")
+    mean64 = x64.mean(axis=(0, 2, 3))
+    m2_64 = ((x64 - mean64[None, :, None, None]) ** 2).sum(axis=(0, 2, 3))
+    for mod in candidates(ctx, split):
+        m2, mean, count = _run_outputs(mod, target, [xn], [(c,)] * 3)
+        np.testing.assert_array_equal(count, n * h * w)
+        np.testing.assert_allclose(mean, mean64, rtol=0, atol=1e-5 * np.abs(mean64).max())
+        np.testing.assert_allclose(m2, m2_64, rtol=1e-4)
+
+    # the backward's two sums: sum(dy) and sum(dy * xhat) per channel, through a ReLU
+    names = ("dz", "x", "mean", "m2", "gamma", "beta")
+    shapes = [(n, c, h, w), (n, c, h, w), (c,), (c,), (c,), (c,)]
+    ph = [te.placeholder(sh, name=nm) for nm, sh in zip(names, shapes)]
+    ctx, split = spaces(prim_module(*ph, *B.bn_act_reduce(*ph, 1e-5, "relu")), seed)
+    assert split
+    gamma, beta = rng.uniform(0.5, 1.5, c), rng.normal(0, 0.5, c)
+    dz = rng.standard_normal((n, c, h, w))
+    arrays = [dz, xn, mean64, m2_64, gamma, beta]
+    dz64, _, mean32, m2_32, g64, b64 = (a.astype("float32").astype("float64") for a in arrays)
+    rstd = 1.0 / np.sqrt(m2_32 / (n * h * w) + 1e-5)
+    xhat = (x64 - mean32[None, :, None, None]) * rstd[None, :, None, None]
+    dy = np.where(g64[None, :, None, None] * xhat + b64[None, :, None, None] > 0, dz64, 0.0)
+    want = [dy.sum(axis=(0, 2, 3)), (dy * xhat).sum(axis=(0, 2, 3))]
+    for mod in candidates(ctx, split):
+        for got, ref in zip(_run_outputs(mod, target, arrays, [(c,)] * 2), want):
+            np.testing.assert_allclose(got, ref, rtol=0, atol=1e-4 * np.abs(ref).max())
+
+    # many channels, or short sums: no split space
+    wide = te.placeholder((n, TUPLE_MAX_OUTPUTS * 2, h, w), name="x")
+    assert not spaces(prim_module(wide, *B.bn_stats(wide)), seed)[1]
+    short = te.placeholder((n, c, 16, 16), name="x")  # 2,048 terms: long for a plain sum
+    assert not spaces(prim_module(short, *B.bn_stats(short)), seed)[1]
+
+
 def _tests_bounds_in_inner_loop(src: str, acc: str) -> bool:
     """Whether an OpenCL C source updates its accumulator ``acc`` with an operand behind a
     bounds test (``condval``, TVM's temporary for a guarded read)."""
