@@ -17,8 +17,8 @@ what they share. This package re-exports their public names.
 from .blocks import contraction, padding_block, strided_read, tuple_reduction
 from .defaults import (GPU_RULES, STOCK_RULES, LeadingLoops, LongGeneralReduction, LongReduction,
                        LongRowReduction, ReductionEpilogue, WideMatmul, default_gpu_schedules,
-                       dlight_target,
-                       reduction_shape, shared_bytes, split_long_sums)
+                       dlight_target, reduction_shape, shared_bytes, split_long_loops,
+                       split_long_sums)
 from .intrinsics import load_tensor_intrinsics
 from .padding import (KEEP_PADDING, PaddingInFill, pad_in_fill, pads_a_contraction,
                       with_padding_in_fill)
@@ -41,7 +41,7 @@ __all__ = [
     "gpu_mutators", "gpu_postprocs", "gpu_rules", "json_default", "load_tensor_intrinsics",
     "pad_in_fill", "padding_block", "pads_a_contraction", "plain_json", "postprocessed",
     "reduction_shape", "sampled_unroll", "shared_bytes", "space_generator", "split_parts",
-    "split_long_sums",
+    "split_long_loops", "split_long_sums",
     "strided_read", "transferred", "tuple_reduction", "unroll_steps", "with_padding_in_fill",
     "with_unroll", "within_unroll",
 ]

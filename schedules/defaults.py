@@ -387,6 +387,47 @@ def split_long_sums(mod: tvm.IRModule, parts: int = 256, min_terms: int = 2048,
     return out
 
 
+#: loops of an unscheduled CPU kernel longer than this are split (:func:`split_long_loops`)
+LONG_LOOP = 1 << 22
+
+
+def split_long_loops(mod: tvm.IRModule, limit: int = LONG_LOOP, inner: int = 1 << 16
+                     ) -> tvm.IRModule:
+    """``mod`` with every outermost loop of more than ``limit`` iterations in its unscheduled
+    kernels split into loops of ``inner`` iterations (and a remainder), for a CPU target: the
+    same computation, element for element.
+
+    TVM's ``UnrollLoop`` pass (``src/tirx/transform/unroll_loop.cc``, in the pinned release)
+    decides to unroll a loop when its extent times the statements of its body is at most its
+    step limit, computed in 32-bit ints: a loop long enough for that product to wrap around
+    (AlexNet's multi-tensor optimizer update: one loop over its 61,100,840 parameters, several
+    stores each) passes the test with a negative product and is unrolled in full, which no
+    memory holds (the llvm build of AlexNet@224's training step grew past 23 GB and was
+    killed). A loop with a loop inside it that is not unrolled is never unrolled, so the split
+    keeps the outer loop rolled. Kernels that fail to split are left as they are."""
+    out = tvm.IRModule(mod.functions, attrs=mod.attrs)
+    for gv, func in mod.functions.items():
+        if not isinstance(func, tvm.tirx.PrimFunc) or func.attrs is not None and \
+                func.attrs.get("tir.is_scheduled", False):
+            continue
+        try:
+            sch = tvm.s_tir.Schedule(tvm.IRModule({"main": func}))
+            changed = False
+            for block in sch.get_child_blocks(sch.get_sblock("root")):
+                loops = sch.get_loops(block)
+                if not loops:
+                    continue
+                extent = sch.get(loops[0]).extent
+                if isinstance(extent, tvm.tirx.IntImm) and int(extent) > limit:
+                    sch.split(loops[0], [None, inner])
+                    changed = True
+            if changed:
+                out[gv] = sch.mod["main"]
+        except Exception:  # a kernel the split does not fit stays as it is
+            continue
+    return out
+
+
 def default_gpu_schedules(mod: tvm.IRModule, target: tvm.target.Target,
                           rule_classes=None) -> tvm.IRModule:
     """Give every kernel without a schedule (no tuning record) dlight's default GPU schedule.

@@ -75,3 +75,56 @@ def test_a_forward_convolution_is_as_close_to_float64_as_pytorchs(rng):
         got = vm["main"](*(tvm.runtime.tensor(v) for v in (xs, ws, bs))).numpy()
         ours = np.abs(got - want).max() / scale
         assert ours <= 1.5 * theirs, (ours, theirs)
+
+
+_BUILD_UPDATE = r"""
+import sys, numpy as np, tvm
+from thomas_tune.multi_tensor import update_kernel
+from thomas_tune.schedules import split_long_loops
+n, limit = int(sys.argv[1]), int(sys.argv[2])
+func = update_kernel([(n,)] * 40, ("p", "g", "v"),
+                     {"v_new": "T.float32(0.9) * v + g", "p_new": "p - T.float32(0.01) * v_new"},
+                     inplace=True, counter="steps")
+mod = tvm.IRModule({"main": func})
+mod = split_long_loops(mod, limit=limit, inner=min(limit, 1 << 16))
+sch = tvm.s_tir.Schedule(mod)
+assert len(sch.get_loops(sch.get_sblock("update"))) == 2, mod["main"].script()
+lib = tvm.compile(mod, tvm.target.Target("llvm"))
+# run it on a few elements of real buffers: the split loop computes the same update
+if n <= 4096:
+    rng = np.random.default_rng(int(sys.argv[3]))
+    args, want = [tvm.runtime.tensor(np.zeros((), "int64"))], []
+    for _ in range(40):
+        p, g, v = (rng.standard_normal(n).astype("float32") for _ in range(3))
+        v_new = np.float32(0.9) * v + g
+        want.append((p - np.float32(0.01) * v_new, v_new))
+        args += [tvm.runtime.tensor(a) for a in (p, g, v)]
+    lib(*args)
+    for j, (p_new, v_new) in enumerate(want):
+        np.testing.assert_allclose(args[1 + 3 * j].numpy(), p_new, rtol=1e-6)
+        np.testing.assert_allclose(args[3 + 3 * j].numpy(), v_new, rtol=1e-6)
+    assert int(args[0].numpy()) == 1
+print("built")
+"""
+
+
+def test_a_long_update_loop_builds_for_a_cpu_within_bounded_memory(tmp_path, rng):
+    """An optimizer update over 40 tensors of 1,048,576 elements (one loop of 41.9 M
+    iterations, more than 80 stores each: over 2^31 steps) builds for llvm in a process
+    limited to 4 GB once ``split_long_loops`` has split its loop. TVM's UnrollLoop multiplies
+    extent by steps in 32 bits, and the wrapped product made it unroll the whole loop
+    (AlexNet@224's update took 24 GB and was killed). A short loop split the same way computes
+    the update numpy does."""
+    import subprocess
+    import sys
+
+    from thomas_tune.schedules.defaults import LONG_LOOP
+
+    script = tmp_path / "build_update.py"
+    script.write_text(_BUILD_UPDATE)
+    seed = str(int(rng.integers(1 << 30)))
+    short = int(rng.integers(1000, 4000))  # split in parts of 256 and a remainder
+    for n, limit in ((1 << 20, LONG_LOOP), (short, 256)):
+        r = subprocess.run(["bash", "-c", f"ulimit -v 4000000; exec {sys.executable} {script} "
+                            f"{n} {limit} {seed}"], capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0 and "built" in r.stdout, (n, r.stdout[-2000:], r.stderr[-2000:])

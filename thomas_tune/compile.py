@@ -11,7 +11,7 @@ import tvm_ffi
 from tvm import relax
 from tvm.s_tir import meta_schedule as ms
 
-from .schedules import default_gpu_schedules, split_long_sums
+from .schedules import default_gpu_schedules, split_long_loops, split_long_sums
 from .target import codegen_target, is_gpu
 from .tasks import choose_winograd, fuse
 
@@ -34,7 +34,7 @@ def _pipeline(target: tvm.target.Target, database: ms.Database | None, winograd=
         if is_gpu(target):
             mod = default_gpu_schedules(mod, target, rule_classes)
         else:  # long sums as partial sums (a CPU's loops run in order)
-            mod = split_long_sums(mod)
+            mod = split_long_loops(split_long_sums(mod))
         passes = [relax.transform.RewriteDataflowReshape(), relax.transform.ToNonDataflow(),
                   relax.transform.RemovePurityChecking(), relax.transform.CallTIRRewrite(),
                   relax.transform.StaticPlanBlockMemory(), relax.transform.LowerAllocTensor(),
