@@ -44,6 +44,13 @@ def _normal_text(mod: tvm.IRModule) -> str:
     return text
 
 
+def family_and_extents(mod: tvm.IRModule) -> tuple[str, tuple[int, ...]]:
+    """:func:`family` and :func:`extents` of ``mod`` from one printing of its TVMScript (the
+    printing is most of their cost)."""
+    text = _normal_text(mod)
+    return _NUMBER.sub("#", text), tuple(int(n) for n in _NUMBER.findall(text))
+
+
 def family(mod: tvm.IRModule) -> str:
     """The key shared by the kernels that are one computation at other shapes: ``mod``'s
     TVMScript with buffer arguments named by position and every integer written as ``#``
@@ -51,13 +58,13 @@ def family(mod: tvm.IRModule) -> str:
     kernels with the same key have the same blocks (by name), loops and index expressions;
     the structures TVM prints differently, such as a stride of 1 (no multiplier) and one of 2,
     get different keys. A string (compare with ``==``; hash it for a dict)."""
-    return _NUMBER.sub("#", _normal_text(mod))
+    return family_and_extents(mod)[0]
 
 
 def extents(mod: tvm.IRModule) -> tuple[int, ...]:
     """The integers :func:`family` abstracts, in the order they appear: two kernels of one
     family have as many, one for one."""
-    return tuple(int(n) for n in _NUMBER.findall(_normal_text(mod)))
+    return family_and_extents(mod)[1]
 
 
 def shape_distance(a: tuple[int, ...], b: tuple[int, ...]) -> float:

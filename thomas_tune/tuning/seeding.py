@@ -11,7 +11,7 @@ import tvm_ffi
 from ..logs import LogDatabase, TuningLog
 from ..schedules import anchor_key, before_postproc, plain_json, transferred
 from .refine import _measure_variants
-from .resized import extents, family, refitted, shape_distance
+from .resized import family_and_extents, refitted, shape_distance
 
 
 def open_seed_logs(paths: list[str], own: TuningLog) -> list[tuple[str, LogDatabase]]:
@@ -65,7 +65,8 @@ def refine_seeds(contexts, progress, database, target, runner, builder, seeds, t
     candidates refitted from other shapes (before postprocessing; those it rejects are not
     measured)."""
     twins: dict[int, list[tuple[LogDatabase, object]]] = {}
-    families: dict[str, list[tuple[LogDatabase, object, tuple[int, ...]]]] = {}
+    # family -> (seed log, workload, its extents, its structural hash)
+    families: dict[str, list[tuple[LogDatabase, object, tuple[int, ...], int]]] = {}
     for _, seed in seeds:
         for workload in seed.workloads:
             try:
@@ -75,10 +76,11 @@ def refine_seeds(contexts, progress, database, target, runner, builder, seeds, t
             if key is not None:
                 twins.setdefault(key, []).append((seed, workload))
             try:
-                kin = family(workload.mod)
+                kin, sizes = family_and_extents(workload.mod)
             except Exception:  # a kernel TVMScript cannot print: no family
                 continue
-            families.setdefault(kin, []).append((seed, workload, extents(workload.mod)))
+            families.setdefault(kin, []).append(
+                (seed, workload, sizes, int(tvm_ffi.structural_hash(workload.mod))))
     unusable, resized = [0], [0]
 
     def top(seed: LogDatabase, workload) -> list:
@@ -119,13 +121,12 @@ def refine_seeds(contexts, progress, database, target, runner, builder, seeds, t
 
     def other_shapes(mod, own):
         try:
-            kin, here = family(mod), extents(mod)
+            kin, here = family_and_extents(mod)
         except Exception:  # a kernel TVMScript cannot print: no family
             return
-        near = sorted((d for d in families.get(kin, ())
-                       if int(tvm_ffi.structural_hash(d[1].mod)) != own),
+        near = sorted((d for d in families.get(kin, ()) if d[3] != own),
                       key=lambda d: shape_distance(d[2], here))[:top_k]
-        ranked = [(donor, top(seed, donor)) for seed, donor, _ in near]
+        ranked = [(donor, top(seed, donor)) for seed, donor, _, _ in near]
         picks = [(donor, recs[depth]) for depth in range(top_k)
                  for donor, recs in ranked if depth < len(recs)][:top_k]
         for donor, rec in picks:
