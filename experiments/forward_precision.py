@@ -1,8 +1,9 @@
-"""Layer by layer, how far the float32 forward pass is from float64: this tree's llvm build
-(default schedules, the inference graph) beside PyTorch float32 (CPU), same weights and batch.
+"""Layer by layer, how far the float32 forward pass is from float64: this tree's build for
+``--target`` (default schedules, the inference graph; ``llvm`` by default, an OpenCL target on
+this machine's first OpenCL device) beside PyTorch float32 (CPU), same weights and batch.
 
     python experiments/forward_precision.py --arch alexnet --resolution 224 --classes 10 \
-        --batch 32 --seeds 0,1,2 [--out F.json]
+        --batch 32 --seeds 0,1,2 [--target targets/h100_opencl.json] [--out F.json]
 
 For every convolution of the network, the error of its ReLU output (the max-pool input where one
 follows) against PyTorch float64's, max |y - y64| / max |y64|: one number per layer and build,
@@ -25,6 +26,7 @@ from thomas_tune.compile import compile_graph
 from thomas_tune.models import build, init_params, spec
 from thomas_tune.reference import TorchGraph
 from thomas_tune.step_check import batch
+from thomas_tune.target import parse_target
 
 
 class RecordingGraph(TorchGraph):
@@ -61,10 +63,10 @@ def torch_forward(model, tensors, x, dtype):
     return out
 
 
-def ours_forward(model, tensors, x, batch_size):
+def ours_forward(model, tensors, x, batch_size, target):
     mod = G.inference_module(model, batch_size, "float32")
-    vm = relax.VirtualMachine(compile_graph(mod, tvm.target.Target({"kind": "llvm"})),
-                              tvm.cpu())
+    dev = tvm.cpu() if target.kind.name == "llvm" else tvm.opencl(0)
+    vm = relax.VirtualMachine(compile_graph(mod, target), dev)
     outs = []
 
     def instrument(func, sym, before, ret, *args):
@@ -74,8 +76,9 @@ def ours_forward(model, tensors, x, batch_size):
 
     vm.set_instrument(instrument)
     s = spec(model)
-    vm[G.PREDICT](tvm.runtime.tensor(x),
-                  *[tvm.runtime.tensor(np.asarray(tensors[q.name], "float32")) for q in s.params])
+    vm[G.PREDICT](tvm.runtime.tensor(x, dev),
+                  *[tvm.runtime.tensor(np.asarray(tensors[q.name], "float32"), dev)
+                    for q in s.params])
     return outs
 
 
@@ -98,8 +101,10 @@ def main():
     ap.add_argument("--classes", type=int, default=10)
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--seeds", default="0")
+    ap.add_argument("--target", default="llvm")
     ap.add_argument("--out")
     a = ap.parse_args()
+    target = parse_target(a.target)
     torch.set_num_threads(2)
     model = build(a.arch, num_classes=a.classes, resolution=a.resolution, width=a.width)
     rows = []
@@ -109,7 +114,7 @@ def main():
         x, _ = batch(model, a.batch, seed)
         ref = torch_forward(model, tensors, x, "float64")
         pt = torch_forward(model, tensors, x, "float32")
-        ours = ours_forward(model, tensors, x, a.batch)
+        ours = ours_forward(model, tensors, x, a.batch, target)
         assert len(ours) == len(ref), ([s for s, _ in ours], len(ref))
         for (name, c64, r64), (_, c32, r32), (sym, o32) in zip(ref, pt, ours):
             row = {"seed": seed, "layer": name, "kernel": sym,

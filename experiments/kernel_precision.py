@@ -1,7 +1,10 @@
-"""Kernel by kernel, where the untuned float32 training step (llvm) leaves float64.
+"""Kernel by kernel, where the untuned float32 training step leaves float64.
 
     python experiments/kernel_precision.py --arch mobilenet_v2 --resolution 32 --width 0.35 \
-        --batch 8 --seed 0 [--dump CALL]
+        --batch 8 --seed 0 [--target targets/h100_opencl.json] [--dump CALL]
+
+The float64 step is built for llvm; the float32 one for ``--target`` (llvm by default; an OpenCL
+target runs on this machine's first OpenCL device), both with default schedules.
 
 The float64 step runs first with every kernel call's arguments recorded (before and after).
 The float32 step then runs the same kernels in the same order; before each call, the float32
@@ -22,6 +25,7 @@ from thomas_tune import graph as G
 from thomas_tune.compile import compile_graph
 from thomas_tune.models import build, init_params
 from thomas_tune.step_check import batch
+from thomas_tune.target import parse_target
 
 
 def main():
@@ -34,11 +38,12 @@ def main():
     ap.add_argument("--trainable", default="all")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--dump", type=int, default=-1)
+    ap.add_argument("--target", default="llvm")
     a = ap.parse_args()
+    target = parse_target(a.target)
     model = build(a.arch, num_classes=a.classes, resolution=a.resolution, width=a.width)
     tensors = init_params(model, a.seed)
     x, y = batch(model, a.batch, a.seed)
-    dev = tvm.cpu()
     record = []
 
     def floats(arr):
@@ -46,8 +51,9 @@ def main():
 
     def run(dt):
         tg = G.training_module(model, a.batch, a.trainable, dtype=dt)
-        vm = relax.VirtualMachine(compile_graph(tg.mod, tvm.target.Target({"kind": "llvm"})),
-                                  dev)
+        on = parse_target("llvm") if dt == "float64" else target
+        dev = tvm.cpu() if on.kind.name == "llvm" else tvm.opencl(0)
+        vm = relax.VirtualMachine(compile_graph(tg.mod, on), dev)
         calls = []
 
         def instrument(func, sym, before, ret, *args):

@@ -10,10 +10,13 @@ so cross-thread reductions use plain workgroup barriers).
 One rule family per module: :mod:`.space` (the design space per target), :mod:`.tiling`,
 :mod:`.padding`, :mod:`.split_reduction`, :mod:`.matmul_tiles`, :mod:`.skinny`, :mod:`.unroll`,
 :mod:`.transfer` (schedules moved between twin kernels), :mod:`.defaults` (default schedules of
-untuned kernels), :mod:`.winograd`; :mod:`.traces`, :mod:`.blocks` and :mod:`.intrinsics` hold
+untuned kernels), :mod:`.winograd`, :mod:`.accumulate` (long sums in two levels, after
+scheduling); :mod:`.traces`, :mod:`.blocks` and :mod:`.intrinsics` hold
 what they share. This package re-exports their public names.
 """
 
+from .accumulate import (CHAIN, MAX_ACCUMULATORS, TwoLevelSums, tir_pipeline,
+                         two_level_sums)
 from .blocks import contraction, padding_block, strided_read, tuple_reduction
 from .defaults import (GPU_RULES, STOCK_RULES, LeadingLoops, LongGeneralReduction, LongReduction,
                        LongRowReduction, ReductionEpilogue, WideMatmul, default_gpu_schedules,
@@ -32,6 +35,7 @@ from .unroll import UNROLL_STEPS, sampled_unroll, unroll_steps, with_unroll, wit
 from .winograd import WinogradTransform
 
 __all__ = [
+    "CHAIN", "MAX_ACCUMULATORS", "TwoLevelSums", "tir_pipeline", "two_level_sums",
     "GPU_RULES", "KEEP_PADDING", "SPLIT_MAX_OUTPUTS", "SPLIT_MIN_TERMS", "SPLIT_PARTIALS",
     "STOCK_RULES", "UNROLL_STEPS", "LeadingLoops", "LongGeneralReduction", "LongReduction",
     "LongRowReduction", "PaddingInFill", "ReductionEpilogue", "SplitReduction", "Tiling",

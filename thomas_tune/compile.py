@@ -11,7 +11,7 @@ import tvm_ffi
 from tvm import relax
 from tvm.s_tir import meta_schedule as ms
 
-from .schedules import default_gpu_schedules, split_long_loops, split_long_sums
+from .schedules import default_gpu_schedules, split_long_loops, split_long_sums, tir_pipeline
 from .target import codegen_target, is_gpu
 from .tasks import choose_winograd, fuse
 
@@ -170,8 +170,11 @@ def compile_graph(mod: tvm.IRModule, target: tvm.target.Target,
     ``rule_classes``: the default GPU rules of kernels without a record
     (:func:`thomas_tune.schedules.default_gpu_schedules`; None: thomas_tune's).
     The schedules are chosen for ``target``; the code is generated for
-    :func:`thomas_tune.target.codegen_target` (a GPU target's host code unoptimised).
+    :func:`thomas_tune.target.codegen_target` (a GPU target's host code unoptimised), its
+    kernels lowered by :func:`thomas_tune.schedules.tir_pipeline` (on GPUs, long sums in two
+    levels).
     """
     with tvm.transform.PassContext(opt_level=3):
         return tvm.compile(mod, codegen_target(target),
-                           relax_pipeline=_pipeline(target, database, winograd, rule_classes))
+                           relax_pipeline=_pipeline(target, database, winograd, rule_classes),
+                           tir_pipeline=tir_pipeline(target))

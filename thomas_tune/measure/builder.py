@@ -34,14 +34,16 @@ def build_candidate(mod, target, _params=None):
     intrinsic tables, tens of seconds); kernels tuned here use no tensor intrinsics, so it is
     skipped. The weight-layout rewrite blocks are dropped as MetaSchedule does. The code is
     generated for :func:`thomas_tune.target.codegen_target` (a GPU target's host code
-    unoptimised: the runner times the kernel with the device's timer).
+    unoptimised: the runner times the kernel with the device's timer) and lowered by
+    :func:`thomas_tune.schedules.tir_pipeline`, as a build of the whole step lowers it.
     """
     from tvm.driver import build as tvm_build
     from tvm.s_tir.transform import RemoveWeightLayoutRewriteBlock
 
+    from ..schedules import tir_pipeline
     from ..target import codegen_target
     return tvm_build(RemoveWeightLayoutRewriteBlock(skip_tensor_rewrite=True)(mod),
-                     target=codegen_target(target))
+                     target=codegen_target(target), pipeline=tir_pipeline(target))
 
 
 def export_candidate(rt_mod, target) -> str:
