@@ -14,10 +14,10 @@ tuner's choice, so the split is made after it, on the lowered kernel, for every 
 The rewrite (:func:`two_level_sums`) takes each ``local`` float buffer whose elements are only
 accumulated (``acc[i] = acc[i] + term``) inside a loop nest, and picks one summed loop of that
 nest (a loop whose variable indexes no accumulator: its iterations add to the same outputs):
-the one that splits the terms per output nearest to sqrt(terms). In each iteration of that
-loop a second buffer of partial sums, of the accumulators' size, is set to zero, takes the
-iteration's terms, and is added to the accumulators at its end. Each output gets one more add
-per iteration of the picked loop, and the thread twice the registers for its accumulators,
+and a run of its iterations (a divisor of its extent) such that the terms of one run are
+nearest to sqrt(terms per output). At the start of each run a second buffer of partial sums,
+of the accumulators' size, is set to zero; it takes the run's terms and is added to the
+accumulators at the run's end. Each output gets one more add per run, and the thread twice the registers for its accumulators,
 which is why the rewrite is bounded (:data:`CHAIN`, :data:`MAX_ACCUMULATORS`).
 """
 
@@ -111,8 +111,11 @@ class _Uses:
 
 
 def _split_loop(uses: _Uses, chain: int):
-    """The summed loop to split the accumulations at, or None: common to every accumulation,
-    serial, around no other access of the buffer, leaving at least two terms on each side."""
+    """Where to split the accumulations, or None: a summed loop common to every accumulation,
+    serial, around no other access of the buffer, and how many of its iterations each partial
+    sum takes (a divisor of its extent; 1: one iteration, the loops inside it whole), so that
+    a partial sum's terms are nearest sqrt(terms) with at least two terms and two partial
+    sums per output. Returns ``(loop, iterations)``."""
     if not uses.accumulations:
         return None
     first_store, first_loops = uses.accumulations[0]
@@ -138,19 +141,20 @@ def _split_loop(uses: _Uses, chain: int):
     for k, lp in enumerate(summed_first):
         if any(any(lp.same_as(x) for x in loops) for loops in uses.others):
             continue
-        inner = math.prod(extents[k + 1:])
-        outer = terms // inner
-        if inner < 2 or outer < 2:
-            continue
-        gap = abs(math.log(inner) - 0.5 * math.log(terms))
-        if gap < best_gap:
-            best, best_gap = lp, gap
+        for f in (d for d in range(1, extents[k]) if extents[k] % d == 0):
+            inner = f * math.prod(extents[k + 1:])
+            if inner < 2 or terms // inner < 2:
+                continue
+            gap = abs(math.log(inner) - 0.5 * math.log(terms))
+            if gap < best_gap - 1e-9:
+                best, best_gap = (lp, f), gap
     return best
 
 
-def _with_partial_sums(loop, buffer, alloc_annotations):
-    """``loop`` with a buffer of partial sums set to zero at the start of each iteration, its
-    accumulations into ``buffer`` made into it, and it added to ``buffer`` at the end."""
+def _with_partial_sums(loop, iterations, buffer, alloc_annotations):
+    """``loop`` split into runs of ``iterations`` iterations, with a buffer of partial sums set
+    to zero at the start of each run, the run's accumulations into ``buffer`` made into it,
+    and it added to ``buffer`` at the run's end."""
     size = int(buffer.shape[0])
     dtype = buffer.dtype
     partial = tirx.decl_buffer(buffer.shape, dtype, name=f"{buffer.name}_partial",
@@ -169,6 +173,16 @@ def _with_partial_sums(loop, buffer, alloc_annotations):
 
     body = tvm_ffi.structural_map(loop.body, [(tvm.ir.expr.TensorLoad, to_partial_load),
                                               (tirx.BufferStore, to_partial_store)])
+    loop_type = str(loop.loop_var.ty)
+    outer_var = loop.loop_var
+    if iterations > 1:  # loop = run * iterations + i: the runs outside, each run's loop inside
+        outer_var = tirx.Var(f"{loop.loop_var.name}_run", loop_type)
+        inner_var = tirx.Var(f"{loop.loop_var.name}_in", loop_type)
+        at = loop.min + outer_var * tirx.IntImm(loop_type, iterations) + inner_var
+        body = tvm_ffi.structural_map(body, [(tvm.ir.expr.Var, lambda v: at if v.same_as(
+            loop.loop_var) else v)])
+        body = tirx.For(inner_var, tirx.IntImm(loop_type, 0),
+                        tirx.IntImm(loop_type, iterations), loop.kind, body)
     j = tirx.Var("j", index_type)
     zero = tirx.For(j, tirx.IntImm(index_type, 0), tirx.IntImm(index_type, size),
                     tirx.ForKind.UNROLLED,
@@ -179,6 +193,10 @@ def _with_partial_sums(loop, buffer, alloc_annotations):
                    tirx.BufferStore(buffer, tirx.BufferLoad(buffer, [k])
                                     + tirx.BufferLoad(partial, [k]), [k]))
     seq = tirx.SeqStmt([tirx.AllocBuffer(partial, alloc_annotations), zero, body, add])
+    if iterations > 1:
+        return tirx.For(outer_var, tirx.IntImm(loop_type, 0),
+                        tirx.IntImm(loop_type, int(loop.extent) // iterations), loop.kind, seq,
+                        loop.thread_binding, loop.annotations)
     return tirx.For(loop.loop_var, loop.min, loop.extent, loop.kind, seq,
                     loop.thread_binding, loop.annotations)
 
@@ -222,16 +240,16 @@ def two_level_sums(func: tirx.PrimFunc, chain: int | None = None,
             continue
         uses = _Uses(buffer)
         uses.visit(func.body, [])
-        loop = _split_loop(uses, chain)
-        if loop is not None:
-            targets[loop] = (buffer, alloc.annotations)
+        split = _split_loop(uses, chain)
+        if split is not None:
+            targets[split[0]] = (split[1], buffer, alloc.annotations)
     if not targets:
         return func
 
     def on_for(node):
-        for loop, (buffer, alloc_annotations) in targets.items():
+        for loop, (iterations, buffer, alloc_annotations) in targets.items():
             if node.same_as(loop):
-                return _with_partial_sums(node, buffer, alloc_annotations)
+                return _with_partial_sums(node, iterations, buffer, alloc_annotations)
         return node
 
     body = tvm_ffi.structural_map(func.body, [(tirx.For, on_for)], order="pre")
