@@ -17,8 +17,9 @@ nest (a loop whose variable indexes no accumulator: its iterations add to the sa
 and a run of its iterations (a divisor of its extent) such that the terms of one run are
 nearest to sqrt(terms per output). At the start of each run a second buffer of partial sums,
 of the accumulators' size, is set to zero; it takes the run's terms and is added to the
-accumulators at the run's end. Each output gets one more add per run, and the thread twice the registers for its accumulators,
-which is why the rewrite is bounded (:data:`CHAIN`, :data:`MAX_ACCUMULATORS`).
+accumulators at the run's end. Each output gets one more add per run, and the thread twice
+the registers for its accumulators, which is why the rewrite is bounded (:data:`CHAIN`,
+:data:`MAX_ACCUMULATORS`).
 """
 
 from __future__ import annotations
@@ -256,10 +257,35 @@ def two_level_sums(func: tirx.PrimFunc, chain: int | None = None,
     return func.with_body(body)
 
 
-@tvm.tirx.transform.prim_func_pass(opt_level=0, name="ThomasTuneTwoLevelSums")
-def TwoLevelSums(func, _mod, _ctx):  # noqa: N802 (a pass, named as TVM's passes are)
-    """:func:`two_level_sums` as a TIR pass, on every PrimFunc of a module."""
-    return two_level_sums(func)
+def _without_dim_align(func: tirx.PrimFunc) -> tirx.PrimFunc:
+    """``func`` with the ``buffer_dim_align`` annotations of its allocations removed: lowering
+    has applied them (the flat buffer is padded), and TVM's passes, run again on the flat
+    buffer, would apply them to an axis it no longer has."""
+    def strip(node):
+        if "buffer_dim_align" not in node.annotations:
+            return node
+        kept = {k: v for k, v in node.annotations.items() if k != "buffer_dim_align"}
+        return tirx.AllocBuffer(node.buffer, kept)
+
+    return func.with_body(tvm_ffi.structural_map(func.body, [(tirx.AllocBuffer, strip)]))
+
+
+@tvm.transform.module_pass(opt_level=0, name="ThomasTuneTwoLevelSums")
+def TwoLevelSums(mod: tvm.IRModule, _ctx) -> tvm.IRModule:  # noqa: N802 (named as TVM's passes)
+    """:func:`two_level_sums` as a pass on a module of scheduled kernels (its target bound):
+    each kernel is lowered to loops (:func:`to_loops`) and rewritten; a kernel the rewrite
+    changes goes on lowered, every other one as it came, so that TVM's pipeline after this
+    pass lowers it once."""
+    out = tvm.IRModule(mod.functions, attrs=mod.attrs)
+    lower = to_loops()
+    for gv, func in mod.functions.items():
+        if not isinstance(func, tirx.PrimFunc):
+            continue
+        lowered = lower(tvm.IRModule({gv: func}))[gv]
+        rewritten = two_level_sums(lowered)
+        if not rewritten.same_as(lowered):
+            out[gv] = _without_dim_align(rewritten)
+    return out
 
 
 #: the name of the TIR pipeline that GPU kernels are built with (:func:`gpu_tir_pipeline`)
@@ -284,13 +310,13 @@ def to_loops() -> tvm.transform.Pass:
 
 
 def gpu_tir_pipeline():
-    """TVM's default TIR pipeline (``s_tir``) with :class:`TwoLevelSums` made first: the
-    scheduled kernel lowered by :func:`to_loops`, the sums split, then the whole default
-    pipeline, whose passes up to ``FlattenBuffer`` find nothing left to do. Returns what a TIR
-    pipeline factory returns (``tvm.tirx.get_tir_pipeline``): the pass, and the host and device
+    """TVM's default TIR pipeline (``s_tir``) with :class:`TwoLevelSums` made first: the kernels
+    whose sums it splits reach the default pipeline lowered (its passes up to ``FlattenBuffer``
+    find nothing left to do in them), the others as scheduled. Returns what a TIR pipeline
+    factory returns (``tvm.tirx.get_tir_pipeline``): the pass, and the host and device
     finalisation passes. Registered as :data:`PIPELINE`."""
     base, host, device = tvm.tirx.get_tir_pipeline("s_tir")
-    return tvm.transform.Sequential([to_loops(), TwoLevelSums, base]), host, device
+    return tvm.transform.Sequential([TwoLevelSums, base]), host, device
 
 
 tvm.tirx.register_tir_pipeline(PIPELINE, gpu_tir_pipeline)
