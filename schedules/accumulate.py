@@ -153,9 +153,9 @@ def _split_loop(uses: _Uses, chain: int):
 
 
 def _with_partial_sums(loop, iterations, buffer, alloc_annotations):
-    """``loop`` split into runs of ``iterations`` iterations, with a buffer of partial sums set
-    to zero at the start of each run, the run's accumulations into ``buffer`` made into it,
-    and it added to ``buffer`` at the run's end."""
+    """``loop`` in runs of ``iterations`` iterations, with a buffer of partial sums set to zero
+    at the start of each run, the run's accumulations into ``buffer`` made into it, and it
+    added to ``buffer`` at the run's end."""
     size = int(buffer.shape[0])
     dtype = buffer.dtype
     partial = tirx.decl_buffer(buffer.shape, dtype, name=f"{buffer.name}_partial",
@@ -174,16 +174,6 @@ def _with_partial_sums(loop, iterations, buffer, alloc_annotations):
 
     body = tvm_ffi.structural_map(loop.body, [(tvm.ir.expr.TensorLoad, to_partial_load),
                                               (tirx.BufferStore, to_partial_store)])
-    loop_type = str(loop.loop_var.ty)
-    outer_var = loop.loop_var
-    if iterations > 1:  # loop = run * iterations + i: the runs outside, each run's loop inside
-        outer_var = tirx.Var(f"{loop.loop_var.name}_run", loop_type)
-        inner_var = tirx.Var(f"{loop.loop_var.name}_in", loop_type)
-        at = loop.min + outer_var * tirx.IntImm(loop_type, iterations) + inner_var
-        body = tvm_ffi.structural_map(body, [(tvm.ir.expr.Var, lambda v: at if v.same_as(
-            loop.loop_var) else v)])
-        body = tirx.For(inner_var, tirx.IntImm(loop_type, 0),
-                        tirx.IntImm(loop_type, iterations), loop.kind, body)
     j = tirx.Var("j", index_type)
     zero = tirx.For(j, tirx.IntImm(index_type, 0), tirx.IntImm(index_type, size),
                     tirx.ForKind.UNROLLED,
@@ -193,13 +183,19 @@ def _with_partial_sums(loop, iterations, buffer, alloc_annotations):
                    tirx.ForKind.UNROLLED,
                    tirx.BufferStore(buffer, tirx.BufferLoad(buffer, [k])
                                     + tirx.BufferLoad(partial, [k]), [k]))
-    seq = tirx.SeqStmt([tirx.AllocBuffer(partial, alloc_annotations), zero, body, add])
     if iterations > 1:
-        return tirx.For(outer_var, tirx.IntImm(loop_type, 0),
-                        tirx.IntImm(loop_type, int(loop.extent) // iterations), loop.kind, seq,
-                        loop.thread_binding, loop.annotations)
-    return tirx.For(loop.loop_var, loop.min, loop.extent, loop.kind, seq,
-                    loop.thread_binding, loop.annotations)
+        # a run is the iterations whose index divided by ``iterations`` is the same: the loop
+        # and its index arithmetic stay as scheduled, the start and end of a run are tests of
+        # the loop variable (the same for every thread)
+        loop_type = str(loop.loop_var.ty)
+        at = tirx.FloorMod(loop.loop_var - loop.min, tirx.IntImm(loop_type, iterations))
+        zero = tirx.IfThenElse(at == tirx.IntImm(loop_type, 0), zero, None)
+        add = tirx.IfThenElse(at == tirx.IntImm(loop_type, iterations - 1), add, None)
+    # the partial sums are allocated before the loop: they live across the iterations of a run
+    return tirx.SeqStmt([
+        tirx.AllocBuffer(partial, alloc_annotations),
+        tirx.For(loop.loop_var, loop.min, loop.extent, loop.kind,
+                 tirx.SeqStmt([zero, body, add]), loop.thread_binding, loop.annotations)])
 
 
 def two_level_sums(func: tirx.PrimFunc, chain: int | None = None,
