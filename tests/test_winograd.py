@@ -61,6 +61,20 @@ def _layer(dtype: str, r: int, p: int, shape=(2, 5, 9, 11), c_out=6):
     return bb.get()
 
 
+def _forward_only(dtype: str, r: int, p: int, shape=(2, 5, 9, 11), c_out=6):
+    """ReLU(conv2d(x, w) + b), stride 1 with padding p, as an inference module has it."""
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType(shape, dtype))
+    w = relax.Var("w", relax.TensorType((c_out, shape[1], r, r), dtype))
+    b = relax.Var("b", relax.TensorType((1, c_out, 1, 1), dtype))
+    with bb.function("main", [x, w, b]):
+        with bb.dataflow():
+            y = bb.emit(relax.op.nn.conv2d(x, w, padding=[p] * 4))
+            out = bb.emit_output(relax.op.nn.relu(relax.op.add(y, b)))
+        bb.emit_func_output(out)
+    return bb.get()
+
+
 def _reference(x, w, b, dy, p):
     """numpy: ReLU(correlation of x with w, padded by p, + b), and the transposed
     convolution of dy by w (each dy value scattered through the filter), in float64."""
@@ -145,7 +159,17 @@ def test_the_faster_form_is_chosen_from_kernel_times():
             return wino_ms if key in wino else direct_ms
         return ms
 
-    assert choose_winograd(mod, times(1.0, 0.01)) == convs
+    # a module with data gradients (a training step): its forward convolution stays direct,
+    # however fast its Winograd kernels
+    gradients = {c for c in convs if c.transposed}
+    assert gradients and gradients != convs
+    assert choose_winograd(mod, times(1.0, 0.01)) == gradients
+    # a forward pass alone (an inference module) takes it where it is faster
+    forward = _forward_only("float32", 3, 1)
+    fwd_base = kernel_calls(fuse(forward))
+    fwd_wino = {k for k in kernel_calls(fuse(forward, "all")) if k not in fwd_base}
+    assert choose_winograd(forward, lambda k: 0.01 if k in fwd_wino else 1.0) \
+        == W.convolutions(forward) != set()
     # as an export's manifest keeps them, and the bench reads them back
     assert {W.Conv.from_dict(json.loads(json.dumps(dataclasses.asdict(c)))) for c in convs} \
         == convs

@@ -174,9 +174,20 @@ def choose_winograd(mod: tvm.IRModule, kernel_ms) -> set:
     calls: every kernel that appears must have a time; one that goes away without a time
     counts as free (so an untimed kernel never tips the choice towards the Winograd form).
     Returns a set of ``Conv``, empty when no convolution qualifies (then nothing is fused
-    twice)."""
+    twice).
+
+    In a module that also computes data gradients (a training step: transposed convolutions
+    among its eligible ones), only those are candidates; its forward convolutions stay direct.
+    Their outputs decide the ReLU masks and max-pooling windows through which the backward
+    pass routes every gradient, and the Winograd form's rounding (about 3x the direct form's
+    for F(2x2, 5x5), 2.5x for F(2x2, 3x3)) decided enough of them otherwise for AlexNet@224's
+    step at batch 32 to fail the step check, on PoCL and on the H200, where the same tuned
+    records in the direct form pass (docs/journal/precision.md). An error in a gradient stays
+    an error of its size, so data gradients keep the faster form."""
     from . import winograd_form as W
     convs = W.convolutions(mod)
+    if any(c.transposed for c in convs):
+        convs = {c for c in convs if c.transposed}
     if not convs:
         return set()
     base = kernel_calls(fuse(mod))
