@@ -81,15 +81,20 @@ def _accumulation(store, buffer):
 
 
 class _Uses:
-    """Where a local buffer is accessed inside the statement that follows its allocation:
-    the accumulations with their enclosing loops, and the loops around every other access."""
+    """Where a local buffer is accessed: the accumulations with the loops around them inside
+    its allocation (loops around the allocation start the sums again), and the loops around
+    every other access."""
 
     def __init__(self, buffer):
         self.buffer = buffer
         self.accumulations: list[tuple[object, list]] = []  # (store, loops outer to inner)
         self.others: list[list] = []
+        self.around: list = []  # the loops around the allocation
 
     def visit(self, stmt, loops: list) -> None:
+        if isinstance(stmt, tirx.AllocBuffer) and stmt.buffer.same_as(self.buffer):
+            self.around = list(loops)
+            return
         if isinstance(stmt, tirx.BufferStore):
             if stmt.buffer.same_as(self.buffer):
                 if _accumulation(stmt, self.buffer) is not None:
@@ -122,7 +127,8 @@ def _split_loop(uses: _Uses, chain: int):
     first_store, first_loops = uses.accumulations[0]
 
     def summed(store, loops):
-        return [lp for lp in loops if not any(_uses(i, lp.loop_var) for i in store.indices)]
+        return [lp for lp in loops[len(uses.around):]
+                if not any(_uses(i, lp.loop_var) for i in store.indices)]
 
     summed_first = summed(first_store, first_loops)
     extents = []

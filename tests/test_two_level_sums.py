@@ -101,3 +101,32 @@ def test_tuning_candidates_are_lowered_with_two_level_sums():
     lib = build_candidate(_conv(1, 64, 13, 16, 5), target)
     assert "_partial" in lib.imports[0].inspect_source()
 
+
+
+def test_runs_count_the_terms_inside_the_accumulators_allocation(rng):
+    """A loop around the accumulators' allocation starts their sums again: it is not one of
+    the summed loops. 1,024 terms per output give runs of 32 iterations (sqrt), not the 64 of
+    8 x 1,024 terms; the rewritten kernel computes numpy's sums (llvm)."""
+    from tvm.script import tirx as T
+
+    @T.prim_func(s_tir=True)
+    def main(a: T.Buffer((8, 1024), "float32"), out: T.Buffer((8, 4), "float32")):
+        for t in range(8):
+            acc = T.alloc_local((4,))
+            for i in range(4):
+                acc[i] = T.float32(0)
+            for k in range(1024):
+                for i in range(4):
+                    acc[i] = acc[i] + a[t, k] * T.Cast("float32", i + 1)
+            for i in range(4):
+                out[t, i] = acc[i]
+
+    rewritten = accumulate.two_level_sums(main)
+    text = rewritten.script()
+    assert "k % 32 == 0" in text and "k % 32 == 31" in text, text
+    lib = tvm.compile(tvm.IRModule({"main": rewritten}), "llvm")
+    x = rng.standard_normal((8, 1024)).astype("float32")
+    out = tvm.runtime.tensor(np.full((8, 4), np.nan, "float32"))
+    lib["main"](tvm.runtime.tensor(x), out)
+    want = x.astype("float64").sum(axis=1)[:, None] * np.arange(1, 5)
+    np.testing.assert_allclose(out.numpy(), want, rtol=1e-5, atol=1e-4)
