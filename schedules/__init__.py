@@ -20,6 +20,7 @@ from .accumulate import (CHAIN, MAX_ACCUMULATORS, TwoLevelSums, tir_pipeline,
 from .blocks import contraction, padding_block, strided_read, tuple_reduction
 from .defaults import (GPU_RULES, STOCK_RULES, LeadingLoops, LongGeneralReduction, LongReduction,
                        LongRowReduction, ReductionEpilogue, WideMatmul, default_gpu_schedules,
+                       default_schedules,
                        dlight_target, reduction_shape, shared_bytes, split_long_loops,
                        split_long_sums)
 from .intrinsics import load_tensor_intrinsics
@@ -41,6 +42,7 @@ __all__ = [
     "LongRowReduction", "PaddingInFill", "ReductionEpilogue", "SplitReduction", "Tiling",
     "WideMatmul",
     "WinogradTransform", "anchor_key", "before_postproc", "contraction", "default_gpu_schedules",
+    "default_schedules",
     "dlight_target",
     "gpu_mutators", "gpu_postprocs", "gpu_rules", "json_default", "load_tensor_intrinsics",
     "pad_in_fill", "padding_block", "pads_a_contraction", "plain_json", "postprocessed",

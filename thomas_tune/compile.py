@@ -11,8 +11,8 @@ import tvm_ffi
 from tvm import relax
 from tvm.s_tir import meta_schedule as ms
 
-from .schedules import default_gpu_schedules, split_long_loops, split_long_sums, tir_pipeline
-from .target import codegen_target, is_gpu
+from .schedules import default_schedules, tir_pipeline
+from .target import codegen_target
 from .tasks import choose_winograd, fuse
 
 
@@ -31,10 +31,7 @@ def _pipeline(target: tvm.target.Target, database: ms.Database | None, winograd=
                 if isinstance(func, tvm.tirx.PrimFunc) and not tvm_ffi.structural_equal(
                         func, before.get(gv)):
                     mod[gv] = func.with_attr("tir.is_scheduled", True)
-        if is_gpu(target):
-            mod = default_gpu_schedules(mod, target, rule_classes)
-        else:  # long sums as partial sums (a CPU's loops run in order)
-            mod = split_long_loops(split_long_sums(mod))
+        mod = default_schedules(mod, target, rule_classes)
         passes = [relax.transform.RewriteDataflowReshape(), relax.transform.ToNonDataflow(),
                   relax.transform.RemovePurityChecking(), relax.transform.CallTIRRewrite(),
                   relax.transform.StaticPlanBlockMemory(), relax.transform.LowerAllocTensor(),

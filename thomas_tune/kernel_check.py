@@ -213,18 +213,12 @@ def finite_share(ref: dict[int, np.ndarray]) -> float:
 
 
 def default_kernel(mod: tvm.IRModule, target) -> tvm.IRModule:
-    """Workload ``mod``'s function alone in a module (function ``main``), with the default GPU
-    schedules (:func:`thomas_tune.schedules.default_gpu_schedules`) on GPU targets and, on CPU
-    targets, with its long sums and long loops split as an untuned CPU build splits them
-    (:func:`thomas_tune.schedules.split_long_sums`, :func:`~thomas_tune.schedules.
-    split_long_loops`): the kernel of an untuned build, the reference of every check and the
-    kernel a default-schedule time is measured on."""
-    from .schedules import default_gpu_schedules, split_long_loops, split_long_sums
-    from .target import is_gpu
-    one = tvm.IRModule({"main": mod["main"]})
-    if is_gpu(target):
-        return default_gpu_schedules(one, target)
-    return split_long_loops(split_long_sums(one))
+    """Workload ``mod``'s function alone in a module (function ``main``), scheduled as an
+    untuned build schedules it (:func:`thomas_tune.schedules.default_schedules`: default GPU
+    schedules, or on a CPU its long sums and loops split): the reference of every check and
+    the kernel a default-schedule time is measured on."""
+    from .schedules import default_schedules
+    return default_schedules(tvm.IRModule({"main": mod["main"]}), target)
 
 
 def record_kernel(record) -> tvm.IRModule:
