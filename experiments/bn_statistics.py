@@ -21,7 +21,7 @@ import tvm
 from tvm import te
 
 from thomas_tune import opencl
-from thomas_tune.compile import default_gpu_schedules, split_long_sums
+from thomas_tune.schedules import default_gpu_schedules, split_long_sums
 
 
 def main():

@@ -5,7 +5,7 @@ import numpy as np
 import tvm
 from tvm import te
 
-from thomas_tune.compile import default_gpu_schedules
+from thomas_tune.schedules import default_gpu_schedules
 
 from opencl_kernels import (NEEDS_OPENCL, run_kernel)
 

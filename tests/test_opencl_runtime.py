@@ -13,7 +13,7 @@ import pytest
 import tvm
 from tvm import te
 
-from thomas_tune.compile import default_gpu_schedules
+from thomas_tune.schedules import default_gpu_schedules
 
 from opencl_kernels import (NEEDS_OPENCL, prim_module, run_kernel)
 
