@@ -20,6 +20,7 @@ import argparse
 import json
 import statistics
 
+import numpy as np
 import tvm
 
 from thomas_tune.benchmark.kernels import exported_training_module, random_args, step_kernels
@@ -53,7 +54,7 @@ def main():
     kernels = step_kernels(exported_training_module(model, tg))
     db = tuned_database(TuningLog(args.log), target)[0] if args.log else None
     dev = tvm.opencl(0)
-    rng = __import__("numpy").random.default_rng(0)
+    rng = np.random.default_rng(0)
     limits = [int(v) for v in args.max_accumulators.split(",")]
     result = {"model": vars(args), "limits": {}}
     for limit in limits:

@@ -326,6 +326,7 @@ tvm.tirx.register_tir_pipeline(PIPELINE, gpu_tir_pipeline)
 
 def tir_pipeline(target: tvm.target.Target) -> str:
     """The name of the TIR pipeline to lower ``target``'s kernels with: :data:`PIPELINE` for
-    targets whose kernels run on threads (``target.keys`` holds ``"gpu"``: OpenCL, CUDA,
-    Vulkan, ...), TVM's ``"default"`` for CPUs, whose long sums are split before scheduling."""
-    return PIPELINE if "gpu" in target.keys else "default"
+    GPU targets (:func:`thomas_tune.target.is_gpu`: OpenCL, CUDA, Vulkan, ...), TVM's
+    ``"default"`` for CPUs, whose long sums are split before scheduling."""
+    from ..target import is_gpu
+    return PIPELINE if is_gpu(target) else "default"

@@ -389,12 +389,13 @@ def split_long_sums(mod: tvm.IRModule, parts: int = 256, min_terms: int = 2048,
 
 def default_schedules(mod: tvm.IRModule, target: tvm.target.Target,
                       rule_classes=None) -> tvm.IRModule:
-    """The kernels of ``mod`` as an untuned build compiles them for ``target``: on targets whose
-    kernels run on threads (``target.keys`` holds ``"gpu"``), :func:`default_gpu_schedules`
-    (``rule_classes`` as there); on CPUs, the long sums and long loops split
+    """The kernels of ``mod`` as an untuned build compiles them for ``target``: on GPU targets
+    (:func:`thomas_tune.target.is_gpu`), :func:`default_gpu_schedules` (``rule_classes`` as
+    there); on CPUs, the long sums and long loops split
     (:func:`split_long_sums`, then :func:`split_long_loops`). Kernels already scheduled are
     left as they are. Raises what :func:`default_gpu_schedules` raises."""
-    if "gpu" in target.keys:
+    from ..target import is_gpu
+    if is_gpu(target):
         return default_gpu_schedules(mod, target, rule_classes)
     return split_long_loops(split_long_sums(mod))
 
