@@ -190,3 +190,57 @@ def test_depthwise_gradient_is_used_only_for_depthwise():
             bb.emit_func_output(loss)
         names = {gv.name_hint for gv in relax.transform.Gradient("g")(bb.get()).functions}
         assert ("depthwise_weight_grad" in names) is depthwise
+
+
+def _max_pool_grad_reference(x, dy, kernel, stride, padding, out_hw):
+    """dL/dx of max pooling in float64 by its definition: each window's ``dy`` goes to the
+    window's largest element, the first in row-major order on ties (PyTorch's rule); padding
+    never holds the maximum."""
+    (kh, kw), (sh, sw), (pt, pl, pb, pr) = kernel, stride, padding
+    n, c, h, w = x.shape
+    # room for ceil-mode windows that run past the bottom/right padding
+    xp = np.full((n, c, h + pt + pb + kh, w + pl + pr + kw), -np.inf)
+    xp[:, :, pt:pt + h, pl:pl + w] = x
+    dxp = np.zeros_like(xp)
+    for i, j in np.ndindex(*out_hw):
+        win = xp[:, :, i * sh:i * sh + kh, j * sw:j * sw + kw].reshape(n, c, -1)
+        first = win.argmax(axis=-1)  # numpy's argmax takes the first maximum
+        a, b = np.divmod(first, kw)
+        nn, cc = np.indices((n, c))
+        np.add.at(dxp, (nn, cc, i * sh + a, j * sw + b), dy[:, :, i, j])
+    return dxp[:, :, pt:pt + h, pl:pl + w]
+
+
+@pytest.mark.parametrize("kernel,stride,padding,ceil_mode,hw", [
+    ((3, 3), (2, 2), (0, 0, 0, 0), False, (13, 13)),  # AlexNet's pools
+    ((3, 3), (2, 2), (1, 1, 1, 1), False, (8, 7)),    # ResNet's stem pool
+    ((2, 2), (2, 2), (0, 0, 0, 0), False, (6, 8)),    # windows that do not overlap
+    ((3, 3), (1, 1), (1, 1, 1, 1), False, (5, 6)),    # stride 1: nine windows per element
+    ((3, 2), (2, 1), (1, 0, 0, 1), True, (7, 6)),     # uneven, ceil mode
+])
+def test_max_pool2d_gradient_is_one_kernel_with_pytorch_ties(rng, kernel, stride, padding,
+                                                              ceil_mode, hw):
+    """Max pooling's gradient (thomas_tune's one-kernel form) against its definition in float64
+    on inputs full of ties (values from {0, 1, 2}, as after a ReLU): the first maximum of each
+    window in row-major order takes the window's gradient. And the backward has one kernel
+    for it, named as TVM's."""
+    shape = (2, 3, *hw)
+    bb = relax.BlockBuilder()
+    xv = relax.Var("x", relax.TensorType(shape, "float64"))
+    with bb.function("main"):
+        with bb.dataflow():
+            y = bb.emit(R.nn.max_pool2d(xv, kernel, stride, padding, ceil_mode=ceil_mode))
+            wv = relax.Var("w", relax.TensorType(y.ty.shape, "float64"))
+            loss = bb.emit_output(R.sum(R.multiply(y, wv)))
+        bb.emit_func_output(loss, params=[xv, wv])
+    mod = relax.transform.Gradient("main", require_grads=[xv])(bb.get())
+    kernels = [gv.name_hint for gv, f in relax.transform.LegalizeOps()(mod).functions.items()
+               if isinstance(f, tvm.tirx.PrimFunc) and "backward" in gv.name_hint]
+    assert kernels == ["max_pool2d_backward"], kernels
+    vm = relax.VirtualMachine(tvm.compile(mod, parse_target("llvm")), tvm.cpu())
+    out_hw = [int(v) for v in mod["main"].params[1].ty.shape.values][2:]
+    for x in (rng.integers(0, 3, shape).astype("float64"), rng.standard_normal(shape)):
+        dy = rng.standard_normal((2, 3, *out_hw))
+        _, (dx,) = vm["main_adjoint"](tvm.runtime.tensor(x), tvm.runtime.tensor(dy))
+        want = _max_pool_grad_reference(x, dy, kernel, stride, padding, out_hw)
+        np.testing.assert_allclose(dx.numpy(), want, rtol=1e-14, atol=1e-14)

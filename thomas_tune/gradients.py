@@ -6,8 +6,9 @@ against float64 finite differences in ``tests/test_gradients.py``. Registration 
 never replaces a gradient that TVM itself registers (see :func:`missing_gradients`), with two
 exceptions: depthwise convolutions get their own backward kernels (:func:`_conv2d_grad`), since
 TVM's form of them (a transposed and a grouped convolution over batch x channels) held most of
-a MobileNet training step on a GPU and its schedule space had no valid GPU schedule; and ReLU's
-gradient reads its output, not its input (:func:`_relu_grad`). Three more are new:
+a MobileNet training step on a GPU and its schedule space had no valid GPU schedule; ReLU's
+gradient reads its output, not its input (:func:`_relu_grad`); and max pooling's backward is
+one element-wise kernel (:func:`max_pool2d_grad_te`) where TVM's takes three launches. Three more are new:
 ``relax.grad.no_grad`` (no gradient passes), the backward of the training-form BatchNorm
 (:mod:`models.batchnorm`, :func:`_bn_act_grad`) and that of the loss
 (:mod:`thomas_tune.loss`).
@@ -241,6 +242,71 @@ def _conv2d_grad(orig_var, orig_call, output_grad, ctx):
     return [dx, dw]
 
 
+def max_pool2d_grad_te(dy, x, kernel, strides, padding):
+    """The gradient of max pooling (NCHW, dilation 1) with respect to its input ``x``
+    (N, C, H, W), from ``dy`` (N, C, OH, OW): one element-wise kernel.
+
+    Each input element gathers ``dy`` from the windows that contain it (at most
+    ceil(kh / sh) x ceil(kw / sw) of them) and keeps a window's value where it is that window's
+    maximum, the first in row-major order on ties (PyTorch's rule: its CPU and CUDA kernels
+    scan the window and take a value only when it is larger). The window's maximum is
+    recomputed in place (kh x kw comparisons per window) instead of being stored, so no
+    reduction and no index tensor: one launch, against three for TVM's ``pool_grad`` (window
+    argmax, then scatter), and the ReLU mask of the layer before fuses into it. Padding
+    (``padding``: top, left, bottom, right) never holds a maximum, as in PyTorch (-inf)."""
+    n_n, c_n, h_n, w_n = (int(v) for v in x.shape)
+    oh_n, ow_n = int(dy.shape[2]), int(dy.shape[3])
+    kh, kw = (int(v) for v in kernel)
+    sh, sw = (int(v) for v in strides)
+    pt, pl = int(padding[0]), int(padding[1])
+    rh, rw = -(-kh // sh), -(-kw // sw)
+
+    def clamp(v, hi):
+        return tvm.tirx.max(tvm.tirx.min(v, hi - 1), 0)
+
+    def grad(n, c, h, w):
+        xv = x[n, c, h, w]
+        total = tvm.tirx.const(0.0, dy.dtype)
+        for i in range(rh):
+            for j in range(rw):
+                # the window (oh, ow) and where (h, w) sits in it, (a0, b0)
+                a0 = tvm.tirx.floormod(h + pt, sh) + i * sh
+                b0 = tvm.tirx.floormod(w + pl, sw) + j * sw
+                oh = tvm.tirx.floordiv(h + pt, sh) - i
+                ow = tvm.tirx.floordiv(w + pl, sw) - j
+                holds = tvm.tirx.all(oh >= 0, oh < oh_n, a0 < kh, ow >= 0, ow < ow_n, b0 < kw)
+                first_max = []
+                for a in range(kh):
+                    for b in range(kw):
+                        hh, ww = oh * sh - pt + a, ow * sw - pl + b
+                        v = x[n, c, clamp(hh, h_n), clamp(ww, w_n)]
+                        earlier = a * kw + b < a0 * kw + b0
+                        first_max.append(tvm.tirx.any(
+                            hh < 0, hh >= h_n, ww < 0, ww >= w_n,
+                            tvm.tirx.all(a == a0, b == b0),
+                            tvm.tirx.Select(earlier, v < xv, v <= xv)))
+                total = total + tvm.tirx.Select(
+                    tvm.tirx.all(holds, *first_max),
+                    dy[n, c, clamp(oh, oh_n), clamp(ow, ow_n)],
+                    tvm.tirx.const(0.0, dy.dtype))
+        return total
+
+    return te.compute((n_n, c_n, h_n, w_n), grad, name="max_pool2d_backward")
+
+
+def _max_pool2d_grad(orig_var, orig_call, output_grad, ctx):
+    """Gradient of max pooling: :func:`max_pool2d_grad_te` for NCHW without dilation, TVM's
+    own (``relax.grad.max_pool2d_backward``) otherwise."""
+    a = orig_call.attrs
+    if (a.layout != "NCHW" or (a.out_layout or "NCHW") != "NCHW"
+            or any(int(d) != 1 for d in a.dilation)):
+        return _tvm_max_pool2d_grad(orig_var, orig_call, output_grad, ctx)
+    x = orig_call.args[0]
+    return [ctx.call_te(max_pool2d_grad_te, output_grad, x, [int(v) for v in a.pool_size],
+                        [int(v) for v in a.strides], [int(v) for v in a.padding],
+                        primfunc_name_hint="max_pool2d_backward")]
+
+
 def matmul_tn_te(a, b):
     """``a^T @ b`` for ``a`` (K, M) and ``b`` (K, N): (M, N), each output a sum over K of
     ``a[k, m] * b[k, n]``, read in place (no transposed copy of ``a``)."""
@@ -311,6 +377,7 @@ def _bn_act_grad(orig_var, call, output_grad, ctx):
 
 
 _tvm_conv2d_grad = None
+_tvm_max_pool2d_grad = None
 _relu_grad_registered = False  # ours replaces TVM's, once
 
 
@@ -331,10 +398,10 @@ def missing_gradients(op_names=OPS) -> list[str]:
 def register() -> None:
     """Register every gradient of :data:`OPS` that is still missing, the depthwise form of
     conv2d's gradient (:func:`_conv2d_grad`, which keeps TVM's for other convolutions), ReLU's
-    from its output (:func:`_relu_grad`), the gradient of ``relax.grad.no_grad`` (none reaches
+    from its output (:func:`_relu_grad`), max pooling's in one kernel (:func:`_max_pool2d_grad`), the gradient of ``relax.grad.no_grad`` (none reaches
     its input), the backward of the training-form BatchNorm (:func:`_bn_act_grad`) and of the
     loss (:func:`thomas_tune.loss.register`); safe to call twice."""
-    global _tvm_conv2d_grad, _relu_grad_registered
+    global _tvm_conv2d_grad, _tvm_max_pool2d_grad, _relu_grad_registered
     from . import loss
     from .models import batchnorm as B
 
@@ -352,6 +419,9 @@ def register() -> None:
     if _tvm_conv2d_grad is None:
         _tvm_conv2d_grad = current
         register_gradient("relax.nn.conv2d", _conv2d_grad, level=11)
+    if _tvm_max_pool2d_grad is None:
+        _tvm_max_pool2d_grad = tvm.ir.Op.get("relax.nn.max_pool2d").get_attr("FPrimalGradient")
+        register_gradient("relax.nn.max_pool2d", _max_pool2d_grad, level=11)
     if not _relu_grad_registered:
         _relu_grad_registered = True
         register_gradient("relax.nn.relu", _relu_grad, level=11)
