@@ -176,6 +176,17 @@ def test_the_faster_form_is_chosen_from_kernel_times():
     assert choose_winograd(mod, times(0.01, 1.0)) == set()
     # a Winograd kernel that was never timed: the direct form stays
     assert choose_winograd(mod, times(1.0, 0.01, missing=wino)) == set()
+    # ... unless its default schedule's time is known: asked once per kernel, with the
+    # workload of each, and only for kernels without a time
+    asked = []
+
+    def untimed(workloads):
+        asked.extend(workloads)
+        assert all(isinstance(m["main"], tvm.tirx.PrimFunc) for m in workloads.values())
+        return {k: 0.01 for k in workloads}
+    assert choose_winograd(mod, times(1.0, 0.01, missing=wino), untimed) == gradients
+    assert asked and set(asked) <= wino and len(asked) == len(set(asked))
+    assert choose_winograd(mod, times(1.0, 0.01, missing=wino), lambda w: {}) == set()
     # direct kernels that were never timed count as free: the direct form stays
     assert choose_winograd(mod, times(None, 0.01, missing=set(base))) == set()
     # a module with nothing to rewrite is not fused again

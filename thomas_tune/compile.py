@@ -132,14 +132,30 @@ def tuned_database(log, target: tvm.target.Target) -> tuple[ms.Database, int]:
     return database, slower
 
 
-def winograd_choice(mod: tvm.IRModule, times: dict[str, float] | None) -> set:
+def winograd_choice(mod: tvm.IRModule, times: dict[str, float] | None, log=None,
+                    target: tvm.target.Target | None = None) -> set:
     """The convolutions of ``mod`` (unfused Relax) that a build computes in the Winograd form,
     given the kernels' times as built (:func:`tuned_build`): those whose Winograd kernels,
     all timed, take less than the timed direct kernels they replace
-    (:func:`thomas_tune.tasks.choose_winograd`). Empty without times (an untuned build)."""
+    (:func:`thomas_tune.tasks.choose_winograd`). Empty without times (an untuned build).
+
+    With the tuning log ``log`` (a TuningLog) and ``target``, a kernel with no tuning record
+    takes its default schedule's time from the log's folder where ``tune --time-share`` timed
+    it on the device (a Winograd transform fused with the mask of the layer before it is small
+    enough that tuning often leaves it at its default schedule: without that time it could
+    never be chosen)."""
     if not times:
         return set()
-    return choose_winograd(mod, times.get)
+    untimed_ms = None
+    if log is not None and target is not None:
+        import math
+
+        from .tuning.defaults import read_default_times
+
+        def untimed_ms(workloads):
+            secs = read_default_times(log.path, target, workloads) or {}
+            return {k: s * 1e3 for k, s in secs.items() if math.isfinite(s)}
+    return choose_winograd(mod, times.get, untimed_ms)
 
 
 def reference_target(target: tvm.target.Target) -> tvm.target.Target:

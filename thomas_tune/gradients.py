@@ -8,9 +8,9 @@ exceptions: depthwise convolutions get their own backward kernels (:func:`_conv2
 TVM's form of them (a transposed and a grouped convolution over batch x channels) held most of
 a MobileNet training step on a GPU and its schedule space had no valid GPU schedule; ReLU's
 gradient reads its output, not its input (:func:`_relu_grad`); and max pooling's backward is
-one element-wise kernel (:func:`max_pool2d_grad_te`) where TVM's takes three launches. Three more are new:
-``relax.grad.no_grad`` (no gradient passes), the backward of the training-form BatchNorm
-(:mod:`models.batchnorm`, :func:`_bn_act_grad`) and that of the loss
+one element-wise kernel (:func:`max_pool2d_grad_te`) where TVM's takes three launches. Three
+more are new: ``relax.grad.no_grad`` (no gradient passes), the backward of the training-form
+BatchNorm (:mod:`models.batchnorm`, :func:`_bn_act_grad`) and that of the loss
 (:mod:`thomas_tune.loss`).
 """
 
@@ -398,9 +398,10 @@ def missing_gradients(op_names=OPS) -> list[str]:
 def register() -> None:
     """Register every gradient of :data:`OPS` that is still missing, the depthwise form of
     conv2d's gradient (:func:`_conv2d_grad`, which keeps TVM's for other convolutions), ReLU's
-    from its output (:func:`_relu_grad`), max pooling's in one kernel (:func:`_max_pool2d_grad`), the gradient of ``relax.grad.no_grad`` (none reaches
-    its input), the backward of the training-form BatchNorm (:func:`_bn_act_grad`) and of the
-    loss (:func:`thomas_tune.loss.register`); safe to call twice."""
+    from its output (:func:`_relu_grad`), max pooling's in one kernel
+    (:func:`_max_pool2d_grad`), the gradient of ``relax.grad.no_grad`` (none reaches its
+    input), the backward of the training-form BatchNorm (:func:`_bn_act_grad`) and of the loss
+    (:func:`thomas_tune.loss.register`); safe to call twice."""
     global _tvm_conv2d_grad, _tvm_max_pool2d_grad, _relu_grad_registered
     from . import loss
     from .models import batchnorm as B

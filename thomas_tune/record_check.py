@@ -325,7 +325,8 @@ def _checked_build(log, target, graphs, check: bool, say, started: float | None)
     out = {"wrong": wrong, "checked": None, "unchecked": None}
     while True:
         database, slower, kernel_ms = tuned_build(log, target, exclude=set(wrong))
-        chosen = {name: winograd_choice(mod, kernel_ms) for name, mod in graphs.items()}
+        chosen = {name: winograd_choice(mod, kernel_ms, log, target)
+                  for name, mod in graphs.items()}
         out.update(database=database, slower=slower, kernel_ms=kernel_ms, winograd=chosen)
         if not check:
             return out
@@ -374,7 +375,8 @@ def set_aside_wrong(log, target, graphs: dict[str, tvm.IRModule], say=print,
     total = 0
     while True:
         database, _, kernel_ms = tuned_build(log, target)
-        chosen = {name: winograd_choice(mod, kernel_ms) for name, mod in graphs.items()}
+        chosen = {name: winograd_choice(mod, kernel_ms, log, target)
+                  for name, mod in graphs.items()}
         tasks = extract(graphs, target, chosen)
         results = check_records(tasks, database, target)
         wrong_tasks = [t for t in tasks if results.get(workload_key(t)) is not None]

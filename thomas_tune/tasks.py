@@ -152,6 +152,13 @@ def kernel_calls(mod: tvm.IRModule) -> dict[str, int]:
     return out
 
 
+def kernel_workloads(mod: tvm.IRModule) -> dict[str, tvm.IRModule]:
+    """Workload key -> the workload (an IRModule whose ``main`` is the kernel, as tasks and
+    tuning records hold it) of each PrimFunc of a fused module."""
+    return {workload_key(f): tvm.IRModule({"main": f.with_attr("global_symbol", "main")})
+            for f in mod.functions.values() if isinstance(f, tvm.tirx.PrimFunc)}
+
+
 def _step_ms(calls: dict[str, int], kernel_ms, untimed_free: bool) -> float | None:
     """ms per step of the kernels ``calls`` (workload key -> calls) by ``kernel_ms``; None
     when none has a time, or when one has none and ``untimed_free`` is false."""
@@ -162,13 +169,16 @@ def _step_ms(calls: dict[str, int], kernel_ms, untimed_free: bool) -> float | No
     return sum(t * calls[k] for k, t in timed.items())
 
 
-def choose_winograd(mod: tvm.IRModule, kernel_ms) -> set:
+def choose_winograd(mod: tvm.IRModule, kernel_ms, untimed_ms=None) -> set:
     """The convolutions of the unfused Relax module ``mod`` to compute in the Winograd form:
     those whose Winograd kernels take less time, by ``kernel_ms``, than the direct kernels
     they replace.
 
     ``kernel_ms(key)``: ms per call of the workload with that key (its best tuning record, or
-    its default schedule's time), None when unknown. For each eligible convolution (grouped
+    its default schedule's time), None when unknown. ``untimed_ms(workloads)``, optional:
+    given ``{key: workload IRModule}`` of kernels ``kernel_ms`` has no time for, the times it
+    knows of them (``{key: ms per call}``; a tuning log's default-schedule times, which need
+    the workload to tell whether they still hold). For each eligible convolution (grouped
     by :class:`thomas_tune.winograd_form.Conv`: sites of one shape share their kernels), the
     kernels that appear and those that go away when only it is rewritten are compared, time x
     calls: every kernel that appears must have a time; one that goes away without a time
@@ -190,17 +200,32 @@ def choose_winograd(mod: tvm.IRModule, kernel_ms) -> set:
         convs = {c for c in convs if c.transposed}
     if not convs:
         return set()
-    base = kernel_calls(fuse(mod))
+    known: dict[str, float] = {}
+
+    def calls_and_times(fused: tvm.IRModule) -> dict[str, int]:
+        calls = kernel_calls(fused)
+        if untimed_ms is not None:
+            missing = {k: m for k, m in kernel_workloads(fused).items()
+                       if k in calls and k not in known and kernel_ms(k) is None}
+            if missing:
+                known.update(untimed_ms(missing))
+        return calls
+
+    def ms(key):
+        t = kernel_ms(key)
+        return known.get(key) if t is None else t
+
+    base = calls_and_times(fuse(mod))
     chosen = set()
     for conv in sorted(convs, key=repr):
-        calls = kernel_calls(fuse(mod, {conv}))
+        calls = calls_and_times(fuse(mod, {conv}))
         added = {k: n for k, n in calls.items() if k not in base}
         removed = {k: n for k, n in base.items() if k not in calls}
         # every new kernel must be timed; a kernel that goes away untimed (a bias's reshape
         # that the Winograd form fuses into its output transform) counts as free, which can
         # only favour the direct form
-        new = _step_ms(added, kernel_ms, untimed_free=False)
-        old = _step_ms(removed, kernel_ms, untimed_free=True)
+        new = _step_ms(added, ms, untimed_free=False)
+        old = _step_ms(removed, ms, untimed_free=True)
         if new is not None and old is not None and new < old:
             chosen.add(conv)
     return chosen
