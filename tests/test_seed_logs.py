@@ -176,3 +176,17 @@ def test_seeds_from_other_shapes_are_refitted_and_measured_here(tmp_path, target
     db = own.database(check=False)
     timed = [mean_seconds(b) for _, t in pairs for b in db.bodies(db.find_workload(t.mod))]
     assert any(s < 1e9 for s in timed), timed  # measured here, on this log's own workloads
+
+
+def test_a_fingerprint_follows_code_not_wording(tmp_path):
+    """A component's fingerprint stays when only docstrings, comments and layout change, and
+    changes with any change of code."""
+    from thomas_tune.logs.codegen import _fingerprint
+    a, b, c = (tmp_path / n for n in ("a", "b", "c"))
+    for d in (a, b, c):
+        d.mkdir()
+    (a / "m.py").write_text('"""One."""\n\ndef f(x):\n    """Two."""\n    return x + 1  # add\n')
+    (b / "m.py").write_text('"""Another wording."""\ndef f(x):\n\n    return (x +\n            1)\n')
+    (c / "m.py").write_text('"""One."""\n\ndef f(x):\n    """Two."""\n    return x + 2  # add\n')
+    fps = [_fingerprint([str(d / "m.py")]) for d in (a, b, c)]
+    assert fps[0] == fps[1] != fps[2]

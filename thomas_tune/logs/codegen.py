@@ -13,9 +13,12 @@ here (each part a *component* of the version):
 * ``builder``: how a candidate is built (``thomas_tune/measure/builder.py``).
 
 Each source component is a fingerprint of its modules' code: the sha256 of their syntax trees
-with docstrings left out (comments and layout never reach it), so a wording change keeps the
-version and any change of code makes a new one (a conservative fingerprint: a change of code
-that leaves every kernel as it was makes a new version too). The version's ``id`` is the first
+with docstrings left out, written back as source (``ast.unparse``: comments and layout never
+reach it), so a wording change keeps the version and any change of code makes a new one (a
+conservative fingerprint: a change of code that leaves every kernel as it was makes a new
+version too). The text ``ast.unparse`` writes is the same from Python 3.11 to 3.13, where
+``ast.dump``'s changes with the node classes of each release: a log tuned on a machine with
+another Python (the GPU machine's 3.12) keeps its version here. The version's ``id`` is the first
 12 hex digits of the sha256 of the components.
 
 The stamp is ``codegen.json`` in the log folder (:data:`STAMP`): the version that *every*
@@ -45,7 +48,7 @@ STAMP = "codegen.json"
 
 def _fingerprint(paths: list[str]) -> str:
     """sha256 (first 12 hex digits) of the syntax trees of the Python files ``paths`` (sorted
-    by file name), docstrings removed."""
+    by file name), docstrings removed, as ``ast.unparse`` writes them."""
     h = hashlib.sha256()
     for path in sorted(paths, key=os.path.basename):
         with open(path) as f:
@@ -57,7 +60,7 @@ def _fingerprint(paths: list[str]) -> str:
                     and isinstance(body[0].value.value, str)):
                 node.body = body[1:] or [ast.Pass()]
         h.update(os.path.basename(path).encode() + b"\0")
-        h.update(ast.dump(tree, annotate_fields=False).encode())
+        h.update(ast.unparse(tree).encode())
     return h.hexdigest()[:12]
 
 
