@@ -186,7 +186,7 @@ def test_a_fingerprint_follows_code_not_wording(tmp_path):
     for d in (a, b, c):
         d.mkdir()
     (a / "m.py").write_text('"""One."""\n\ndef f(x):\n    """Two."""\n    return x + 1  # add\n')
-    (b / "m.py").write_text('"""Another wording."""\ndef f(x):\n\n    return (x +\n            1)\n')
+    (b / "m.py").write_text('"""Another wording."""\ndef f(x):\n\n    return (x +\n        1)\n')
     (c / "m.py").write_text('"""One."""\n\ndef f(x):\n    """Two."""\n    return x + 2  # add\n')
     fps = [_fingerprint([str(d / "m.py")]) for d in (a, b, c)]
     assert fps[0] == fps[1] != fps[2]
