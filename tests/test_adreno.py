@@ -4,7 +4,14 @@ compiled for TVM's ``qcom/adreno-opencl`` tag and for the Adreno 540 limits of
 checked against PyTorch in float64: the training step's loss and every gradient
 (:mod:`thomas_tune.step_check`), and the inference logits.
 
-Small sizes here (the 224-px builds run on the GPU machine: docs/android.md). An Adreno or
+Small sizes here (the 224-px builds run on the GPU machine: docs/android.md). MobileNetV2 runs
+with the shipped weights pretrained on digits 0-4 (the demo's, of the same width, resolution and
+classes), not freshly initialised ones: at batch 4 with BatchNorms over 16 values, a randomly
+initialised MobileNetV2 amplifies float32 rounding so much that PyTorch's own float32 step is
+1e-4 from float64 at the last ReLU6 (3e-6 with the pretrained weights), while pre-activations
+lie within 2e-5 of the kink on every batch: any float32 build then takes the other side of a
+kink on some batches, PyTorch's included, and the check fails on about one draw in twenty
+(docs/journal/precision.md). The check batches are drawn fresh on every run. An Adreno or
 Android OpenCL target makes dlight's rules switch to their Adreno configurations; the default
 schedules keep dlight's generic ones (:func:`thomas_tune.schedules.dlight_target`), and the
 last test shows why on the kernels that the Adreno configuration gets wrong.
@@ -45,6 +52,11 @@ def test_adreno_builds_compute_the_float64_step_on_pocl(name, which, tmp_path, r
         assert int(target.attrs["max_shared_memory_per_block"]) == 32768
     model = build(name, **SMALL[name])
     tensors = random_tensors(model, rng)
+    if name == "mobilenet_v2":  # module docstring: why pretrained weights
+        from thomas_tune.demo import pretrained_path
+        from thomas_tune.models import load_checkpoint
+        pretrained, tensors, _ = load_checkpoint(pretrained_path())
+        assert pretrained.num_classes == model.num_classes
     out = str(tmp_path / "export")
     export(out, model, tensors, target, batch=BATCH, infer_batch=2, trainable="all",
            progress=lambda *_: None)
