@@ -107,16 +107,25 @@ def _liveness_peak(func: relax.Function) -> tuple[int, int]:
 
 def training_memory(model, batch: int, trainable: str = "all",
                     optimizer: G.OptimizerConfig | None = None,
-                    features: bool = False) -> TrainingMemory:
+                    features: bool = False, winograd=None) -> TrainingMemory:
     """Bytes a training step of ``model`` needs (float32); see the module docstring.
-    ``features``: the step on cached features (``train --cache-features``).
+    ``features``: the step on cached features (``train --cache-features``). ``winograd``: the
+    convolutions a build computes in the Winograd form (a set of
+    :class:`thomas_tune.winograd_form.Conv`, as an export's manifest lists them; None: none):
+    the step is counted with them rewritten, so their transformed inputs, weights and products
+    (a 5x5 convolution's transformed input is 9x its size, a 3x3's 2.25x) are counted too.
 
     Raises ValueError for a bad ``trainable`` value (as :func:`graph.training_module`), and
     with ``features`` for a trainable set that cannot cache them (its message names the fix).
     """
     from .models import spec
     tg = G.training_module(model, batch, trainable, optimizer, features=features)
-    func = tg.mod[G.HEAD_ADJOINT if features else G.ADJOINT]
+    mod = tg.mod
+    if winograd:
+        from . import winograd_form as W
+        chosen = set(winograd)
+        mod, _ = W.rewrite(mod, lambda call, conv: conv in chosen)
+    func = mod[G.HEAD_ADJOINT if features else G.ADJOINT]
     peak_adjoint, kept = _liveness_peak(func)
     s = spec(model, batch)
     params = {p.name: 4 * int(np.prod(p.shape)) for p in s.params + s.states}  # float32
