@@ -143,7 +143,7 @@ def test_tuned_records_for_the_adreno_target_compute_the_float64_step(tmp_path, 
              "--batch", str(BATCH), "--target", "qcom/adreno-opencl"]
     with rpc.loopback(key="pocl-adreno", servers=1, lifetime=600) as addr:
         assert main(["tune", *small, "--tracker", f"{addr[0]}:{addr[1]}", "--key",
-                     "pocl-adreno", "--top", "2", "--trials", "6", "--trials-per-iter", "3",
+                     "pocl-adreno", "--top", "2", "--trials", "8", "--trials-per-iter", "4",
                      "--population", "8", "--genetic-iters", "1", "--log", str(log)]) == 0
     target = parse_target("qcom/adreno-opencl")
     quiet = dict(batch=BATCH, trainable="all", progress=lambda *_: None)

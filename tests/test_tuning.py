@@ -627,6 +627,31 @@ def test_shallow_stack_gives_the_frames_tvmscript_reads():
     assert isinstance(Module["main"], tvm.tirx.PrimFunc)
 
 
+def test_a_search_that_ends_before_proposing_draws_fresh_ones(small_tasks):
+    """When MetaSchedule's search ends a task on its first round (it could not sample enough of
+    a first population), ResumingSearch draws a batch at random from the design spaces; once it
+    has proposed candidates, the search's end ends the task."""
+    from tvm.s_tir import meta_schedule as ms
+
+    from thomas_tune.tuning import search_context
+
+    ctx, strategy = search_context(small_tasks[0], parse_target("llvm"), set(), population=16,
+                                   genetic_iters=1, max_unroll=None, seed=0)
+    strategy.pre_tuning(64, 4, ctx.generate_design_space(), ms.database.MemoryDatabase(),
+                        ms.cost_model.RandomModel())
+
+    class Ended:
+        """MetaSchedule's search after 'Cannot sample enough initial population'."""
+        def generate_measure_candidates(self):
+            return None
+
+    strategy.inner = Ended()
+    got = strategy.generate_measure_candidates()
+    assert got and len(got) == 4 and strategy.drawn == 4
+    assert strategy.generate_measure_candidates() is None
+    assert strategy.drawn == 4
+
+
 def test_a_search_proposing_only_measured_schedules_draws_fresh_ones(small_tasks):
     """When the evolutionary search's rounds bring only schedules measured before (a task
     resumed from a long log), ResumingSearch draws a batch at random from the task's design

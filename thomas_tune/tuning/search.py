@@ -165,10 +165,13 @@ class ResumingSearch(ms.search_strategy.PySearchStrategy):
     When ``max_empty_rounds`` rounds running propose only measured schedules, the search
     draws fresh candidates at random from the task's design spaces (their traces replayed with
     new decisions, then the postprocessors) before it gives up: up to one batch, none measured
-    before; ``drawn`` counts them. A task resumed from a long log needs this. On the H100
-    such searches ended after 34-146 trials each, among them the
-    first linear layer's forward pass of AlexNet (0.12 ms per step), and the rest of the run's
-    budget went to a kernel of 0.006 ms.
+    before; ``drawn`` counts them. A task resumed from a long log needs this: on the H100 such
+    searches ended after 34-146 trials each, among them the first linear layer's forward pass
+    of AlexNet (0.12 ms per step), and the rest of the run's budget went to a kernel of 0.006
+    ms. The search draws so too when the evolutionary search ends a task before proposing
+    anything: MetaSchedule's gives up when fewer than ``init_min_unmeasured`` of its first
+    population's draws pass the postprocessors (a small population on a target with tight
+    limits, as the Adreno tag's), where a few valid ones may still be found.
 
     An error of the evolutionary search itself (a mutator or postprocessor that fails on a
     design space: on the H100, a space whose cooperative-fetch annotation was a constant made
@@ -210,6 +213,7 @@ class ResumingSearch(ms.search_strategy.PySearchStrategy):
         self.database = None
         self.failed = failed if failed is not None else {}
         self.task_name = None
+        self.proposed = False  # whether this search has proposed candidates yet
         self.spaces: list = []  # the design spaces' traces, without decisions or postprocessing
         self.batch = 0
         self.rng = random.Random(0)  # (seeded from the tune context's random state)
@@ -282,6 +286,7 @@ class ResumingSearch(ms.search_strategy.PySearchStrategy):
             cands = self._fresh_candidates()
             if cands and self.local_share > 0:
                 cands = self._with_local(cands)
+            self.proposed = self.proposed or bool(cands)
             return cands
         finally:
             if self.phases is not None:
@@ -298,7 +303,10 @@ class ResumingSearch(ms.search_strategy.PySearchStrategy):
                       "records it has, the other tasks go on", file=sys.stderr, flush=True)
                 return None  # MetaSchedule ends the task
             if cands is None:
-                return None
+                # the search ends the task; on its first round that is a search that could not
+                # sample its first population (too few valid schedules among its draws): the
+                # task gets random draws of its own before it ends
+                return None if self.proposed else (self._drawn_candidates() or None)
             fresh = []
             for c in cands:
                 if self.max_unroll is not None:
