@@ -627,18 +627,25 @@ def test_shallow_stack_gives_the_frames_tvmscript_reads():
     assert isinstance(Module["main"], tvm.tirx.PrimFunc)
 
 
+def _search_ready(task, measured: set[int]):
+    """:func:`search_context`'s context and strategy for ``task`` on llvm (population 16), ready
+    to propose batches of 4 from an empty database. The caller keeps the context: the
+    evolutionary search reads it and does not keep it alive."""
+    from tvm.s_tir import meta_schedule as ms
+
+    from thomas_tune.tuning import search_context
+    ctx, strategy = search_context(task, parse_target("llvm"), measured, population=16,
+                                   genetic_iters=1, max_unroll=None, seed=0)
+    strategy.pre_tuning(64, 4, ctx.generate_design_space(), ms.database.MemoryDatabase(),
+                        ms.cost_model.RandomModel())
+    return ctx, strategy
+
+
 def test_a_search_that_ends_before_proposing_draws_fresh_ones(small_tasks):
     """When MetaSchedule's search ends a task on its first round (it could not sample enough of
     a first population), ResumingSearch draws a batch at random from the design spaces; once it
     has proposed candidates, the search's end ends the task."""
-    from tvm.s_tir import meta_schedule as ms
-
-    from thomas_tune.tuning import search_context
-
-    ctx, strategy = search_context(small_tasks[0], parse_target("llvm"), set(), population=16,
-                                   genetic_iters=1, max_unroll=None, seed=0)
-    strategy.pre_tuning(64, 4, ctx.generate_design_space(), ms.database.MemoryDatabase(),
-                        ms.cost_model.RandomModel())
+    _ctx, strategy = _search_ready(small_tasks[0], set())
 
     class Ended:
         """MetaSchedule's search after 'Cannot sample enough initial population'."""
@@ -657,18 +664,11 @@ def test_a_search_proposing_only_measured_schedules_draws_fresh_ones(small_tasks
     resumed from a long log), ResumingSearch draws a batch at random from the task's design
     spaces instead of ending the task: new schedules, postprocessed, none measured before."""
     import tvm_ffi
-    from tvm.s_tir import meta_schedule as ms
 
     from thomas_tune.schedules import plain_json
-    from thomas_tune.tuning import search_context
 
-    task = small_tasks[0]
     measured: set[int] = set()
-    ctx, strategy = search_context(task, parse_target("llvm"), measured, population=16,
-                                   genetic_iters=1, max_unroll=None, seed=0)
-    spaces = ctx.generate_design_space()
-    strategy.pre_tuning(64, 4, spaces, ms.database.MemoryDatabase(),
-                        ms.cost_model.RandomModel())
+    _ctx, strategy = _search_ready(small_tasks[0], measured)
     old = strategy.inner.generate_measure_candidates()
     assert old
     for c in old:  # the search's first round, as if the log held it already

@@ -111,11 +111,16 @@ def short_kernel_names(mod: tvm.IRModule) -> tvm.IRModule:
     return out
 
 
+def workload_module(func: tvm.tirx.PrimFunc) -> tvm.IRModule:
+    """The workload of a fused PrimFunc as tasks and tuning records hold it: an IRModule whose
+    ``main`` is the kernel."""
+    return tvm.IRModule({"main": func.with_attr("global_symbol", "main")})
+
+
 def workload_key(func: tvm.tirx.PrimFunc) -> str:
     """The workload key of a fused PrimFunc as MetaSchedule's task extraction and the tuning
-    log key it: the structural hash of ``{"main": func}``, in decimal."""
-    return str(tvm_ffi.structural_hash(
-        tvm.IRModule({"main": func.with_attr("global_symbol", "main")})))
+    log key it: the structural hash of :func:`workload_module`, in decimal."""
+    return str(tvm_ffi.structural_hash(workload_module(func)))
 
 
 def callees(func: relax.Function) -> dict[str, int]:
@@ -150,13 +155,6 @@ def kernel_calls(mod: tvm.IRModule) -> dict[str, int]:
             k = workload_key(func)
             out[k] = out.get(k, 0) + names[gv.name_hint]
     return out
-
-
-def kernel_workloads(mod: tvm.IRModule) -> dict[str, tvm.IRModule]:
-    """Workload key -> the workload (an IRModule whose ``main`` is the kernel, as tasks and
-    tuning records hold it) of each PrimFunc of a fused module."""
-    return {workload_key(f): tvm.IRModule({"main": f.with_attr("global_symbol", "main")})
-            for f in mod.functions.values() if isinstance(f, tvm.tirx.PrimFunc)}
 
 
 def _step_ms(calls: dict[str, int], kernel_ms, untimed_free: bool) -> float | None:
@@ -204,11 +202,11 @@ def choose_winograd(mod: tvm.IRModule, kernel_ms, untimed_ms=None) -> set:
 
     def calls_and_times(fused: tvm.IRModule) -> dict[str, int]:
         calls = kernel_calls(fused)
-        if untimed_ms is not None:
-            missing = {k: m for k, m in kernel_workloads(fused).items()
-                       if k in calls and k not in known and kernel_ms(k) is None}
-            if missing:
-                known.update(untimed_ms(missing))
+        need = {k for k in calls if k not in known and kernel_ms(k) is None}
+        if untimed_ms is not None and need:
+            funcs = [f for f in fused.functions.values() if isinstance(f, tvm.tirx.PrimFunc)]
+            known.update(untimed_ms({k: workload_module(f) for f in funcs
+                                     if (k := workload_key(f)) in need}))
         return calls
 
     def ms(key):

@@ -49,7 +49,7 @@ def step_kernels(train_mod, winograd=None) -> list[Kernel]:
 
     from ..graph import ADJOINT, OPTIMIZER
     from ..manifest import DRAW_MASKS
-    from ..tasks import callees, fuse, workload_key
+    from ..tasks import callees, fuse, workload_key, workload_module
     mod = fuse(train_mod, winograd)
     calls: dict[str, int] = {}
     names = {gv.name_hint for gv in mod.functions}
@@ -62,7 +62,7 @@ def step_kernels(train_mod, winograd=None) -> list[Kernel]:
     for gv, func in mod.functions.items():
         if not isinstance(func, tvm.tirx.PrimFunc) or gv.name_hint not in calls:
             continue
-        wmod = tvm.IRModule({"main": func.with_attr("global_symbol", "main")})
+        wmod = workload_module(func)
         try:
             flops = float(estimate_tir_flops(wmod))
         except Exception:  # int64 index math has no estimate: counted as 0
