@@ -361,6 +361,28 @@ def test_dropout_masks_drawn_on_the_device_match_numpy(target, rng):
     assert abs(both - 0.1) < 5 * np.sqrt(0.1 * 0.9 / 200_000)
 
 
+def test_a_dropout_draw_equal_to_p_is_kept_on_the_device(target, rng):
+    # u >= p keeps an element: with p equal to an element's own draw (a multiple of 2^-24),
+    # the device keeps it, as the numpy reference and PyTorch's rule do. The draw is found for a
+    # fresh seed and mask, so every run puts some element exactly on the boundary.
+    from tvm import relax
+
+    from thomas_tune import counter_random as cr
+    from thomas_tune.compile import compile_graph
+    from thomas_tune.dropout import draw_masks_function, mask_numpy
+    seed = rng.integers(0, 2 ** 32, size=2, dtype=np.uint32)
+    shape = (64,)
+    h = cr.hash_numpy(64, cr.key_numpy(int(seed[0]), int(seed[1]), 0))
+    j = int(rng.integers(64))
+    p = float(int(h.ravel()[j]) >> 8) * 2.0 ** -24
+    exe = compile_graph(draw_masks_function(tvm.IRModule(), [(shape, p)]), target, None)
+    got = relax.VirtualMachine(exe, tvm.opencl(0))["draw_masks"](
+        tvm.runtime.tensor(seed, tvm.opencl(0)))[0].numpy()
+    want = mask_numpy(seed, shape, p, 0)
+    assert want[j] == np.float32(1 / (1 - p))
+    np.testing.assert_array_equal(got, want)
+
+
 def test_the_runtime_counts_device_memory_and_launch_bytes(target, rng):
     """The sidecar counts the bytes allocated on the device (current and peak, a fresh peak
     from reset_peak) and, per launch, the bytes of the buffers a kernel is given."""

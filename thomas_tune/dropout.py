@@ -19,6 +19,8 @@ computed on its own and any schedule gives the same mask:
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import tvm
 from tvm import relax, te, tirx
@@ -31,7 +33,13 @@ def mask_te(seed: te.Tensor, shape, p: float, index: int) -> te.Tensor:
     of a step, from ``seed`` (uint32, shape (2,)); see the module docstring."""
     if not 0.0 <= p < 1.0:
         raise ValueError(f"dropout probability {p} is not in [0, 1)")
-    scale, keep_from = tirx.const(1.0 / (1.0 - p), "float32"), tirx.const(p, "float32")
+    # TVM's OpenCL source writes float constants with 7 significant digits (2^-24 as
+    # 5.960464e-08f, below 2^-24; 1 / (1 - p) off by an ulp for most p), so neither goes in as
+    # a float literal: the scale by its bits, and u >= p decided on the 24-bit integer u * 2^24
+    # against the smallest one that keeps (exact; a u on the grid equal to p came out dropped)
+    bits = int(np.float32(1.0 / (1.0 - p)).view(np.uint32))
+    scale = tirx.reinterpret("float32", tirx.const(bits, "uint32"))
+    keep_from = tirx.const(math.ceil(float(np.float32(p)) * 2 ** 24), "uint64")
 
     def element(*idx):
         flat = idx[0]
@@ -39,8 +47,8 @@ def mask_te(seed: te.Tensor, shape, p: float, index: int) -> te.Tensor:
             flat = flat * dim + i
         s0, s1 = tirx.Cast("uint64", seed[0]), tirx.Cast("uint64", seed[1])
         h = cr.hash_te(flat, cr.key_te(s0, s1, index))
-        u = tirx.Cast("float32", h >> tirx.const(8, "uint64")) * tirx.const(2.0 ** -24, "float32")
-        return tirx.Select(u >= keep_from, scale, tirx.const(0.0, "float32"))
+        return tirx.Select(h >> tirx.const(8, "uint64") >= keep_from, scale,
+                           tirx.const(0.0, "float32"))
 
     return te.compute(tuple(shape), element, name=f"dropout_mask{index}")
 
