@@ -185,17 +185,17 @@ def choose_winograd(mod: tvm.IRModule, kernel_ms, untimed_ms=None) -> set:
     twice).
 
     In a module that also computes data gradients (a training step: transposed convolutions
-    among its eligible ones), only those are candidates; its forward convolutions stay direct.
+    among its eligible ones), only those are candidates, and only for the filter sizes of
+    :data:`thomas_tune.winograd_form.GRADIENT_FILTERS`; its forward convolutions stay direct.
     Their outputs decide the ReLU masks and max-pooling windows through which the backward
     pass routes every gradient, and the Winograd form's rounding (about 3x the direct form's
     for F(2x2, 5x5), 2.5x for F(2x2, 3x3)) decided enough of them otherwise for AlexNet@224's
     step at batch 32 to fail the step check, on PoCL and on the H200, where the same tuned
     records in the direct form pass (docs/journal/precision.md). An error in a gradient stays
-    an error of its size, so data gradients keep the faster form."""
+    an error of its size, so the data gradients of 3x3 layers keep the faster form; a 5x5
+    layer's puts the gradients below it over the step check's bound."""
     from . import winograd_form as W
-    convs = W.convolutions(mod)
-    if any(c.transposed for c in convs):
-        convs = {c for c in convs if c.transposed}
+    convs = W.candidates(mod)
     if not convs:
         return set()
     known: dict[str, float] = {}
@@ -288,8 +288,9 @@ def _extract(graphs: dict[str, tvm.IRModule], target: tvm.target.Target,
             forms = [fuse(mod, winograd.get(graph_name))]
         else:
             forms = [fuse(mod)]
-            if W.convolutions(mod):
-                forms.append(fuse(mod, "all"))
+            wino = W.candidates(mod)  # the kernels of every form the choice may take
+            if wino:
+                forms.append(fuse(mod, wino))
         seen: dict[int, int] = {}
         for form in forms:
             for et in ms.relax_integration.extract_tasks(form, target):

@@ -34,7 +34,8 @@ layer may use this form. The matrices come from the Toom-Cook construction over 
 In float32 the result differs from the direct form by rounding, which grows with the
 transforms' entries: at most 1 in magnitude for F(2x2, 3x3), at most 5 for F(2x2, 5x5). On
 PoCL a 3x3 layer agreed with the direct form to 2.6e-7 of its largest output, a 5x5 layer to
-1.6e-6.
+1.6e-6. A training step takes the form for the data gradients of 3x3 layers only
+(:data:`GRADIENT_FILTERS`); forward passes take it for both sizes.
 """
 
 from __future__ import annotations
@@ -53,6 +54,13 @@ POINTS = (Fraction(0), Fraction(1), Fraction(-1), Fraction(2), Fraction(-2), Fra
           Fraction(-1, 2))
 #: filter sizes -> output tile size m of F(m x m, r x r)
 TILE = {3: 2, 5: 2}
+#: filter sizes whose data gradients a training step may compute in this form. F(2x2, 5x5)'s
+#: rounding reaches every gradient below the layer: AlexNet@224's second layer's data gradient
+#: in this form, in float32 with the rest of the step in float64, puts the first layer's bias
+#: gradient 2.0e-6 to 2.8e-6 (of its largest value) from float64 on the step check's three
+#: batches, against 1.3e-7 to 1.8e-7 for the direct form in float32 and 8.5e-7 for PyTorch's
+#: whole float32 step: over the step check's 3x (docs/journal/precision.md).
+GRADIENT_FILTERS = (3,)
 #: kernel names (the PrimFuncs' name hints)
 KERNELS = ("winograd_weight", "winograd_input", "winograd_matmul", "winograd_output")
 
@@ -402,6 +410,18 @@ def convolutions(mod: tvm.IRModule) -> set[Conv]:
         if isinstance(func, relax.Function):
             relax.analysis.post_order_visit(func, visit)
     return found
+
+
+def candidates(mod: tvm.IRModule) -> set[Conv]:
+    """The convolutions of ``mod`` that a build may compute in the Winograd form: in a module
+    that computes data gradients (a training step: transposed convolutions among its eligible
+    ones), those of the filter sizes in :data:`GRADIENT_FILTERS`, its forward convolutions
+    staying direct (:func:`thomas_tune.tasks.choose_winograd` says why); in any other module
+    (a forward pass), every eligible convolution (:func:`convolutions`)."""
+    convs = convolutions(mod)
+    if any(c.transposed for c in convs):
+        return {c for c in convs if c.transposed and c.r in GRADIENT_FILTERS}
+    return convs
 
 
 def rewrite(mod: tvm.IRModule, choose=lambda call, conv: True) -> tuple[tvm.IRModule, int]:
