@@ -11,8 +11,9 @@ import tvm_ffi
 from tvm import relax
 from tvm.s_tir import meta_schedule as ms
 
+from .loss import one_group_kernels
 from .schedules import default_schedules, tir_pipeline
-from .target import codegen_target
+from .target import codegen_target, is_gpu
 from .tasks import choose_winograd, fuse
 
 
@@ -21,6 +22,8 @@ def _pipeline(target: tvm.target.Target, database: ms.Database | None, winograd=
     @tvm.transform.module_pass(opt_level=0, name="ThomasTuneBuild")
     def pipeline(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
         mod = fuse(mod, winograd)
+        if is_gpu(target):  # the loss in one work-group, before any record could apply
+            mod = one_group_kernels(mod, target)
         if database is not None:
             before = dict(mod.functions)
             with target, database:

@@ -1,24 +1,30 @@
-"""The training step's loss: softmax cross-entropy, averaged over the batch, in three kernels.
+"""The training step's loss: softmax cross-entropy, averaged over the batch, in one kernel.
 
 The generic form (``relax.training.loss.CrossEntropyLoss``: ``log_softmax`` then ``nll_loss``,
 and their gradients) takes about ten kernel launches a step for what is, on a batch of logits,
-a few microseconds of arithmetic; on a phone each launch costs more than that. Here:
+a few microseconds of arithmetic; on a phone each launch costs more than that. Here one
+kernel, :func:`cross_entropy`, computes the loss and its gradient with respect to the logits
+``x`` (N, C) together:
 
-* ``cross_entropy`` (forward, two kernels): per row ``i`` of the logits ``x`` (N, C), the
-  running maximum and the sum of ``exp(x_ij - max)`` in one pass, in 16 lanes of a tuple
-  reduction ("online softmax", Milakov & Gimelshein 2018, arXiv:1805.02867), joined into
-  ``m_i`` and ``s_i``; then ``loss = sum_i (m_i + log s_i - x_{i,y_i}) / N``. The lanes are
-  outputs too, kept for the backward.
-* ``cross_entropy_grad`` (backward, one kernel): from the forward's lanes,
-  ``dx_ij = dloss * (exp(x_ij - m_i) / s_i - [j = y_i]) / N`` (the gradient of the mean
-  softmax cross-entropy: softmax minus the one-hot target).
+* per row ``i``, the running maximum and the sum of ``exp(x_ij - max)`` in one pass, in 16
+  lanes of a tuple reduction ("online softmax", Milakov & Gimelshein 2018,
+  arXiv:1805.02867), joined pairwise into ``m_i`` and ``s_i``;
+* ``loss = sum_i (m_i + log s_i - x_{i,y_i}) / N``;
+* ``dx_ij = (exp(x_ij - m_i) / s_i - [j = y_i]) / N``, the gradient of the mean softmax
+  cross-entropy (softmax minus the one-hot target) for a loss gradient of 1.
 
-Each is a TE function in one PrimFunc (its two blocks are two launches once scheduled for a
-GPU); the backward is registered as the gradient of the forward's ``call_tir_with_grad``
-(:data:`GRADIENT`, by :func:`register`). The same arithmetic as PyTorch's
-``F.cross_entropy(x, y)`` (reduction "mean", no class weights, every target counted): targets
-are class indices in ``[0, C)``; one outside it reads outside the row, so the runtime checks
-labels against the model's classes before they reach the device (``Session``).
+A training step's loss gradient is 1 (``Gradient`` seeds the loss with ones), so the backward
+(registered as the gradient of the forward's ``call_tir_with_grad``, :data:`GRADIENT`) is the
+forward's second output itself; any other loss gradient scales it in a kernel of its own.
+
+On a CPU the kernel is its TE stages under the default schedules. On a GPU its stages are
+four kernels once scheduled; :func:`gpu_kernel` writes it as one work-group instead (the
+stages in turn, separated by barriers, their intermediates in local memory), which the build
+puts in its place (``thomas_tune.compile``): one launch where the scheduled stages take four.
+The same arithmetic as PyTorch's ``F.cross_entropy(x, y)`` (reduction "mean", no class
+weights, every target counted): targets are class indices in ``[0, C)``; one outside it reads
+outside the row, so the runtime checks labels against the model's classes before they reach
+the device (``Session``).
 """
 
 from __future__ import annotations
@@ -29,6 +35,9 @@ from tvm import relax, te
 from tvm.relax.training import loss as rloss
 
 GRADIENT = "thomas_tune.cross_entropy"  # the te_grad_name of the forward's call_tir_with_grad
+#: relax's pattern kind of an opaque kernel (``tvm.relax.transform.AnnotateTIROpPattern``):
+#: the loss's kernel is fused with nothing, so that the build finds it whole
+OPAQUE = 8
 
 
 LANES = 16  # partial sums per row (below)
@@ -80,48 +89,165 @@ def _row(lanes, i):
 
 def cross_entropy(x: te.Tensor, y: te.Tensor):
     """The mean softmax cross-entropy of logits ``x`` (N, C) float against class indices ``y``
-    (N,) int: (loss, m, s), the loss a 0-d tensor of ``x``'s dtype and ``m``, ``s`` (N,
-    :data:`LANES`) the rows' lanes (:func:`_lanes`), which the backward reads (module
-    docstring)."""
-    n = int(x.shape[0])
-    lanes = _lanes(x)
-    j = te.reduce_axis((0, n), "j")
-    inv_n = tvm.tirx.const(1.0 / n, x.dtype)
-
-    def term(r):
-        m, s = _row(lanes, r)
-        return (m + te.log(s) - x[r, y[r]]) * inv_n
-
-    return te.compute((), lambda: te.sum(term(j), axis=j), name="ce_loss"), lanes[0], lanes[1]
-
-
-def cross_entropy_grad(dloss: te.Tensor, x: te.Tensor, y: te.Tensor, m: te.Tensor,
-                       s: te.Tensor) -> te.Tensor:
-    """The gradient of :func:`cross_entropy` with respect to ``x`` (N, C), for the loss's
-    gradient ``dloss`` (0-d), from the forward's lanes ``m``, ``s``: ``dloss * (softmax(x) -
-    onehot(y)) / N``, one element-wise kernel."""
+    (N,) int, and its gradient: (loss, dx), the loss a 0-d tensor of ``x``'s dtype and ``dx``
+    (N, C) its gradient with respect to ``x`` for a loss gradient of 1 (module docstring)."""
     n, c = (int(d) for d in x.shape)
     dt = x.dtype
+    lanes = _lanes(x)
+    row_max = te.compute((n,), lambda i: _row(lanes, i)[0], name="ce_row_max")
+    row_sum = te.compute((n,), lambda i: _row(lanes, i)[1], name="ce_row_sum")
+    j = te.reduce_axis((0, n), "j")
     inv_n = tvm.tirx.const(1.0 / n, dt)
+    loss = te.compute((), lambda: te.sum(
+        (row_max[j] + te.log(row_sum[j]) - x[j, y[j]]) * inv_n, axis=j), name="ce_loss")
 
-    def body(i, j):
-        mi, si = _row((m, s), i)
-        hit = tvm.tirx.Select(y[i] == j.astype(y.dtype), tvm.tirx.const(1, dt),
+    def grad(i, k):
+        hit = tvm.tirx.Select(y[i] == k.astype(y.dtype), tvm.tirx.const(1, dt),
                               tvm.tirx.const(0, dt))
-        return dloss[()] * (te.exp(x[i, j] - mi) / si - hit) * inv_n
+        return (te.exp(x[i, k] - row_max[i]) / row_sum[i] - hit) * inv_n
 
-    return te.compute((n, c), body, name="ce_dx")
+    return loss, te.compute((n, c), grad, name="ce_dx")
+
+
+#: the attribute that marks the loss's kernel (:func:`cross_entropy`) for :func:`gpu_kernel`
+KERNEL_ATTR = "thomas_tune.loss"
+#: local memory the one-work-group kernel may take, bytes: half the 32 KiB every full-profile
+#: OpenCL device has (OpenCL 3.0 specification, ``CL_DEVICE_LOCAL_MEM_SIZE``)
+LOCAL_BYTES = 16 * 1024
+
+
+def gpu_kernel(func: tvm.tirx.PrimFunc, threads: int) -> tvm.tirx.PrimFunc | None:
+    """The loss's kernel ``func`` (:func:`cross_entropy`, marked with :data:`KERNEL_ATTR`;
+    arguments x (N, C) float, y (N,) int, loss (), dx (N, C)) as one GPU work-group of
+    ``threads`` work-items, scheduled (``tir.is_scheduled``): the rows' lanes, each lane by
+    one work-item; a barrier; each row's maximum and sum from its lanes, joined pairwise in
+    the order :func:`_row` joins them, by one work-item; a barrier; then ``dx`` element by
+    element across the work-group, and the loss by the first work-item (a sum over the rows
+    in order). The same arithmetic as the scheduled stages but for the order of the loss's
+    sum over the N rows. None when ``func`` is not the loss's kernel or its lanes and rows
+    (136 bytes a row in float32) take more than :data:`LOCAL_BYTES`."""
+    from tvm.script import tirx as T
+
+    if func.attrs is None or KERNEL_ATTR not in func.attrs or len(func.params) != 4:
+        return None
+    x_buf, y_buf = func.params[0], func.params[1]
+    n, c = (int(d) for d in x_buf.shape)
+    dt, yt = str(x_buf.dtype), str(y_buf.dtype)
+    if (2 * LANES + 2) * n * tvm.DataType(dt).bits // 8 > LOCAL_BYTES:
+        return None
+    nl, kk = n * LANES, -(-c // LANES)
+    low, inv_n = float(np.finfo(dt).min), 1.0 / n
+    levels = LANES.bit_length() - 1  # pairwise joins: LANES a power of two
+    half = LANES // 2
+
+    @T.prim_func
+    def main(x: T.Buffer((n, c), dt), y: T.Buffer((n,), yt), loss: T.Buffer((), dt),
+             dx: T.Buffer((n, c), dt)):
+        T.func_attr({"tir.is_scheduled": True, "tir.noalias": True})
+        T.launch_thread("blockIdx.x", 1)
+        tx = T.launch_thread("threadIdx.x", threads)
+        lane_max = T.alloc_shared((nl,), dt)
+        lane_sum = T.alloc_shared((nl,), dt)
+        row_max = T.alloc_shared((n,), dt)
+        row_sum = T.alloc_shared((n,), dt)
+        acc = T.alloc_local((3,), dt)
+        part_max = T.alloc_local((LANES,), dt)
+        part_sum = T.alloc_local((LANES,), dt)
+        for q in range((nl + threads - 1) // threads):
+            if q * threads + tx < nl:
+                acc[0] = T.Cast(dt, low)
+                acc[1] = T.Cast(dt, 0)
+                for k in range(kk):
+                    if k * LANES + (q * threads + tx) % LANES < c:
+                        acc[2] = T.max(acc[0], x[(q * threads + tx) // LANES,
+                                                 k * LANES + (q * threads + tx) % LANES])
+                        acc[1] = acc[1] * T.exp(acc[0] - acc[2]) + T.exp(
+                            x[(q * threads + tx) // LANES, k * LANES + (q * threads + tx) % LANES]
+                            - acc[2])
+                        acc[0] = acc[2]
+                lane_max[q * threads + tx] = acc[0]
+                lane_sum[q * threads + tx] = acc[1]
+        T.tvm_storage_sync("shared")
+        for q in range((n + threads - 1) // threads):
+            if q * threads + tx < n:
+                for lane in T.unroll(LANES):
+                    part_max[lane] = lane_max[(q * threads + tx) * LANES + lane]
+                    part_sum[lane] = lane_sum[(q * threads + tx) * LANES + lane]
+                for level in T.unroll(levels):
+                    for a in T.unroll(half):
+                        if a < half >> level:
+                            acc[2] = T.max(part_max[a * (2 << level)],
+                                           part_max[a * (2 << level) + (1 << level)])
+                            part_sum[a * (2 << level)] = part_sum[a * (2 << level)] * T.exp(
+                                part_max[a * (2 << level)] - acc[2]) + part_sum[
+                                a * (2 << level) + (1 << level)] * T.exp(
+                                part_max[a * (2 << level) + (1 << level)] - acc[2])
+                            part_max[a * (2 << level)] = acc[2]
+                row_max[q * threads + tx] = part_max[0]
+                row_sum[q * threads + tx] = part_sum[0]
+        T.tvm_storage_sync("shared")
+        for q in range((n * c + threads - 1) // threads):
+            if q * threads + tx < n * c:
+                dx[(q * threads + tx) // c, (q * threads + tx) % c] = (T.exp(
+                    x[(q * threads + tx) // c, (q * threads + tx) % c]
+                    - row_max[(q * threads + tx) // c]) / row_sum[(q * threads + tx) // c]
+                    - T.Select(y[(q * threads + tx) // c] == T.Cast(yt, (q * threads + tx) % c),
+                               T.Cast(dt, 1), T.Cast(dt, 0))) * T.Cast(dt, inv_n)
+        if tx == 0:
+            acc[0] = T.Cast(dt, 0)
+            for i in range(n):
+                acc[0] = acc[0] + (row_max[i] + T.log(row_sum[i]) - x[i, y[i]]) * T.Cast(
+                    dt, inv_n)
+            loss[()] = acc[0]
+
+    return main
+
+
+def one_group_kernels(mod: tvm.IRModule, target: tvm.target.Target) -> tvm.IRModule:
+    """``mod`` (fused, to be built for the GPU target ``target``) with each of the loss's kernels
+    replaced by :func:`gpu_kernel` (work-groups of the target's ``max_threads_per_block``,
+    at most 256) where it fits; every other function unchanged."""
+    threads = min(256, int(target.attrs.get("max_threads_per_block", 256)))
+    out = tvm.IRModule(mod.functions, attrs=mod.attrs)
+    for gv, func in mod.functions.items():
+        if isinstance(func, tvm.tirx.PrimFunc):
+            one = gpu_kernel(func, threads)
+            if one is not None:
+                out[gv] = one.with_attr("global_symbol", func.attrs["global_symbol"])
+    return out
+
+
+def scale(dloss: te.Tensor, dx: te.Tensor) -> te.Tensor:
+    """``dloss`` (0-d) times ``dx`` (N, C): the logits' gradient for a loss gradient other
+    than 1."""
+    return te.compute(dx.shape, lambda i, k: dloss[()] * dx[i, k], name="ce_scale")
+
+
+def _is_ones(expr, ctx) -> bool:
+    """Whether ``expr`` is bound (through variables) to ``R.ones``."""
+    while isinstance(expr, relax.Var):
+        bound = ctx.lookup_binding(expr)
+        if bound is None:
+            return False
+        expr = bound
+    return isinstance(expr, relax.Call) and isinstance(expr.op, tvm.ir.Op) \
+        and expr.op.name == "relax.ones"
 
 
 def _gradient(orig_var, call, output_grad, ctx):
     """The registered backward of the forward's ``call_tir_with_grad`` (arguments logits and
-    targets; outputs the loss and the rows' lanes): the logits' gradient from the lanes, and
-    zeros for the integer targets (no gradient)."""
-    x, y = call.args[1].fields
-    dloss = ctx.emit(relax.TupleGetItem(output_grad, 0))
-    m, s = (ctx.emit(relax.TupleGetItem(orig_var, i)) for i in (1, 2))
-    dx = ctx.emit_te(cross_entropy_grad, dloss, x, y, m, s,
-                     primfunc_name_hint="cross_entropy_grad")
+    targets; outputs the loss and its gradient for a loss gradient of 1): the forward's
+    gradient itself where the loss's gradient is ``ones`` (a training step), else scaled by
+    it; zeros for the integer targets (no gradient)."""
+    _, y = call.args[1].fields
+    grads = output_grad
+    if isinstance(grads, relax.Var) and isinstance(ctx.lookup_binding(grads), relax.Tuple):
+        grads = ctx.lookup_binding(grads)
+    dloss = grads.fields[0] if isinstance(grads, relax.Tuple) else \
+        ctx.emit(relax.TupleGetItem(output_grad, 0))
+    dx = ctx.emit(relax.TupleGetItem(orig_var, 1))
+    if not _is_ones(dloss, ctx):
+        dx = ctx.emit_te(scale, dloss, dx, primfunc_name_hint="cross_entropy_scale")
     n = int(y.ty.shape.values[0])
     return ctx.emit(relax.Tuple([dx, relax.const(np.zeros((n,), str(y.ty.dtype)))]))
 
@@ -146,8 +272,8 @@ class CrossEntropyLoss(rloss.Loss):
         x = te.placeholder([int(d) for d in predictions.shape.values], str(predictions.dtype),
                            "x")
         y = te.placeholder([int(d) for d in targets.shape.values], str(targets.dtype), "y")
-        self.kernel = te.create_prim_func([x, y, *cross_entropy(x, y)]).with_attr(
-            "global_symbol", "cross_entropy")
+        self.kernel = te.create_prim_func([x, y, *cross_entropy(x, y)]).with_attrs(
+            {"global_symbol": "cross_entropy", KERNEL_ATTR: True, "op_pattern": OPAQUE})
         self.gv = relax.BlockBuilder().add_func(self.kernel, "cross_entropy")  # typed
 
     def add_kernel(self, mod: tvm.IRModule) -> tvm.IRModule:
@@ -169,9 +295,10 @@ class CrossEntropyLoss(rloss.Loss):
             with bb.dataflow():
                 dt = str(self.predictions.dtype)
                 n = int(self.predictions.shape.values[0])
-                lanes = relax.TensorType((n, LANES), dt)
                 out = bb.emit(relax.call_tir_with_grad(
-                    self.gv, relax.Tuple([p, t]), [relax.TensorType((), dt), lanes, lanes],
+                    self.gv, relax.Tuple([p, t]),
+                    [relax.TensorType((), dt), relax.TensorType((n, int(
+                        self.predictions.shape.values[1])), dt)],
                     te_grad_name=GRADIENT))
                 loss = bb.emit_output(relax.TupleGetItem(out, 0))
             bb.emit_func_output(loss)

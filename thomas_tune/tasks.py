@@ -256,7 +256,8 @@ def extract(graphs: dict[str, tvm.IRModule], target: tvm.target.Target,
     (:mod:`thomas_tune.winograd_form`) gives the tasks of both forms, so that tuning finds what
     each costs (a kernel both forms call is counted once); or graph name -> the set of
     convolutions a build computes in that form (:func:`thomas_tune.compile.winograd_choice`):
-    the tasks of that build only.
+    the tasks of that build only. For a GPU target the loss's kernel is left out: the build
+    writes it as one work-group (:func:`thomas_tune.loss.gpu_kernel`), which nothing tunes.
 
     Returns tasks sorted by total FLOPs (calls x FLOPs per call), largest first.
 
@@ -282,6 +283,9 @@ _EXTRACTED: dict[tuple, list[Task]] = {}
 def _extract(graphs: dict[str, tvm.IRModule], target: tvm.target.Target,
              winograd: dict | None) -> list[Task]:
     from . import winograd_form as W
+    from .loss import KERNEL_ATTR as LOSS_KERNEL
+    from .target import is_gpu
+    gpu = is_gpu(target)
     by_key: dict[int, Task] = {}
     for graph_name, mod in graphs.items():
         if winograd is not None:
@@ -294,6 +298,9 @@ def _extract(graphs: dict[str, tvm.IRModule], target: tvm.target.Target,
         seen: dict[int, int] = {}
         for form in forms:
             for et in ms.relax_integration.extract_tasks(form, target):
+                attrs = et.dispatched[0]["main"].attrs
+                if gpu and attrs is not None and LOSS_KERNEL in attrs:
+                    continue  # built as one work-group (thomas_tune.loss.gpu_kernel), not tuned
                 key = tvm_ffi.structural_hash(et.dispatched[0])
                 task = by_key.get(key)
                 if task is None:
