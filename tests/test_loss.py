@@ -95,22 +95,69 @@ def test_cross_entropy_in_float32_is_as_close_to_float64_as_pytorchs(rng):
 def test_the_loss_is_one_work_group_on_a_gpu(rng):
     """Built for OpenCL (PoCL), the loss and its gradient are one kernel, one work-group
     (``loss.gpu_kernel``), as close to float64 as on the CPU (the bounds of the test above);
-    a batch whose lanes overflow the local memory it may take keeps the scheduled stages."""
-    from thomas_tune.loss import LOCAL_BYTES, gpu_kernel
+    its batch sum of the gradient (the last bias's gradient) is within a few float32
+    roundings of float64's, at most PyTorch float32's own distance (a chain over the batch:
+    about twice the pairwise tree's over 30 draws); a batch whose lanes overflow the local
+    memory it may take keeps the scheduled stages."""
+    from thomas_tune.loss import LOCAL_BYTES, MAX_ROWS, gpu_kernel
     for ours, theirs, floor in _float32_against_pytorch(rng, "opencl"):
         assert ours <= 2 * max(theirs, floor), (ours, theirs, floor)
-    vm, _ = _loss_and_grad("float32", 32, 1000, "opencl")
+    n, c = 32, 1000
     target = parse_target("opencl")
-    loss = CrossEntropyLoss(relax.TensorType((32, 1000), "float32"),
-                            relax.TensorType((32,), "int64"))
+    loss = CrossEntropyLoss(relax.TensorType((n, c), "float32"), relax.TensorType((n,), "int64"))
     one = gpu_kernel(loss.kernel, 256)
     lib = tvm.compile(tvm.IRModule({"main": one}), codegen_target(target),
                       tir_pipeline=tir_pipeline(target))
     assert lib.mod.imports[0].inspect_source().count("__kernel void") == 2  # declared, defined
+    x = (rng.standard_normal((n, c)) * 1.5).astype("float32")
+    y = rng.integers(0, c, n)
+    dev = tvm.opencl(0)
+    outs = [tvm.runtime.tensor(np.full(shape, np.nan, "float32"), dev)
+            for shape in ((), (n, c), (c,))]
+    lib["main"](tvm.runtime.tensor(x, dev), tvm.runtime.tensor(y, dev), *outs)
+    tx = torch.tensor(x.astype("float64"), requires_grad=True)
+    ref = torch.nn.functional.cross_entropy(tx, torch.tensor(y))
+    ref.backward()
+    g64 = tx.grad.numpy()
+    eps = np.finfo("float32").eps
+    assert abs(float(outs[0].numpy()) - ref.item()) <= 8 * eps * ref.item()
+    assert np.abs(outs[1].numpy() - g64).max() <= 4 * eps * np.abs(g64).max()
+    sum64 = g64.sum(axis=0)
+    t32 = torch.tensor(x, requires_grad=True)
+    torch.nn.functional.cross_entropy(t32, torch.tensor(y)).backward()
+    theirs = np.abs(t32.grad.numpy().sum(axis=0) - sum64).max()
+    ours = np.abs(outs[2].numpy() - sum64).max()
+    assert ours <= max(theirs, 4 * eps * np.abs(sum64).max()), (ours, theirs)
     big = -(-LOCAL_BYTES // (34 * 4)) + 1
-    wide = CrossEntropyLoss(relax.TensorType((big, 10), "float32"),
-                            relax.TensorType((big,), "int64"))
-    assert gpu_kernel(wide.kernel, 256) is None
+    for rows in (big, MAX_ROWS + 1):
+        wide = CrossEntropyLoss(relax.TensorType((rows, 10), "float32"),
+                                relax.TensorType((rows,), "int64"))
+        assert gpu_kernel(wide.kernel, 256) is None
+
+
+def test_the_last_bias_gradient_is_the_losss_batch_sum():
+    """In a step, the gradient of the bias of the layer that makes the logits is the loss
+    kernel's own batch sum (``loss.batch_sums``): AlexNet with its last layer alone trainable
+    sums nothing over the batch in a kernel of its own, and with every layer trainable it has
+    one batch sum fewer than the same step without the rewrite. (Its numbers are PyTorch's in
+    float64: ``test_models.py::test_training_graph_matches_pytorch``.)"""
+    from thomas_tune import loss as L
+    from thomas_tune.tasks import callees, fuse
+    model = build("alexnet", **SMALL["alexnet"])
+    tg = G.training_module(model, 4, "last:1")
+    assert tg.trainable == ["classifier.6.weight", "classifier.6.bias"]
+    calls = callees(fuse(tg.mod)[G.ADJOINT])
+    assert not [k for k in calls if "collapse_sum" in k], calls
+    whole = G.training_module(model, 4, "all").mod
+    sums = sum(n for k, n in callees(fuse(whole)[G.ADJOINT]).items() if "collapse_sum" in k)
+    original, L.batch_sums = L.batch_sums, lambda mod: mod
+    try:
+        G.batch_sums = L.batch_sums
+        plain = G.training_module(model, 4, "all").mod
+    finally:
+        L.batch_sums = G.batch_sums = original
+    assert sum(n for k, n in callees(fuse(plain)[G.ADJOINT]).items()
+               if "collapse_sum" in k) == sums + 1
 
 
 def test_a_loss_gradient_other_than_one_scales_the_logits_gradient(rng):

@@ -50,7 +50,7 @@ from tvm.relax.training import optimizer as ropt
 
 from . import gradients  # noqa: F401  (registers the missing gradients)
 from . import multi_tensor as MT
-from .loss import CrossEntropyLoss
+from .loss import CrossEntropyLoss, batch_sums
 from .manifest import (ADJOINT, FEATURES, HEAD_ADJOINT, OPTIMIZER,  # the exported functions'
                        PREDICT, TRAIN_STEP)  # names
 from .models import ShapeGraph, spec, trace
@@ -644,7 +644,7 @@ def training_module(model, batch: int, trainable: str | list[str] = "all",
     loss_types = [relax.TensorType((batch, classes), dtype), relax.TensorType((batch,), "int64")]
     loss = CrossEntropyLoss(*loss_types)
     mod = SetupTrainer(loss, opt, loss_types, legalize=False)(loss.add_kernel(backbone))
-    mod = gradients.transpose_free_matmuls(mod)
+    mod = batch_sums(gradients.transpose_free_matmuls(mod))
     out = tvm.IRModule({
         ADJOINT: mod["backbone_loss_adjoint"].with_attr("global_symbol", ADJOINT),
         OPTIMIZER: mod["optimizer"],
@@ -660,8 +660,8 @@ def training_module(model, batch: int, trainable: str | list[str] = "all",
         feat, head, split = _feature_functions(model, batch, dtype, k, frozen_bn,
                                                [n for n in g.params if n in train_set])
         _add_functions(out, feat, FEATURES, FEATURES)
-        head_mod = gradients.transpose_free_matmuls(SetupTrainer(
-            loss, optimizer.build(), loss_types, legalize=False)(loss.add_kernel(head)))
+        head_mod = batch_sums(gradients.transpose_free_matmuls(SetupTrainer(
+            loss, optimizer.build(), loss_types, legalize=False)(loss.add_kernel(head))))
         _add_functions(out, head_mod, "backbone_loss_adjoint", HEAD_ADJOINT)
         entries += [FEATURES, HEAD_ADJOINT]
     out = relax.transform.DeadCodeElimination(entries)(out)

@@ -89,8 +89,10 @@ def _row(lanes, i):
 
 def cross_entropy(x: te.Tensor, y: te.Tensor):
     """The mean softmax cross-entropy of logits ``x`` (N, C) float against class indices ``y``
-    (N,) int, and its gradient: (loss, dx), the loss a 0-d tensor of ``x``'s dtype and ``dx``
-    (N, C) its gradient with respect to ``x`` for a loss gradient of 1 (module docstring)."""
+    (N,) int, and its gradient: (loss, dx, dx_sum), the loss a 0-d tensor of ``x``'s dtype,
+    ``dx`` (N, C) its gradient with respect to ``x`` for a loss gradient of 1 (module
+    docstring) and ``dx_sum`` (C,) the sum of ``dx`` over the batch in a pairwise tree: the
+    gradient of the bias of the layer that makes the logits (:func:`batch_sums`)."""
     n, c = (int(d) for d in x.shape)
     dt = x.dtype
     lanes = _lanes(x)
@@ -106,7 +108,20 @@ def cross_entropy(x: te.Tensor, y: te.Tensor):
                               tvm.tirx.const(0, dt))
         return (te.exp(x[i, k] - row_max[i]) / row_sum[i] - hit) * inv_n
 
-    return loss, te.compute((n, c), grad, name="ce_dx")
+    dx = te.compute((n, c), grad, name="ce_dx")
+    return loss, dx, te.compute((c,), lambda k: _pairwise([dx[i, k] for i in range(n)]),
+                                name="ce_dx_sum")
+
+
+def _pairwise(terms: list):
+    """The sum of ``terms`` (expressions) as a pairwise tree: neighbours first, then the sums
+    of neighbouring pairs, and so on (the order :func:`gpu_kernel` adds them in). A float32
+    sum of n terms in a tree rounds about log2(n) times where a chain rounds n - 1 times
+    (Higham 2002, "Accuracy and Stability of Numerical Algorithms", 2nd ed., sec. 4.2)."""
+    while len(terms) > 1:
+        terms = [terms[j] + terms[j + 1] if j + 1 < len(terms) else terms[j]
+                 for j in range(0, len(terms), 2)]
+    return terms[0]
 
 
 #: the attribute that marks the loss's kernel (:func:`cross_entropy`) for :func:`gpu_kernel`
@@ -114,35 +129,41 @@ KERNEL_ATTR = "thomas_tune.loss"
 #: local memory the one-work-group kernel may take, bytes: half the 32 KiB every full-profile
 #: OpenCL device has (OpenCL 3.0 specification, ``CL_DEVICE_LOCAL_MEM_SIZE``)
 LOCAL_BYTES = 16 * 1024
+#: rows (batch) above which the loss keeps its scheduled stages on a GPU: a work-item holds a
+#: column of this many values in registers for its pairwise sum
+MAX_ROWS = 64
 
 
 def gpu_kernel(func: tvm.tirx.PrimFunc, threads: int) -> tvm.tirx.PrimFunc | None:
     """The loss's kernel ``func`` (:func:`cross_entropy`, marked with :data:`KERNEL_ATTR`;
-    arguments x (N, C) float, y (N,) int, loss (), dx (N, C)) as one GPU work-group of
-    ``threads`` work-items, scheduled (``tir.is_scheduled``): the rows' lanes, each lane by
+    arguments x (N, C) float, y (N,) int, loss (), dx (N, C), dx_sum (C,)) as one GPU
+    work-group of ``threads`` work-items, scheduled (``tir.is_scheduled``): the rows' lanes, each lane by
     one work-item; a barrier; each row's maximum and sum from its lanes, joined pairwise in
     the order :func:`_row` joins them, by one work-item; a barrier; then ``dx`` element by
-    element across the work-group, and the loss by the first work-item (a sum over the rows
-    in order). The same arithmetic as the scheduled stages but for the order of the loss's
-    sum over the N rows. None when ``func`` is not the loss's kernel or its lanes and rows
-    (136 bytes a row in float32) take more than :data:`LOCAL_BYTES`."""
+    element across the work-group, each column's sum over the rows by one work-item (the
+    column's values computed again in its registers and added in :func:`_pairwise`'s tree),
+    and the loss by the first work-item (a sum over the rows in order). The same arithmetic
+    as the scheduled stages but for the order of the loss's sum over the N rows. None when
+    ``func`` is not the loss's kernel, its lanes and rows (136 bytes a row in float32) take
+    more than :data:`LOCAL_BYTES`, or it has more than :data:`MAX_ROWS` rows."""
     from tvm.script import tirx as T
 
-    if func.attrs is None or KERNEL_ATTR not in func.attrs or len(func.params) != 4:
+    if func.attrs is None or KERNEL_ATTR not in func.attrs or len(func.params) != 5:
         return None
     x_buf, y_buf = func.params[0], func.params[1]
     n, c = (int(d) for d in x_buf.shape)
     dt, yt = str(x_buf.dtype), str(y_buf.dtype)
-    if (2 * LANES + 2) * n * tvm.DataType(dt).bits // 8 > LOCAL_BYTES:
+    if (2 * LANES + 2) * n * tvm.DataType(dt).bits // 8 > LOCAL_BYTES or n > MAX_ROWS:
         return None
     nl, kk = n * LANES, -(-c // LANES)
     low, inv_n = float(np.finfo(dt).min), 1.0 / n
     levels = LANES.bit_length() - 1  # pairwise joins: LANES a power of two
     half = LANES // 2
+    row_levels = (n - 1).bit_length()  # levels of the pairwise sum over the rows
 
     @T.prim_func
     def main(x: T.Buffer((n, c), dt), y: T.Buffer((n,), yt), loss: T.Buffer((), dt),
-             dx: T.Buffer((n, c), dt)):
+             dx: T.Buffer((n, c), dt), dx_sum: T.Buffer((c,), dt)):
         T.func_attr({"tir.is_scheduled": True, "tir.noalias": True})
         T.launch_thread("blockIdx.x", 1)
         tx = T.launch_thread("threadIdx.x", threads)
@@ -153,6 +174,7 @@ def gpu_kernel(func: tvm.tirx.PrimFunc, threads: int) -> tvm.tirx.PrimFunc | Non
         acc = T.alloc_local((3,), dt)
         part_max = T.alloc_local((LANES,), dt)
         part_sum = T.alloc_local((LANES,), dt)
+        column = T.alloc_local((n,), dt)
         for q in range((nl + threads - 1) // threads):
             if q * threads + tx < nl:
                 acc[0] = T.Cast(dt, low)
@@ -193,6 +215,18 @@ def gpu_kernel(func: tvm.tirx.PrimFunc, threads: int) -> tvm.tirx.PrimFunc | Non
                     - row_max[(q * threads + tx) // c]) / row_sum[(q * threads + tx) // c]
                     - T.Select(y[(q * threads + tx) // c] == T.Cast(yt, (q * threads + tx) % c),
                                T.Cast(dt, 1), T.Cast(dt, 0))) * T.Cast(dt, inv_n)
+        for q in range((c + threads - 1) // threads):
+            if q * threads + tx < c:
+                for i in T.unroll(n):
+                    column[i] = (T.exp(x[i, q * threads + tx] - row_max[i]) / row_sum[i]
+                                 - T.Select(y[i] == T.Cast(yt, q * threads + tx), T.Cast(dt, 1),
+                                            T.Cast(dt, 0))) * T.Cast(dt, inv_n)
+                for level in T.unroll(row_levels):
+                    for a in T.unroll((n + 1) // 2):
+                        if a * (2 << level) + (1 << level) < n:
+                            column[a * (2 << level)] = column[a * (2 << level)] + column[
+                                a * (2 << level) + (1 << level)]
+                dx_sum[q * threads + tx] = column[0]
         if tx == 0:
             acc[0] = T.Cast(dt, 0)
             for i in range(n):
@@ -252,6 +286,69 @@ def _gradient(orig_var, call, output_grad, ctx):
     return ctx.emit(relax.Tuple([dx, relax.const(np.zeros((n,), str(y.ty.dtype)))]))
 
 
+def batch_sums(mod: tvm.IRModule) -> tvm.IRModule:
+    """``mod`` (a training step's module after ``Gradient``) with each sum over the batch of
+    the loss's logits gradient (``R.collapse_sum_to(dx, (C,))``: the gradient of the bias of
+    the layer that makes the logits) replaced by the loss kernel's own ``dx_sum`` output
+    (:func:`cross_entropy`): the same sum in a pairwise tree instead of a chain of N terms, and
+    no kernel of its own. The logits gradient is recognised through the variables, tuples and
+    tuple items that pass it on from the loss's call; a sum of anything else (a gradient
+    scaled by a loss gradient other than 1) is left as it is."""
+    kernels = {gv for gv, f in mod.functions.items()
+               if isinstance(f, tvm.tirx.PrimFunc) and f.attrs is not None
+               and KERNEL_ATTR in f.attrs}
+    if not kernels:
+        return mod
+    call_tir = tvm.ir.Op.get("relax.call_tir")
+    collapse = tvm.ir.Op.get("relax.collapse_sum_to")
+    out = tvm.IRModule(dict(mod.functions), attrs=mod.attrs)
+    for gv, func in mod.functions.items():
+        if not isinstance(func, relax.Function) or not isinstance(func.body, relax.SeqExpr):
+            continue
+        bound = {b.var: b.value for block in func.body.blocks for b in block.bindings
+                 if isinstance(b, relax.VarBinding)}
+
+        def source(expr):
+            """(loss call's variable, output index) that ``expr`` passes on, or None."""
+            while True:
+                if isinstance(expr, relax.Var) and expr in bound:
+                    expr = bound[expr]
+                elif isinstance(expr, relax.TupleGetItem):
+                    tup = expr.tuple_value
+                    while isinstance(tup, relax.Var) and isinstance(bound.get(tup), (
+                            relax.Tuple, relax.Var)):
+                        tup = bound[tup]
+                    if isinstance(tup, relax.Tuple):
+                        expr = tup.fields[expr.index]
+                        continue
+                    call = bound.get(tup) if isinstance(tup, relax.Var) else None
+                    if (isinstance(call, relax.Call) and call.op.same_as(call_tir)
+                            and call.args[0] in kernels):
+                        return tup, expr.index
+                    return None
+                else:
+                    return None
+
+        blocks, changed = [], False
+        for block in func.body.blocks:
+            bindings = []
+            for b in block.bindings:
+                v = b.value if isinstance(b, relax.VarBinding) else None
+                if (isinstance(v, relax.Call) and v.op.same_as(collapse)
+                        and len(v.ty.shape.values) == 1):
+                    src = source(v.args[0])
+                    if src is not None and src[1] == 1:
+                        b = relax.VarBinding(b.var, relax.TupleGetItem(src[0], 2))
+                        changed = True
+                bindings.append(b)
+            blocks.append(relax.DataflowBlock(bindings) if isinstance(block, relax.DataflowBlock)
+                          else relax.BindingBlock(bindings))
+        if changed:
+            out[gv] = relax.Function(func.params, relax.SeqExpr(blocks, func.body.body),
+                                     func.ret_ty, func.is_pure, func.attrs)
+    return out
+
+
 def register() -> None:
     """Register :func:`_gradient` under :data:`GRADIENT`; safe to call twice."""
     handler = "tvm.relax.te_grad._register." + GRADIENT
@@ -294,11 +391,11 @@ class CrossEntropyLoss(rloss.Loss):
         with bb.function(self._loss_name, [p, t]):
             with bb.dataflow():
                 dt = str(self.predictions.dtype)
-                n = int(self.predictions.shape.values[0])
+                n, c = (int(d) for d in self.predictions.shape.values)
                 out = bb.emit(relax.call_tir_with_grad(
                     self.gv, relax.Tuple([p, t]),
-                    [relax.TensorType((), dt), relax.TensorType((n, int(
-                        self.predictions.shape.values[1])), dt)],
+                    [relax.TensorType((), dt), relax.TensorType((n, c), dt),
+                     relax.TensorType((c,), dt)],
                     te_grad_name=GRADIENT))
                 loss = bb.emit_output(relax.TupleGetItem(out, 0))
             bb.emit_func_output(loss)
