@@ -137,8 +137,8 @@ MAX_ROWS = 64
 def gpu_kernel(func: tvm.tirx.PrimFunc, threads: int) -> tvm.tirx.PrimFunc | None:
     """The loss's kernel ``func`` (:func:`cross_entropy`, marked with :data:`KERNEL_ATTR`;
     arguments x (N, C) float, y (N,) int, loss (), dx (N, C), dx_sum (C,)) as one GPU
-    work-group of ``threads`` work-items, scheduled (``tir.is_scheduled``): the rows' lanes, each lane by
-    one work-item; a barrier; each row's maximum and sum from its lanes, joined pairwise in
+    work-group of ``threads`` work-items, scheduled (``tir.is_scheduled``): the rows'
+    lanes, each lane by one work-item; a barrier; each row's maximum and sum from its lanes, joined pairwise in
     the order :func:`_row` joins them, by one work-item; a barrier; then ``dx`` element by
     element across the work-group, each column's sum over the rows by one work-item (the
     column's values computed again in its registers and added in :func:`_pairwise`'s tree),
