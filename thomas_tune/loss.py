@@ -137,15 +137,16 @@ MAX_ROWS = 64
 def gpu_kernel(func: tvm.tirx.PrimFunc, threads: int) -> tvm.tirx.PrimFunc | None:
     """The loss's kernel ``func`` (:func:`cross_entropy`, marked with :data:`KERNEL_ATTR`;
     arguments x (N, C) float, y (N,) int, loss (), dx (N, C), dx_sum (C,)) as one GPU
-    work-group of ``threads`` work-items, scheduled (``tir.is_scheduled``): the rows'
-    lanes, each lane by one work-item; a barrier; each row's maximum and sum from its lanes, joined pairwise in
-    the order :func:`_row` joins them, by one work-item; a barrier; then ``dx`` element by
-    element across the work-group, each column's sum over the rows by one work-item (the
-    column's values computed again in its registers and added in :func:`_pairwise`'s tree),
-    and the loss by the first work-item (a sum over the rows in order). The same arithmetic
-    as the scheduled stages but for the order of the loss's sum over the N rows. None when
-    ``func`` is not the loss's kernel, its lanes and rows (136 bytes a row in float32) take
-    more than :data:`LOCAL_BYTES`, or it has more than :data:`MAX_ROWS` rows."""
+    work-group of ``threads`` work-items, scheduled (``tir.is_scheduled``): the rows' lanes,
+    each lane by one work-item; a barrier; each row's maximum and sum from its lanes, joined
+    pairwise in the order :func:`_row` joins them, by one work-item; a barrier; then ``dx``
+    element by element across the work-group, each column's sum over the rows by one
+    work-item (the column's values computed again in its registers and added in
+    :func:`_pairwise`'s tree), and the loss by the first work-item (a sum over the rows in
+    order). The same arithmetic as the scheduled stages but for the order of the loss's sum
+    over the N rows. None when ``func`` is not the loss's kernel, its lanes and rows (136
+    bytes a row in float32) take more than :data:`LOCAL_BYTES`, or it has more than
+    :data:`MAX_ROWS` rows."""
     from tvm.script import tirx as T
 
     if func.attrs is None or KERNEL_ATTR not in func.attrs or len(func.params) != 5:
