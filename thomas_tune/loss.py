@@ -139,14 +139,13 @@ def gpu_kernel(func: tvm.tirx.PrimFunc, threads: int) -> tvm.tirx.PrimFunc | Non
     arguments x (N, C) float, y (N,) int, loss (), dx (N, C), dx_sum (C,)) as one GPU
     work-group of ``threads`` work-items, scheduled (``tir.is_scheduled``): the rows' lanes,
     each lane by one work-item; a barrier; each row's maximum and sum from its lanes, joined
-    pairwise in the order :func:`_row` joins them, by one work-item; a barrier; then ``dx``
-    element by element across the work-group, each column's sum over the rows by one
-    work-item (the column's values computed again in its registers and added in
-    :func:`_pairwise`'s tree), and the loss by the first work-item (a sum over the rows in
-    order). The same arithmetic as the scheduled stages but for the order of the loss's sum
-    over the N rows. None when ``func`` is not the loss's kernel, its lanes and rows (136
-    bytes a row in float32) take more than :data:`LOCAL_BYTES`, or it has more than
-    :data:`MAX_ROWS` rows."""
+    pairwise in the order :func:`_row` joins them, by one work-item; a barrier; then each
+    column of ``dx`` by one work-item (neighbouring work-items write neighbouring columns),
+    which keeps the column in its registers and sums it over the rows in :func:`_pairwise`'s
+    tree, and the loss by the first work-item (a sum over the rows in order). The same
+    arithmetic as the scheduled stages but for the order of the loss's sum over the N rows.
+    None when ``func`` is not the loss's kernel, its lanes and rows (136 bytes a row in
+    float32) take more than :data:`LOCAL_BYTES`, or it has more than :data:`MAX_ROWS` rows."""
     from tvm.script import tirx as T
 
     if func.attrs is None or KERNEL_ATTR not in func.attrs or len(func.params) != 5:
@@ -209,19 +208,13 @@ def gpu_kernel(func: tvm.tirx.PrimFunc, threads: int) -> tvm.tirx.PrimFunc | Non
                 row_max[q * threads + tx] = part_max[0]
                 row_sum[q * threads + tx] = part_sum[0]
         T.tvm_storage_sync("shared")
-        for q in range((n * c + threads - 1) // threads):
-            if q * threads + tx < n * c:
-                dx[(q * threads + tx) // c, (q * threads + tx) % c] = (T.exp(
-                    x[(q * threads + tx) // c, (q * threads + tx) % c]
-                    - row_max[(q * threads + tx) // c]) / row_sum[(q * threads + tx) // c]
-                    - T.Select(y[(q * threads + tx) // c] == T.Cast(yt, (q * threads + tx) % c),
-                               T.Cast(dt, 1), T.Cast(dt, 0))) * T.Cast(dt, inv_n)
         for q in range((c + threads - 1) // threads):
             if q * threads + tx < c:
                 for i in T.unroll(n):
                     column[i] = (T.exp(x[i, q * threads + tx] - row_max[i]) / row_sum[i]
                                  - T.Select(y[i] == T.Cast(yt, q * threads + tx), T.Cast(dt, 1),
                                             T.Cast(dt, 0))) * T.Cast(dt, inv_n)
+                    dx[i, q * threads + tx] = column[i]
                 for level in T.unroll(row_levels):
                     for a in T.unroll((n + 1) // 2):
                         if a * (2 << level) + (1 << level) < n:
