@@ -4,7 +4,9 @@
 # between calls until the machine goes back. State lives in /tmp/tt (kept on a warm machine).
 #   park    copy the carried part of the TVM tree (.devcarry/p1, p2, ..., one per call) to /tmp/tt
 #   start   set up (carry .devcarry/last), start tracker, servers and the tuning jobs; resumes
-#           from /tmp/tt/logs when the machine is warm, else from the tree's tuning_logs/
+#           from /tmp/tt/logs when the machine is warm, else from the tree's tuning_logs/;
+#           jobs run one after another (one started while another runs waits for it, also
+#           across calls; SIDE_BY_SIDE=1 starts it at once)
 #   status  progress of each job; the tuning logs and outputs come back as $OUT/gpu_logs.tgz
 #   watch   status every minute for WATCH seconds (default 540), then once more
 #   stop    stop everything
@@ -142,9 +144,16 @@ sys.exit(TuningLog(sys.argv[1]).version().status != 'current')" $log 2>/dev/null
         --batch --trainable --target --servers --build-workers)
       restamp="$PY remeasure $keep --restamp --top-k 1 --defaults logged --tracker 127.0.0.1:$PORT --key $KEY --log $log;"
     fi
-    setsid nohup bash -c "$restamp $PY tune $args ${TUNE_ARGS:-} --tracker 127.0.0.1:$PORT \
+    # one job at a time on the device: a job waits for the lock of the jobs started before it
+    # (a second job beside the first would find every server taken; its restamp gives up after
+    # 30 s). SIDE_BY_SIDE=1 starts it at once (small jobs; give each its own servers).
+    queue="exec 9>$TT/device.lock; flock 9;"
+    [ "${SIDE_BY_SIDE:-0}" = 1 ] && queue=""
+    setsid nohup bash -c "echo '$name: queued'; $queue echo '$name: started'; $restamp \
+      $PY tune $args ${TUNE_ARGS:-} --tracker 127.0.0.1:$PORT \
       --key $KEY --log $log --stats $TT/out/$out.stats.json --trials ${TRIALS:-20000}" \
       > $TT/out/$out.out 2>&1 < /dev/null &
+    sleep 1  # the job takes the lock (or queues) before the next one starts
   done
 }
 

@@ -90,16 +90,25 @@ def cmd_tune(args) -> int:
         print(f"default schedules: {len(everything)} kernels sum to {step_ms:.1f} ms per "
               f"pass of all graphs ({failed} failed to run); measured in "
               f"{time.perf_counter() - t0:.0f} s, cached in {log.path}", flush=True)
-        tasks = select_by_time(select(pool, top=None, flops_share=None, skip_empty=False),
-                               latency, args.time_share)
+        pool = select(pool, top=None, flops_share=None, skip_empty=False)
+        if args.untuned:
+            pool = _untuned(pool, latency, log)
+        tasks = select_by_time(pool, latency, args.time_share)
         if args.top:
             tasks = tasks[:args.top]
     else:
         from ..tuning.defaults import measure_defaults
+        if args.untuned:  # the candidates' default schedules timed, to compare with records
+            pool = _untuned(pool, measure_defaults(pool, target, runner, log,
+                                                   builder_workers=args.build_workers), log)
         tasks = select(pool, top=args.top, flops_share=args.flops_share)
         # the tuned tasks' default schedules, timed once (cached in the log, as --time-share
         # does for every kernel): the baseline a record must beat to be compiled by export
         latency = measure_defaults(tasks, target, runner, log, builder_workers=args.build_workers)
+    if not tasks and args.untuned:
+        print("nothing to tune: every chosen task has a record faster than its default "
+              "schedule (--untuned)", flush=True)
+        return 0
     print(summary(tasks, sum(t.total_flops for t in everything)), flush=True)
     lanes = args.servers or free  # --servers: lanes asked for; else the servers free now
     print(f"tuning {len(tasks)} tasks, {args.trials} trials, on {lanes} server(s) of key "
@@ -224,6 +233,16 @@ def add_tasks(sub) -> None:
     s.set_defaults(fn=cmd_tasks)
 
 
+def _untuned(pool, latency, log):
+    """``pool`` less the tasks whose best record in ``log`` beats its default schedule
+    (:func:`thomas_tune.tuning.defaults.untuned`), with a line saying how many are left."""
+    from ..tuning.defaults import untuned
+    left = untuned(pool, latency, log.database(check=False))
+    print(f"--untuned: {len(left)} of {len(pool)} tasks have no record faster than their "
+          "default schedule", flush=True)
+    return left
+
+
 def add_tune(sub) -> None:
     s = sub.add_parser("tune", help="tune the tasks on device servers of a tracker")
     add_model_args(s)
@@ -243,6 +262,12 @@ def add_tune(sub) -> None:
     s.add_argument("--time-share", type=float,
                    help="first time every kernel with its default schedule on the device, then "
                         "tune the fewest slowest tasks covering this share of that time")
+    s.add_argument("--untuned", action="store_true",
+                   help="choose among the tasks that have no record in the log faster than "
+                        "their default schedule (timed on the device first, cached in the "
+                        "log) only: after a change of the graph or of the code generation, the "
+                        "kernels an export would still run on default schedules; with "
+                        "--time-share, the share is of those tasks' default time")
     s.add_argument("--log", help="tuning-log folder (default tuning_logs/<key>/<model tag>)")
     s.add_argument("--wait", type=float, default=30, help="seconds to wait for a free server")
     s.add_argument("--population", type=int, default=128,

@@ -18,7 +18,7 @@ from ..measure.builder import Builder
 from ..measure.runner import error_line
 from ..tasks import Task
 from ..tasks import key as workload_key
-from ..logs import FAILED_RUN_S, TuningLog
+from ..logs import FAILED_RUN_S, TuningLog, mean_run_seconds
 
 DEFAULT_LATENCY = "default_latency.json"
 
@@ -245,4 +245,25 @@ def select_by_time(tasks: list[Task], latency: dict[str, float], time_share: flo
             break
         out.append(t)
         acc += c if math.isfinite(c) else 0.0
+    return out
+
+
+def untuned(tasks: list[Task], latency: dict[str, float], database) -> list[Task]:
+    """The tasks of ``tasks`` (order kept) that an export would run on their default schedule:
+    their workload has no record in ``database`` (a :class:`thomas_tune.logs.LogDatabase`)
+    that ran, or its best record's mean time (seconds) is not below the default schedule's in
+    ``latency`` (``{workload key: seconds per call}``, :func:`measure_defaults`). A task
+    without a default time counts only when it has no record. ``export`` makes the same
+    choice on the device (a default schedule faster than the best record is kept), so these
+    are the kernels further tuning can still speed up from nothing."""
+    out = []
+    for t in tasks:
+        best = math.inf
+        if database.has_workload(t.mod):
+            top = database.get_top_k(database.commit_workload(t.mod), 1)
+            if top:
+                best = mean_run_seconds(top[0].run_secs)
+        default = latency.get(workload_key(t))
+        if not math.isfinite(best) or (default is not None and best >= default):
+            out.append(t)
     return out
