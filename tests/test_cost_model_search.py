@@ -34,7 +34,7 @@ def tuned(tmp_path_factory):
     from thomas_tune import opencl
     from thomas_tune.logs import TuningLog
     from thomas_tune.models import build
-    from thomas_tune.tasks import extract
+    from thomas_tune.tasks import extract, key
     from thomas_tune.tuning import rpc_runner, tune
     target = opencl.target_for(0)
     model = build("mobilenet_v2", num_classes=5, resolution=32, width=0.35)
@@ -44,9 +44,11 @@ def tuned(tmp_path_factory):
     root = tmp_path_factory.mktemp("tuned")
     log, stats = TuningLog(str(root / "log")), str(root / "stats.json")
     with rpc.loopback(key="pocl", servers=1, lifetime=600) as addr:
+        # a default-schedule time (1 s, slower than any record) that the report carries
         report = tune([task], target, log, rpc_runner(addr, "pocl"), trials=16,
                       trials_per_iter=4, population=16, show_progress=False, max_in_flight=1,
-                      refine_top=0, local_share=0.0, stats_path=stats)
+                      refine_top=0, local_share=0.0, stats_path=stats,
+                      default_s={key(task): 1.0})
     assert report.trials == 16 and report.local == 0
     with open(stats) as f:
         return {"task": task, "target": target, "log": log, "stats": json.load(f)}
@@ -192,6 +194,7 @@ def test_trials_to_95_percent_of_the_final_time(tuned, tmp_path, rng):
             break
     (stats,) = tuned["stats"]["tasks"]
     assert stats["records"] == 16 and stats["trials_to_95pct"] == first
+    assert stats["default_ms"] == 1000.0 and stats["best_ms"] < stats["default_ms"]
 
 
 def test_cost_model_and_local_search_options_name_what_is_wrong(tmp_path, capsys):

@@ -142,6 +142,9 @@ def cmd_tune(args) -> int:
             print(f"  {t.name[:56]:<56} {t.trials:>4} trials  best {t.best_s * 1e3:9.4f} ms  "
                   f"{t.gflops:8.2f} GFLOP/s  ({t.errors} failed; 95% of the best after "
                   f"{to95} records)")
+            if t.default_s is not None and t.best_s >= t.default_s:
+                print(f"    its default schedule is faster ({t.default_s * 1e3:.4f} ms): an "
+                      "export keeps the default")
             if t.errors:
                 print(f"    last failure: {error_line(t.last_error, 200)}")
     for name, reason in report.search_failed.items():

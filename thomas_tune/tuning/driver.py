@@ -202,7 +202,8 @@ def _tune_locked(tasks: list[Task], target, log: TuningLog, runner: ms.Runner,
         default_ms.append(d * 1e3 if d is not None and math.isfinite(d) else None)
         best = log.best_seconds(database, task.mod) if measured else None
         tuned_ms.append(best * 1e3 if best is not None else None)
-        progress.append(TaskProgress(task.name, task.flops))
+        progress.append(TaskProgress(task.name, task.flops,
+                                     default_s=d if d is not None and math.isfinite(d) else None))
         mods.append(task.mod)
     replayed = log.save_hashes()  # the next start replays only the records added after this
     report.replayed_records = replayed

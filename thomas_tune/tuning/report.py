@@ -27,6 +27,9 @@ class TaskProgress:
     records: int = 0
     to95: int | None = None
     to95_gain: int | None = None
+    #: the default schedule's time (s per call) where it was timed: an export keeps the default
+    #: where no record beats it
+    default_s: float | None = None
 
     @property
     def gflops(self) -> float:
@@ -164,6 +167,8 @@ class TuneReport:
                 "wrong": self.wrong,
                 "tasks": [{"name": t.name, "trials": t.trials, "errors": t.errors,
                            "best_ms": t.best_s * 1e3 if t.best_s < math.inf else None,
+                           "default_ms": (t.default_s * 1e3 if t.default_s is not None
+                                          else None),
                            "gflops": t.gflops, "records": t.records,
                            "trials_to_95pct": t.to95, "trials_to_95pct_gain": t.to95_gain}
                           for t in self.tasks]}
