@@ -27,7 +27,9 @@
 #           this device), and 'thomas-tune bench --export' each (its step checked against
 #           PyTorch, then timed beside PyTorch eager), one after another; ROWS picks rows
 #           (default "mnv2-all mnv2-last2 alexnet-all alexnet-last3"), BENCH_ARGS adds options;
-#           'rows-status' prints progress and returns $TT/rows as $OUT/rows.tgz
+#           'rows-status' prints progress and returns $TT/rows as $OUT/rows.tgz; the rows wait
+#           for the tuning jobs started before them (so 'start' with WATCH=0 then 'rows' in one
+#           call tunes, then times the rows with the logs just tuned: size TRIALS to the lease)
 #   bench   'thomas-tune bench' with the arguments that follow (result JSON and PNG -> $OUT);
 #           sets up first on a fresh machine (carry .devcarry/last there), and unpacks the
 #           committed log of a '--log /tmp/tt/logs/NAME' that is not there yet
@@ -325,8 +327,12 @@ case "${1:-status}" in
       sleep $(( left < 60 ? left : 60 )); echo "---- $(date +%T)"; OUT= seeding_status; done
     seeding_status ;;
   rows) setup || exit $?
-    setsid nohup bash tools/gpu_tune.sh rows-job > $TT/rows.log 2>&1 < /dev/null &
-    sleep 2; echo "rows started" ;;
+    # after the tuning jobs started before it (the device lock, as in start_jobs): 'start' then
+    # 'rows' in one call tunes, then times the rows with the logs just tuned
+    queue="exec 9>$TT/device.lock; flock 9;"
+    [ "${SIDE_BY_SIDE:-0}" = 1 ] && queue=""
+    setsid nohup bash -c "$queue bash tools/gpu_tune.sh rows-job" > $TT/rows.log 2>&1 < /dev/null &
+    sleep 2; echo "rows started (after the tuning jobs that hold the device lock)" ;;
   rows-job) rows_job ;;
   rows-status) cat $TT/rows.log; for f in $TT/rows/*.out; do echo "-- $f"; tail -5 $f; done
     [ -n "${OUT:-}" ] && tar -C $TT -czf $OUT/rows.tgz --exclude='*.so' --exclude='*.npz' rows ;;
