@@ -566,9 +566,15 @@ def test_log_show_check_merge(tmp_path, capsys):
     assert f"{best:.4f}" in out
 
     assert cli.main(["log", "check", out_dir, "--model", "mobilenet_v2", "--width", "0.35",
-                     "--resolution", "64", "--classes", "10", "--batch", "8"]) == 0
+                     "--resolution", "64", "--classes", "10", "--batch", "8",
+                     "--untuned", "3"]) == 0
     out = capsys.readouterr().out
-    assert re.search(r": \d+/\d+ tasks tuned, \d+\.\d% of FLOPs", out)
+    found = re.search(r": (\d+)/(\d+) tasks tuned, \d+\.\d% of FLOPs", out)
+    tuned, total = map(int, found.groups())
+    # with no default times cached, the untuned tasks are those without a record, 3 listed
+    assert f"untuned: {total - tuned} of {total} tasks have no record faster" in out
+    table = out[out.index("best record ms"):].splitlines()[1:]
+    assert len(table) == 4 and table[3].strip() == f"({total - tuned - 3} more)"
     # another model's log: nothing of it is tuned, and the check says so
     assert cli.main(["log", "check", out_dir, *TINY]) == 1
     out = capsys.readouterr().out
