@@ -147,10 +147,9 @@ def test_records_slower_than_the_default_schedule_are_not_compiled(tmp_path, sma
     # with no default time, a task with a record is left out; in an empty log every task counts
     from thomas_tune.tuning.defaults import untuned
     times = {workload_key(fast): 0.0, workload_key(slow): float("inf")}
-    assert untuned(small_tasks, times, log.database(check=False)) == [fast]
-    assert untuned(small_tasks, {}, log.database(check=False)) == []
-    empty = TuningLog(str(tmp_path / "empty")).database(check=False)
-    assert untuned(small_tasks, times, empty) == small_tasks
+    assert untuned(small_tasks, times, log) == [fast]
+    assert untuned(small_tasks, {}, log) == []
+    assert untuned(small_tasks, times, TuningLog(str(tmp_path / "empty"))) == small_tasks
     assert db.has_workload(slow.mod)
     top = db.get_top_k(db.commit_workload(slow.mod), 1)
     assert len(top) == 1 and all(s < 1 for s in top[0].run_secs)

@@ -127,6 +127,14 @@ committed_log() {
   fi
 }
 
+# The start of a background job's script that waits for the device: one job at a time, each
+# waiting for the lock of the jobs started before it (a second job beside the first would find
+# every server taken; its restamp gives up after 30 s). SIDE_BY_SIDE=1: none (small jobs, each
+# with its own servers).
+device_queue() {
+  [ "${SIDE_BY_SIDE:-0}" = 1 ] || echo "exec 9>$TT/device.lock; flock 9;"
+}
+
 start_jobs() {
   mkdir -p $TT/logs $TT/out
   jobs_list | while read -r job args; do
@@ -146,12 +154,7 @@ sys.exit(TuningLog(sys.argv[1]).version().status != 'current')" $log 2>/dev/null
         --batch --trainable --target --servers --build-workers)
       restamp="$PY remeasure $keep --restamp --top-k 1 --defaults logged --tracker 127.0.0.1:$PORT --key $KEY --log $log;"
     fi
-    # one job at a time on the device: a job waits for the lock of the jobs started before it
-    # (a second job beside the first would find every server taken; its restamp gives up after
-    # 30 s). SIDE_BY_SIDE=1 starts it at once (small jobs; give each its own servers).
-    queue="exec 9>$TT/device.lock; flock 9;"
-    [ "${SIDE_BY_SIDE:-0}" = 1 ] && queue=""
-    setsid nohup bash -c "echo '$name: queued'; $queue echo '$name: started'; $restamp \
+    setsid nohup bash -c "echo '$name: queued'; $(device_queue) echo '$name: started'; $restamp \
       $PY tune $args ${TUNE_ARGS:-} --tracker 127.0.0.1:$PORT \
       --key $KEY --log $log --stats $TT/out/$out.stats.json --trials ${TRIALS:-20000}" \
       > $TT/out/$out.out 2>&1 < /dev/null &
@@ -327,11 +330,9 @@ case "${1:-status}" in
       sleep $(( left < 60 ? left : 60 )); echo "---- $(date +%T)"; OUT= seeding_status; done
     seeding_status ;;
   rows) setup || exit $?
-    # after the tuning jobs started before it (the device lock, as in start_jobs): 'start' then
-    # 'rows' in one call tunes, then times the rows with the logs just tuned
-    queue="exec 9>$TT/device.lock; flock 9;"
-    [ "${SIDE_BY_SIDE:-0}" = 1 ] && queue=""
-    setsid nohup bash -c "$queue bash tools/gpu_tune.sh rows-job" > $TT/rows.log 2>&1 < /dev/null &
+    # after the tuning jobs started before it: 'start' then 'rows' in one call tunes, then
+    # times the rows with the logs just tuned
+    setsid nohup bash -c "$(device_queue) bash tools/gpu_tune.sh rows-job" > $TT/rows.log 2>&1 < /dev/null &
     sleep 2; echo "rows started (after the tuning jobs that hold the device lock)" ;;
   rows-job) rows_job ;;
   rows-status) cat $TT/rows.log; for f in $TT/rows/*.out; do echo "-- $f"; tail -5 $f; done

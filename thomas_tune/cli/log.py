@@ -119,47 +119,46 @@ def cmd_check(args) -> int:
               f"device against its default schedule; {aside} wrong record(s) set aside "
               f"({log.record_path}.rejected)")
     if args.untuned is not None:
-        _print_untuned(tasks, database, log.path, target, args.untuned)
+        _print_untuned(tasks, log, database, target, args.untuned)
     if n == 0:
         print(f"FAIL: no task of this model has a record; tune it first ('thomas-tune tune' with "
               f"the same model options and --log {args.log})")
     return 0 if ok else 1
 
 
-def _print_untuned(tasks, database, log_path: str, target, limit: int) -> None:
+def _print_untuned(tasks, log, database, target, limit: int) -> None:
     """The tasks an export would run on their default schedule (no record faster than it:
     :func:`thomas_tune.tuning.defaults.untuned`, what ``tune --untuned`` chooses among), the
     ``limit`` slowest first by default-schedule time x calls of all graphs (the log's
     ``default_latency.json``); tasks without a cached default time after them, by FLOPs."""
     import math
 
-    from ..logs import mean_run_seconds
     from ..tasks import key
-    from ..tuning.defaults import read_default_times, untuned
-    times = read_default_times(log_path, target, {key(t): t.mod for t in tasks}) or {}
-    left = untuned(tasks, times, database)
+    from ..tuning.defaults import kernel_time_s, read_default_times, untuned
+    times = read_default_times(log.path, target, {key(t): t.mod for t in tasks}) or {}
 
-    def cost(t) -> float:
+    def default_s(t) -> float | None:
         s = times.get(key(t))
-        return s * t.weight if s is not None and math.isfinite(s) else -1.0
+        return s if s is not None and math.isfinite(s) else None
 
+    def cost(t) -> float:  # default time x calls, s; -1 for a task without a time
+        s = default_s(t)
+        return -1.0 if s is None else s * t.weight
+
+    left = untuned(tasks, times, log, database)
     left.sort(key=lambda t: (-cost(t), -t.total_flops))
-    timed = [t for t in left if cost(t) >= 0]
+    timed = sum(1 for t in left if default_s(t) is not None)
     print(f"untuned: {len(left)} of {len(tasks)} tasks have no record faster than their "
-          f"default schedule; {sum(cost(t) for t in timed) * 1e3:.2f} ms of default time per "
-          f"pass of all graphs ({len(timed)} of them timed, default_latency.json)")
+          f"default schedule; {kernel_time_s(left, times) * 1e3:.2f} ms of default time per "
+          f"pass of all graphs ({timed} of them timed, default_latency.json)")
     if not left:
         return
     print(f"  {'task':<44} {'calls':>5} {'default ms':>11} {'x calls':>9} {'best record ms':>15}")
     for t in left[:limit]:
-        s = times.get(key(t))
-        best = None
-        if database.has_workload(t.mod):
-            top = database.get_top_k(database.commit_workload(t.mod), 1)
-            best = mean_run_seconds(top[0].run_secs) if top else None
-        d = f"{s * 1e3:11.4f} {s * t.weight * 1e3:9.4f}" if s is not None and math.isfinite(s) \
-            else f"{'-':>11} {'-':>9}"
-        b = f"{best * 1e3:15.4f}" if best is not None and math.isfinite(best) else f"{'-':>15}"
+        s, best = default_s(t), log.best_seconds(database, t.mod)
+        d = (f"{s * 1e3:11.4f} {s * t.weight * 1e3:9.4f}" if s is not None
+             else f"{'-':>11} {'-':>9}")
+        b = f"{best * 1e3:15.4f}" if best is not None else f"{'-':>15}"
         print(f"  {t.name[:44]:<44} {t.weight:>5} {d} {b}")
     if len(left) > limit:
         print(f"  ({len(left) - limit} more)")

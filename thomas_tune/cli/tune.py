@@ -240,7 +240,7 @@ def _untuned(pool, latency, log):
     """``pool`` less the tasks whose best record in ``log`` beats its default schedule
     (:func:`thomas_tune.tuning.defaults.untuned`), with a line saying how many are left."""
     from ..tuning.defaults import untuned
-    left = untuned(pool, latency, log.database(check=False))
+    left = untuned(pool, latency, log)
     print(f"--untuned: {len(left)} of {len(pool)} tasks have no record faster than their "
           "default schedule", flush=True)
     return left

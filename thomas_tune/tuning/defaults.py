@@ -18,7 +18,7 @@ from ..measure.builder import Builder
 from ..measure.runner import error_line
 from ..tasks import Task
 from ..tasks import key as workload_key
-from ..logs import FAILED_RUN_S, TuningLog, mean_run_seconds
+from ..logs import FAILED_RUN_S, TuningLog
 
 DEFAULT_LATENCY = "default_latency.json"
 
@@ -248,22 +248,21 @@ def select_by_time(tasks: list[Task], latency: dict[str, float], time_share: flo
     return out
 
 
-def untuned(tasks: list[Task], latency: dict[str, float], database) -> list[Task]:
+def untuned(tasks: list[Task], latency: dict[str, float], log: TuningLog,
+            database=None) -> list[Task]:
     """The tasks of ``tasks`` (order kept) that an export would run on their default schedule:
-    their workload has no record in ``database`` (a :class:`thomas_tune.logs.LogDatabase`)
-    that ran, or its best record's mean time (seconds) is not below the default schedule's in
-    ``latency`` (``{workload key: seconds per call}``, :func:`measure_defaults`). A task
-    without a default time counts only when it has no record. ``export`` makes the same
-    choice on the device (a default schedule faster than the best record is kept), so these
-    are the kernels further tuning can still speed up from nothing."""
+    their workload has no record in ``log`` (read through ``database``, its
+    :meth:`TuningLog.database` when None) that ran, or its best record's mean time (seconds,
+    :meth:`TuningLog.best_seconds`) is not below the default schedule's in ``latency``
+    (``{workload key: seconds per call}``, :func:`measure_defaults`). A task without a default
+    time counts only when it has no record. ``export`` makes the same choice on the device (a
+    default schedule faster than the best record is kept), so these are the kernels further
+    tuning can still speed up from nothing."""
+    database = log.database(check=False) if database is None else database
     out = []
     for t in tasks:
-        best = math.inf
-        if database.has_workload(t.mod):
-            top = database.get_top_k(database.commit_workload(t.mod), 1)
-            if top:
-                best = mean_run_seconds(top[0].run_secs)
+        best = log.best_seconds(database, t.mod)
         default = latency.get(workload_key(t))
-        if not math.isfinite(best) or (default is not None and best >= default):
+        if best is None or (default is not None and best >= default):
             out.append(t)
     return out
