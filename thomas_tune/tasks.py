@@ -18,6 +18,7 @@ from tvm.s_tir import meta_schedule as ms
 from tvm.s_tir.analysis import estimate_tir_flops
 
 from .lift import ATTR, SLOTS, lift_frozen
+from .pooling import LEGALIZE
 
 
 def fuse(mod: tvm.IRModule, winograd=None) -> tvm.IRModule:
@@ -36,6 +37,9 @@ def fuse(mod: tvm.IRModule, winograd=None) -> tvm.IRModule:
     kernels that read its frozen parameters alone lifted into a function of its own
     (:func:`thomas_tune.lift.lift_frozen`), the Winograd weight transforms among them.
 
+    A max pool with a small window is legalized as one injective kernel
+    (:mod:`thomas_tune.pooling`), which fuses into an injective kernel after it.
+
     A kernel that only reshapes its input (a BatchNorm's per-channel values to (1, C, 1, 1),
     a flatten) becomes a view (``RewriteDataflowReshape``, as the build does anyway): the
     build never launches it, so it is no task and no call of the module (MobileNetV2 1.0@224's
@@ -47,7 +51,7 @@ def fuse(mod: tvm.IRModule, winograd=None) -> tvm.IRModule:
                            else (lambda call, conv: conv in winograd))
     seq = tvm.transform.Sequential([
         relax.transform.FuseTransposeMatmul(),
-        relax.transform.LegalizeOps(),
+        relax.transform.LegalizeOps(customize_legalize_map=LEGALIZE),
         relax.transform.AnnotateTIROpPattern(),
         relax.transform.FoldConstant(),
         relax.transform.FuseOps(),
