@@ -94,9 +94,11 @@ def test_replay_time_coverage_of_a_gpu_log(capsys):
     assert 1.0 < share < 99.0, captured.out
 
 
-def _time_share(log, capsys) -> float:
-    args = ["replay", "--log", str(log), "--no-check", "--width", "0.35", "--resolution", "64",
-            "--classes", "10", "--batch", "8", "--target",
+SMALL_MNV2 = ["--width", "0.35", "--resolution", "64", "--classes", "10", "--batch", "8"]
+
+
+def _time_share(log, capsys, model=SMALL_MNV2) -> float:
+    args = ["replay", "--log", str(log), "--no-check", *model, "--target",
             os.path.join(ROOT, "targets", "h100_opencl.json"), "--min-flops-coverage", "0",
             "--min-time-coverage", "1.0"]  # the share is reported, then nothing is compiled
     assert cli.main(args) == 1
@@ -109,11 +111,15 @@ def test_time_share_adds_up_over_the_records_workloads(tmp_path, capsys):
     """The share of the untuned kernel time held by tasks with a record is a sum over those
     tasks: the committed GPU log's records split by workload into two logs give two shares
     that add up to the whole log's, each above 0 and below it. A share that counts tasks
-    without a record, counts a task twice or misses the tasks of one half fails this."""
+    without a record, counts a task twice or misses the tasks of one half fails this. (The
+    MobileNetV2 1.0@224 log: 209 of its model's 276 tasks have records, and it has no
+    convolution the Winograd form takes, whose choice would move with the records kept.)"""
     import lzma
     import random
     import shutil
-    src = os.path.join(ROOT, "tuning_logs", "h100", "mobilenet_v2-w0.35-r64-c10-b8")
+    src = os.path.join(ROOT, "tuning_logs", "h100", "mobilenet_v2-w1-r224-c1000-b32")
+    model = ["--model", "mobilenet_v2", "--width", "1.0", "--resolution", "224", "--classes",
+             "1000", "--batch", "32"]
     with lzma.open(os.path.join(src, "database_tuning_record.json.xz"), "rt") as f:
         records = [line for line in f if line.strip()]
     workloads = sorted({int(line[1:line.index(",")]) for line in records})
@@ -129,7 +135,7 @@ def test_time_share_adds_up_over_the_records_workloads(tmp_path, capsys):
         shutil.copy(os.path.join(src, "default_latency.json"), log)
         (log / "database_tuning_record.json").write_text(
             "".join(r for r in records if keep(int(r[1:r.index(",")]))))
-        shares[name] = _time_share(log, capsys)
+        shares[name] = _time_share(log, capsys, model)
     print(shares)
     assert 0 < shares["a"] < shares["all"] and 0 < shares["b"] < shares["all"], shares
     assert abs(shares["a"] + shares["b"] - shares["all"]) <= 0.15, shares  # printed to 0.1
