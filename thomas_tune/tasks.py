@@ -38,12 +38,13 @@ def fuse(mod: tvm.IRModule, winograd=None) -> tvm.IRModule:
     (:func:`thomas_tune.lift.lift_frozen`), the Winograd weight transforms among them.
 
     A max pool with a small window is legalized as one injective kernel
-    (:mod:`thomas_tune.pooling`), which fuses into an injective kernel after it.
+    (:mod:`thomas_tune.pooling`), which element-wise work after it may join and the kernel
+    that makes its input never does.
 
-    A kernel that only reshapes its input (a BatchNorm's per-channel values to (1, C, 1, 1),
-    a flatten) becomes a view (``RewriteDataflowReshape``, as the build does anyway): the
-    build never launches it, so it is no task and no call of the module (MobileNetV2 1.0@224's
-    step had 76 such calls among its kernels before).
+    A kernel that only reshapes its input inside a dataflow block (a BatchNorm's per-channel
+    values to (1, C, 1, 1), a flatten) becomes a view (``RewriteDataflowReshape``, as the
+    build does anyway): the build never launches it, so it is no task and no call of the
+    module (76 calls of MobileNetV2 1.0@224's step).
     """
     if winograd:
         from . import winograd_form as W
@@ -61,8 +62,6 @@ def fuse(mod: tvm.IRModule, winograd=None) -> tvm.IRModule:
         # lifted once fused: a kernel that reads a frozen parameter beside other inputs (a
         # bias and its reshape fused into a convolution) stays as it is, its workload unchanged
         mod = short_kernel_names(lift_frozen(seq(mod)))
-        # a kernel that only reshapes (a BatchNorm's per-channel values to (1, C, 1, 1)) is a
-        # view of its input: the build never launches it, so it is no task and no call
         return relax.transform.RewriteDataflowReshape()(mod)
 
 

@@ -8,8 +8,8 @@
 # records). The jobs choose tasks by measured time (--time-share), so time is what they cover;
 # on the demo size the slow kernels hold few FLOPs (0.5% of them). The logs committed hold
 # 49-98% of the time, the stale one (STALE_MIN) 8% (the replay prints each); the minimum
-# guards against a log that stops matching the graphs: a change of the graph makes new workloads, which have no records until
-# the log is tuned on the device again. Each record the build applies is run against its
+# guards against a log that stops matching the graphs: a change of the graph makes new
+# workloads, which have no records until the log is tuned on the device again. Each record the build applies is run against its
 # default schedule on PoCL (whose limits fit the H100 target's), and a wrong one fails; the
 # results are cached per record in ~/.cache/thomas_tune (a fresh machine checks them all).
 #   bash tools/replay_gpu_logs.sh
