@@ -679,6 +679,29 @@ def test_tune_match_names_what_is_wrong(tmp_path, capsys, rng):
     assert not log.exists()
 
 
+def test_tune_whose_trials_all_fail_exits_non_zero(tmp_path, capsys, rng):
+    """A tuning run in which every trial fails (here every timed run is over a trial timeout of
+    1 us) ends with status 3 and says so on stderr: how many of how many trials failed and the
+    first error; the failed trials are in the tuning log. The same with one trial of two
+    failing and ``--max-failed-share`` above a half is no failure (checked on the report)."""
+    from thomas_tune.tuning.report import TaskProgress, TuneReport
+    key = _key(rng, "allfail")
+    log = tmp_path / "log"
+    with rpc.loopback(key=key, servers=1, lifetime=400) as addr:
+        rc = cli.main(["tune", *TINY, "--tracker", f"{addr[0]}:{addr[1]}", "--key", key,
+                       "--top", "1", "--trials", "2", "--trials-per-iter", "2", "--population",
+                       "8", "--genetic-iters", "1", "--trial-timeout", "0.000001",
+                       "--log", str(log)])
+    err = capsys.readouterr().err
+    assert rc == 3, err
+    assert "error: tuning failed: 2 of 2 trials failed (100%, more than 50%)" in err, err
+    assert "first errors: " in err and "the timed runs took over 1e-06 s" in err, err
+    records = [json.loads(ln) for ln in open(log / "database_tuning_record.json") if ln.strip()]
+    assert len(records) == 2 and all(min(r[1][1]) >= 1e9 for r in records), records
+    half = TuneReport(tasks=[TaskProgress("t", 1.0, trials=2, errors=1, first_error="e")])
+    assert half.failure(0.5) is None and half.failure(0.4).startswith("1 of 2 trials failed")
+
+
 def test_tune_unroll_options_name_what_is_wrong(tmp_path, capsys):
     """'tune --max-unroll' below 16 (one unroll limit or none left to choose among), a
     negative '--refine-top' and '--genetic-iters 0' fail before the tracker is contacted,

@@ -11,9 +11,9 @@ against PyTorch in float64, and trains as the same export does on this machine.
 
 The builds are found through ``THOMAS_TUNE_TVM_RPC`` (x86-64) and
 ``THOMAS_TUNE_TVM_RPC_AARCH64``: the ``--out`` folders of ``rpc/build_tvm_rpc.sh`` (``tvm_rpc``
-and ``lib/``). Without them the tests skip, unless ``THOMAS_TUNE_REQUIRE_TVM_RPC=1``. They are
-marked ``tvm_rpc``: CI, which does not build the server, deselects them (``-m "not tvm_rpc"``),
-so that its rule "a skip is a failure" holds for every test it runs.
+and ``lib/``). ``tests/run.sh`` unpacks them from ``../shared/tvm_rpc/`` when the variables are
+not set. Without them the tests skip, unless ``THOMAS_TUNE_REQUIRE_TVM_RPC=1`` (CI sets it: every
+run goes through both servers). They are marked ``tvm_rpc``.
 """
 
 from __future__ import annotations
@@ -171,18 +171,21 @@ def test_tune_export_train_infer_through_tvm_rpc(tracker, tmp_path, rng, capsys)
         assert "opencl" not in device  # tvm_rpc has no thomas_tune.opencl.device_info
         records = [json.loads(ln) for ln in open(log / "database_tuning_record.json")
                    if ln.strip()]
-        assert len(records) == 4 and any(min(r[1][1]) < 1e9 for r in records), records
+        # every candidate checked against its default schedule and timed there: the check's
+        # kernels take only arguments TVM's OpenCL runtime packs (thomas_tune.kernel_signature)
+        assert len(records) == 4 and all(min(r[1][1]) < 1e9 for r in records), records
         assert main(["export", *small, "--log", str(log), "--out", str(out)]) == 0
         manifest = json.loads((out / "manifest.json").read_text())
         assert manifest["record_check"]["checked"] >= 1 and not manifest["record_check"]["wrong"]
         capsys.readouterr()
 
-        # a training run through tvm_rpc renewed across sessions of 40 s, against the same
-        # steps on this machine's PoCL (thomas_tune's OpenCL runtime): the same numbers
+        # a training run through tvm_rpc renewed across sessions of 120 s (a session's first
+        # call builds the OpenCL programs: up to 40 s on a loaded 2-core machine), against the
+        # same steps on this machine's PoCL (thomas_tune's OpenCL runtime): the same numbers
         x = rng.standard_normal((BATCH, 3, 67, 67)).astype("float32")
         y = rng.integers(0, MODEL["num_classes"], BATCH)
         seed = int(rng.integers(1 << 30))
-        with Session(str(out), remote=RemoteDevice(tracker, key, 40), seed=seed) as remote:
+        with Session(str(out), remote=RemoteDevice(tracker, key, 120), seed=seed) as remote:
             losses = []
             while not remote.renewals or len(losses) < remote.renewals[0]["step"] + 3:
                 losses.append(remote.train_step(x, y))

@@ -157,10 +157,9 @@ def random_inputs(shapes: list[tuple[tuple[int, ...], str]], seed: int,
     ``h >> 31``, all exact in float32 (no constant that OpenCL C prints rounded), so
     :func:`fill_kernel` gives the same values on every device."""
     from . import counter_random as cr
-    s0, s1 = seed & cr.M32, (seed >> 32) & cr.M32
     out = []
-    for t, (shape, dtype) in enumerate(shapes):
-        h = cr.hash_numpy(math.prod(shape), cr.key_numpy(s0, s1, t))
+    for (shape, dtype), key in zip(shapes, fill_keys(len(shapes), seed)):
+        h = cr.hash_numpy(math.prod(shape), np.array([key], np.uint64))
         if not np.issubdtype(np.dtype(dtype), np.floating):
             out.append((h >> np.uint64(31)).astype(dtype).reshape(shape))
             continue
@@ -319,20 +318,35 @@ def _poison_value(dtype: str):
     return int(np.iinfo(np.dtype(dtype)).max)
 
 
+def fill_keys(count: int, seed: int) -> list[int]:
+    """The keys (ints in [0, 2^32)) of the first ``count`` arguments' streams under ``seed``
+    (mod 2^64, as two 32-bit halves; :func:`thomas_tune.counter_random.key_numpy`): what
+    :func:`random_inputs` hashes with, and what a :func:`fill_kernel` receives."""
+    from . import counter_random as cr
+    s0, s1 = seed & cr.M32, (seed >> 32) & cr.M32
+    return [int(cr.key_numpy(s0, s1, t)[0]) for t in range(count)]
+
+
 def fill_kernel(func: tvm.tirx.PrimFunc, spec: CheckSpec, target) -> tvm.tirx.PrimFunc:
     """The checked inputs of workload ``func`` drawn on the device: a kernel for ``target`` of
-    parameters ``seed`` (int64), ``positive`` (int32, 0 or 1), then one tensor per parameter
-    of ``func`` (its shape and dtype), filled with :func:`random_inputs` ``(shapes, seed,
+    parameters ``key0 .. key{n-1}`` (uint32, :func:`fill_keys` ``(n, seed)`` for the ``n``
+    parameters of ``func``), ``positive`` (int32, 0 or 1), then one tensor per parameter of
+    ``func`` (its shape and dtype), filled with :func:`random_inputs` ``(shapes, seed,
     positive)`` bit for bit, then one tensor per written, not updated, argument of ``spec``
     (:func:`_poisoned`), filled with what it holds before a checked run (:data:`POISON` for
-    floats). Each tensor is one block, its elements spread over work-groups on a GPU."""
+    floats). Each tensor is one block, its elements spread over work-groups on a GPU.
+
+    The seed arrives as one 32-bit key per tensor, each used once per element, because TVM's
+    OpenCL runtime passes no 64-bit unsigned kernel argument (:mod:`.kernel_signature`): a
+    64-bit seed split into halves inside the kernel would have its halves computed once on
+    the host and passed as ``ulong`` arguments."""
     from tvm import te, tirx
 
     from . import counter_random as cr
     from .target import is_gpu
-    seed, positive = tirx.Var("seed", "int64"), tirx.Var("positive", "int32")
-    s64 = tirx.Cast("uint64", seed)
-    s0, s1 = s64 & tirx.const(cr.M32, "uint64"), s64 >> tirx.const(32, "uint64")
+    shapes = arg_shapes(func)
+    keys = [tirx.Var(f"key{t}", "uint32") for t in range(len(shapes))]
+    positive = tirx.Var("positive", "int32")
 
     def u64(v):
         return tirx.const(v, "uint64")
@@ -345,7 +359,7 @@ def fill_kernel(func: tvm.tirx.PrimFunc, spec: CheckSpec, target) -> tvm.tirx.Pr
 
     def draw(t, shape, dtype):
         def element(*idx):
-            hashed = cr.hash_te(flat(shape, idx), cr.key_te(s0, s1, t))
+            hashed = cr.hash_te(flat(shape, idx), tirx.Cast("uint64", keys[t]))
             if not np.issubdtype(np.dtype(dtype), np.floating):
                 return tirx.Cast(dtype, hashed >> u64(31))
             v = tirx.Var("v", "float32")  # in [1, 2), mantissa h >> 9
@@ -360,13 +374,12 @@ def fill_kernel(func: tvm.tirx.PrimFunc, spec: CheckSpec, target) -> tvm.tirx.Pr
     def constant(value):
         return lambda *_: value
 
-    shapes = arg_shapes(func)
     outs = [draw(t, shape, dt) for t, (shape, dt) in enumerate(shapes)]
     for i in _poisoned(spec):
         shape, dt = shapes[i]
         outs.append(te.compute(shape, constant(tirx.const(_poison_value(dt), dt)),
                                name=f"poison{i}"))
-    prim = te.create_prim_func([seed, positive, *outs])
+    prim = te.create_prim_func([*keys, positive, *outs])
     if not is_gpu(target):
         return prim
     sch = tvm.s_tir.Schedule(tvm.IRModule({"main": prim}))
@@ -438,7 +451,8 @@ class DeviceArgs:
         poisoned = _poisoned(spec)
         self.initial = {i: tvm.runtime.empty(self.args[i].shape, self.args[i].dtype, dev)
                         for i in poisoned}
-        fill(seed, int(positive), *self.args, *(self.initial[i] for i in poisoned))
+        fill(*fill_keys(len(self.args), seed), int(positive), *self.args,
+             *(self.initial[i] for i in poisoned))
         for i in spec.updated:
             self.initial[i] = tvm.runtime.empty(self.args[i].shape, self.args[i].dtype, dev)
             self.initial[i].copyfrom(self.args[i])

@@ -340,6 +340,11 @@ def _checked_build(log, target, graphs, check: bool, say, started: float | None)
             return out
         checked.update(results)
         out["checked"] = len(checked)
+        if not checked:
+            say(f"tuning log {log.path} holds no usable record for this build: none of its "
+                f"{len(tasks)} kernels has a record faster than its default schedule, so every "
+                "kernel keeps its default schedule (tune this model, batch and target into the "
+                "log first)")
         new = {k: why for k, why in results.items() if why is not None}
         for k, why in new.items():
             name = next((t.name for t in tasks if workload_key(t) == k), k)

@@ -30,7 +30,6 @@ def cmd_tune(args) -> int:
     from ..tasks import extract, select, summary
     import math
 
-    from ..measure.runner import error_line
     from ..tuning.driver import TuneOptions, rpc_runner, tune
     from ..logs import TuningLog
     from ..runtime import check_device
@@ -42,6 +41,9 @@ def cmd_tune(args) -> int:
         genetic_iters=args.genetic_iters, local_share=args.local_share,
         cost_model=args.cost_model if args.cost_model not in (None, "none") else None,
         seed_logs=tuple(args.seed_log or ()), seed_top=args.seed_top)
+    if not 0.0 <= args.max_failed_share <= 1.0:
+        raise ValueError(f"--max-failed-share {args.max_failed_share} is not a share: give a "
+                         "number from 0 to 1")
     model, _, _ = load_model(args)
     target, device = resolve_target(args.target, args.host, rpc.parse_address(args.tracker),
                                     args.key, wait_s=args.wait)  # opencl:remote: the server's
@@ -136,6 +138,20 @@ def cmd_tune(args) -> int:
               f"{r['resized']} of them refitted from other shapes; {r['unusable']} did not apply "
               f"here), {r['better']} task(s) got a faster record")
     print(f"throughput: {report.throughput_line()}")
+    _print_tasks(report)
+    failure = report.failure(args.max_failed_share)
+    if failure is not None:
+        print(f"error: tuning failed: {failure}. The records were logged as failed trials; "
+              "an export keeps the default schedules of tasks with no working record. Fix "
+              "the cause (the device server's log says more) and run the same command again",
+              file=sys.stderr, flush=True)
+        return 3
+    return 0
+
+
+def _print_tasks(report) -> None:
+    """Per tuned task: trials, best time, GFLOP/s, failures and the last one's reason."""
+    from ..measure.runner import error_line
     for t in report.tasks:
         if t.trials:
             to95 = f"{t.to95}/{t.records}" if t.to95 is not None else "-"
@@ -149,7 +165,6 @@ def cmd_tune(args) -> int:
                 print(f"    last failure: {error_line(t.last_error, 200)}")
     for name, reason in report.search_failed.items():
         print(f"  {name[:56]}: search ended early: {reason}")
-    return 0
 
 
 def cmd_remeasure(args) -> int:
@@ -330,6 +345,9 @@ def add_tune(sub) -> None:
                    help="share of each batch given to schedules one decision away from the "
                         "task's best records (coordinate descent; default 0.25; 0: "
                         "evolutionary search only)")
+    s.add_argument("--max-failed-share", type=float, default=0.5, metavar="SHARE",
+                   help="exit with status 3 when more than this share (0..1) of the run's "
+                        "trials failed, naming the first errors (default 0.5)")
     s.add_argument("--seed", type=int, default=0)
     add_cache_features_arg(s, "also tune the tasks of")
     s.set_defaults(fn=cmd_tune)

@@ -20,6 +20,8 @@ class TaskProgress:
     errors: int = 0
     best_s: float = math.inf
     last_error: str = ""
+    #: the first failure's reason, kept beside the last one
+    first_error: str = ""
     #: records of the task's workload in the tuning log (all runs), and the trials among them,
     #: in log order, until its best time was within 95% of its final best time (the best
     #: record's speed) and, where its default schedule's time is known, until 95% of the gain
@@ -55,6 +57,7 @@ class Progress(ms.measure_callback.PyMeasureCallback):
             if b.error_msg is not None or r.error_msg is not None or not r.run_secs:
                 t.errors += 1
                 t.last_error = str(b.error_msg or r.error_msg or "no run time")
+                t.first_error = t.first_error or t.last_error
                 continue
             secs = sum(float(s) for s in r.run_secs) / len(r.run_secs)
             t.best_s = min(t.best_s, secs)
@@ -116,6 +119,21 @@ class TuneReport:
     @property
     def trials(self) -> int:
         return sum(t.trials for t in self.tasks)
+
+    @property
+    def errors(self) -> int:
+        """Trials of this run that failed (build, run, or wrong result)."""
+        return sum(t.errors for t in self.tasks)
+
+    def failure(self, max_share: float) -> str | None:
+        """None when at most ``max_share`` (0..1) of this run's trials failed; else what
+        failed: the count, the share, and the first reasons of up to three tasks. A run that
+        measured no trial has not failed."""
+        if not self.trials or self.errors <= max_share * self.trials:
+            return None
+        firsts = [f"{t.name}: {t.first_error}" for t in self.tasks if t.first_error][:3]
+        return (f"{self.errors} of {self.trials} trials failed ({self.errors / self.trials:.0%}, "
+                f"more than {max_share:.0%}); first errors: " + " | ".join(firsts))
 
     @property
     def wrong(self) -> int:
