@@ -62,13 +62,40 @@ def add_remote_args(p) -> None:
                    help="seconds to wait for a free server (default 60)")
     g.add_argument("--session-timeout", type=float, default=None,
                    help="seconds each RPC session may last, sent in whole seconds (default "
-                        "900); a longer run renews its session between steps, state kept")
+                        "900; 0 is refused: every session has a bound); a longer run renews "
+                        "its session between steps, state kept")
+    add_profile_arg(g)
 
 
-def open_session(args, checkpoint: str | None = None, seed: int = 0):
+def add_profile_arg(p, default: str = "the export's device_profile.json when its key is "
+                    "--key's") -> None:
+    p.add_argument("--device-profile", help="a device profile (thomas-tune rpc probe --out): "
+                   "the export's tensors and kernels are checked against its limits before "
+                   f"the first step (default: {default})")
+
+
+def check_profile_for_run(args, mode: str) -> None:
+    """Check ``--export`` against ``--device-profile``, or against the export's own profile
+    when it is of ``--key``'s device (:func:`thomas_tune.limits.check_before_run`), before
+    anything runs. Raises DeviceLimitError naming the tensor or kernel and the fix."""
+    from ..limits import check_before_run, find_profile
+    path = getattr(args, "device_profile", None)
+    if path is None and getattr(args, "key", None):
+        found = find_profile(args.export)
+        if found is not None:
+            import json
+            with open(found) as f:
+                path = found if json.load(f).get("key") == args.key else None
+    if path is not None:
+        check_before_run(args.export, mode, path)
+
+
+def open_session(args, checkpoint: str | None = None, seed: int = 0, mode: str = "train"):
     """The export of ``--export`` loaded here, or on a device server of ``--tracker``/``--key``;
-    started from ``checkpoint``'s weights (and class names) when given."""
+    started from ``checkpoint``'s weights (and class names) when given; first checked against
+    a device profile (:func:`check_profile_for_run`, ``mode``: ``train`` or ``infer``)."""
     from ..runtime import RemoteDevice, Session
+    check_profile_for_run(args, mode)
     remote = None
     if args.tracker or args.key:
         if not (args.tracker and args.key):
