@@ -57,17 +57,21 @@ def step_buffers(func, keep: int = STEP_BUFFERS_KEPT) -> dict:
     found = []
     for block in func.body.blocks:
         for b in block.bindings:
-            ty = b.var.struct_info
-            if not isinstance(ty, relax.TensorStructInfo) or ty.shape is None:
+            ty = b.var.ty
+            if not isinstance(ty, relax.TensorType) or ty.shape is None:
                 continue
             try:
                 shape = [int(d) for d in ty.shape.values]
             except (TypeError, AttributeError):
                 continue
             nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(str(ty.dtype)).itemsize
-            op = b.value.op.name if isinstance(b.value, relax.Call) and hasattr(
-                b.value.op, "name") else type(b.value).__name__
-            found.append({"name": b.var.name_hint, "op": str(op), "shape": shape,
+            v = b.value
+            if not isinstance(v, relax.Call):  # a view or a copy of a tensor counted already
+                continue
+            op = str(getattr(v.op, "name", v.op))
+            if op == "relax.call_tir":  # name the kernel it calls
+                op = str(getattr(v.args[0], "name_hint", op))
+            found.append({"name": str(b.var.name), "op": str(op), "shape": shape,
                           "bytes": nbytes})
     found.sort(key=lambda t: -t["bytes"])
     return {"tensors": found[:keep], "peak_bytes": int(_liveness_peak(func)[0])}

@@ -101,7 +101,9 @@ def open_session(args, checkpoint: str | None = None, seed: int = 0, mode: str =
         if not (args.tracker and args.key):
             raise ValueError("--tracker and --key go together: the tracker's HOST:PORT and "
                              "the device key of the server to run on")
-        from ..rpc import parse_address
+        from ..rpc import parse_address, whole_seconds
+        if args.session_timeout is not None:  # 0 refused: every session has a stated bound
+            whole_seconds(args.session_timeout, "--session-timeout")
         remote = RemoteDevice(parse_address(args.tracker), args.key, args.session_timeout,
                               wait_s=args.wait)
     session = Session(args.export, remote=remote, seed=seed)
