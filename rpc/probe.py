@@ -201,6 +201,18 @@ def _fp16_by_build(sess, dev, target, folder: str) -> tuple[bool, str]:
                        f"cl_khr_fp16 nor cl_amd_fp16 ({error_line(err, 160)})")
 
 
+def _check_fma(a: np.ndarray, got: np.ndarray) -> None:
+    """Raise RuntimeError unless ``got`` is the ``fma`` kernel's result for ``a`` (float64
+    reference, relative tolerance 1e-4): a kernel that skipped its work would look fast."""
+    acc = a.astype("float64")[:, None] + np.arange(FMA_CHAINS)
+    for _ in range(FMA_STEPS):
+        acc = acc * np.float32(0.999) + np.float32(0.001)
+    want = acc.sum(axis=1)
+    if not np.allclose(got, want, rtol=1e-4, atol=1e-4):
+        raise RuntimeError("the probe's FMA kernel returned wrong values on the device "
+                           f"(largest error {float(np.abs(got - want).max()):.3g})")
+
+
 def _measure(sess, dev, target, props: dict, folder: str, programs: int,
              copy_mib: float) -> dict:
     """Launch overhead, bandwidth, float32 throughput and compile time (module docstring)."""
@@ -239,6 +251,7 @@ def _measure(sess, dev, target, props: dict, folder: str, programs: int,
     if not np.array_equal(outs[copy_n].numpy(), tensors[copy_n].numpy()):
         raise RuntimeError("the probe's copy kernel returned wrong values on the device")
     fma = per_call("fma", (tensors[fma_n], outs[fma_n]), 1)
+    _check_fma(tensors[fma_n].numpy()[:4096], outs[fma_n].numpy()[:4096])
     return {"launch_us": launch * 1e6,
             "copy_gb_s": 2 * 4 * copy_n / copy / 1e9, "copy_bytes": 4 * copy_n,
             "fma_gflop_s": 2 * FMA_CHAINS * FMA_STEPS * fma_n / fma / 1e9,
