@@ -146,7 +146,8 @@ def add_export(sub) -> None:
                    "check' says which) with its times as they are (each applied record is "
                    "still checked); without it such a log is refused")
     add_cache_features_arg(s, "also compile")
-    add_profile_arg(s, "--log's device_profile.json; it is copied into the export")
+    add_profile_arg(s, "--log's device_profile.json", "the export is checked against its "
+                    "limits and keeps it, for train and infer to check against")
     s.set_defaults(fn=cmd_export)
 
 

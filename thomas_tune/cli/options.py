@@ -68,10 +68,10 @@ def add_remote_args(p) -> None:
 
 
 def add_profile_arg(p, default: str = "the export's device_profile.json when its key is "
-                    "--key's") -> None:
+                    "--key's", use: str = "the export's tensors and kernels are checked "
+                    "against its limits before the first step") -> None:
     p.add_argument("--device-profile", help="a device profile (thomas-tune rpc probe --out): "
-                   "the export's tensors and kernels are checked against its limits before "
-                   f"the first step (default: {default})")
+                   f"{use} (default: {default})")
 
 
 def check_profile_for_run(args, mode: str) -> None:

@@ -299,7 +299,8 @@ def add_tune(sub) -> None:
                    help="seconds the device's build of a candidate's OpenCL programs may take "
                         "before the trial is cut and recorded as an error (default 30, or 20x "
                         "the device profile's probed compile time where that is more)")
-    add_profile_arg(s, "--log's device_profile.json; sets the runner's bounds")
+    add_profile_arg(s, "--log's device_profile.json", "its probed compile time and launch "
+                    "overhead set --compile-timeout and --trial-timeout when not given")
     s.add_argument("--repeat", type=int, default=3, help="timed repeats per trial (default 3)")
     s.add_argument("--min-repeat-ms", type=float, default=2.0,
                    help="length of one repeat; runs per repeat are sized from a warm-up run "
@@ -378,7 +379,8 @@ def add_remeasure(sub) -> None:
                    "all free servers of the key)")
     s.add_argument("--trial-timeout", type=float, default=None, help="as tune's")
     s.add_argument("--compile-timeout", type=float, default=None, help="as tune's")
-    add_profile_arg(s, "--log's device_profile.json; sets the runner's bounds")
+    add_profile_arg(s, "--log's device_profile.json", "its probed compile time and launch "
+                    "overhead set --compile-timeout and --trial-timeout when not given")
     s.add_argument("--repeat", type=int, default=3, help="timed repeats per record (default 3)")
     s.add_argument("--min-repeat-ms", type=float, default=2.0)
     s.add_argument("--build-workers", type=int, help="build processes (default: CPU count)")
