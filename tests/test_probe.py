@@ -214,7 +214,7 @@ def test_kernel_over_local_memory_and_export_keeps_the_profile(big_batch_export,
         _check_against_profile(ns)
 
 
-def test_runner_bounds_follow_the_probed_compile_time(profile_path):
+def test_runner_bounds_follow_the_probed_compile_time(profile_path, tmp_path):
     profile = read_profile(str(profile_path))
     compile_s, trial_s, how = runner_bounds(None)
     assert (compile_s, trial_s) == (30.0, 20.0) and "no device profile" in how
@@ -226,6 +226,16 @@ def test_runner_bounds_follow_the_probed_compile_time(profile_path):
     assert runner_bounds(profile, compile_timeout_s=7.0, trial_timeout_s=3.0)[:2] == (7.0, 3.0)
     profile["measured"]["launch_us"] = 5000.0  # 3 x 1000 launches of 5 ms: 15 s, x4
     assert runner_bounds(profile)[1] == 60.0
+    # tune finds the profile beside its tuning log
+    from thomas_tune.cli.tune import _bounds
+    profile["measured"]["compile_s_max"] = 2.5
+    (tmp_path / PROFILE_FILE).write_text(json.dumps(profile))
+    ns = argparse.Namespace(device_profile=None, compile_timeout=None, trial_timeout=None,
+                            repeat=3)
+    assert _bounds(ns, str(tmp_path)) == {"compile_timeout_s": 50.0, "trial_timeout_s": 60.0}
+    ns.compile_timeout = 12.0
+    assert _bounds(ns, str(tmp_path))["compile_timeout_s"] == 12.0
+    assert _bounds(ns, str(tmp_path / "elsewhere"))["trial_timeout_s"] == 20.0
 
 
 def test_session_timeout_zero_is_refused(big_batch_export, capsys):
