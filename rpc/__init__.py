@@ -183,9 +183,11 @@ def opencl_device_info(name: str) -> dict:
     on-chip; ``global``: emulated in main memory), ``compute_units``, ``clock_mhz``,
     ``preferred_work_group_size_multiple`` (the driver's hint for one trivial kernel: the
     SIMD / wave width on GPUs), ``max_num_sub_groups`` and ``sub_group_sizes`` where the driver
-    reports them (OpenCL 2.1 / ``cl_intel_required_subgroup_size``), and the sub-group
-    extensions it lists. Fields the driver does not answer are absent. Raises LookupError
-    when no OpenCL device has that name, ImportError without pyopencl."""
+    reports them (OpenCL 2.1 / ``cl_intel_required_subgroup_size``), the sub-group
+    extensions it lists, ``extensions`` (the whole list, space-separated), ``profile``,
+    ``opencl_c_version``, ``global_mem_size`` and ``max_mem_alloc_size`` (bytes). Fields the
+    driver does not answer are absent. Raises LookupError when no OpenCL device has that name,
+    ImportError without pyopencl."""
     import pyopencl as cl
 
     found = [(p, d) for p in cl.get_platforms() for d in p.get_devices() if d.name == name]
@@ -198,7 +200,8 @@ def opencl_device_info(name: str) -> dict:
               "compute_units": "max_compute_units", "clock_mhz": "max_clock_frequency",
               "max_work_item_sizes": "max_work_item_sizes",
               "max_num_sub_groups": "max_num_sub_groups",
-              "sub_group_sizes": "sub_group_sizes_intel"}
+              "sub_group_sizes": "sub_group_sizes_intel", "global_mem_size": "global_mem_size",
+              "max_mem_alloc_size": "max_mem_alloc_size"}
     for key, attr in fields.items():
         with contextlib.suppress(Exception):  # not every driver answers every query
             value = getattr(dev, attr)
@@ -207,6 +210,9 @@ def opencl_device_info(name: str) -> dict:
         info["local_mem_type"] = {cl.device_local_mem_type.LOCAL: "local",
                                   cl.device_local_mem_type.GLOBAL: "global"}.get(
                                       dev.local_mem_type, str(dev.local_mem_type))
+    for key in ("extensions", "profile", "opencl_c_version"):
+        with contextlib.suppress(Exception):
+            info[key] = " ".join(str(getattr(dev, key)).split())
     info["sub_group_extensions"] = sorted(e for e in dev.extensions.split()
                                           if "subgroup" in e or "sub_group" in e)
     with contextlib.suppress(Exception):

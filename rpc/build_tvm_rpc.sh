@@ -12,12 +12,14 @@
 # Writes DIR/tvm_rpc and DIR/lib/{libtvm_runtime.so,libtvm_runtime_opencl.so,
 # libtvm_runtime_extra.so,libtvm_ffi.so} (DIR defaults to TVM_DIR/build-<arch>) and prints the
 # ELF kind of each. Needs CMake 3.26 or newer (tvm-ffi's CMakeLists.txt); `pip install
-# "cmake>=3.26"` brings one. The build settings go into DIR/config.cmake: TVM's CMakeLists.txt
-# includes that file before it defines its options, so a plain `set(USE_OPENCL OFF)` there
-# hides `-DUSE_OPENCL=ON` given on the command line (tvm_option keeps a variable already set).
+# "cmake>=3.26"` brings one (4.4.5 in 2026-12, which builds it). The build takes 8-9 minutes
+# per architecture on 2 idle cores, 14-23 on a busy 2-core machine. The build settings go into
+# DIR/config.cmake: TVM's CMakeLists.txt includes that file before it defines its options, so a
+# plain `set(USE_OPENCL OFF)` there hides `-DUSE_OPENCL=ON` given on the command line
+# (tvm_option keeps a variable already set).
 set -euo pipefail
 src="" arch="" out="" jobs=2
-usage() { sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
+usage() { sed -n '2,19p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
 while [ $# -gt 0 ]; do
   case "$1" in
     --src) src="$2"; shift 2 ;;

@@ -46,6 +46,7 @@ from .manifest import (ADJOINT, FEATURES, FORMAT, MANIFEST,  # noqa: F401
 from .models import save_checkpoint, share_mode, spec
 from .schedules import STOCK_RULES
 from .target import cross_compiler, describe, export_shared, host_triple
+from .limits import step_buffers
 from .logs import TuningLog
 
 
@@ -270,6 +271,8 @@ def export(out_dir: str, model, tensors: dict[str, np.ndarray], target: tvm.targ
                      "training": [dataclasses.asdict(c) for c in sorted(wino_train, key=repr)]},
         "classes": list(classes) if classes else None,
         "device": device,  # the limits read from the device server, or None
+        # the step's largest tensors and its peak, checked against a device profile
+        "buffers": step_buffers(tg.mod[ADJOINT]),
     }
     _atomic_write(os.path.join(out_dir, MANIFEST),
                   lambda p: open(p, "w").write(json.dumps(manifest, indent=1)))

@@ -68,7 +68,8 @@ class RemoteDevice:
     """Device servers of one tracker key, reached in sessions of a stated lifetime.
 
     ``session_timeout_s``: the lifetime asked of each session (whole seconds, rounded up:
-    :func:`thomas_tune.rpc.whole_seconds`); the server ends the session at that age.
+    :func:`thomas_tune.rpc.whole_seconds`; None: :data:`thomas_tune.rpc.DEFAULT_SESSION_TIMEOUT_S`);
+    the server ends the session at that age.
     ``wait_s``: how long :meth:`open` waits for a free server of ``key`` (s).
     :meth:`remaining_s` counts from just before the request, so it never overstates what the
     server's own clock leaves. Raises ValueError for a bad timeout."""
@@ -77,7 +78,8 @@ class RemoteDevice:
                  wait_s: float = 60.0):
         from .rpc import DEFAULT_SESSION_TIMEOUT_S, whole_seconds
         self.tracker, self.key, self.wait_s = tuple(tracker), key, wait_s
-        self.session_timeout_s = whole_seconds(session_timeout_s or DEFAULT_SESSION_TIMEOUT_S)
+        self.session_timeout_s = whole_seconds(  # 0 is refused there, never made the default
+            DEFAULT_SESSION_TIMEOUT_S if session_timeout_s is None else session_timeout_s)
         self.opened_at: float | None = None
         self.opens = 0
 
@@ -617,7 +619,8 @@ def connect(tracker: tuple[str, int], key: str, timeout: float = 60.0,
     ``session_timeout_s``."""
     from .rpc import DEFAULT_SESSION_TIMEOUT_S, request_session, wait_for_key
     wait_for_key(tracker, key, timeout=timeout)
-    return request_session(tracker, key, session_timeout_s or DEFAULT_SESSION_TIMEOUT_S)
+    return request_session(tracker, key, DEFAULT_SESSION_TIMEOUT_S if session_timeout_s is None
+                           else session_timeout_s)
 
 
 def check_device(tracker: tuple[str, int], key: str, target: tvm.target.Target,

@@ -1,4 +1,4 @@
-"""The ``rpc`` verb: a TVM RPC tracker or a device server of thomas_tune."""
+"""The ``rpc`` verb: a TVM RPC tracker, a device server of thomas_tune, or a device probed."""
 
 from __future__ import annotations
 
@@ -10,6 +10,9 @@ from .options import add_target_arg
 
 def cmd_rpc(args) -> int:
     from .. import rpc
+    if args.rpc_verb == "probe":
+        from .probe import cmd_probe
+        return cmd_probe(args)
     if args.rpc_verb == "tracker":
         tracker = rpc.start_tracker(args.host, args.port)
         print(f"tracker listening on {args.host}:{tracker.port}", flush=True)
@@ -35,7 +38,7 @@ def cmd_rpc(args) -> int:
 
 
 def add_rpc(sub) -> None:
-    s = sub.add_parser("rpc", help="start a TVM RPC tracker or device server")
+    s = sub.add_parser("rpc", help="start a TVM RPC tracker or device server, or probe a device")
     rsub = s.add_subparsers(dest="rpc_verb", required=True)
     t = rsub.add_parser("tracker")
     t.add_argument("--host", default="127.0.0.1")
@@ -48,4 +51,6 @@ def add_rpc(sub) -> None:
     t.add_argument("--port", type=int, default=9090)
     t.add_argument("--duration", type=float, default=0, help="stop after N seconds (0: never)")
     add_target_arg(t)
+    from .probe import add_probe
+    add_probe(rsub)
     s.set_defaults(fn=cmd_rpc)

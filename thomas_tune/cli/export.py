@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import sys
 
-from .options import (add_cache_features_arg, add_model_args, add_target_arg, load_model,
-                      optimizer_config)
+from .options import (add_cache_features_arg, add_model_args, add_profile_arg, add_target_arg,
+                      load_model, optimizer_config)
 
 
 def export_model(args, out: str) -> dict:
@@ -33,8 +34,27 @@ def export_model(args, out: str) -> dict:
                   cache_features=getattr(args, "cache_features", False))
 
 
+def _check_against_profile(args) -> None:
+    """The export in ``--out`` checked against ``--device-profile`` (or ``--log``'s
+    device_profile.json), which is copied into it for ``train`` and ``infer`` to find."""
+    import shutil
+
+    from ..limits import check_before_run, find_profile
+    from ..rpc.probe import PROFILE_FILE, read_profile
+    path = args.device_profile or find_profile(args.log)
+    if path is None:
+        return
+    read_profile(path)
+    target = os.path.join(args.out, PROFILE_FILE)
+    if os.path.abspath(path) != os.path.abspath(target):
+        shutil.copyfile(path, target)
+    check_before_run(args.out, "export", target)
+    print(f"checked against the device profile {path}: within its limits")
+
+
 def cmd_export(args) -> int:
     manifest = export_model(args, args.out)
+    _check_against_profile(args)
     print(f"exported {manifest['arch']} to {args.out}: {len(manifest['trainable'])} trainable, "
           f"{len(manifest['frozen'])} frozen parameters; tuning log "
           f"{manifest['tuning_log'] or 'none'} (sha256 {str(manifest['tuning_log_sha256'])[:12]})")
@@ -126,6 +146,8 @@ def add_export(sub) -> None:
                    "check' says which) with its times as they are (each applied record is "
                    "still checked); without it such a log is refused")
     add_cache_features_arg(s, "also compile")
+    add_profile_arg(s, "--log's device_profile.json", "the export is checked against its "
+                    "limits and keeps it, for train and infer to check against")
     s.set_defaults(fn=cmd_export)
 
 

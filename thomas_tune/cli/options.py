@@ -62,19 +62,48 @@ def add_remote_args(p) -> None:
                    help="seconds to wait for a free server (default 60)")
     g.add_argument("--session-timeout", type=float, default=None,
                    help="seconds each RPC session may last, sent in whole seconds (default "
-                        "900); a longer run renews its session between steps, state kept")
+                        "900; 0 is refused: every session has a bound); a longer run renews "
+                        "its session between steps, state kept")
+    add_profile_arg(g)
 
 
-def open_session(args, checkpoint: str | None = None, seed: int = 0):
+def add_profile_arg(p, default: str = "the export's device_profile.json when its key is "
+                    "--key's", use: str = "the export's tensors and kernels are checked "
+                    "against its limits before the first step") -> None:
+    p.add_argument("--device-profile", help="a device profile (thomas-tune rpc probe --out): "
+                   f"{use} (default: {default})")
+
+
+def check_profile_for_run(args, mode: str) -> None:
+    """Check ``--export`` against ``--device-profile``, or against the export's own profile
+    when it is of ``--key``'s device (:func:`thomas_tune.limits.check_before_run`), before
+    anything runs. Raises DeviceLimitError naming the tensor or kernel and the fix."""
+    from ..limits import check_before_run, find_profile
+    path = getattr(args, "device_profile", None)
+    if path is None and getattr(args, "key", None):
+        found = find_profile(args.export)
+        if found is not None:
+            import json
+            with open(found) as f:
+                path = found if json.load(f).get("key") == args.key else None
+    if path is not None:
+        check_before_run(args.export, mode, path)
+
+
+def open_session(args, checkpoint: str | None = None, seed: int = 0, mode: str = "train"):
     """The export of ``--export`` loaded here, or on a device server of ``--tracker``/``--key``;
-    started from ``checkpoint``'s weights (and class names) when given."""
+    started from ``checkpoint``'s weights (and class names) when given; first checked against
+    a device profile (:func:`check_profile_for_run`, ``mode``: ``train`` or ``infer``)."""
     from ..runtime import RemoteDevice, Session
+    check_profile_for_run(args, mode)
     remote = None
     if args.tracker or args.key:
         if not (args.tracker and args.key):
             raise ValueError("--tracker and --key go together: the tracker's HOST:PORT and "
                              "the device key of the server to run on")
-        from ..rpc import parse_address
+        from ..rpc import parse_address, whole_seconds
+        if args.session_timeout is not None:  # 0 refused: every session has a stated bound
+            whole_seconds(args.session_timeout, "--session-timeout")
         remote = RemoteDevice(parse_address(args.tracker), args.key, args.session_timeout,
                               wait_s=args.wait)
     session = Session(args.export, remote=remote, seed=seed)

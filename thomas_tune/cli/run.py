@@ -91,7 +91,7 @@ def cmd_train(args) -> int:
 def cmd_infer(args) -> int:
     import numpy as np
     from ..data import IMAGE_EXTENSIONS, to_model_input
-    session = open_session(args, args.checkpoint)
+    session = open_session(args, args.checkpoint, mode="infer")
     if args.data:
         data = _data(args, session.model)
         acc = session.evaluate(data.x, data.y)

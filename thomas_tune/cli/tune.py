@@ -8,8 +8,8 @@ import signal
 import sys
 import time
 
-from .options import (add_cache_features_arg, add_model_args, add_target_arg, default_log,
-                      load_model, model_graphs)
+from .options import (add_cache_features_arg, add_model_args, add_profile_arg, add_target_arg,
+                      default_log, load_model, model_graphs)
 from .stop import STOP, safe_records
 
 
@@ -23,6 +23,19 @@ def cmd_tasks(args) -> int:
     if args.limit and len(tasks) > args.limit:
         print(f"(first {args.limit} of {len(tasks)} tasks by FLOPs)")
     return 0
+
+
+def _bounds(args, log_dir: str) -> dict:
+    """The runner's bounds: given, or from ``--device-profile`` (default: the tuning log's
+    device_profile.json) (:func:`thomas_tune.limits.runner_bounds`); says which."""
+    from ..limits import find_profile, runner_bounds
+    from ..rpc.probe import read_profile
+    path = args.device_profile or find_profile(log_dir)
+    compile_s, trial_s, how = runner_bounds(read_profile(path) if path else None,
+                                            args.compile_timeout, args.trial_timeout,
+                                            repeat=args.repeat)
+    print(f"runner: {how}", flush=True)
+    return {"compile_timeout_s": compile_s, "trial_timeout_s": trial_s}
 
 
 def cmd_tune(args) -> int:
@@ -78,8 +91,7 @@ def cmd_tune(args) -> int:
         write_device_file(log.path, device)
     STOP["log"] = log  # what a stop by signal reports
     runner = rpc_runner(tracker, args.key, servers=args.servers or free,
-                        trial_timeout_s=args.trial_timeout,
-                        compile_timeout_s=args.compile_timeout, repeat=args.repeat,
+                        **_bounds(args, log.path), repeat=args.repeat,
                         min_repeat_ms=args.min_repeat_ms)
     latency = None
     if args.time_share:
@@ -205,8 +217,7 @@ def cmd_remeasure(args) -> int:
         tasks = sorted(tasks, key=lambda t: -t.weight * known.get(workload_key(t), 0.0)
                        )[:args.top]
     runner = rpc_runner(tracker, args.key, servers=args.servers or free,
-                        trial_timeout_s=args.trial_timeout,
-                        compile_timeout_s=args.compile_timeout, repeat=args.repeat,
+                        **_bounds(args, log.path), repeat=args.repeat,
                         min_repeat_ms=args.min_repeat_ms)
     try:
         if args.defaults:
@@ -295,12 +306,16 @@ def add_tune(sub) -> None:
                         "time per round grows with population x rounds")
     s.add_argument("--servers", type=int, help="device servers measuring at once (default: "
                    "all free servers of the key)")
-    s.add_argument("--trial-timeout", type=float, default=20.0,
+    s.add_argument("--trial-timeout", type=float, default=None,
                    help="seconds the timed runs of a trial may take before it is cut and "
-                        "recorded as an error (default 20)")
-    s.add_argument("--compile-timeout", type=float, default=30.0,
+                        "recorded as an error (default 20, more for a device profile with "
+                        "slow launches)")
+    s.add_argument("--compile-timeout", type=float, default=None,
                    help="seconds the device's build of a candidate's OpenCL programs may take "
-                        "before the trial is cut and recorded as an error (default 30)")
+                        "before the trial is cut and recorded as an error (default 30, or 20x "
+                        "the device profile's probed compile time where that is more)")
+    add_profile_arg(s, "--log's device_profile.json", "its probed compile time and launch "
+                    "overhead set --compile-timeout and --trial-timeout when not given")
     s.add_argument("--repeat", type=int, default=3, help="timed repeats per trial (default 3)")
     s.add_argument("--min-repeat-ms", type=float, default=2.0,
                    help="length of one repeat; runs per repeat are sized from a warm-up run "
@@ -380,8 +395,10 @@ def add_remeasure(sub) -> None:
     s.add_argument("--wait", type=float, default=30, help="seconds to wait for a free server")
     s.add_argument("--servers", type=int, help="device servers measuring at once (default: "
                    "all free servers of the key)")
-    s.add_argument("--trial-timeout", type=float, default=20.0)
-    s.add_argument("--compile-timeout", type=float, default=30.0)
+    s.add_argument("--trial-timeout", type=float, default=None, help="as tune's")
+    s.add_argument("--compile-timeout", type=float, default=None, help="as tune's")
+    add_profile_arg(s, "--log's device_profile.json", "its probed compile time and launch "
+                    "overhead set --compile-timeout and --trial-timeout when not given")
     s.add_argument("--repeat", type=int, default=3, help="timed repeats per record (default 3)")
     s.add_argument("--min-repeat-ms", type=float, default=2.0)
     s.add_argument("--build-workers", type=int, help="build processes (default: CPU count)")
