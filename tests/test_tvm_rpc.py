@@ -171,9 +171,14 @@ def test_tune_export_train_infer_through_tvm_rpc(tracker, tmp_path, rng, capsys)
         assert "opencl" not in device  # tvm_rpc has no thomas_tune.opencl.device_info
         records = [json.loads(ln) for ln in open(log / "database_tuning_record.json")
                    if ln.strip()]
-        # every candidate checked against its default schedule and timed there: the check's
-        # kernels take only arguments TVM's OpenCL runtime packs (thomas_tune.kernel_signature)
-        assert len(records) == 4 and all(min(r[1][1]) < 1e9 for r in records), records
+        # every candidate that built was checked against its default schedule and timed there:
+        # the check's kernels take only arguments TVM's OpenCL runtime packs
+        # (thomas_tune.kernel_signature); a failed trial is one the builder refused
+        errors = [json.loads(ln) for ln in open(log / "trial_errors.jsonl") if ln.strip()] \
+            if (log / "trial_errors.jsonl").exists() else []
+        assert not [e for e in errors if e["stage"] != "build"], errors
+        measured = [r for r in records if min(r[1][1]) < 1e9]
+        assert len(records) == 4 and len(measured) == 4 - len(errors) >= 1, (records, errors)
         assert main(["export", *small, "--log", str(log), "--out", str(out)]) == 0
         manifest = json.loads((out / "manifest.json").read_text())
         assert manifest["record_check"]["checked"] >= 1 and not manifest["record_check"]["wrong"]
