@@ -13,7 +13,8 @@ from tvm.s_tir import meta_schedule as ms
 
 from .codegen import STAMP, read_version, write_stamp
 from .database import mean_seconds
-from .tuning_log import RECORDS, WORKLOADS, TuningLog, rewrite_atomically
+from ..files import write_atomically
+from .tuning_log import RECORDS, WORKLOADS, TuningLog
 
 
 @dataclass
@@ -152,8 +153,8 @@ def merge(sources: list[str], dest: str) -> MergeReport:
                     continue
                 seen.add(key)
                 rec_lines.append(json.dumps([local[w], body]) + "\n")
-        rewrite_atomically(target.workload_path, wl_lines)
-        rewrite_atomically(target.record_path, rec_lines)
+        write_atomically(target.workload_path, wl_lines)
+        write_atomically(target.record_path, rec_lines)
         versions = [read_version(p) for p in paths]
         ids = {(v.stamp or {}).get("id") if v.status != "unknown" else None for v in versions}
         if len(ids) == 1 and None not in ids:

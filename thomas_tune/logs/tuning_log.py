@@ -19,10 +19,9 @@ import tvm_ffi
 from tvm.s_tir import meta_schedule as ms
 from tvm.s_tir.schedule import Schedule
 
-from ..models import share_mode
+from ..files import replacing, write_atomically
 from .codegen import LogVersion, mismatch, read_version, write_stamp
 from .database import LogDatabase, json_line, mean_run_seconds
-from .files import rewrite_atomically
 
 WORKLOADS = "database_workload.json"
 RECORDS = "database_tuning_record.json"
@@ -274,9 +273,9 @@ class TuningLog:
                         print(f"tuning log {path}:{i + 1}: {why}; moved to {path}.rejected",
                               file=report_to)
         if bad_workloads:
-            rewrite_atomically(self.workload_path, good_workloads)
+            write_atomically(self.workload_path, good_workloads)
         if bad_workloads or bad_records:
-            rewrite_atomically(self.record_path, good_records)
+            write_atomically(self.record_path, good_records)
 
     def database(self, check: bool = True) -> LogDatabase:
         """This folder's records as a MetaSchedule database (:class:`LogDatabase`: records are
@@ -367,8 +366,8 @@ class TuningLog:
         :data:`HASHES`; returns how many records were replayed since the log was opened."""
         if self._hash_cache is not None and self._replayed and not self.packed:
             os.makedirs(self.path, exist_ok=True)
-            rewrite_atomically(self.hash_path, [json.dumps({"stamp": _hash_stamp(),
-                                                  "hashes": self._hash_cache})])
+            write_atomically(self.hash_path, json.dumps({"stamp": _hash_stamp(),
+                                                         "hashes": self._hash_cache}))
         return self._replayed
 
     def best_seconds(self, database: ms.Database, mod) -> float | None:
@@ -400,12 +399,9 @@ def pack(path: str) -> tuple[int, int]:
             plain = os.path.join(path, name)
             if not os.path.exists(plain):
                 continue
-            fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=path)
-            os.close(fd)
-            with open(plain, "rb") as src, lzma.open(tmp, "wb", preset=6) as out:
+            with (replacing(plain + PACKED) as tmp, open(plain, "rb") as src,
+                  lzma.open(tmp, "wb", preset=6) as out):
                 out.write(src.read())
-            share_mode(tmp)
-            os.replace(tmp, plain + PACKED)
             before += os.path.getsize(plain)
             after += os.path.getsize(plain + PACKED)
         for name in (WORKLOADS, RECORDS):
@@ -426,11 +422,9 @@ def unpack(path: str) -> int:
         packed = os.path.join(path, name + PACKED)
         if not os.path.exists(packed):
             continue
-        fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=path)
-        with lzma.open(packed, "rb") as src, os.fdopen(fd, "wb") as out:
+        with (replacing(os.path.join(path, name)) as tmp, lzma.open(packed, "rb") as src,
+              open(tmp, "wb") as out):
             out.write(src.read())
-        share_mode(tmp)
-        os.replace(tmp, os.path.join(path, name))
         size += os.path.getsize(os.path.join(path, name))
     for name in (WORKLOADS, RECORDS):
         if os.path.exists(os.path.join(path, name + PACKED)):
