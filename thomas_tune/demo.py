@@ -176,7 +176,7 @@ def pytorch_step(session, tensors: dict, optimizer, seed: int):
                       session.batch, seed, frozen_bn=set(m["frozen_bn"]))
     torch, dev = side["torch"], side["dev"]
     where = (torch.cuda.get_device_name(dev) if dev.type == "cuda"
-             else f"CPU, {torch.get_num_threads()} threads")
+             else f"CPU, {torch.get_num_threads()} thread(s)")
     name = f"PyTorch {torch.__version__.split('+')[0]} eager ({where})"
 
     def step(x, y):
