@@ -80,6 +80,58 @@ class CheckReport:
     rejected: list[tuple[str, int, str]] = field(default_factory=list)
 
 
+@dataclass
+class LogLines:
+    """The lines of a log's two files, parsed (:func:`parse_lines`); line numbers count from 0.
+    ``workloads``: (line number, text ending in a newline, JSON object, MetaSchedule
+    ``Workload``) of each good workload line; ``records``: (line number, position of its
+    workload in ``workloads``, record body ``[trace, run_secs, ...]``) of each good record
+    line; ``bad_workloads`` / ``bad_records``: (line number, text, reason) of the others."""
+
+    workloads: list[tuple[int, str, object, object]] = field(default_factory=list)
+    records: list[tuple[int, int, list]] = field(default_factory=list)
+    bad_workloads: list[tuple[int, str, str]] = field(default_factory=list)
+    bad_records: list[tuple[int, str, str]] = field(default_factory=list)
+
+
+def parse_lines(workload_path: str, record_path: str) -> LogLines:
+    """Parse a log's workload file and record file (either may be missing), the one reader of
+    their lines. A workload line is good when MetaSchedule builds a ``Workload`` from it; a
+    record line when it is ``[workload index, [trace, run_secs, ...]]`` with every run time a
+    number and its workload one of the good ones. Blank lines are skipped."""
+    out = LogLines()
+    position: dict[int, int] = {}  # workload line -> position among the good ones
+    if os.path.exists(workload_path):
+        with open(workload_path) as f:
+            for i, line in enumerate(f):
+                if not line.strip():
+                    continue
+                try:
+                    obj = json.loads(line)
+                    wl = ms.database.Workload.from_json(obj)
+                    position[i] = len(out.workloads)
+                    out.workloads.append((i, line if line.endswith("\n") else line + "\n",
+                                          obj, wl))
+                except Exception as err:  # JSON or TVM parse error: reject, keep the text
+                    out.bad_workloads.append((i, line, f"bad workload: {err}"))
+    if os.path.exists(record_path):
+        with open(record_path) as f:
+            for i, line in enumerate(f):
+                if not line.strip():
+                    continue
+                try:
+                    idx, body = json.loads(line)
+                    if int(idx) not in position:
+                        raise ValueError(f"workload #{idx} is missing or was rejected")
+                    if not isinstance(body, list) or len(body) < 2:
+                        raise ValueError("record body is not [trace, run_secs, ...]")
+                    [float(s) for s in body[1]]
+                    out.records.append((i, position[int(idx)], body))
+                except Exception as err:
+                    out.bad_records.append((i, line, f"bad record: {err}"))
+    return out
+
+
 def is_packed(path: str) -> bool:
     """Whether the folder ``path`` holds a packed log (:func:`pack`): a packed record file and
     no plain one."""
@@ -209,36 +261,11 @@ class TuningLog:
             set_aside = False  # a packed log is read-only: bad lines are reported only
         os.makedirs(self.path, exist_ok=True)
         report = CheckReport()
-        new_index: dict[int, int] = {}
-        good_workloads, bad_workloads = [], []
-        if os.path.exists(self.workload_path):
-            with open(self.workload_path) as f:
-                for i, line in enumerate(f):
-                    if not line.strip():
-                        continue
-                    try:
-                        ms.database.Workload.from_json(json.loads(line))
-                        new_index[i] = len(good_workloads)
-                        good_workloads.append(line if line.endswith("\n") else line + "\n")
-                    except Exception as err:  # JSON or TVM parse error: reject, keep the text
-                        bad_workloads.append((i, line, f"bad workload: {err}"))
-        good_records, bad_records = [], []
-        if os.path.exists(self.record_path):
-            with open(self.record_path) as f:
-                for i, line in enumerate(f):
-                    if not line.strip():
-                        continue
-                    try:
-                        obj = json.loads(line)
-                        idx, body = int(obj[0]), obj[1]
-                        if idx not in new_index:
-                            raise ValueError(f"workload #{idx} is missing or was rejected")
-                        if not isinstance(body, list) or len(body) < 2:
-                            raise ValueError("record body is not [trace, run_secs, ...]")
-                        [float(s) for s in body[1]]
-                        good_records.append(json.dumps([new_index[idx], body]) + "\n")
-                    except Exception as err:
-                        bad_records.append((i, line, f"bad record: {err}"))
+        lines = parse_lines(self.workload_path, self.record_path)
+        bad_workloads, bad_records = lines.bad_workloads, lines.bad_records
+        good_workloads = [text for _, text, _, _ in lines.workloads]
+        # records renumbered to their workload's position among the good workloads
+        good_records = [json.dumps([w, body]) + "\n" for _, w, body in lines.records]
         report.workloads, report.records = len(good_workloads), len(good_records)
         if not set_aside:
             for path, bad in ((self.workload_path, bad_workloads),
