@@ -247,7 +247,7 @@ def _tune(args, tune_fn, common: list[str], log_dir: str, shipped: str | None,
         per_task = max(1, -(-args.trials // max(1, args.top)))  # one batch per task
         rc = tune_fn(["tune", *common, *server, "--trials", str(args.trials), "--top",
                       str(args.top), "--trials-per-iter", str(per_task), "--population", "32",
-                      "--max-unroll", str(args.max_unroll), "--refine-top", "0"])
+                      "--max-unroll", str(args.max_unroll), "--refine-top", "0", "--brief"])
         if rc:
             return rc
     print(f"[demo] tuning done in {time.perf_counter() - t0:.0f} s; servers stopped",
