@@ -1,8 +1,8 @@
 """What one tuning candidate costs to compile, and what limiting its loop unrolling saves.
 
 On the H100 the trial rate is bound by compilation: each candidate spent 3.7 s of a device
-server's time in NVIDIA's OpenCL compiler against 0.03 s of timed runs (docs/journal/h100.md,
-tenth run).
+server's time in NVIDIA's OpenCL compiler against 0.03 s of timed runs (the history of
+docs/journal/h100.md, 2026-11-24).
 MetaSchedule's unroll rule (``ParallelizeVectorizeUnroll``) gives each kernel a maximum of
 0, 16, 64, 512 or 1024 unrolled steps, and ``unroll_explicit`` makes TVM write the unrolled
 loop bodies out in the OpenCL C source. This script takes records of a tuning log, applies each

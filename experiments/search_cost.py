@@ -4,7 +4,7 @@ A tuning run alternates, per task, between a search round on the host (MetaSched
 evolutionary search: an initial population from the log's best records and random samples,
 rounds of mutation, each member scored by the XGBoost cost model, the best not yet measured
 picked) and the builds and measurements of the candidates it picked. On the H100 the search
-became the bound once compiles were cheap (docs/journal/h100.md, eleventh and twelfth runs).
+became the bound once compiles were cheap (the history of docs/journal/h100.md, 2026-11-24 and 25).
 This script times search rounds with no device: it builds one task of a model for a target,
 resumes the task's records from a tuning log as ``thomas-tune tune`` does (``search_context``, with
 ``--max-unroll`` the log read through :class:`UnrollLimitedView`), trains the cost model on up
@@ -15,7 +15,7 @@ Per round it prints the wall seconds, the new candidates, the profiler's split (
 ``Evolve/Mutation``, ``Evolve/PredictNormalizedScore``, ``SampleInitPopulation``,
 ``PickBestFromDatabase``) and the strategy's counts (``skipped``: already measured;
 ``clamped``: lowered to ``--max-unroll`` one at a time). Example (docs/journal/h100.md,
-twelfth run):
+tuning speed):
 
     python experiments/search_cost.py --model alexnet --width 1.0 --resolution 224 --classes 1000 \\
         --batch 32 --target targets/h100_opencl.json \\

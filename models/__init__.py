@@ -13,12 +13,11 @@ model's forward pass on shapes alone (:class:`ShapeGraph`).
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from dataclasses import dataclass
 
 import numpy as np
 
+from ..files import replacing
 from .alexnet import AlexNet
 from .layers import Graph, ParamSpec, Records, compiler_available, require_compiler
 from .mobilenet_v1 import MobileNetV1
@@ -177,15 +176,6 @@ def init_params(model, seed: int = 0) -> dict[str, np.ndarray]:
     return {p.name: _init_tensor(p, rng) for p in s.params + s.states}
 
 
-def share_mode(path: str, executable: bool = False) -> None:
-    """Give a file made by ``tempfile.mkstemp`` (mode 0600) the mode a plain ``open`` (or a
-    linker, for ``executable``) would: 0666 (0777) less the umask, so that checkpoints and
-    exports stay readable by their users."""
-    mask = os.umask(0)
-    os.umask(mask)
-    os.chmod(path, (0o777 if executable else 0o666) & ~mask)
-
-
 def save_checkpoint(path: str, model, tensors: dict[str, np.ndarray],
                     classes: list[str] | None = None) -> None:
     """Write ``tensors`` (parameters and states) of ``model`` to ``path`` atomically.
@@ -205,21 +195,9 @@ def save_checkpoint(path: str, model, tensors: dict[str, np.ndarray],
         shapes[p.name] = list(p.shape)
     header = {"format": CHECKPOINT_FORMAT, "arch": model.arch, "config": model.config(),
               "classes": list(classes) if classes else None, "shapes": shapes}
-    folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".ckpt-", suffix=".npz", dir=folder)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            np.savez(f, __header__=np.array(json.dumps(header)),
-                     **{k: np.asarray(tensors[k], dtype="float32") for k in shapes})
-            f.flush()
-            os.fsync(f.fileno())
-        share_mode(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    with replacing(path) as tmp, open(tmp, "wb") as f:
+        np.savez(f, __header__=np.array(json.dumps(header)),
+                 **{k: np.asarray(tensors[k], dtype="float32") for k in shapes})
 
 
 def load_checkpoint(path: str):

@@ -10,9 +10,10 @@ a loopback tracker), starting from the tuning log shipped for PoCL on x86-64
 another of the same kind, but its times are that machine's, so its best records and their
 default schedules are timed again here (``thomas-tune remeasure``) before the demo's own
 trials. The untuned build (default schedules) is compiled in a child process meanwhile. From
-the same run it reports ms per training step of the tuned build against the untuned build,
-both timed on the same batches (the two alternating step by step), and the mean training loss
-over the first and the last steps.
+the same run it reports ms per training step of the tuned build, the untuned build and, where
+PyTorch is installed, PyTorch's eager float32 step of the same network, weights, trainable set
+and optimizer on the same machine (:func:`pytorch_step`), all timed on the same batches (taking
+turns step by step), and the mean training loss over the first and the last steps.
 """
 
 from __future__ import annotations
@@ -150,6 +151,59 @@ def first_batches(train, args) -> list:
     return [next(batches) for _ in range(max(1, args.compare_steps))]
 
 
+def _session_step(session):
+    """A step function for :func:`time_side_by_side`: one training step of ``session`` on a
+    numpy batch, waited for."""
+    def step(x, y):
+        session.train_step(x, y)
+        session.sync()
+    return step
+
+
+def pytorch_step(session, tensors: dict, optimizer, seed: int):
+    """PyTorch's training step of the export that ``session`` runs (its model, trainable set,
+    frozen BatchNorms; ``optimizer`` its :class:`thomas_tune.graph.OptimizerConfig`), float32
+    eager on this machine (:func:`thomas_tune.benchmark.torch_baseline.torch_step`: the GPU
+    where PyTorch sees one, else the CPU with PyTorch's own threads), from ``tensors``.
+    Returns ``(step(x, y), name)``: a step function on numpy batches (waited for) and a name
+    for the report line that says what ran (version, device, threads), or ``(None, why)``
+    where PyTorch is not installed, PyTorch being no requirement of the product."""
+    from .benchmark.torch_baseline import torch_device, torch_step
+    if torch_device() is None:
+        return None, "PyTorch not installed here (pip install torch torchvision for its time)"
+    m = session.manifest
+    side = torch_step(session.model, tensors, m["trainable"], optimizer, session.batch,
+                      session.batch, seed, frozen_bn=set(m["frozen_bn"]))
+    torch, dev = side["torch"], side["dev"]
+    where = (torch.cuda.get_device_name(dev) if dev.type == "cuda"
+             else f"CPU, {torch.get_num_threads()} thread(s)")
+    name = f"PyTorch {torch.__version__.split('+')[0]} eager ({where})"
+
+    def step(x, y):
+        side["step"](torch.from_numpy(x).to(dev), torch.from_numpy(y.astype("int64")).to(dev))
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+    return step, name
+
+
+def time_side_by_side(steps: dict, batches: list) -> dict[str, float]:
+    """ms per training step of each of ``steps`` (name -> ``step(x, y)`` on numpy batches,
+    returning when the step is done), median over ``batches`` (:func:`first_batches`), after
+    one untimed step each on the first batch (kernels compiled, caches warm). The steps
+    alternate batch by batch, their order rotated every batch, so that a change in the
+    machine's load or clock during the timing reaches all alike."""
+    names = list(steps)
+    for name in names:
+        steps[name](*batches[0])
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for i, (x, y) in enumerate(batches):
+        for name in names[i % len(names):] + names[:i % len(names)]:
+            t0 = time.perf_counter()
+            steps[name](x, y)
+            times[name].append((time.perf_counter() - t0) * 1e3)
+    return {name: float(np.median(t)) for name, t in times.items()}
+
+
 def fine_tune_from(session, tensors: dict, train, test, args, show_progress: bool):
     """The demo's fine-tuning: ``session`` (a :class:`thomas_tune.runtime.Session`) back to
     ``tensors`` (the pretrained weights with the new head) and a fresh optimizer state, then
@@ -193,7 +247,7 @@ def _tune(args, tune_fn, common: list[str], log_dir: str, shipped: str | None,
         per_task = max(1, -(-args.trials // max(1, args.top)))  # one batch per task
         rc = tune_fn(["tune", *common, *server, "--trials", str(args.trials), "--top",
                       str(args.top), "--trials-per-iter", str(per_task), "--population", "32",
-                      "--max-unroll", str(args.max_unroll), "--refine-top", "0"])
+                      "--max-unroll", str(args.max_unroll), "--refine-top", "0", "--brief"])
         if rc:
             return rc
     print(f"[demo] tuning done in {time.perf_counter() - t0:.0f} s; servers stopped",
@@ -278,23 +332,16 @@ def run(args, tune_fn) -> int:
     timing = first_batches(train, args)
     with busy("[demo] building the tuned device programs"):
         build_device_programs(dirs["tuned"], args.seed, processes=os.cpu_count() or 1)
-    sessions = {}
-    for name in ("untuned", "tuned"):  # programs built: their first steps take seconds
-        s = sessions[name] = Session(dirs[name], seed=args.seed)
-        s.train_step(*timing[0])
-        s.sync()
-    times: dict[str, list[float]] = {"untuned": [], "tuned": []}
-    for i, (x, y) in enumerate(timing):
-        for name in (("untuned", "tuned") if i % 2 == 0 else ("tuned", "untuned")):
-            s = sessions[name]
-            t0 = time.perf_counter()
-            s.train_step(x, y)
-            s.sync()
-            times[name].append((time.perf_counter() - t0) * 1e3)
-    ms = {name: float(np.median(t)) for name, t in times.items()}
-    del sessions["untuned"], s  # frees the untuned build's device memory (s may be it)
+    sessions = {name: Session(dirs[name], seed=args.seed) for name in ("untuned", "tuned")}
+    steps = {name: _session_step(s) for name, s in sessions.items()}
+    torch_step, torch_name = pytorch_step(sessions["tuned"], tensors, opt, args.seed)
+    if torch_step is not None:
+        steps[torch_name] = torch_step
+    ms = time_side_by_side(steps, timing)
+    del sessions["untuned"], steps  # frees the untuned build's device memory
     print(f"[demo] ms per training step over the same {len(timing)} batches (median): tuned "
-          f"{ms['tuned']:.1f}, untuned {ms['untuned']:.1f} ({ms['untuned'] / ms['tuned']:.2f}x)",
+          f"{ms['tuned']:.1f}, untuned {ms['untuned']:.1f} ({ms['untuned'] / ms['tuned']:.2f}x), "
+          + (f"{torch_name} {ms[torch_name]:.1f}" if torch_step is not None else torch_name),
           flush=True)
 
     # 5. fine-tune from the pretrained weights with the tuned build

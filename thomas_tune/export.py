@@ -27,7 +27,6 @@ import dataclasses
 import hashlib
 import json
 import os
-import tempfile
 import time
 
 import numpy as np
@@ -43,7 +42,8 @@ from .dropout import draw_masks_function
 from .manifest import (ADJOINT, FEATURES, FORMAT, MANIFEST,  # noqa: F401
                        PACK_OPTIMIZER_STATE, PACK_TRAINABLE, PREDICT, TRAIN_STEP,
                        read_manifest)
-from .models import save_checkpoint, share_mode, spec
+from .files import replacing, write_json_atomically
+from .models import save_checkpoint, spec
 from .schedules import STOCK_RULES
 from .target import cross_compiler, describe, export_shared, host_triple
 from .limits import step_buffers
@@ -124,20 +124,6 @@ def log_hash(log: TuningLog | None) -> str | None:
     return h.hexdigest()
 
 
-def _atomic_write(path: str, write) -> None:
-    folder = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=folder, suffix=os.path.splitext(path)[1])
-    os.close(fd)
-    try:
-        write(tmp)
-        share_mode(tmp, executable=path.endswith(".so"))
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-
-
 def export(out_dir: str, model, tensors: dict[str, np.ndarray], target: tvm.target.Target,
            batch: int = 8, infer_batch: int = 1, trainable: str = "all",
            optimizer: G.OptimizerConfig | None = None, log: TuningLog | None = None,
@@ -191,10 +177,10 @@ def export(out_dir: str, model, tensors: dict[str, np.ndarray], target: tvm.targ
         t0 = time.perf_counter()
         train_exe = compile_graph(train_mod, target, database, wino["train"], rules)
         progress(f"compiled training module in {time.perf_counter() - t0:.1f} s")
-        _atomic_write(os.path.join(out_dir, "inference.so"),
-                      lambda p: export_shared(infer_exe, p, target))
-        _atomic_write(os.path.join(out_dir, "train.so"),
-                      lambda p: export_shared(train_exe, p, target))
+        with replacing(os.path.join(out_dir, "inference.so"), executable=True) as p:
+            export_shared(infer_exe, p, target)
+        with replacing(os.path.join(out_dir, "train.so"), executable=True) as p:
+            export_shared(train_exe, p, target)
         return wino
 
     checks = {"checked": None, "wrong": {}, "unchecked": "no tuning log"}
@@ -274,6 +260,5 @@ def export(out_dir: str, model, tensors: dict[str, np.ndarray], target: tvm.targ
         # the step's largest tensors and its peak, checked against a device profile
         "buffers": step_buffers(tg.mod[ADJOINT]),
     }
-    _atomic_write(os.path.join(out_dir, MANIFEST),
-                  lambda p: open(p, "w").write(json.dumps(manifest, indent=1)))
+    write_json_atomically(os.path.join(out_dir, MANIFEST), manifest)
     return manifest

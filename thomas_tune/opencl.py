@@ -19,10 +19,11 @@ import re
 import shutil
 import subprocess
 import sysconfig
-import tempfile
 
 import tvm
 import tvm_ffi
+
+from .files import replacing
 
 SOURCE = os.path.join(os.path.dirname(__file__), "csrc", "opencl_runtime.cc")
 _loaded: str | None = None
@@ -83,18 +84,15 @@ def build(force: bool = False) -> str:
                                 "ocl-icd-opencl-dev (and a driver, e.g. pocl-opencl-icd)")
     tvm_dir = os.path.dirname(tvm.__file__)
     ffi_dir = os.path.dirname(tvm_ffi.__file__)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=os.path.dirname(out))
-    os.close(fd)
-    cmd = [cxx, "-std=c++17", "-O2", "-shared", "-fPIC", "-o", tmp, SOURCE,
-           f"-I{tvm_dir}/include", f"-I{ffi_dir}/include",
-           f"-L{tvm_dir}/lib", f"-L{ffi_dir}/lib", "-ltvm_runtime", "-ltvm_ffi", cl_lib,
-           f"-Wl,-rpath,{tvm_dir}/lib", f"-Wl,-rpath,{ffi_dir}/lib"]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode != 0:
-        os.unlink(tmp)
-        raise OpenCLUnavailable(f"building the OpenCL runtime failed:\n{' '.join(cmd)}\n"
-                                f"{proc.stderr[-4000:]}")
-    os.replace(tmp, out)
+    with replacing(out, executable=True) as tmp:
+        cmd = [cxx, "-std=c++17", "-O2", "-shared", "-fPIC", "-o", tmp, SOURCE,
+               f"-I{tvm_dir}/include", f"-I{ffi_dir}/include",
+               f"-L{tvm_dir}/lib", f"-L{ffi_dir}/lib", "-ltvm_runtime", "-ltvm_ffi", cl_lib,
+               f"-Wl,-rpath,{tvm_dir}/lib", f"-Wl,-rpath,{ffi_dir}/lib"]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise OpenCLUnavailable(f"building the OpenCL runtime failed:\n{' '.join(cmd)}\n"
+                                    f"{proc.stderr[-4000:]}")
     return out
 
 

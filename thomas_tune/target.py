@@ -13,6 +13,8 @@ import subprocess
 
 import tvm
 
+from .files import write_json_atomically
+
 HOST = {"kind": "llvm"}
 GPU_KINDS = ("opencl", "cuda", "vulkan", "metal", "rocm")
 # ``--host`` names -> the llvm triple the host code (and, for an llvm target, the kernels) is
@@ -237,18 +239,53 @@ def cross_compiler(target: tvm.target.Target) -> str | None:
     return path
 
 
+def pack_imports(module, is_system_lib: bool, symbol_prefix: str, workspace_dir: str) -> str:
+    """``export_library``'s ``fpack_imports``: the imported modules (the OpenCL kernels) of
+    ``module`` packed into an object file of the host's LLVM target (C source where the host
+    module is not LLVM), whose ``__tvm_ffi__library_bin`` the loader finds with ``dlsym``.
+    Returns the file's path, in ``workspace_dir``.
+
+    TVM's own packing also registers that symbol in the process's system library when
+    ``is_system_lib``, and its export sets it for every LLVM host module: it asks
+    ``__tvm_is_system_module``, which answers whether the module has a
+    ``__tvm_module_startup`` function (``src/target/llvm/llvm_module.cc``), and
+    ``CodeGenLLVM::Finish`` adds one to every module (``codegen_llvm.cc``). Each library
+    loaded into a process then registers the same name, and every one after the first
+    overrides the last with a ``Warning:SystemLib symbol __tvm_ffi__library_bin get
+    overriden`` line on stderr. The project loads its libraries with ``load_module``
+    (``dlopen``) and links none into a system library, so only a module built with a
+    system-library prefix (``system-lib-prefix`` on the host target, which records a
+    ``tvm_system_lib_prefix`` flag) keeps the registration."""
+    from tvm.runtime import _ffi_api
+    llvm = [m for m in module._collect_dso_modules() if m.kind == "llvm"]
+    system = is_system_lib and any(
+        m.get_function("__tvm_get_system_lib_prefix")() is not None for m in llvm)
+    if llvm and _ffi_api.RuntimeEnabled("llvm"):
+        packed = _ffi_api.ModulePackImportsToLLVM(
+            module, system, llvm[0].get_function("_get_target_string")(), symbol_prefix)
+        path = os.path.join(workspace_dir, f"{symbol_prefix}devc.o")
+        packed.write_to_file(path)
+        return path
+    path = os.path.join(workspace_dir, f"{symbol_prefix}devc.c")
+    with open(path, "w") as f:
+        f.write(_ffi_api.ModulePackImportsToC(module, system, symbol_prefix))
+    return path
+
+
 def export_shared(module, path: str, target: tvm.target.Target) -> None:
     """``module.export_library(path)`` linked for the target's host: with this machine's
     compiler, or for a foreign host with ``cross_compiler(target)`` (TVM's
-    ``tvm.support.ndk.create_shared``). Raises ValueError for a missing or wrong cross
-    compiler, RuntimeError with the compiler's output when linking fails."""
+    ``tvm.support.ndk.create_shared``); its imports packed by :func:`pack_imports`, so that
+    loading it registers nothing in the process's system library. Raises ValueError for a
+    missing or wrong cross compiler, RuntimeError with the compiler's output when linking
+    fails."""
     cc = cross_compiler(target)
     if cc is None:
-        module.export_library(path)
+        module.export_library(path, fpack_imports=pack_imports)
         return
     from tvm.support import ndk
     os.environ[CROSS_CC_ENV] = cc
-    module.export_library(path, fcompile=ndk.create_shared)
+    module.export_library(path, fcompile=ndk.create_shared, fpack_imports=pack_imports)
 
 
 # ---- the device's own limits, read from a device server over RPC ----------------------------
@@ -347,13 +384,8 @@ def target_from_limits(limits: dict, host=None) -> tvm.target.Target:
 def write_device_file(folder: str, limits: dict) -> str:
     """Write ``limits`` (:func:`device_limits`) as ``folder``/:data:`DEVICE_FILE` (a tuning-log
     folder: the device its records were measured on), atomically; returns the path."""
-    import tempfile
-    os.makedirs(folder, exist_ok=True)
     path = os.path.join(folder, DEVICE_FILE)
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=folder)
-    with os.fdopen(fd, "w") as f:
-        json.dump(limits, f, indent=1)
-    os.replace(tmp, path)
+    write_json_atomically(path, limits)
     return path
 
 

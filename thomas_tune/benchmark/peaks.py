@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 import time
 from types import SimpleNamespace
 
 import numpy as np
 
+from ..files import write_json_atomically
 
 PEAKS_FILE = "peaks.json"
 
@@ -206,8 +206,5 @@ def measure_peaks(target, dev, refresh: bool = False, min_ms: float = 20.0) -> d
     peaks = _opencl_peaks(dev, min_ms) if kind == "opencl" else _llvm_peaks(target, dev, min_ms)
     peaks["measured"] = time.time()
     cache[key] = peaks
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=os.path.dirname(path))
-    with os.fdopen(fd, "w") as f:
-        json.dump(cache, f, indent=1)
-    os.replace(tmp, path)
+    write_json_atomically(path, cache, sync=False)
     return {**peaks, "device": key, "cached": False}

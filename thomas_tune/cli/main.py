@@ -77,8 +77,8 @@ def main(argv=None) -> int:
 
 def cmd_demo(args) -> int:
     """The product's story on loopback: tune the training step of the shipped pretrained
-    network (digits 0-4), fine-tune it on the unseen digits 5-9, report tuned against untuned
-    ms per step from the same run (see :mod:`thomas_tune.demo`)."""
+    network (digits 0-4), fine-tune it on the unseen digits 5-9, report tuned, untuned and
+    PyTorch ms per step from the same run (see :mod:`thomas_tune.demo`)."""
     from .. import demo, opencl
     if args.target.startswith("opencl") and not opencl.available():
         try:
@@ -96,7 +96,8 @@ def cmd_demo(args) -> int:
 
 def add_demo(sub) -> None:
     s = sub.add_parser("demo", help="tune a pretrained MobileNetV2 (digits 0-4) on loopback and "
-                       "fine-tune it on the unseen digits 5-9; tuned vs untuned ms per step")
+                       "fine-tune it on the unseen digits 5-9; tuned, untuned and PyTorch ms "
+                       "per step")
     s.add_argument("--checkpoint", help="pretrained checkpoint (default: the shipped "
                    "models/pretrained/mobilenet_v2-w0.35-r64-mnist0to4.npz)")
     s.add_argument("--batch", type=int, default=8)

@@ -123,7 +123,8 @@ def cmd_tune(args) -> int:
         print("nothing to tune: every chosen task has a record faster than its default "
               "schedule (--untuned)", flush=True)
         return 0
-    print(summary(tasks, sum(t.total_flops for t in everything)), flush=True)
+    if not args.brief:
+        print(summary(tasks, sum(t.total_flops for t in everything)), flush=True)
     lanes = args.servers or free  # --servers: lanes asked for; else the servers free now
     print(f"tuning {len(tasks)} tasks, {args.trials} trials, on {lanes} server(s) of key "
           f"{args.key!r}; tuning log {log.path}", flush=True)
@@ -364,6 +365,9 @@ def add_tune(sub) -> None:
                    help="exit with status 3 when more than this share (0..1) of the run's "
                         "trials failed, naming the first errors (default 0.5)")
     s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--brief", action="store_true",
+                   help="leave out the table of the chosen tasks before tuning (the line "
+                        "that says how many are tuned stays)")
     add_cache_features_arg(s, "also tune the tasks of")
     s.set_defaults(fn=cmd_tune)
 

@@ -42,7 +42,7 @@ from .codegen import STAMP, CodegenMismatch, LogVersion, read_version, write_sta
 from .database import (FAILED_RUN_S, LogDatabase, json_line, mean_run_seconds, mean_seconds,
                        trace_json)
 from .errors import TrialErrors, read_errors
-from .files import rewrite_atomically
+from ..files import write_atomically as rewrite_atomically
 from .reading import LogContents, MergeReport, merge, read_log, summarize
 from .tuning_log import (ERRORS, HASHES, LOCK, PACKED, RECORDS, WORKLOADS, CheckReport, LogInUse,
                          LogLock, TuningLog, is_packed, pack, unpack)

@@ -41,7 +41,7 @@ import os
 import time
 from dataclasses import dataclass, field
 
-from .files import rewrite_atomically
+from ..files import write_atomically
 
 STAMP = "codegen.json"
 
@@ -144,7 +144,7 @@ def write_stamp(path: str, how: str, stamp: dict | None = None) -> None:
     body = {"id": body["id"], "components": body["components"], "how": how,
             "stamped": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     os.makedirs(path, exist_ok=True)
-    rewrite_atomically(os.path.join(path, STAMP), [json.dumps(body, indent=1) + "\n"])
+    write_atomically(os.path.join(path, STAMP), json.dumps(body, indent=1) + "\n")
 
 
 class CodegenMismatch(ValueError):

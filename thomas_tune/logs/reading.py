@@ -9,11 +9,11 @@ import re
 from dataclasses import dataclass, field
 
 import tvm_ffi
-from tvm.s_tir import meta_schedule as ms
 
 from .codegen import STAMP, read_version, write_stamp
 from .database import mean_seconds
-from .tuning_log import RECORDS, WORKLOADS, TuningLog, rewrite_atomically
+from ..files import write_atomically
+from .tuning_log import RECORDS, WORKLOADS, TuningLog, parse_lines
 
 
 @dataclass
@@ -36,35 +36,13 @@ def read_log(path: str) -> LogContents:
                                        or os.path.exists(log.record_path)):
         raise ValueError(f"{path!r} is not a tuning-log folder (no {WORKLOADS} or {RECORDS} "
                          "in it); give the folder that 'thomas-tune tune --log' wrote")
+    lines = parse_lines(log.workload_path, log.record_path)
     out = LogContents(path)
-    index: dict[int, int] = {}
-    if os.path.exists(log.workload_path):
-        with open(log.workload_path) as f:
-            for i, line in enumerate(f):
-                if not line.strip():
-                    continue
-                try:
-                    obj = json.loads(line)
-                    wl = ms.database.Workload.from_json(obj)
-                    index[i] = len(out.workloads)
-                    out.workloads.append((obj, int(tvm_ffi.structural_hash(wl.mod))))
-                except Exception as err:
-                    out.rejected.append((log.workload_path, i + 1, f"bad workload: {err}"))
-    if os.path.exists(log.record_path):
-        with open(log.record_path) as f:
-            for i, line in enumerate(f):
-                if not line.strip():
-                    continue
-                try:
-                    idx, body = json.loads(line)
-                    if int(idx) not in index:
-                        raise ValueError(f"workload #{idx} is missing or unreadable")
-                    if not isinstance(body, list) or len(body) < 2:
-                        raise ValueError("record body is not [trace, run_secs, ...]")
-                    [float(s) for s in body[1]]
-                    out.records.append((index[int(idx)], body))
-                except Exception as err:
-                    out.rejected.append((log.record_path, i + 1, f"bad record: {err}"))
+    out.workloads = [(obj, int(tvm_ffi.structural_hash(wl.mod)))
+                     for _, _, obj, wl in lines.workloads]
+    out.records = [(w, body) for _, w, body in lines.records]
+    out.rejected = ([(log.workload_path, i + 1, why) for i, _, why in lines.bad_workloads]
+                    + [(log.record_path, i + 1, why) for i, _, why in lines.bad_records])
     return out
 
 
@@ -152,8 +130,8 @@ def merge(sources: list[str], dest: str) -> MergeReport:
                     continue
                 seen.add(key)
                 rec_lines.append(json.dumps([local[w], body]) + "\n")
-        rewrite_atomically(target.workload_path, wl_lines)
-        rewrite_atomically(target.record_path, rec_lines)
+        write_atomically(target.workload_path, wl_lines)
+        write_atomically(target.record_path, rec_lines)
         versions = [read_version(p) for p in paths]
         ids = {(v.stamp or {}).get("id") if v.status != "unknown" else None for v in versions}
         if len(ids) == 1 and None not in ids:

@@ -19,10 +19,9 @@ import tvm_ffi
 from tvm.s_tir import meta_schedule as ms
 from tvm.s_tir.schedule import Schedule
 
-from ..models import share_mode
+from ..files import replacing, write_atomically
 from .codegen import LogVersion, mismatch, read_version, write_stamp
 from .database import LogDatabase, json_line, mean_run_seconds
-from .files import rewrite_atomically
 
 WORKLOADS = "database_workload.json"
 RECORDS = "database_tuning_record.json"
@@ -79,6 +78,58 @@ class CheckReport:
     workloads: int = 0
     records: int = 0
     rejected: list[tuple[str, int, str]] = field(default_factory=list)
+
+
+@dataclass
+class LogLines:
+    """The lines of a log's two files, parsed (:func:`parse_lines`); line numbers count from 0.
+    ``workloads``: (line number, text ending in a newline, JSON object, MetaSchedule
+    ``Workload``) of each good workload line; ``records``: (line number, position of its
+    workload in ``workloads``, record body ``[trace, run_secs, ...]``) of each good record
+    line; ``bad_workloads`` / ``bad_records``: (line number, text, reason) of the others."""
+
+    workloads: list[tuple[int, str, object, object]] = field(default_factory=list)
+    records: list[tuple[int, int, list]] = field(default_factory=list)
+    bad_workloads: list[tuple[int, str, str]] = field(default_factory=list)
+    bad_records: list[tuple[int, str, str]] = field(default_factory=list)
+
+
+def parse_lines(workload_path: str, record_path: str) -> LogLines:
+    """Parse a log's workload file and record file (either may be missing), the one reader of
+    their lines. A workload line is good when MetaSchedule builds a ``Workload`` from it; a
+    record line when it is ``[workload index, [trace, run_secs, ...]]`` with every run time a
+    number and its workload one of the good ones. Blank lines are skipped."""
+    out = LogLines()
+    position: dict[int, int] = {}  # workload line -> position among the good ones
+    if os.path.exists(workload_path):
+        with open(workload_path) as f:
+            for i, line in enumerate(f):
+                if not line.strip():
+                    continue
+                try:
+                    obj = json.loads(line)
+                    wl = ms.database.Workload.from_json(obj)
+                    position[i] = len(out.workloads)
+                    out.workloads.append((i, line if line.endswith("\n") else line + "\n",
+                                          obj, wl))
+                except Exception as err:  # JSON or TVM parse error: reject, keep the text
+                    out.bad_workloads.append((i, line, f"bad workload: {err}"))
+    if os.path.exists(record_path):
+        with open(record_path) as f:
+            for i, line in enumerate(f):
+                if not line.strip():
+                    continue
+                try:
+                    idx, body = json.loads(line)
+                    if int(idx) not in position:
+                        raise ValueError(f"workload #{idx} is missing or was rejected")
+                    if not isinstance(body, list) or len(body) < 2:
+                        raise ValueError("record body is not [trace, run_secs, ...]")
+                    [float(s) for s in body[1]]
+                    out.records.append((i, position[int(idx)], body))
+                except Exception as err:
+                    out.bad_records.append((i, line, f"bad record: {err}"))
+    return out
 
 
 def is_packed(path: str) -> bool:
@@ -210,36 +261,11 @@ class TuningLog:
             set_aside = False  # a packed log is read-only: bad lines are reported only
         os.makedirs(self.path, exist_ok=True)
         report = CheckReport()
-        new_index: dict[int, int] = {}
-        good_workloads, bad_workloads = [], []
-        if os.path.exists(self.workload_path):
-            with open(self.workload_path) as f:
-                for i, line in enumerate(f):
-                    if not line.strip():
-                        continue
-                    try:
-                        ms.database.Workload.from_json(json.loads(line))
-                        new_index[i] = len(good_workloads)
-                        good_workloads.append(line if line.endswith("\n") else line + "\n")
-                    except Exception as err:  # JSON or TVM parse error: reject, keep the text
-                        bad_workloads.append((i, line, f"bad workload: {err}"))
-        good_records, bad_records = [], []
-        if os.path.exists(self.record_path):
-            with open(self.record_path) as f:
-                for i, line in enumerate(f):
-                    if not line.strip():
-                        continue
-                    try:
-                        obj = json.loads(line)
-                        idx, body = int(obj[0]), obj[1]
-                        if idx not in new_index:
-                            raise ValueError(f"workload #{idx} is missing or was rejected")
-                        if not isinstance(body, list) or len(body) < 2:
-                            raise ValueError("record body is not [trace, run_secs, ...]")
-                        [float(s) for s in body[1]]
-                        good_records.append(json.dumps([new_index[idx], body]) + "\n")
-                    except Exception as err:
-                        bad_records.append((i, line, f"bad record: {err}"))
+        lines = parse_lines(self.workload_path, self.record_path)
+        bad_workloads, bad_records = lines.bad_workloads, lines.bad_records
+        good_workloads = [text for _, text, _, _ in lines.workloads]
+        # records renumbered to their workload's position among the good workloads
+        good_records = [json.dumps([w, body]) + "\n" for _, w, body in lines.records]
         report.workloads, report.records = len(good_workloads), len(good_records)
         if not set_aside:
             for path, bad in ((self.workload_path, bad_workloads),
@@ -274,9 +300,9 @@ class TuningLog:
                         print(f"tuning log {path}:{i + 1}: {why}; moved to {path}.rejected",
                               file=report_to)
         if bad_workloads:
-            rewrite_atomically(self.workload_path, good_workloads)
+            write_atomically(self.workload_path, good_workloads)
         if bad_workloads or bad_records:
-            rewrite_atomically(self.record_path, good_records)
+            write_atomically(self.record_path, good_records)
 
     def database(self, check: bool = True) -> LogDatabase:
         """This folder's records as a MetaSchedule database (:class:`LogDatabase`: records are
@@ -367,8 +393,8 @@ class TuningLog:
         :data:`HASHES`; returns how many records were replayed since the log was opened."""
         if self._hash_cache is not None and self._replayed and not self.packed:
             os.makedirs(self.path, exist_ok=True)
-            rewrite_atomically(self.hash_path, [json.dumps({"stamp": _hash_stamp(),
-                                                  "hashes": self._hash_cache})])
+            write_atomically(self.hash_path, json.dumps({"stamp": _hash_stamp(),
+                                                         "hashes": self._hash_cache}))
         return self._replayed
 
     def best_seconds(self, database: ms.Database, mod) -> float | None:
@@ -400,12 +426,9 @@ def pack(path: str) -> tuple[int, int]:
             plain = os.path.join(path, name)
             if not os.path.exists(plain):
                 continue
-            fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=path)
-            os.close(fd)
-            with open(plain, "rb") as src, lzma.open(tmp, "wb", preset=6) as out:
+            with (replacing(plain + PACKED) as tmp, open(plain, "rb") as src,
+                  lzma.open(tmp, "wb", preset=6) as out):
                 out.write(src.read())
-            share_mode(tmp)
-            os.replace(tmp, plain + PACKED)
             before += os.path.getsize(plain)
             after += os.path.getsize(plain + PACKED)
         for name in (WORKLOADS, RECORDS):
@@ -426,11 +449,9 @@ def unpack(path: str) -> int:
         packed = os.path.join(path, name + PACKED)
         if not os.path.exists(packed):
             continue
-        fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=path)
-        with lzma.open(packed, "rb") as src, os.fdopen(fd, "wb") as out:
+        with (replacing(os.path.join(path, name)) as tmp, lzma.open(packed, "rb") as src,
+              open(tmp, "wb") as out):
             out.write(src.read())
-        share_mode(tmp)
-        os.replace(tmp, os.path.join(path, name))
         size += os.path.getsize(os.path.join(path, name))
     for name in (WORKLOADS, RECORDS):
         if os.path.exists(os.path.join(path, name + PACKED)):

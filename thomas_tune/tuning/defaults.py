@@ -13,6 +13,7 @@ import tvm
 import tvm_ffi
 from tvm.s_tir import meta_schedule as ms
 
+from ..files import write_json_atomically
 from ..kernel_check import default_kernel
 from ..measure.builder import Builder
 from ..measure.runner import error_line
@@ -39,8 +40,6 @@ def measure_defaults(tasks: list[Task], target, runner, log: TuningLog | None = 
     kernel, compiled as is. ``refresh``: measure every task again and replace its cached time
     (``thomas-tune remeasure --defaults``, for times measured under a noisy load).
     """
-    import tempfile
-
     cache_path = os.path.join(log.path, DEFAULT_LATENCY) if log is not None else None
     keys = [workload_key(t) for t in tasks]
     wanted = dict(zip(keys, (t.mod for t in tasks)))
@@ -82,12 +81,8 @@ def measure_defaults(tasks: list[Task], target, runner, log: TuningLog | None = 
                 if k not in wanted and k in cache["schedules"]:
                     seconds[k], schedules[k] = v, cache["schedules"][k]
             seconds.update({k: (v if math.isfinite(v) else None) for k, v in known.items()})
-            os.makedirs(log.path, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=log.path)
-            with os.fdopen(fd, "w") as f:
-                json.dump({"stamp": defaults_stamp(target), "seconds": seconds,
-                           "schedules": schedules}, f, indent=0)
-            os.replace(tmp, cache_path)
+            write_json_atomically(cache_path, {"stamp": defaults_stamp(target), "seconds": seconds,
+                                               "schedules": schedules}, indent=0, sync=False)
     return {k: (math.inf if v is None else v) for k, v in known.items()}
 
 

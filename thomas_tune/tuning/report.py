@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-import json
 import math
-import os
 from dataclasses import dataclass, field
 
 from tqdm import tqdm
 from tvm.ir.utils import derived_object
 from tvm.s_tir import meta_schedule as ms
+
+from ..files import write_json_atomically
 
 
 @dataclass
@@ -193,10 +193,7 @@ class TuneReport:
 
     def write(self, path: str) -> None:
         """Write :meth:`as_dict` as JSON to ``path`` (atomically: a reader never sees half)."""
-        tmp = f"{path}.tmp-{os.getpid()}"
-        with open(tmp, "w") as f:
-            json.dump(self.as_dict(), f, indent=1)
-        os.replace(tmp, path)
+        write_json_atomically(path, self.as_dict())
 
     def throughput_line(self) -> str:
         """One line: trials/s and where the time went (s and share)."""
