@@ -12,8 +12,10 @@
 # PoCL links its kernels with this machine's aarch64 cross linker (COMPILER_PATH).
 #
 # The server binds the first free port in [P, P+1) (default 9090), serves one session at a
-# time, each in a forked process, and keeps its session files in D/.cache (default:
-# ./rpc under the folder it is started from); see docs/android.md for its session bounds.
+# time, each in a forked process, and keeps its session files in D/.cache; a session that ends
+# normally removes D. The default D is a new folder under ${TMPDIR:-/tmp} (tvm_rpc's own default,
+# ./rpc of the folder it is started from, would be this project's rpc/ when started from its
+# root); see docs/android.md for its session bounds.
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 build="" tracker="" key="" port=9090 work_dir=""
@@ -24,16 +26,17 @@ while [ $# -gt 0 ]; do
     --key) key="$2"; shift 2 ;;
     --port) port="$2"; shift 2 ;;
     --work-dir) work_dir="$2"; shift 2 ;;
-    *) sed -n '2,15p' "$0" | sed 's/^# \{0,1\}//'; exit 2 ;;
+    *) sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//'; exit 2 ;;
   esac
 done
 [ -n "$build" ] && [ -n "$tracker" ] && [ -n "$key" ] || {
-  sed -n '2,15p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
+  sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
 build="$(cd "$build" && pwd)"
 [ -x "$build/tvm_rpc" ] || { echo "error: $build/tvm_rpc is missing: run rpc/build_tvm_rpc.sh" >&2; exit 2; }
 args=(server --host=127.0.0.1 "--port=$port" "--port-end=$((port + 1))" "--tracker=$tracker"
       "--key=$key")
-[ -z "$work_dir" ] || args+=("--work-dir=$work_dir")
+[ -n "$work_dir" ] || work_dir="$(mktemp -d "${TMPDIR:-/tmp}/tvm_rpc-$key-XXXXXX")"
+args+=("--work-dir=$work_dir")
 machine="$(od -An -j18 -N2 -tu2 "$build/tvm_rpc" | tr -d ' ')"  # ELF e_machine
 case "$machine" in
   62) LD_LIBRARY_PATH="$build/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" exec "$build/tvm_rpc" "${args[@]}" ;;
