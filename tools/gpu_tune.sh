@@ -2,6 +2,9 @@
 # Tuning on the device tool's GPU machine with the product's own flow: a tracker, device
 # servers on NVIDIA OpenCL, and 'thomas-tune tune' runs started with setsid, so they go on
 # between calls until the machine goes back. State lives in /tmp/tt (kept on a warm machine).
+#   probe   set up, start the tracker and a device server, then 'thomas-tune rpc probe' of it
+#           (PROBE_TARGET, default targets/h100_opencl.json; PROBE_ARGS, default --copy-mib 1024);
+#           the profile comes back as $OUT/device_profile.json
 #   park    copy the carried part of the TVM tree (.devcarry/p1, p2, ..., one per call) to /tmp/tt
 #   start   set up (carry .devcarry/last), start tracker, servers and the tuning jobs; resumes
 #           from /tmp/tt/logs when the machine is warm, else from the tree's tuning_logs/;
@@ -338,6 +341,9 @@ case "${1:-status}" in
   rows-status) cat $TT/rows.log; for f in $TT/rows/*.out; do echo "-- $f"; tail -5 $f; done
     [ -n "${OUT:-}" ] && tar -C $TT -czf $OUT/rows.tgz --exclude='*.so' --exclude='*.npz' rows ;;
   park) cp .devcarry/p[0-9]*/tvm.part.* $TT/ && ls -la $TT ;;
+  probe) setup >/dev/null || exit $?; SERVERS=${SERVERS:-1} start_services
+    $PY rpc probe --tracker 127.0.0.1:$PORT --key $KEY --target ${PROBE_TARGET:-targets/h100_opencl.json} \
+      ${PROBE_ARGS:---copy-mib 1024} --out ${OUT:-$TT}/device_profile.json ;;
   start) setup && start_services && start_jobs && watch ;;
   status) status ;;
   watch) watch ;;
