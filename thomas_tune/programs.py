@@ -28,8 +28,10 @@ stored stream of each library it loads before the first launch; after the sessio
 it fetches (and stores) the stream of each library that had none stored. A stream the driver
 rejects (``SetPreCompiledPrograms`` raises: ``CL_INVALID_BINARY``, a failed build) is dropped,
 the library loaded again so that its programs build from source, and a new stream fetched
-after the first call replaces the file. Nothing is kept on the device: ``tvm_rpc`` removes a
-session's folder when the session ends, and the stream is uploaded with each session instead.
+after the first call replaces the file. A fetch starts only where the session's bound leaves
+room for it (:meth:`SessionPrograms.after_first_call`). Nothing is kept on the device:
+``tvm_rpc`` removes a session's folder when the session ends, and the stream is uploaded with
+each session instead.
 
 Exports for the CPU (no OpenCL module) and device servers whose OpenCL runtime is thomas_tune's
 sidecar (it keeps its own binaries, ``thomas_tune/csrc/opencl_runtime.cc``) are left as they
@@ -273,7 +275,8 @@ class SessionPrograms:
     stored programs (loading it again when the driver rejects them); :meth:`after_first_call`
     fetches and stores the programs of each library loaded in the current session that had
     none. ``events``: one dict per action (``library``, ``action`` in "set", "rejected",
-    "stored", "skipped", ``programs``, ``bytes``, ``seconds``, ``reason`` where one applies).
+    "stored", "postponed", "skipped", ``programs``, ``bytes``, ``seconds``, ``reason`` where
+    one applies).
     ``cache``: a :class:`ProgramCache`, or None (the cache off: nothing happens)."""
 
     def __init__(self, cache: ProgramCache | None = None, triple: str | None = None):
@@ -316,13 +319,23 @@ class SessionPrograms:
         self._pending.append((rpc_session, module, local_path, key))
         return module
 
-    def after_first_call(self) -> None:
+    def after_first_call(self, first_call_s: float = 0.0, remaining=None) -> None:
         """Fetch and store the programs of the libraries loaded without stored ones (all
-        programs of a library are built now, those its first call did not launch too)."""
+        programs of a library are built now, those its first call did not launch too).
+        ``remaining``: a function giving the seconds the session has left (None: no known
+        bound); a library's fetch starts only with at least twice ``first_call_s`` (the first
+        call's seconds, about what building a library's programs takes) plus 5 s left, else
+        it is ``postponed`` to a later session, so that a fetch never outlasts the session."""
         import time
         pending, self._pending = self._pending, []
         helper = None
         for rpc_session, module, local_path, key in pending:
+            need = 2.0 * first_call_s + 5.0
+            if remaining is not None and remaining() < need:
+                self._event(local_path, "postponed", seconds=0.0,
+                            reason=f"{remaining():.0f} s left of the session, {need:.0f} s "
+                                   "wanted")
+                continue
             t0 = time.perf_counter()
             try:
                 if helper is None:

@@ -228,7 +228,8 @@ class Session:
         if self._calls == 1:
             self._first_call_s = took
             if self.remote:  # the programs built in this session's first call, kept
-                self.programs.after_first_call()
+                rd = self._remote_device
+                self.programs.after_first_call(took, rd.remaining_s if rd else None)
         else:
             self._longest_call_s = max(self._longest_call_s, took)
         return out
