@@ -48,6 +48,7 @@ import shutil
 import struct
 import subprocess
 import tempfile
+import time
 
 GET, SET = "opencl.GetPreCompiledPrograms", "opencl.SetPreCompiledPrograms"
 HELPER_FUNC = "thomas_tune_call_as_bytes"
@@ -293,7 +294,6 @@ class SessionPrograms:
         """The library ``name`` (uploaded already; ``local_path`` is its copy here) loaded in
         ``rpc_session``, its programs set from the cache for ``device`` (a TVM device of the
         session) when stored; TVM's errors from ``load_module`` are raised as they are."""
-        import time
         module = rpc_session.load_module(name)
         if self.cache is None or int(device.dlpack_device_type()) % 128 != 4:  # kDLOpenCL
             return module
@@ -326,7 +326,6 @@ class SessionPrograms:
         bound); a library's fetch starts only with at least twice ``first_call_s`` (the first
         call's seconds, about what building a library's programs takes) plus 5 s left, else
         it is ``postponed`` to a later session, so that a fetch never outlasts the session."""
-        import time
         pending, self._pending = self._pending, []
         helper = None
         for rpc_session, module, local_path, key in pending:
