@@ -322,10 +322,11 @@ class SessionPrograms:
     def after_first_call(self, first_call_s: float = 0.0, remaining=None) -> None:
         """Fetch and store the programs of the libraries loaded without stored ones (all
         programs of a library are built now, those its first call did not launch too).
-        ``remaining``: a function giving the seconds the session has left (None: no known
-        bound); a library's fetch starts only with at least twice ``first_call_s`` (the first
-        call's seconds, about what building a library's programs takes) plus 5 s left, else
-        it is ``postponed`` to a later session, so that a fetch never outlasts the session."""
+        ``remaining``: a function giving the seconds the session has left for this (its
+        bound less what the next call needs; None: no known bound); a library's fetch starts
+        only with at least twice ``first_call_s`` (the first call's seconds, about what
+        building a library's programs takes) plus 5 s left, else it is ``postponed`` to a
+        later session, so that a fetch never outlasts the session."""
         pending, self._pending = self._pending, []
         helper = None
         for rpc_session, module, local_path, key in pending:

@@ -228,8 +228,9 @@ class Session:
         if self._calls == 1:
             self._first_call_s = took
             if self.remote:  # the programs built in this session's first call, kept
-                rd = self._remote_device
-                self.programs.after_first_call(took, rd.remaining_s if rd else None)
+                rd = self._remote_device  # (a fetch leaves room for the next call or renewal)
+                self.programs.after_first_call(
+                    took, rd and (lambda: rd.remaining_s() - self._margin_s()))
         else:
             self._longest_call_s = max(self._longest_call_s, took)
         return out
