@@ -319,22 +319,25 @@ class SessionPrograms:
         self._pending.append((rpc_session, module, local_path, key))
         return module
 
-    def after_first_call(self, first_call_s: float = 0.0, remaining=None) -> None:
+    def after_first_call(self, first_call_s: float, remaining) -> None:
         """Fetch and store the programs of the libraries loaded without stored ones (all
         programs of a library are built now, those its first call did not launch too).
         ``remaining``: a function giving the seconds the session has left for this (its
-        bound less what the next call needs; None: no known bound); a library's fetch starts
+        bound less what the next call needs), or None where the bound is not known (a
+        session given as it is rather than through a RemoteDevice). A library's fetch starts
         only with at least twice ``first_call_s`` (the first call's seconds, about what
-        building a library's programs takes) plus 5 s left, else it is ``postponed`` to a
-        later session, so that a fetch never outlasts the session."""
+        building a library's programs takes) plus 5 s left; otherwise, and where the bound
+        is not known, it is ``postponed`` to a later session: a fetch that outlasted its
+        session would take the session's state with it."""
         pending, self._pending = self._pending, []
         helper = None
         for rpc_session, module, local_path, key in pending:
             need = 2.0 * first_call_s + 5.0
-            if remaining is not None and remaining() < need:
-                self._event(local_path, "postponed", seconds=0.0,
-                            reason=f"{remaining():.0f} s left of the session, {need:.0f} s "
-                                   "wanted")
+            left = remaining() if remaining is not None else None
+            if left is None or left < need:
+                why = ("the session's bound is not known" if left is None else
+                       f"{left:.0f} s left of the session, {need:.0f} s wanted")
+                self._event(local_path, "postponed", seconds=0.0, reason=why)
                 continue
             t0 = time.perf_counter()
             try:
