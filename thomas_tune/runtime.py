@@ -44,6 +44,7 @@ from .manifest import (ADJOINT, ADJOINT_FROZEN, DRAW_MASKS, FEATURES, FEATURES_F
                        PREDICT_FROZEN, lifted_values, read_manifest, slot_arguments)
 from .models import load_checkpoint, save_checkpoint
 from .models.layers import require_compiler
+from .programs import SessionPrograms
 from .target import host_arch, machine_arch
 
 
@@ -129,6 +130,7 @@ class Session:
         self.model, tensors, self.classes = load_checkpoint(os.path.join(export_dir, "params.npz"))
         self.classes = self.classes or m.get("classes")
         self._remote_device = remote
+        self.programs = SessionPrograms(triple=m.get("host_triple"))  # OpenCL binaries
         self.renewals: list[dict] = []
         self._longest_call_s = 0.0  # the longest call that was not its session's first
         self._first_call_s = 0.0  # the last session's first call (OpenCL programs built there)
@@ -173,7 +175,9 @@ class Session:
         for name in ("inference.so", "train.so"):
             rpc_session.upload(os.path.join(export_dir, name))
             try:  # a library of another architecture loads as a module with no functions
-                vms[name] = VirtualMachine(rpc_session.load_module(name), self.device)
+                lib = self.programs.load(rpc_session, name, os.path.join(export_dir, name),
+                                         self.device)
+                vms[name] = VirtualMachine(lib, self.device)
             except Exception as err:  # TVM raises its own error types
                 raise ValueError(f"the device server could not load {name} of {export_dir}"
                                  f" (linked for {triple or 'an unknown host'}): "
@@ -225,6 +229,10 @@ class Session:
         took = time.perf_counter() - t0
         if self._calls == 1:
             self._first_call_s = took
+            if self.remote:  # the programs built in this session's first call, kept
+                rd = self._remote_device  # (a fetch leaves room for the next call or renewal)
+                self.programs.after_first_call(
+                    took, rd and (lambda: rd.remaining_s() - self._margin_s()))
         else:
             self._longest_call_s = max(self._longest_call_s, took)
         return out
@@ -282,6 +290,7 @@ class Session:
         """Let go of every handle into the device (tensors, VMs, the RPC session): over RPC,
         the server ends the session and is free for the next client once they are gone."""
         self._t, self._opt, self._tuples = {}, [], {}
+        self.programs.release()
         # (a remote device keeps its session alive: client.py sets dev._rpc_sess)
         self._train_vm = self._infer_vm = self._get_item = self._rpc = self.device = None
         gc.collect()
