@@ -31,10 +31,11 @@ from .models.layers import compiler_available  # noqa: E402,F401
 from . import opencl as _opencl  # noqa: E402
 
 if compiler_available():
-    # OpenCL sources are compiled with aligned vector reads of shared memory
-    from . import opencl_source as _opencl_source  # noqa: E402
+    # OpenCL sources are checked for kernel arguments TVM's own OpenCL runtime cannot pass,
+    # and compiled with aligned vector reads of shared memory
+    from . import kernel_signature as _kernel_signature  # noqa: E402
 
-    _opencl_source.register()
+    _kernel_signature.register()
 
 try:
     _opencl.load()

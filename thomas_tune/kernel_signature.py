@@ -10,9 +10,11 @@ argument", after the whole module has been built and sent to the device.
 
 :func:`check_source` reads every ``__kernel`` signature of the OpenCL C that TVM's code
 generator writes and raises at build time, naming the kernel and the argument. It runs on
-every OpenCL module the product builds (:mod:`thomas_tune.opencl_source` calls it from TVM's
-``tvm_callback_opencl_postproc``), so a kernel that the phone could not launch is a build
+every OpenCL module the product builds (from TVM's ``tvm_callback_opencl_postproc``), so a kernel that the phone could not launch is a build
 error everywhere, also where the sidecar (which packs more types) would have launched it.
+:func:`register` installs that callback: the check, then :mod:`.opencl_source`'s rewrite. The
+check changes no kernel, so it is no part of the code-generation version of a tuning log's times
+(:mod:`thomas_tune.logs.codegen` fingerprints ``opencl_source.py``, not this module).
 The usual cause is a scalar that TVM's common-subexpression elimination moved out of a
 kernel: an expression of a kernel parameter computed once on the host becomes a new kernel
 argument of the expression's type.
@@ -82,3 +84,17 @@ def check_source(source: str) -> str:
             "float or double: give the kernel 32-bit parameters, or compute the value inside "
             "the kernel from them")
     return source
+
+
+def _postproc(code: str, target=None) -> str:
+    from . import opencl_source
+    return opencl_source._postproc(check_source(code), target)
+
+
+def register() -> None:
+    """Make TVM's OpenCL code generator pass each module's source through
+    :func:`check_source`, then :mod:`thomas_tune.opencl_source`'s rewrite (the global function
+    ``tvm_callback_opencl_postproc``, in this process; replaces one registered before)."""
+    import tvm
+
+    tvm.register_global_func("tvm_callback_opencl_postproc", _postproc, override=True)
