@@ -10,14 +10,15 @@ argument", after the whole module has been built and sent to the device.
 
 :func:`check_source` reads every ``__kernel`` signature of the OpenCL C that TVM's code
 generator writes and raises at build time, naming the kernel and the argument. It runs on
-every OpenCL module the product builds (from TVM's ``tvm_callback_opencl_postproc``), so a kernel that the phone could not launch is a build
-error everywhere, also where the sidecar (which packs more types) would have launched it.
-:func:`register` installs that callback: the check, then :mod:`.opencl_source`'s rewrite. The
-check changes no kernel, so it is no part of the code-generation version of a tuning log's times
-(:mod:`thomas_tune.logs.codegen` fingerprints ``opencl_source.py``, not this module).
-The usual cause is a scalar that TVM's common-subexpression elimination moved out of a
-kernel: an expression of a kernel parameter computed once on the host becomes a new kernel
-argument of the expression's type.
+every OpenCL module the product builds (TVM's ``tvm_callback_opencl_postproc``, installed by
+:func:`register`: the check, then :mod:`.opencl_source`'s rewrite), so a kernel that the phone
+could not launch is a build error everywhere, also where the sidecar (which packs more types)
+would have launched it. The usual cause is a scalar that TVM's common-subexpression
+elimination moved out of a kernel: an expression of a kernel parameter computed once on the
+host becomes a new kernel argument of the expression's type.
+
+The check changes no kernel, so it is no part of the code-generation version of a tuning log's
+times (:mod:`thomas_tune.logs.codegen` fingerprints ``opencl_source.py``, not this module).
 """
 
 from __future__ import annotations
