@@ -87,7 +87,7 @@ def _data(classes, limit, seed):
 
 def _export(folder, model, tensors, trainable, tuned):
     from thomas_tune.export import export
-    from thomas_tune.graph import OptimizerConfig
+    from thomas_tune.optimizers import OptimizerConfig
     from thomas_tune.target import parse_target
     from thomas_tune.logs import TuningLog
     if not os.path.exists(os.path.join(folder, "manifest.json")):
@@ -417,7 +417,7 @@ def cache_main(args):
     t0 = time.perf_counter()
     if not os.path.exists(os.path.join(folder, "manifest.json")):
         from thomas_tune.export import export
-        from thomas_tune.graph import OptimizerConfig
+        from thomas_tune.optimizers import OptimizerConfig
         from thomas_tune.logs import TuningLog
         from thomas_tune.target import parse_target
         export(folder, model5, ft_init, parse_target("llvm"), batch=BATCH, trainable=trainable,

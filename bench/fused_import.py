@@ -85,7 +85,7 @@ def _export(work, model, tensors, trainable, lr):
     """The untuned llvm export of ``trainable`` at learning rate ``lr`` (made once per
     ``work`` folder): its folder."""
     from thomas_tune.export import export
-    from thomas_tune.graph import OptimizerConfig
+    from thomas_tune.optimizers import OptimizerConfig
     from thomas_tune.target import parse_target
     folder = os.path.join(work, f"export-{trainable.replace(':', '').replace(',', '-')}-lr{lr:g}")
     if not os.path.exists(os.path.join(folder, "manifest.json")):

@@ -4,7 +4,8 @@ optimizer state; freezing layers saves gradients, optimizer state and kept activ
 import numpy as np
 
 from conftest import SMALL
-from thomas_tune.graph import OptimizerConfig, select_trainable
+from thomas_tune.graph import select_trainable
+from thomas_tune.optimizers import OptimizerConfig
 from thomas_tune.memory import training_memory
 from thomas_tune.models import build, spec
 

@@ -8,6 +8,7 @@ from tvm import relax
 
 from conftest import REFERENCE, SMALL, TorchGraph, random_tensors
 from thomas_tune import graph as G
+from thomas_tune import optimizers
 from thomas_tune.compile import compile_graph
 from thomas_tune.models import build, spec
 
@@ -121,9 +122,9 @@ def test_optimizer_update_matches_pytorch(name, rng):
     shapes = [tuple(int(d) for d in rng.integers(1, 6, size=rng.integers(1, 5)))
               for _ in range(30)]
     params = [relax.Var(f"p{i}", relax.TensorType(s, "float64")) for i, s in enumerate(shapes)]
-    cfg = G.OptimizerConfig(name=name, lr=0.05, weight_decay=0.01)
+    cfg = optimizers.OptimizerConfig(name=name, lr=0.05, weight_decay=0.01)
     opt = cfg.build().init(params)
-    mod = G.optimizer_module(opt)
+    mod = optimizers.optimizer_module(opt)
     vm = relax.VirtualMachine(compile_graph(mod, REFERENCE), tvm.cpu())
     p0 = [rng.standard_normal(s) for s in shapes]
     tp = [torch.tensor(v, requires_grad=True) for v in p0]

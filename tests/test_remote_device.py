@@ -33,7 +33,7 @@ from thomas_tune.measure.runner import FarmRunner, _lane_close, _lane_open
 from thomas_tune.runtime import RemoteDevice, Session, connect
 from thomas_tune.target import (DEVICE_FILE, parse_target, read_device_limits, resolve_target,
                                 target_from_limits, write_device_file)
-from thomas_tune.graph import OptimizerConfig
+from thomas_tune.optimizers import OptimizerConfig
 
 from opencl_kernels import NEEDS_OPENCL
 

@@ -20,7 +20,8 @@ operators emitted only for their shapes (:class:`_PartGraph`), so the two compos
 full step, operator for operator. Only a frozen part that computes the same function at every
 step can be cut so (:func:`check_cache_features`).
 
-BatchNorm in the training step takes one of three modes (:data:`BATCHNORM_MODES`):
+BatchNorm in the training step takes one of three modes
+(:data:`thomas_tune.trainable.BATCHNORM_MODES`):
 
 * ``frozen-part`` (the default): the BatchNorms of frozen layers in the inference form (below),
   those of trainable layers in the training form. A frozen layer then computes what it computes
@@ -46,7 +47,6 @@ import tvm
 import tvm_ffi
 from tvm import relax
 from tvm.relax.training import SetupTrainer
-from tvm.relax.training import optimizer as ropt
 
 from . import gradients  # noqa: F401  (registers the missing gradients)
 from . import multi_tensor as MT
@@ -55,12 +55,8 @@ from .manifest import (ADJOINT, FEATURES, HEAD_ADJOINT, OPTIMIZER,  # the export
                        PREDICT, TRAIN_STEP)  # names
 from .models import ShapeGraph, spec, trace
 from .models.layers import Graph
-
-BATCHNORM_MODES = ("frozen-part", "train", "frozen")
-FROZEN_BN = "frozen-bn"  # suffix of a trainable set: "all,frozen-bn", "last:2,frozen-bn"
-TRAIN_BN = "train-bn"  # suffix of a trainable set: "last:2,train-bn"
-_SUFFIXES = {FROZEN_BN: "frozen", TRAIN_BN: "train"}
-
+from .optimizers import OptimizerConfig, tensor_shape
+from .trainable import TRAIN_BN, frozen_batchnorms, parse_trainable, select_trainable
 
 def _emit_running_statistics(bb: relax.BlockBuilder, g: Graph, states: list[str]) -> None:
     """Put the new running statistics of the training-form BatchNorms among ``states`` into
@@ -77,218 +73,11 @@ def _emit_running_statistics(bb: relax.BlockBuilder, g: Graph, states: list[str]
         tensors = [[r.running_mean, r.running_var, r.mean, r.m2]
                    for r in (g.running[n] for n in members)]
         dtype = str(tensors[0][0].ty.dtype)
-        outs, _ = MT.emit_update(bb, "bn_running", tensors, [_shape(t[0]) for t in tensors],
+        outs, _ = MT.emit_update(bb, "bn_running", tensors, [tensor_shape(t[0]) for t in tensors],
                                  ("rm", "rv", "mean", "m2"),
                                  running_exprs(count, momentum, dtype), dtype, inplace=False)
         for n, (rm, rv) in zip(members, outs):
             g.new_states[f"{n}.running_mean"], g.new_states[f"{n}.running_var"] = rm, rv
-
-
-def _shape(p: relax.Var) -> tuple[int, ...]:
-    return tuple(int(d) for d in p.ty.shape.values)
-
-
-class _MultiTensor:
-    """Mixin of the optimizers whose update of all parameters is a few multi-tensor kernels
-    (:mod:`thomas_tune.multi_tensor`), with the function signature and state layout of
-    ``relax.training.optimizer``: ``(params, grads, (steps int64, scalars..., buffers...)) ->
-    (new params, (steps + 1, new scalars..., new buffers...))``. ``scalars``: 0-d states, each
-    multiplied by its factor at every step and read by every update under its name (Adam's
-    beta1^t, beta2^t); ``buffers``: the per-parameter state tensors (momentum: one per
-    parameter; Adam: two; SGD: none), one run of all parameters each."""
-
-    buffers: tuple[str, ...] = ()
-
-    def scalars(self) -> dict[str, float]:
-        return {}
-
-    def exprs(self) -> dict[str, str]:
-        raise NotImplementedError
-
-    def get_function(self) -> relax.Function:
-        self._check_init()
-        plist = self.param_list
-        dtype = str(plist[0].ty.dtype)
-        scalars = self.scalars()
-        param_var = relax.Var("params", relax.TupleType([p.ty for p in plist]))
-        grad_var = relax.Var("gradients", relax.TupleType([p.ty for p in plist]))
-        state_var = relax.Var("optim_states", relax.TupleType(
-            [relax.TensorType((), "int64")] + [relax.TensorType((), dtype) for _ in scalars]
-            + [p.ty for _ in self.buffers for p in plist]))
-        n, first = len(plist), 1 + len(scalars)
-        bb = relax.BlockBuilder()
-        with bb.function(self.name, [param_var, grad_var, state_var]):
-            with bb.dataflow():
-                steps = bb.emit(relax.TupleGetItem(state_var, 0), "num_steps")
-                shared = {name: bb.emit(relax.op.multiply(relax.TupleGetItem(state_var, 1 + i),
-                                                          relax.const(factor, dtype)), name)
-                          for i, (name, factor) in enumerate(scalars.items())}
-                tensors = [[bb.emit(relax.TupleGetItem(param_var, j)),
-                            bb.emit(relax.TupleGetItem(grad_var, j)),
-                            *(bb.emit(relax.TupleGetItem(state_var, first + b * n + j))
-                              for b in range(len(self.buffers)))] for j in range(n)]
-                outs, steps_new = MT.emit_update(
-                    bb, self.name + "_update", tensors, [_shape(p) for p in plist],
-                    ("p", "g", *self.buffers), self.exprs(), dtype, shared, counter=steps)
-                # outputs: the new buffers in order, then the new parameter (exprs' order)
-                params_out = bb.emit_output(relax.Tuple([o[-1] for o in outs]), "params_new")
-                state_out = bb.emit_output(relax.Tuple(
-                    [steps_new,
-                     *shared.values(),
-                     *(o[b] for b in range(len(self.buffers)) for o in outs)]),
-                    "optim_states_new")
-            bb.emit_func_output((params_out, state_out))
-        built = bb.get()
-        self.kernels = {gv: f for gv, f in built.functions.items()
-                        if isinstance(f, tvm.tirx.PrimFunc)}
-        return built[self.name]
-
-
-class _MomentumSGD(_MultiTensor, ropt.MomentumSGD):
-    """``relax.training.optimizer.MomentumSGD`` (no dampening, no Nesterov: PyTorch's SGD
-    with ``momentum``) as multi-tensor kernels: the same signature, state layout ``(steps
-    int64, v...)`` and arithmetic (:func:`thomas_tune.multi_tensor.momentum_sgd_exprs`)."""
-
-    buffers = ("v",)
-
-    def exprs(self) -> dict[str, str]:
-        return MT.momentum_sgd_exprs(self.lr, self.momentum, self.weight_decay,
-                                     str(self.param_list[0].ty.dtype))
-
-
-class _SGD(_MultiTensor, ropt.SGD):
-    """``relax.training.optimizer.SGD`` as multi-tensor kernels: state ``(steps int64,)``,
-    ``p -= lr * (g + weight_decay * p)``."""
-
-    def exprs(self) -> dict[str, str]:
-        return MT.sgd_exprs(self.lr, self.weight_decay, str(self.param_list[0].ty.dtype))
-
-
-class _Adam(_MultiTensor, ropt.Adam):
-    """``relax.training.optimizer.Adam`` as multi-tensor kernels
-    (:func:`thomas_tune.multi_tensor.adam_exprs`), with a working ``init``: the pinned TVM
-    builds its scalar states with ``np.ones((), self.dtype)``, and ``self.dtype`` is a TVM
-    type numpy cannot read. Same state layout: (steps int64, beta1^t, beta2^t, first
-    moments..., second moments...)."""
-
-    buffers = ("m", "v")
-
-    def scalars(self) -> dict[str, float]:
-        return {"b1t": self.beta1, "b2t": self.beta2}
-
-    def exprs(self) -> dict[str, str]:
-        return MT.adam_exprs(self.lr, self.beta1, self.beta2, self.eps, self.weight_decay,
-                             str(self.param_list[0].ty.dtype))
-
-    def init(self, params):
-        params = params if isinstance(params, list) else [params]
-        self._set_params_and_dtype(params)
-        dtype = str(self.dtype.dtype)
-
-        def zeros(p):
-            return tvm.runtime.tensor(np.zeros([int(d) for d in p.ty.shape.values], dtype))
-
-        self.state = (tvm.runtime.tensor(np.zeros((), "int64")),
-                      tvm.runtime.tensor(np.ones((), dtype)),
-                      tvm.runtime.tensor(np.ones((), dtype)),
-                      *(zeros(p) for p in self.param_list),
-                      *(zeros(p) for p in self.param_list))
-        return self
-
-
-def optimizer_module(opt: ropt.Optimizer, name: str = OPTIMIZER) -> tvm.IRModule:
-    """A module of ``opt``'s function (``init`` called) under ``name``, with the kernels it
-    calls (:class:`_MomentumSGD` builds its update as kernels of its own)."""
-    mod = tvm.IRModule({name: opt.get_function().with_attr("global_symbol", name)})
-    for gv, func in getattr(opt, "kernels", {}).items():
-        mod[gv] = func
-    return mod
-
-
-@dataclass(frozen=True)
-class OptimizerConfig:
-    """Optimizer of the training step: ``momentum_sgd``, ``sgd`` or ``adam``, each as
-    multi-tensor kernels, one launch per group of parameters (:mod:`thomas_tune.multi_tensor`).
-
-    ``momentum_sgd``: v = momentum * v + g + weight_decay * p; p -= lr * v (PyTorch's SGD);
-    ``sgd``: p -= lr * (g + weight_decay * p);
-    ``adam``: Kingma & Ba 2015, Algorithm 1, with ``betas`` and ``eps``.
-    """
-
-    name: str = "momentum_sgd"
-    lr: float = 0.01
-    momentum: float = 0.9
-    weight_decay: float = 0.0
-    betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = 1e-8
-
-    def build(self) -> ropt.Optimizer:
-        if self.name == "momentum_sgd":
-            return _MomentumSGD(self.lr, self.momentum, weight_decay=self.weight_decay)
-        if self.name == "sgd":
-            return _SGD(self.lr, weight_decay=self.weight_decay)
-        if self.name == "adam":
-            return _Adam(self.lr, self.betas, self.eps, weight_decay=self.weight_decay)
-        raise ValueError(f"unknown optimizer {self.name!r}; use momentum_sgd, sgd or adam")
-
-
-def parse_trainable(trainable: str) -> tuple[str, str]:
-    """Split a ``--trainable`` value into (parameter set, BatchNorm mode; module docstring).
-
-    ``"all"`` and ``"last:K"``: ``"frozen-part"`` (frozen layers' BatchNorms in inference
-    form; with ``all`` there are none); a ``,train-bn`` suffix: ``"train"`` (every BatchNorm in
-    training form); a ``,frozen-bn`` suffix: ``"frozen"`` (every BatchNorm in inference
-    form). Raises ValueError for another suffix."""
-    base, _, suffix = str(trainable).partition(",")
-    if suffix and suffix not in _SUFFIXES:
-        raise ValueError(f"--trainable {trainable!r}: the suffixes are ',{FROZEN_BN}' (every "
-                         f"BatchNorm in inference form, e.g. 'all,{FROZEN_BN}') and "
-                         f"',{TRAIN_BN}' (every BatchNorm in training form, frozen layers "
-                         f"too, e.g. 'last:2,{TRAIN_BN}')")
-    return base, _SUFFIXES.get(suffix, "frozen-part")
-
-
-def select_trainable(model, trainable: str) -> list[str]:
-    """Names of the trainable parameters for a ``--trainable`` value.
-
-    ``all``: every parameter. ``last:K``: the parameters of the last K blocks (layers) in forward
-    order; K must be in 1..number of blocks. A ``,frozen-bn`` suffix (:func:`parse_trainable`)
-    does not change the set. Raises ValueError with the valid range otherwise.
-    """
-    s = spec(model)
-    trainable, _ = parse_trainable(trainable)
-    if trainable == "all":
-        return [p.name for p in s.params]
-    if trainable.startswith("last:"):
-        try:
-            k = int(trainable.split(":", 1)[1])
-        except ValueError:
-            k = -1
-        if not 1 <= k <= len(s.blocks):
-            raise ValueError(f"--trainable {trainable!r}: K must be 1..{len(s.blocks)} for "
-                             f"{model.arch} (blocks: {', '.join(s.blocks)})")
-        keep = set(s.blocks[-k:])
-        return [p.name for p in s.params if p.block in keep]
-    raise ValueError(f"--trainable {trainable!r}: use 'all' or 'last:K', optionally with "
-                     f"',{FROZEN_BN}'")
-
-
-def frozen_batchnorms(model, trainable: list[str], batchnorm: str) -> set[str]:
-    """Names of the BatchNorms of ``model`` that a training step in mode ``batchnorm`` (module
-    docstring) runs in inference form, for the trainable parameter names ``trainable``: none
-    (``train``), every one (``frozen``), or those whose ``weight`` is frozen
-    (``frozen-part``). Raises ValueError for another mode."""
-    if batchnorm not in BATCHNORM_MODES:
-        raise ValueError(f"BatchNorm mode {batchnorm!r}: use one of {BATCHNORM_MODES}")
-    s = spec(model)
-    names = {q.name[:-len(".running_mean")] for q in s.states
-             if q.name.endswith(".running_mean")}
-    if batchnorm == "train":
-        return set()
-    if batchnorm == "frozen":
-        return names
-    train = set(trainable)
-    return {n for n in names if f"{n}.weight" not in train}
 
 
 class FrozenBatchNormGraph(Graph):

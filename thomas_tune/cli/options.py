@@ -132,7 +132,7 @@ def load_model(args):
 
 
 def optimizer_config(args):
-    from ..graph import OptimizerConfig
+    from ..optimizers import OptimizerConfig
     return OptimizerConfig(name=args.optimizer, lr=args.lr, momentum=args.momentum,
                            weight_decay=args.weight_decay)
 
