@@ -162,7 +162,7 @@ def _session_step(session):
 
 def pytorch_step(session, tensors: dict, optimizer, seed: int):
     """PyTorch's training step of the export that ``session`` runs (its model, trainable set,
-    frozen BatchNorms; ``optimizer`` its :class:`thomas_tune.graph.OptimizerConfig`), float32
+    frozen BatchNorms; ``optimizer`` its :class:`thomas_tune.optimizers.OptimizerConfig`), float32
     eager on this machine (:func:`thomas_tune.benchmark.torch_baseline.torch_step`: the GPU
     where PyTorch sees one, else the CPU with PyTorch's own threads), from ``tensors``.
     Returns ``(step(x, y), name)``: a step function on numpy batches (waited for) and a name
