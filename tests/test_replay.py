@@ -226,3 +226,21 @@ def test_replay_that_can_check_nothing_fails_unless_told_not_to_check(tmp_path):
     assert "cannot be checked on this machine" in out and "no OpenCL device" in out, out
     assert "--no-check" in out and "nothing compiled" in out, out
     assert "tasks have a tuning record" not in out, out
+
+
+def test_export_with_no_device_applies_no_unchecked_record(tmp_path, monkeypatch, capsys):
+    """Where no device of this machine runs the target, ``export --log`` refuses before it
+    compiles anything, naming --no-check; nothing is written."""
+    from thomas_tune import record_check
+
+    def nowhere(target):
+        raise record_check.CheckUnavailable("no OpenCL device on this machine")
+
+    monkeypatch.setattr(record_check, "local_device", nowhere)
+    out = tmp_path / "e"
+    rc = cli.main(["export", "--log", LOG, "--model", "mobilenet_v2", "--width", "0.35",
+                   "--resolution", "64", "--classes", "10", "--batch", "8", "--target", "llvm",
+                   "--out", str(out), "--any-codegen"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "--no-check" in err and "cannot be checked" in err, err
+    assert not os.path.exists(out / "manifest.json") and not os.path.exists(out / "train.so")

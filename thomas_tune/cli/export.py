@@ -30,7 +30,8 @@ def export_model(args, out: str) -> dict:
     return export(out, model, tensors, target, batch=args.batch,
                   infer_batch=args.infer_batch, trainable=args.trainable,
                   optimizer=optimizer_config(args), log=log, classes=classes, device=device,
-                  cache_features=getattr(args, "cache_features", False))
+                  cache_features=getattr(args, "cache_features", False),
+                  check_records=not getattr(args, "no_check", False))
 
 
 def cmd_export(args) -> int:
@@ -38,6 +39,9 @@ def cmd_export(args) -> int:
     print(f"exported {manifest['arch']} to {args.out}: {len(manifest['trainable'])} trainable, "
           f"{len(manifest['frozen'])} frozen parameters; tuning log "
           f"{manifest['tuning_log'] or 'none'} (sha256 {str(manifest['tuning_log_sha256'])[:12]})")
+    checks = manifest["record_check"]
+    if manifest["tuning_log"] and checks["unchecked"]:
+        print(f"its tuning records are UNCHECKED: {checks['unchecked']}")
     if manifest["features"]:
         shape = "x".join(map(str, manifest["features"]["shape"]))
         print(f"with the step on cached features (train --cache-features): {shape} float32 "
@@ -127,6 +131,10 @@ def add_export(sub) -> None:
                    "check' says which) with its times as they are (each applied record is "
                    "still checked); without it such a log is refused")
     add_cache_features_arg(s, "also compile")
+    s.add_argument("--no-check", action="store_true",
+                   help="apply --log's records without running each on this machine's device "
+                   "first (needed where no device here runs the target); the output and the "
+                   "manifest's record_check say so")
     s.set_defaults(fn=cmd_export)
 
 
