@@ -42,6 +42,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .reference import numpy_grads as _numpy, torch_forward, torch_step  # noqa: F401
+
 #: batches a step is checked on: different labels, dropout masks and tails on each
 CHECK_BATCHES = 3
 #: a gradient's (and the loss's) error may be this many times PyTorch float32's on the same
@@ -304,57 +306,6 @@ def export_step(export_dir: str, x: np.ndarray, y: np.ndarray, device=None, rpc_
             {n: g.numpy().astype("float64") for n, g in zip(m["trainable"], grads)})
 
 
-def torch_forward(model, tensors: dict[str, np.ndarray], trainable: list[str], x: np.ndarray,
-                  y: np.ndarray, frozen_bn: bool | set = False, device: str | None = None,
-                  dtype: str = "float64", masks: dict | None = None):
-    """The step's forward pass in PyTorch (``dtype``, BatchNorm in training form but where
-    ``frozen_bn`` says, dropout ``masks`` name -> array or None for ones) on a
-    :class:`thomas_tune.kinks.KinkGraph`: returns (loss tensor, the graph, the trainable
-    tensors, their names). ``device``: a torch device (default: CUDA when available, else
-    the CPU). Needs torch."""
-    import torch
-    import torch.nn.functional as F
-
-    from .kinks import KinkGraph
-    from .models import spec
-    dev = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    s = spec(model)
-    train = set(trainable)
-    if torch.cuda.is_available() and dtype == "float32":
-        torch.backends.cuda.matmul.allow_tf32 = False  # float32 means float32 here
-        torch.backends.cudnn.allow_tf32 = False
-    params = {p.name: torch.tensor(np.asarray(tensors[p.name], dtype), device=dev,
-                                   requires_grad=p.name in train) for p in s.params}
-    states = {q.name: torch.tensor(np.asarray(tensors[q.name], dtype), device=dev)
-              for q in s.states}
-    tm = {name: torch.tensor(np.asarray((masks or {}).get(name, np.ones(shape)), dtype),
-                             device=dev) for name, (shape, _) in s.masks.items()}
-    g = KinkGraph(params, states, tm, training=True, frozen_bn=frozen_bn)
-    logits = model.forward(g, torch.tensor(np.asarray(x, dtype), device=dev))
-    loss = F.cross_entropy(logits, torch.tensor(np.asarray(y, "int64"), device=dev))
-    names = [n for n in params if n in train]
-    return loss, g, [params[n] for n in names], names
-
-
-def _numpy(names, grads) -> dict[str, np.ndarray]:
-    return {n: g.detach().cpu().numpy().astype("float64") for n, g in zip(names, grads)}
-
-
-def torch_step(model, tensors: dict[str, np.ndarray], trainable: list[str], x: np.ndarray,
-               y: np.ndarray, frozen_bn: bool | set = False, device: str | None = None,
-               dtype: str = "float64", bn_values: dict | None = None, masks: dict | None = None
-               ) -> tuple[float, dict[str, np.ndarray]]:
-    """Loss and gradients (float64 arrays) of ``trainable`` of the same step in PyTorch with
-    its own decisions at every kink (:func:`torch_forward`). ``bn_values``: a dict that gets,
-    per training-form BatchNorm layer, the values per channel it normalised (N*H*W)."""
-    import torch
-    loss, g, params, names = torch_forward(model, tensors, trainable, x, y, frozen_bn, device,
-                                           dtype, masks)
-    if bn_values is not None:
-        bn_values.update(g.bn_values)
-    return float(loss.detach()), _numpy(names, torch.autograd.grad(loss, params))
-
-
 def compare_step(loss: float | list[float], grads, loss_ref, grads_ref,
                  yardstick: dict[str, float] | None = None,
                  yardstick_loss_err: float | None = None, sums=None) -> StepCheck:
@@ -450,6 +401,17 @@ def reference_steps(model, tensors: dict[str, np.ndarray], trainable: list[str],
     return {"batches": xs, "masks": ms, "float64": f64, "float32": f32, "sums": sums,
             "rounding": rounding, "yardstick": yard, "few_bn_values": few, "coverage": cover,
             "context": (model, tensors, list(trainable), frozen_bn)}
+
+
+def cancelled_biases(reference: dict) -> list[str]:
+    """The biases whose float64 gradient cancels below :data:`CANCELLED` of its sum of
+    absolute terms on every check batch of ``reference`` (:func:`reference_steps`): zero in
+    exact arithmetic (a bias before a training-form BatchNorm), so no factor on it shows."""
+    out = set.intersection(*(
+        {n for n, v in sums.items()
+         if float(np.max(np.abs(f[1][n]))) < CANCELLED * float(np.max(v))}
+        for sums, f in zip(reference["sums"], reference["float64"])))
+    return sorted(out)
 
 
 def following_step(reference: dict, i: int, grads: dict[str, np.ndarray]):
