@@ -2,6 +2,7 @@
 
     python3 bench/mutants.py table [--target llvm] [--out DIR]
     python3 bench/mutants.py seeds --model mobilenet_v2 --seeds 40 [--target opencl]
+    python3 bench/mutants.py check EXPORT... [--first SEED]
 
 ``table``: for the tests' networks (MobileNetV2 0.35@32 and AlexNet 0.1@67, 5 classes, batch
 8, every layer trainable), each mutant of ``tests/mutants.py`` (x1.01 and the wrong sign for
@@ -10,7 +11,9 @@ every kind of gradient, and the data-dependent ones) is built, exported and chec
 failed it, the parameter furthest over its bound, its error and bound. The parameters' own
 gradients are also mutated in the right build's outputs (``param_mutant``). ``seeds``: the
 right build of ``--model`` checked on ``--seeds`` fresh seeds (MobileNetV2 0.35@64, AlexNet at
-the tests' size); prints each seed's line and the count that passed.
+the tests' size); prints each seed's line and the count that passed. ``check``: each export
+(made elsewhere, e.g. on a GPU machine) checked at seed ``--first``: its line, then every
+parameter's error, bound and PyTorch float32's error.
 """
 
 from __future__ import annotations
@@ -130,8 +133,9 @@ def _param_rows(arch, right, compare_step):
 
 def seeds(args):
     from thomas_tune.step_check import check_export
-    out = build(args.model, SEED_NETS[args.model], args.target,
-                os.path.join(args.out, f"{args.model}-seeds"))
+    out = os.path.join(args.out, f"{args.model}-{args.target}-seeds")
+    if not os.path.exists(os.path.join(out, "train.so")):
+        build(args.model, SEED_NETS[args.model], args.target, out)
     passed = 0
     for s in range(args.first, args.first + args.seeds):
         c = check_export(out, seed=s)
@@ -140,9 +144,22 @@ def seeds(args):
     print(f"{args.model} on {args.target}: {passed} of {args.seeds} seeds pass")
 
 
+def check(args):
+    from thomas_tune.step_check import check_export
+    bad = 0
+    for e in args.exports:
+        t0 = time.perf_counter()
+        c = check_export(e, seed=args.first)
+        bad += not c.ok
+        print(f"{e} ({time.perf_counter() - t0:.0f} s, flips {c.flips}): {c.line()}")
+        print(c.table(), flush=True)
+    return 1 if bad else 0
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("what", choices=["table", "seeds"])
+    p.add_argument("what", choices=["table", "seeds", "check"])
+    p.add_argument("exports", nargs="*", help="with check: export folders")
     p.add_argument("--target", default="llvm")
     p.add_argument("--model", default="mobilenet_v2", choices=list(SEED_NETS))
     p.add_argument("--seeds", type=int, default=40)
@@ -151,8 +168,8 @@ def main():
     p.add_argument("--models", nargs="+", default=list(NETS), choices=list(NETS))
     args = p.parse_args()
     os.makedirs(args.out, exist_ok=True)
-    table(args) if args.what == "table" else seeds(args)
+    return {"table": table, "seeds": seeds, "check": check}[args.what](args)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -68,7 +68,7 @@ def te_gradient(te_name: str, original, transform, which: int | None = 0):
         out = original(orig_var, call, output_grad, ctx)
         if which is not None and next(calls) != which:
             return out
-        n = len(out.struct_info.fields)
+        n = len(out.ty.fields)
         parts = [ctx.emit(relax.TupleGetItem(out, i)) for i in range(n)]
         return ctx.emit(relax.Tuple(transform(parts, call, ctx)))
 
@@ -82,7 +82,7 @@ def te_gradient(te_name: str, original, transform, which: int | None = 0):
 def scaled(i: int, factor: float):
     """A transform multiplying part ``i`` by ``factor``."""
     def t(parts, call, ctx):
-        parts[i] = ctx.emit(R.multiply(parts[i], _const(factor, str(parts[i].struct_info.dtype))))
+        parts[i] = ctx.emit(R.multiply(parts[i], _const(factor, str(parts[i].ty.dtype))))
         return parts
     return t
 
@@ -98,8 +98,7 @@ def _is_dropout(call):
 
 def _is_bias_add(call):
     b = call.args[1]
-    shape = [int(v) for v in b.struct_info.shape.values] if hasattr(b.struct_info, "shape") \
-        else []
+    shape = [int(v) for v in b.ty.shape.values] if hasattr(b.ty, "shape") else []
     return len(shape) in (1, 4) and int(np.prod(shape)) == max(shape or [0])
 
 
@@ -144,8 +143,8 @@ def _one_label(label: int, factor: float):
 def _one_sample(parts, call, ctx):
     """The data gradient of the first sample of the batch 1% too large."""
     dx = parts[0]
-    n = int(dx.struct_info.shape.values[0])
-    f = np.ones((n,) + (1,) * (len(dx.struct_info.shape.values) - 1), "float32")
+    n = int(dx.ty.shape.values[0])
+    f = np.ones((n,) + (1,) * (len(dx.ty.shape.values) - 1), "float32")
     f[0] = 1.01
     parts[0] = ctx.emit(R.multiply(dx, relax.const(f)))
     return parts

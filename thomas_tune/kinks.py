@@ -228,8 +228,10 @@ def ambiguous_elements(kinks64: list[Kink], rounding: list[float]) -> list[Flip]
             dist = x64.abs()
         else:
             dist = (x64.abs()).minimum((x64 - 6.0).abs())
+        # an element (window) whose output gradient is zero moves nothing when flipped
+        moving = k.dy0.reshape(-1) != 0
         flat = dist.reshape(-1)
-        for j in (flat <= delta).nonzero().reshape(-1).tolist():
+        for j in ((flat <= delta) & moving).nonzero().reshape(-1).tolist():
             out.append(Flip(i, k.kind, j, float(flat[j])))
     return out
 

@@ -50,10 +50,11 @@ CHECK_BATCHES = 3
 #: batches (both against float64 following their own branches): rounding of the same sums in
 #: another order; the largest ratio of right builds over 40 seeds is in docs/journal/precision.md
 FACTOR = 4.0
-#: the smallest yardstick of a gradient's error: float32 rounding of the step's sums (u = 6e-8
-#: times the sqrt of the terms' count, up to 1e5 terms per sum here, with the amplification of
-#: a training-form BatchNorm's backward over few values)
-ROUNDING = 1e-4
+#: the smallest yardstick of a gradient's error: float32 rounding of the step's sums, amplified
+#: by the BatchNorms' backward; a right MobileNetV2 0.35@64 build on PoCL reached 4.5e-4 where
+#: PyTorch float32 was 9.6e-5 (docs/journal/precision.md), so the floor of the bounds, 2e-3,
+#: is 4x that; a gradient 1% off (1e-2) is 5x over it
+ROUNDING = 5e-4
 #: no parameter's error may be above this, whatever the yardstick (a gradient 1% off fails)
 CAP = 1e-2
 #: the smallest yardstick of the loss's relative error
