@@ -19,6 +19,7 @@ parameter's error, bound and PyTorch float32's error.
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import sys
 import time
@@ -90,16 +91,18 @@ def table(args):
         right = os.path.join(args.out, f"{arch}-right")
         if not os.path.exists(os.path.join(right, "train.so")):
             build(arch, NETS[arch], args.target, right)
-        t0 = time.perf_counter()
-        row(f"{arch}: right build ({time.perf_counter() - t0:.0f} s)", check_export(right))
-        _param_rows(arch, right, compare_step)
+        if not args.mutants_only:
+            row(f"{arch}: right build", check_export(right))
+            _param_rows(arch, right, compare_step)
         rights[arch] = _mutants(arch)
+    count = itertools.count()
     while any(rights.values()):  # the networks in turn
         for arch in args.models:
             if rights[arch]:
                 label, mutant = rights[arch].pop(0)
-                out = build(arch, NETS[arch], args.target, os.path.join(args.out, "mutant"),
-                            mutant=mutant)
+                # a folder each: a library loaded once is not loaded again from its path
+                out = build(arch, NETS[arch], args.target,
+                            os.path.join(args.out, f"mutant{next(count)}"), mutant=mutant)
                 row(f"{arch}: {label}", check_export(out, seed=0))
                 sys.stdout.flush()
 
@@ -136,8 +139,10 @@ def seeds(args):
     out = os.path.join(args.out, f"{args.model}-{args.target}-seeds")
     if not os.path.exists(os.path.join(out, "train.so")):
         build(args.model, SEED_NETS[args.model], args.target, out)
+    from thomas_tune.step_check import CHECK_BATCHES
     passed = 0
-    for s in range(args.first, args.first + args.seeds):
+    # seed s checks the batches of s, s + 1, s + 2: seeds CHECK_BATCHES apart share none
+    for s in range(args.first, args.first + CHECK_BATCHES * args.seeds, CHECK_BATCHES):
         c = check_export(out, seed=s)
         passed += c.ok
         print(f"seed {s}: flips {c.flips}: {c.line()}", flush=True)
@@ -166,6 +171,8 @@ def main():
     p.add_argument("--first", type=int, default=1000, help="first seed")
     p.add_argument("--out", default="/tmp/thomas_tune_mutants")
     p.add_argument("--models", nargs="+", default=list(NETS), choices=list(NETS))
+    p.add_argument("--mutants-only", action="store_true",
+                   help="table: leave out the right builds' rows and the parameter rows")
     args = p.parse_args()
     os.makedirs(args.out, exist_ok=True)
     return {"table": table, "seeds": seeds, "check": check}[args.what](args)
