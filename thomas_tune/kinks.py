@@ -41,8 +41,8 @@ from .reference import TorchGraph
 #: measure of the forward's rounding; the build's own rounding is of the same order: its
 #: errors against float64 are within a few times PyTorch float32's, docs/journal/precision.md)
 DELTA_FACTOR = 8.0
-#: the most flips computed per batch (each costs one backward pass of part of the network):
-#: a batch with more ambiguous elements that matter is not checked to the bounds
+#: the most flips computed per batch (each costs one backward pass of part of the network),
+#: the nearest to their kink first; the others are counted (``Following.unresolved``)
 MAX_FLIPS = 400
 
 
@@ -275,24 +275,30 @@ def apply_flip(kink: Kink, flip: Flip) -> None:
 
 
 def follow(loss, graph: KinkGraph, rounding: list[float], params: list, names: list[str],
-           target: dict[str, np.ndarray], scales: dict[str, float]) -> Following:
+           target: dict[str, np.ndarray], scales: dict[str, float],
+           within: float = 0.0) -> Following:
     """The float64 step of ``graph`` (its forward done, ``loss`` its loss tensor; ``params``
     the trainable tensors, ``names`` theirs) with the decisions that explain ``target`` (the
     build's gradients, name -> array) best: see the module docstring. ``rounding``: per kink
     layer, the largest PyTorch float32 - float64 difference of its input. ``scales``: name ->
-    the scale a parameter's error is judged on (the same as the check's)."""
+    the scale a parameter's error is judged on (the same as the check's). ``within``: where
+    every parameter's error against float64's own decisions is at most this, those decisions
+    explain the build already and none is changed (no flip computed)."""
     import torch
     base = torch.autograd.grad(loss, params, retain_graph=True)
     for k in graph.kinks:  # the output gradients of the pass with float64's decisions
         k.dy0 = k.dy
-    cands = ambiguous_elements(graph.kinks, rounding)
-    cands.sort(key=lambda f: f.distance)
-    unresolved = max(0, len(cands) - MAX_FLIPS)
-    cands = cands[:MAX_FLIPS]
     want = [torch.as_tensor(target[n], dtype=base[i].dtype, device=base[i].device)
             for i, n in enumerate(names)]
     resid = [w - b for w, b in zip(want, base)]
     inv = [1.0 / max(scales[n], 1e-300) for n in names]
+    if max((float(r.abs().max()) * s for r, s in zip(resid, inv) if r.numel()),
+           default=0.0) <= within:
+        return Following(float(loss.detach()), numpy_of(names, base))
+    cands = ambiguous_elements(graph.kinks, rounding)
+    cands.sort(key=lambda f: f.distance)
+    unresolved = max(0, len(cands) - MAX_FLIPS)
+    cands = cands[:MAX_FLIPS]
 
     def cost(rs):
         return sum(float((r * s).square().sum()) for r, s in zip(rs, inv))
@@ -311,9 +317,13 @@ def follow(loss, graph: KinkGraph, rounding: list[float], params: list, names: l
     for f in taken:
         apply_flip(graph.kinks[f.layer], f)
     grads = torch.autograd.grad(loss, params, retain_graph=True)
-    return Following(float(loss.detach()), {n: g.detach().cpu().numpy().astype("float64")
-                                            for n, g in zip(names, grads)},
-                     taken, len(effects), unresolved)
+    return Following(float(loss.detach()), numpy_of(names, grads), taken, len(effects),
+                     unresolved)
+
+
+def numpy_of(names, grads) -> dict[str, np.ndarray]:
+    """name -> float64 numpy array of each tensor of ``grads``."""
+    return {n: g.detach().cpu().numpy().astype("float64") for n, g in zip(names, grads)}
 
 
 def follow_float32(loss64, graph: KinkGraph, graph32: KinkGraph, params: list,
