@@ -100,6 +100,8 @@ def table(args):
         for arch in args.models:
             if rights[arch]:
                 label, mutant = rights[arch].pop(0)
+                if f"{arch}: {label}" in args.skip:
+                    continue
                 # a folder each: a library loaded once is not loaded again from its path
                 out = build(arch, NETS[arch], args.target,
                             os.path.join(args.out, f"mutant{next(count)}"), mutant=mutant)
@@ -171,6 +173,8 @@ def main():
     p.add_argument("--first", type=int, default=1000, help="first seed")
     p.add_argument("--out", default="/tmp/thomas_tune_mutants")
     p.add_argument("--models", nargs="+", default=list(NETS), choices=list(NETS))
+    p.add_argument("--skip", nargs="*", default=[],
+                   help="table: rows already made ('ARCH: LABEL')")
     p.add_argument("--mutants-only", action="store_true",
                    help="table: leave out the right builds' rows and the parameter rows")
     args = p.parse_args()

@@ -79,10 +79,16 @@ def te_gradient(te_name: str, original, transform, which: int | None = 0):
         tvm.register_global_func(handler, original, override=True)
 
 
+def _bound(ctx, expr):
+    """``expr`` bound to a variable in ``ctx`` (so that its type is known)."""
+    return expr if isinstance(expr, relax.Var) else ctx.emit(expr)
+
+
 def scaled(i: int, factor: float):
     """A transform multiplying part ``i`` by ``factor``."""
     def t(parts, call, ctx):
-        parts[i] = ctx.emit(R.multiply(parts[i], _const(factor, str(parts[i].ty.dtype))))
+        v = _bound(ctx, parts[i])
+        parts[i] = ctx.emit(R.multiply(v, _const(factor, str(v.ty.dtype))))
         return parts
     return t
 
@@ -142,7 +148,7 @@ def _one_label(label: int, factor: float):
 
 def _one_sample(parts, call, ctx):
     """The data gradient of the first sample of the batch 1% too large."""
-    dx = parts[0]
+    dx = _bound(ctx, parts[0])
     n = int(dx.ty.shape.values[0])
     f = np.ones((n,) + (1,) * (len(dx.ty.shape.values) - 1), "float32")
     f[0] = 1.01
