@@ -99,7 +99,7 @@ def _is_depthwise(call):
 
 def _is_dropout(call):
     b = call.args[1]
-    return isinstance(b, relax.Var) and b.name_hint.endswith(".mask")
+    return isinstance(b, relax.Var) and str(b.name).endswith(".mask")
 
 
 def _is_bias_add(call):
