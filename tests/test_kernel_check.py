@@ -405,13 +405,16 @@ def test_export_leaves_out_and_replay_refuses_a_wrong_record(tmp_path, target, r
 
 
 def test_step_check_names_the_parameters_a_wrong_kernel_breaks(rng):
-    """The comparison of a step with its float64 reference on three batches: rounding at
-    PyTorch float32's level passes; a gradient that a kernel writing zeros leaves at 0, one with
-    the wrong sign and one 1% too large fail by name with the loss still right; a kink that
-    rounding flips on one batch (a large error there, none on the others) passes; a loss off
-    by more than float32 rounding fails."""
-    from thomas_tune.step_check import CHECK_BATCHES, FACTOR, ROUNDING, compare_step
-    refs = [{f"p{i}": rng.standard_normal((16, 8)) for i in range(4)}
+    """The comparison of a step with its float64 reference on three batches, with gradients
+    of scales 1e-6 to 1 (each judged on its own): rounding at PyTorch float32's level passes;
+    a gradient that a kernel writing zeros leaves at 0, one with the wrong sign and one 1% too
+    large fail by name, the smallest gradient too; an error on one batch only fails (every
+    batch counts); a loss off by more than float32 rounding fails; no bound is above CAP,
+    whatever the yardstick; a bias whose gradient cancels is judged on its sum of absolute
+    terms."""
+    from thomas_tune.step_check import CAP, CHECK_BATCHES, compare_step
+    scales = {f"p{i}": 10.0 ** -(2 * i) for i in range(4)}  # p3: 1e-6 of p0
+    refs = [{k: s * rng.standard_normal((16, 8)) for k, s in scales.items()}
             for _ in range(CHECK_BATCHES)]
 
     def rounded(rel):
@@ -422,24 +425,32 @@ def test_step_check_names_the_parameters_a_wrong_kernel_breaks(rng):
     torch32 = compare_step(losses, rounded(1e-6), losses, refs)  # the yardstick
     assert torch32.ok and torch32.worst[1] < 1e-5 and not torch32.dead, torch32.line()
 
-    def check(grads, loss=2.5):
-        return compare_step([loss] * CHECK_BATCHES, grads, losses, refs, torch32.errors,
+    def check(grads, loss=2.5, yard=torch32.errors):
+        return compare_step([loss] * CHECK_BATCHES, grads, losses, refs, yard,
                             torch32.loss_err)
 
     ours = rounded(2e-6)
     assert check(ours).ok, check(ours).line()
-    for name, wrong in (("zeros", 0.0), ("sign", -1.0), ("1%", 1.01)):
-        bad = check([dict(g, p2=r["p2"] * wrong) for g, r in zip(ours, refs)])
-        assert not bad.ok and bad.failing == ["p2"], (name, bad.line())
-        assert bad.errors["p2"] == pytest.approx(abs(1 - wrong), rel=1e-3), name
-        assert bad.line().startswith("WRONG") and "p2" in bad.line()
-    flipped = [dict(g) for g in ours]
-    flipped[1]["p1"] = flipped[1]["p1"].copy()
-    flipped[1]["p1"][3, 3] += 0.5 * np.max(np.abs(refs[1]["p1"]))
-    assert check(flipped).ok, check(flipped).line()
-    assert check(ours, loss=2.5 * (1 + 1e-4)).loss_err > check(ours).loss_bound
+    for p in scales:
+        for name, wrong in (("zeros", 0.0), ("sign", -1.0), ("1%", 1.01)):
+            bad = check([dict(g, **{p: r[p] * wrong}) for g, r in zip(ours, refs)])
+            assert not bad.ok and bad.failing == [p], (p, name, bad.line())
+            assert bad.errors[p] == pytest.approx(abs(1 - wrong), rel=1e-3), (p, name)
+            assert bad.line().startswith("WRONG") and p in bad.line()
+    one_batch = [dict(g) for g in ours]
+    one_batch[1]["p3"] = one_batch[1]["p3"] * 1.01
+    assert check(one_batch).failing == ["p3"], check(one_batch).line()
     assert not check(ours, loss=2.5 * (1 + 1e-4)).ok
-    assert FACTOR * ROUNDING < 1e-2 / 3  # a gradient 1% off fails whatever the yardstick's floor
+    huge = check(ours, yard={k: 0.5 for k in scales})  # PyTorch float32 itself far off
+    assert max(huge.bounds.values()) == CAP
+    two = check([dict(g, p0=r["p0"] * 1.02) for g, r in zip(ours, refs)], yard={"p0": 0.5})
+    assert two.failing == ["p0"], two.line()
+    # a bias whose float64 gradient is 1e-15 of its terms: judged on CANCELLED x their sum
+    zero = [{"b": np.full(4, 1e-15)} for _ in range(CHECK_BATCHES)]
+    sums = [{"b": np.full(4, 1.0)} for _ in range(CHECK_BATCHES)]
+    noise = [{"b": np.full(4, 1e-8)} for _ in range(CHECK_BATCHES)]
+    assert compare_step(losses, noise, losses, zero, sums=sums).ok
+    assert not compare_step(losses, noise, losses, zero).ok  # on its own scale: 1e7
 
 
 def test_a_dead_layer_is_named_and_fails_the_check(rng):

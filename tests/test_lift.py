@@ -176,4 +176,4 @@ def test_frozen_batchnorms_fold_into_their_convolutions_once(tmp_path, rng):
     export(str(tmp_path), model, tensors, opencl.target_for(0), batch=8, infer_batch=1,
            trainable="last:2", progress=lambda *_: None)
     check = check_export(str(tmp_path), seed=int(rng.integers(1 << 30)))
-    assert not check.failing, check
+    assert check.ok, check.line()  # the loss, every gradient, no dead weight, enough values

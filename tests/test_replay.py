@@ -3,7 +3,6 @@ the tuned module computes the float64 reference's numbers."""
 
 import os
 
-import tvm
 
 from thomas_tune import cli
 
@@ -23,47 +22,56 @@ def test_replay_committed_log(capsys):
                    "--min-time-coverage", "0.5"])
     out = capsys.readouterr().out
     print(out)
-    assert "tasks have a tuning record" in out and "vs float64 reference" in out
+    assert "tasks have a tuning record" in out and "vs PyTorch float64" in out
     assert rc == 0, out
 
 
-def test_replay_check_uses_the_step_checks_formula_and_fails_a_wrong_build(rng):
-    """replay's float64 check of a build is the step check's (one formula, one set of bounds):
-    a right build passes with its errors at float32 rounding and no yardstick built; a build
-    one of whose gradient kernels is 1% off (the ReLU's backward scaled) fails, by name, against
-    the default schedules' float32 error."""
-    from conftest import SMALL
+def test_replay_check_is_pytorchs_and_fails_a_wrong_build(rng):
+    """replay's check of a build is against PyTorch float64 (never the project's own gradient
+    code) with the step check's formula and bounds: a right build passes; a build whose
+    BatchNorm bias gradient is 1% off (``tests/mutants.py``, the last BatchNorm's) fails,
+    naming that parameter (the mutant a reference made of the project's own gradient code
+    reported right)."""
+    import pytest
+    pytest.importorskip("torch")
+    import mutants as M
 
     from thomas_tune import graph as G
     from thomas_tune.compile import compile_graph
     from thomas_tune.models import build
-    from thomas_tune.replay import check_numbers
+    from thomas_tune.replay import REFERENCE, check_numbers
     from thomas_tune.target import parse_target
-    from tvm.relax.op.base import register_gradient
-
-    from thomas_tune import gradients  # noqa: F401
-    model = build("alexnet", **SMALL["alexnet"])
+    model = build("mobilenet_v2", num_classes=5, resolution=32, width=0.35)
     seed = int(rng.integers(1 << 30))
     llvm = parse_target("llvm")
-    right = check_numbers(model, llvm, None, 2, "last:2", seed)
+    right = check_numbers(model, llvm, None, 8, "last:2", seed)
+    assert right["reference"] == REFERENCE == "PyTorch float64"
     assert right["step"].ok, right["step"].line()
-    assert right["gradients_default_schedules"] is None
-    assert right["gradients"] < 1e-4 and right["logits"] < 1e-5, right
-    relu = tvm.ir.Op.get("relax.nn.relu").get_attr("FPrimalGradient")
+    assert right["logits"] < 1e-5, right
+    with M.DATA_MUTANTS["BatchNorm bias"](1.01):
+        wrong_build = compile_graph(G.training_module(model, 8, "last:2").mod, llvm)
+    wrong = check_numbers(model, llvm, None, 8, "last:2", seed, tuned=wrong_build)
+    assert not wrong["step"].ok, wrong["step"].line()
+    assert wrong["step"].failing == ["features.18.1.bias"], wrong["step"].line()
 
-    def one_percent_off(orig_var, orig_call, output_grad, ctx):
-        from tvm import relax
-        return [relax.op.multiply(relu(orig_var, orig_call, output_grad, ctx)[0],
-                                  relax.const(1.01, "float32"))]
 
-    register_gradient("relax.nn.relu", one_percent_off, level=300)
-    try:
-        wrong_build = compile_graph(G.training_module(model, 2, "last:2").mod, llvm)
-    finally:
-        register_gradient("relax.nn.relu", relu, level=301)
-    wrong = check_numbers(model, llvm, None, 2, "last:2", seed, tuned=wrong_build)
-    assert not wrong["step"].ok and wrong["step"].failing, wrong["step"].line()
-    assert wrong["gradients"] > 5e-3 and wrong["gradients_default_schedules"] < 1e-4, wrong
+def test_replay_claims_no_numeric_check_without_pytorch(monkeypatch):
+    """Without PyTorch, replay's numeric check says it has no independent reference and
+    returns no numbers (the CLI then fails unless given --no-check)."""
+    import builtins
+
+    from thomas_tune.replay import check_numbers
+    real = builtins.__import__
+
+    def no_torch(name, *args, **kwargs):
+        if name == "torch" or name.startswith("torch."):
+            raise ImportError("no torch here")
+        return real(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_torch)
+    out = check_numbers(None, None, None, 8, "all", 0)
+    assert out["reference"] is None and "PyTorch is not installed" in out["why"]
+    assert set(out) == {"reference", "why"}
 
 
 def test_replay_fails_under_threshold(tmp_path, capsys):
@@ -218,3 +226,21 @@ def test_replay_that_can_check_nothing_fails_unless_told_not_to_check(tmp_path):
     assert "cannot be checked on this machine" in out and "no OpenCL device" in out, out
     assert "--no-check" in out and "nothing compiled" in out, out
     assert "tasks have a tuning record" not in out, out
+
+
+def test_export_with_no_device_applies_no_unchecked_record(tmp_path, monkeypatch, capsys):
+    """Where no device of this machine runs the target, ``export --log`` refuses before it
+    compiles anything, naming --no-check; nothing is written."""
+    from thomas_tune import record_check
+
+    def nowhere(target):
+        raise record_check.CheckUnavailable("no OpenCL device on this machine")
+
+    monkeypatch.setattr(record_check, "local_device", nowhere)
+    out = tmp_path / "e"
+    rc = cli.main(["export", "--log", LOG, "--model", "mobilenet_v2", "--width", "0.35",
+                   "--resolution", "64", "--classes", "10", "--batch", "8", "--target", "llvm",
+                   "--out", str(out), "--any-codegen"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "--no-check" in err and "cannot be checked" in err, err
+    assert not os.path.exists(out / "manifest.json") and not os.path.exists(out / "train.so")

@@ -329,6 +329,7 @@ def run(args, tune_fn) -> int:
     # 4. the same first batches through both builds, side by side: the two alternate step by
     #    step (the order swapped every batch), so that a change in the machine's load or clock
     #    during the timing reaches both alike; ms per step is each build's median
+    check_builds(dirs, args.seed)
     timing = first_batches(train, args)
     with busy("[demo] building the tuned device programs"):
         build_device_programs(dirs["tuned"], args.seed, processes=os.cpu_count() or 1)
@@ -383,6 +384,19 @@ def export_untuned(init: str, out: str, batch: int, trainable: str, lr: float,
     export(out, model, tensors, parse_target(target), batch=batch, trainable=trainable,
            optimizer=OptimizerConfig(lr=lr), classes=classes)
     build_device_programs(out, evaluate=False)
+
+
+def check_builds(dirs: dict, seed: int) -> None:
+    """Both builds' training steps checked against PyTorch float64 before they are timed
+    (:func:`thomas_tune.benchmark.checks.check_variants`: one line each). Raises RuntimeError
+    for a wrong build; without PyTorch says that the numbers are not checked."""
+    from .benchmark.checks import check_variants
+    checks = check_variants({"default": dirs["untuned"], "tuned": dirs["tuned"]}, seed,
+                            say=lambda m: print(m.replace("[bench]", "[demo]"), flush=True))
+    wrong = [v for v in ("default", "tuned") if v in checks and not checks[v].ok]
+    if wrong:
+        raise RuntimeError(f"the {' and '.join(wrong)} build computes wrong numbers (above): "
+                           "not timed")
 
 
 if __name__ == "__main__":

@@ -141,19 +141,30 @@ def export(out_dir: str, model, tensors: dict[str, np.ndarray], target: tvm.targ
     ``check_records``: each tuning record the build applies is first run on this machine's
     device and compared with its default schedule; a wrong one is left out with a message
     (:func:`thomas_tune.record_check.checked_build`; the manifest's ``record_check`` says
-    how many were checked, which were left out and why, or why none could be checked).
+    how many were checked, which were left out and why, or why none could be checked; with
+    ``check_records`` False, that they were applied unchecked).
     ``cache_features``: the training module also holds the step split at the frozen part's
     output (``graph.training_module(..., features=True)``), which ``train --cache-features``
     runs; the manifest's ``features`` describes it (feature shape per image, the running
     statistics of each part), None without it. The libraries are linked for the target's
     host (``target.export_shared``). Raises ValueError for a bad trainable set or optimizer,
     for ``cache_features`` with a trainable set whose frozen part is not the same at every
-    step (the message names the fix), and for a foreign host without a working cross compiler
-    (before compiling anything). A log whose times belong to another or an unknown
+    step (the message names the fix), for a ``log`` whose records no device of this machine
+    can check while ``check_records`` is True, and for a foreign host without a working cross
+    compiler (both before compiling anything). A log whose times belong to another or an unknown
     code-generation version (:mod:`thomas_tune.logs.codegen`) is used with a message, and its
     status is kept in the manifest (``tuning_log_codegen``); the ``export`` verb refuses it.
     """
     cross_compiler(target)  # a missing or wrong cross compiler fails here, before any work
+    if log is not None and check_records:  # no unchecked record reaches a build silently
+        from .record_check import CheckUnavailable, local_device
+        try:
+            local_device(target)
+        except CheckUnavailable as err:
+            raise ValueError(f"the tuning records of {log.path} cannot be checked on this "
+                             f"machine ({err}); export applies no unchecked record: give "
+                             "--no-check to apply them unchecked (the manifest's record_check "
+                             "then says so)") from None
     os.makedirs(out_dir, exist_ok=True)
     tg = G.training_module(model, batch, trainable, optimizer, features=cache_features)
     train_mod, lift_inputs = training_library_module(model, tg)
@@ -198,6 +209,8 @@ def export(out_dir: str, model, tensors: dict[str, np.ndarray], target: tvm.targ
                               check=check_records, say=progress,
                               meanwhile=build_libraries if check_records else None)
         checks = {k: built[k] for k in ("checked", "wrong", "unchecked")}
+        if not check_records:
+            checks["unchecked"] = "--no-check: the records were applied unchecked"
         if built["slower"]:
             progress(f"{built['slower']} workload(s) keep their default schedule: their best "
                      "tuning record is slower on the device")

@@ -78,10 +78,16 @@ def check_torch_side(side, reference: dict, eager=None):
                                             s.torch.tensor(y).to(s.dev)))
         return [o[0] for o in out], [o[1] for o in out]
 
+    from ..step_check import torch_step
     losses, grads = run(side)
     yard = reference["yardstick"]
-    check = compare_step(losses, grads, [r[0] for r in reference["float64"]],
-                         [r[1] for r in reference["float64"]], yard.errors, yard.loss_err)
+    model, tensors, trainable, frozen_bn = reference["context"]
+    # the side runs with dropout off: its float64 step too (float64's own branches: a side
+    # is not a build whose branches the reference follows)
+    f64 = [torch_step(model, tensors, trainable, x, y, frozen_bn)
+           for x, y in reference["batches"]]
+    check = compare_step(losses, grads, [r[0] for r in f64], [r[1] for r in f64], yard.errors,
+                         yard.loss_err, reference["sums"])
     check.few_bn_values = reference.get("few_bn_values")
     against = None
     if eager is not None:

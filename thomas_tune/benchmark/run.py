@@ -116,7 +116,7 @@ def run_bench(model, tensors, target, exports: dict, cfg: BenchConfig, log_path:
     graphs_before = graphs_now() if compiled else 0
     say(f"[bench] timing {', '.join(sides)} side by side: {cfg.steps} interleaved rounds of "
         "training steps, then of inference passes ...")
-    timed = time_interleaved(sides, cfg.steps, cfg.warmup)
+    timed = time_interleaved(sides, cfg.steps, cfg.warmup) if sides else {}
     for variant, side in sides.items():
         if variant == "torch":
             r = torch_result(side, torch_by_setting, timed[variant])

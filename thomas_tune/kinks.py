@@ -1,0 +1,340 @@
+"""A float64 reference step that takes the build's side of every kink.
+
+The gradient of a network of ReLUs, ReLU6s and max pools is discontinuous: where a ReLU's
+input lies within float32 rounding of 0 (a ReLU6's of 0 or 6), or a pool window's two largest
+values lie within rounding of each other, a float32 step may take the other side of the kink
+than the float64 step, and the gradient of that element moves by its whole size. Compared
+with float64's own decisions, a right float32 build is then off by 1e-2..3e-1 on some batches
+(docs/journal/precision.md); checks that forgave that (the smallest error over several
+batches, a floor under each gradient's scale) let real errors pass.
+
+Here the float64 step (PyTorch, the :class:`thomas_tune.reference.TorchGraph` layout) runs its
+kinks through custom autograd functions whose backward reads an explicit decision: a 0/1 mask
+per ReLU / ReLU6 element (PyTorch's rules, ``threshold_backward``: 1 where x > 0;
+``hardtanh_backward``: 1 where 0 < x < 6) and, per max-pool window, the input position that
+gets its gradient (the first maximum in row-major order, PyTorch's rule and the build's,
+:func:`thomas_tune.gradients.max_pool2d_grad_te`). The forward pass records every kink's input
+and marks as **ambiguous** the elements within ``delta`` of the kink: ``delta`` per kink layer
+is :data:`DELTA_FACTOR` times the largest difference between PyTorch float32's and float64's
+input of that kink over the batch (a measurement of the forward's rounding there).
+
+The build's decisions are read from its gradients (:func:`follow`): only an ambiguous element
+may be decided otherwise than float64 decides it; the effect of deciding one otherwise (its
+*flip*) on every parameter gradient is computed exactly in float64 (the backward of the
+moved output gradient from that kink's input), and the flips that bring the float64 gradients
+closer to the build's are taken, one at a time, largest first. The reference is then the
+float64 step with those decisions, recomputed whole; it and the build differ by rounding only,
+on every batch. A mutant cannot hide behind this: the flips it could use are single elements
+within rounding of a kink, and each flip taken is listed (:attr:`Following.flips`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .reference import TorchGraph
+
+#: an element is ambiguous when float64's input of its kink lies within this many times the
+#: largest float32 - float64 difference of that kink layer's input (PyTorch float32 as the
+#: measure of the forward's rounding; the build's own rounding is of the same order: its
+#: errors against float64 are within a few times PyTorch float32's, docs/journal/precision.md)
+DELTA_FACTOR = 8.0
+#: the most flips computed per batch (each costs one backward pass of part of the network),
+#: the nearest to their kink first; the others are counted (``Following.unresolved``)
+MAX_FLIPS = 400
+
+
+@dataclass
+class Kink:
+    """One kink layer of a forward pass: ``kind`` ("relu", "relu6", "pool"), its input ``x``
+    (the graph's tensor), ``decision`` (relu/relu6: a 0/1 tensor of x's shape; pool: int64
+    flat input positions per output, (N, C, OH*OW)), ``alt`` (pool: the second-best
+    position per window), ``gap`` (pool: largest minus second largest per window, float64),
+    ``dy`` (the gradient that reached the output in the last backward pass)."""
+
+    kind: str
+    x: object
+    decision: object
+    alt: object = None
+    gap: object = None
+    dy: object = None
+    dy0: object = None
+    layer: str | None = None  # the BatchNorm before it, if any
+
+
+def _functions():
+    import torch
+    import torch.nn.functional as F
+
+    class Masked(torch.autograd.Function):
+        """relu / relu6 whose backward multiplies by ``kink.decision``, read at backward time."""
+
+        @staticmethod
+        def forward(ctx, x, kink, hi):
+            ctx.kink = kink
+            return x.clamp(0.0, hi) if hi is not None else x.clamp_min(0.0)
+
+        @staticmethod
+        def backward(ctx, dy):
+            ctx.kink.dy = dy
+            return dy * ctx.kink.decision, None, None
+
+    class Pool(torch.autograd.Function):
+        """max_pool2d whose backward scatters each window's gradient to ``kink.decision``."""
+
+        @staticmethod
+        def forward(ctx, x, kink, kernel, stride, padding):
+            out, _ = F.max_pool2d(x, kernel, stride, padding, return_indices=True)
+            ctx.kink, ctx.shape = kink, x.shape
+            return out
+
+        @staticmethod
+        def backward(ctx, dy):
+            ctx.kink.dy = dy
+            n, c, h, w = ctx.shape
+            dx = dy.new_zeros((n, c, h * w))
+            dx.scatter_add_(2, ctx.kink.decision, dy.reshape(n, c, -1))
+            return dx.reshape(n, c, h, w), None, None, None, None
+
+    return Masked, Pool
+
+
+def _pool_windows(x, kernel, stride, padding):
+    """Per window of max pooling ``x`` (N, C, H, W): the first maximum's flat position, the
+    second-best position and the gap between their values, each (N, C, OH*OW)."""
+    import torch
+    import torch.nn.functional as F
+    n, c, h, w = x.shape
+    p = padding if isinstance(padding, (tuple, list)) else (padding, padding)
+    xp = F.pad(x.detach().reshape(n * c, 1, h, w), (p[1], p[1], p[0], p[0]),
+               value=float("-inf"))
+    pos = torch.arange(h * w, dtype=x.dtype, device=x.device).reshape(1, 1, h, w)
+    posp = F.pad(pos, (p[1], p[1], p[0], p[0]), value=-1.0)
+    vals = F.unfold(xp, kernel, stride=stride)  # (N*C, k*k, L)
+    where = F.unfold(posp, kernel, stride=stride)[0]  # (k*k, L)
+    best = vals.argmax(1)  # the first maximum (argmax returns the first)
+    vmax = vals.gather(1, best[:, None])[:, 0]
+    rest = vals.scatter(1, best[:, None], float("-inf"))
+    second = rest.argmax(1)
+    gap = vmax - rest.gather(1, second[:, None])[:, 0]
+    cols = torch.arange(where.shape[1], device=x.device)
+    first_pos = where[best, cols[None, :].expand_as(best)].long()
+    alt_pos = where[second, cols[None, :].expand_as(second)].long()
+    shape = (n, c, -1)
+    return first_pos.reshape(shape), alt_pos.reshape(shape), gap.reshape(shape)
+
+
+class KinkGraph(TorchGraph):
+    """:class:`TorchGraph` whose ReLU, ReLU6 and max pools record their inputs and take their
+    decisions from :attr:`kinks` (float64's own unless changed), and which keeps, per bias
+    (``<layer>.bias``), the tensor it is added into (:attr:`bias_outputs`, for the bias's
+    natural scale, :func:`bias_sums`)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.kinks: list[Kink] = []
+        self.bias_outputs: dict[str, object] = {}
+        self._masked, self._pool = _functions()
+
+    def conv2d(self, name, x, out_channels, kernel, stride=1, padding=0, groups=1, bias=False):
+        y = super().conv2d(name, x, out_channels, kernel, stride, padding, groups, bias)
+        if bias:
+            self.bias_outputs[f"{name}.bias"] = y
+        return y
+
+    def linear(self, name, x, out_features):
+        y = super().linear(name, x, out_features)
+        self.bias_outputs[f"{name}.bias"] = y
+        return y
+
+    def batch_norm(self, name, x, eps=1e-5, momentum=0.1, act=None):
+        y = super().batch_norm(name, x, eps, momentum, None)
+        self.bias_outputs[f"{name}.bias"] = y
+        out = self._activate(y, act)
+        if act is not None:
+            self.kinks[-1].layer = name
+        return out
+
+    def _masked_kink(self, x, kind, hi):
+        d = (x > 0) if hi is None else (x > 0) & (x < hi)
+        k = Kink(kind, x, d.to(x.dtype))
+        self.kinks.append(k)
+        return self._masked.apply(x, k, hi)
+
+    def relu(self, x):
+        return self._masked_kink(x, "relu", None)
+
+    def relu6(self, x):
+        return self._masked_kink(x, "relu6", 6.0)
+
+    def max_pool2d(self, x, kernel, stride, padding=0):
+        first, alt, gap = _pool_windows(x, kernel, stride, padding)
+        k = Kink("pool", x, first, alt, gap)
+        self.kinks.append(k)
+        return self._pool.apply(x, k, kernel, stride, padding)
+
+
+def bias_sums(loss, graph: KinkGraph) -> dict[str, np.ndarray]:
+    """Per bias, the sum over (N, H, W) of |the gradient of the tensor it is added into| per
+    channel: the sum of absolute terms of the bias's gradient, its natural scale (float64)."""
+    import torch
+    names = [n for n, t in graph.bias_outputs.items() if t.requires_grad]
+    outs = torch.autograd.grad(loss, [graph.bias_outputs[n] for n in names], retain_graph=True)
+    return {n: g.abs().sum(dim=[d for d in range(g.dim()) if d != 1]).detach().cpu().numpy()
+            for n, g in zip(names, outs)}
+
+
+@dataclass
+class Flip:
+    """A kink element decided otherwise than float64 decides it: ``layer`` (index in the
+    forward's kinks), ``kind``, ``index`` (flat index of the element, or of the pool window),
+    ``distance`` (float64's input's distance from the kink, or the pool window's gap)."""
+
+    layer: int
+    kind: str
+    index: int
+    distance: float
+
+
+@dataclass
+class Following:
+    """The float64 reference of one batch with the build's decisions: ``loss``, ``grads``
+    (name -> float64 array), ``flips`` (the decisions taken otherwise than float64's),
+    ``ambiguous`` (elements within delta of their kink that a gradient flows through),
+    ``unresolved`` (ambiguous elements past :data:`MAX_FLIPS`: not followed)."""
+
+    loss: float
+    grads: dict[str, np.ndarray]
+    flips: list[Flip] = field(default_factory=list)
+    ambiguous: int = 0
+    unresolved: int = 0
+
+
+def ambiguous_elements(kinks64: list[Kink], rounding: list[float]) -> list[Flip]:
+    """The elements of the float64 pass's kinks within ``delta`` of their kink (module
+    docstring; ``rounding``: per kink layer, the largest PyTorch float32 - float64 difference
+    of its input), only of kinks whose input carries a gradient, each with its distance."""
+    out = []
+    for i, (k, r) in enumerate(zip(kinks64, rounding)):
+        if not k.x.requires_grad or k.dy0 is None:
+            continue  # in the frozen part: no gradient passes through it
+        x64 = k.x.detach()
+        delta = DELTA_FACTOR * r
+        if k.kind == "pool":
+            dist = k.gap
+        elif k.kind == "relu":
+            dist = x64.abs()
+        else:
+            dist = (x64.abs()).minimum((x64 - 6.0).abs())
+        # an element (window) whose output gradient is zero moves nothing when flipped
+        moving = k.dy0.reshape(-1) != 0
+        flat = dist.reshape(-1)
+        for j in ((flat <= delta) & moving).nonzero().reshape(-1).tolist():
+            out.append(Flip(i, k.kind, j, float(flat[j])))
+    return out
+
+
+def flip_effect(kink: Kink, flip: Flip, params: list, sign: float = 1.0):
+    """The change of every parameter gradient (a list of tensors, in ``params``' order) when
+    ``flip``'s element is decided otherwise (``sign`` -1: the change undone), from the output
+    gradient of the last backward pass (float64, exact up to rounding)."""
+    import torch
+    x = kink.x
+    delta = torch.zeros_like(x)
+    if kink.kind == "pool":
+        n, c, _, _ = x.shape
+        per = kink.dy0.reshape(n, c, -1)
+        nc, j = divmod(flip.index, per.shape[2])
+        b, ch = divmod(nc, c)
+        g = per[b, ch, j]
+        d = delta.reshape(n, c, -1)
+        d[b, ch, kink.decision[b, ch, j]] -= sign * g
+        d[b, ch, kink.alt[b, ch, j]] += sign * g
+    else:
+        now = kink.decision.reshape(-1)[flip.index]
+        delta.reshape(-1)[flip.index] = sign * (1.0 - 2.0 * now) * kink.dy0.reshape(-1)[flip.index]
+    grads = torch.autograd.grad(x, params, grad_outputs=delta, retain_graph=True,
+                                allow_unused=True)
+    return [g if g is not None else torch.zeros_like(p) for g, p in zip(grads, params)]
+
+
+def apply_flip(kink: Kink, flip: Flip) -> None:
+    """Decide ``flip``'s element otherwise in ``kink`` (a pool window's gradient goes to its
+    second-best position, a mask element is inverted)."""
+    if kink.kind == "pool":
+        n, c, _, _ = kink.x.shape
+        nc, j = divmod(flip.index, kink.decision.shape[2])
+        b, ch = divmod(nc, c)
+        a, d = kink.alt[b, ch, j].clone(), kink.decision[b, ch, j].clone()
+        kink.decision[b, ch, j], kink.alt[b, ch, j] = a, d
+    else:
+        m = kink.decision.reshape(-1)
+        m[flip.index] = 1.0 - m[flip.index]
+
+
+def follow(loss, graph: KinkGraph, rounding: list[float], params: list, names: list[str],
+           target: dict[str, np.ndarray], scales: dict[str, float],
+           within: float = 0.0) -> Following:
+    """The float64 step of ``graph`` (its forward done, ``loss`` its loss tensor; ``params``
+    the trainable tensors, ``names`` theirs) with the decisions that explain ``target`` (the
+    build's gradients, name -> array) best: see the module docstring. ``rounding``: per kink
+    layer, the largest PyTorch float32 - float64 difference of its input. ``scales``: name ->
+    the scale a parameter's error is judged on (the same as the check's). ``within``: where
+    every parameter's error against float64's own decisions is at most this, those decisions
+    explain the build already and none is changed (no flip computed)."""
+    import torch
+    base = torch.autograd.grad(loss, params, retain_graph=True)
+    for k in graph.kinks:  # the output gradients of the pass with float64's decisions
+        k.dy0 = k.dy
+    want = [torch.as_tensor(target[n], dtype=base[i].dtype, device=base[i].device)
+            for i, n in enumerate(names)]
+    resid = [w - b for w, b in zip(want, base)]
+    inv = [1.0 / max(scales[n], 1e-300) for n in names]
+    if max((float(r.abs().max()) * s for r, s in zip(resid, inv) if r.numel()),
+           default=0.0) <= within:
+        return Following(float(loss.detach()), numpy_of(names, base))
+    cands = ambiguous_elements(graph.kinks, rounding)
+    cands.sort(key=lambda f: f.distance)
+    unresolved = max(0, len(cands) - MAX_FLIPS)
+    cands = cands[:MAX_FLIPS]
+
+    def cost(rs):
+        return sum(float((r * s).square().sum()) for r, s in zip(rs, inv))
+
+    taken = []
+    effects = [(f, flip_effect(graph.kinks[f.layer], f, params)) for f in cands]
+    effects = [(f, e) for f, e in effects if any(bool(t.abs().max() > 0) for t in e)]
+    effects.sort(key=lambda fe: -max(float(t.abs().max()) * s for t, s in zip(fe[1], inv)))
+    now = cost(resid)
+    for f, e in effects:
+        trial = [r - t for r, t in zip(resid, e)]
+        c = cost(trial)
+        if c < now:
+            resid, now = trial, c
+            taken.append(f)
+    for f in taken:
+        apply_flip(graph.kinks[f.layer], f)
+    grads = torch.autograd.grad(loss, params, retain_graph=True)
+    return Following(float(loss.detach()), numpy_of(names, grads), taken, len(effects),
+                     unresolved)
+
+
+def numpy_of(names, grads) -> dict[str, np.ndarray]:
+    """name -> float64 numpy array of each tensor of ``grads``."""
+    return {n: g.detach().cpu().numpy().astype("float64") for n, g in zip(names, grads)}
+
+
+def follow_float32(loss64, graph: KinkGraph, graph32: KinkGraph, params: list,
+                   names: list[str]) -> dict[str, np.ndarray]:
+    """The float64 gradients with PyTorch float32's own decisions (read from ``graph32``'s
+    kink inputs): the reference of the yardstick. Leaves ``graph``'s decisions so."""
+    import torch
+    for k, k32 in zip(graph.kinks, graph32.kinks):
+        if k.kind == "pool":
+            k.decision = k32.decision.clone()
+        else:
+            k.decision = k32.decision.to(k.decision.dtype)
+    grads = torch.autograd.grad(loss64, params, retain_graph=True)
+    return {n: g.detach().cpu().numpy().astype("float64") for n, g in zip(names, grads)}
