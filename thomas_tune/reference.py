@@ -93,56 +93,6 @@ class TorchGraph:
         return self.F.dropout(x, p, training=True)
 
 
-def torch_forward(model, tensors: dict[str, np.ndarray], trainable: list[str], x: np.ndarray,
-                  y: np.ndarray, frozen_bn: bool | set = False, device: str | None = None,
-                  dtype: str = "float64", masks: dict | None = None):
-    """The step's forward pass in PyTorch (``dtype``, BatchNorm in training form but where
-    ``frozen_bn`` says, dropout ``masks`` name -> array or None for ones) on a
-    :class:`thomas_tune.kinks.KinkGraph`: returns (loss tensor, the graph, the trainable
-    tensors, their names). ``device``: a torch device (default: CUDA when available, else
-    the CPU). Needs torch."""
-    import torch
-    import torch.nn.functional as F
-
-    from .kinks import KinkGraph
-    dev = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    s = spec(model)
-    train = set(trainable)
-    if torch.cuda.is_available() and dtype == "float32":
-        torch.backends.cuda.matmul.allow_tf32 = False  # float32 means float32 here
-        torch.backends.cudnn.allow_tf32 = False
-    params = {p.name: torch.tensor(np.asarray(tensors[p.name], dtype), device=dev,
-                                   requires_grad=p.name in train) for p in s.params}
-    states = {q.name: torch.tensor(np.asarray(tensors[q.name], dtype), device=dev)
-              for q in s.states}
-    tm = {name: torch.tensor(np.asarray((masks or {}).get(name, np.ones(shape)), dtype),
-                             device=dev) for name, (shape, _) in s.masks.items()}
-    g = KinkGraph(params, states, tm, training=True, frozen_bn=frozen_bn)
-    logits = model.forward(g, torch.tensor(np.asarray(x, dtype), device=dev))
-    loss = F.cross_entropy(logits, torch.tensor(np.asarray(y, "int64"), device=dev))
-    names = [n for n in params if n in train]
-    return loss, g, [params[n] for n in names], names
-
-
-def numpy_grads(names, grads) -> dict[str, np.ndarray]:
-    return {n: g.detach().cpu().numpy().astype("float64") for n, g in zip(names, grads)}
-
-
-def torch_step(model, tensors: dict[str, np.ndarray], trainable: list[str], x: np.ndarray,
-               y: np.ndarray, frozen_bn: bool | set = False, device: str | None = None,
-               dtype: str = "float64", bn_values: dict | None = None, masks: dict | None = None
-               ) -> tuple[float, dict[str, np.ndarray]]:
-    """Loss and gradients (float64 arrays) of ``trainable`` of the same step in PyTorch with
-    its own decisions at every kink (:func:`torch_forward`). ``bn_values``: a dict that gets,
-    per training-form BatchNorm layer, the values per channel it normalised (N*H*W)."""
-    import torch
-    loss, g, params, names = torch_forward(model, tensors, trainable, x, y, frozen_bn, device,
-                                           dtype, masks)
-    if bn_values is not None:
-        bn_values.update(g.bn_values)
-    return float(loss.detach()), numpy_grads(names, torch.autograd.grad(loss, params))
-
-
 def torch_module(model, tensors, dtype="float32"):
     """A ``torch.nn.Module`` with the model's parameters and BatchNorm statistics (``dtype``:
     float32, or float64 for references) under their torchvision names (nested sub-modules),

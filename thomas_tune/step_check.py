@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .reference import numpy_grads as _numpy, torch_forward, torch_step  # noqa: F401
+from .kinks import numpy_grads as _numpy, torch_forward, torch_step  # noqa: F401
 
 #: batches a step is checked on: different labels, dropout masks and tails on each
 CHECK_BATCHES = 3
