@@ -304,13 +304,21 @@ def follow(loss, graph: KinkGraph, rounding: list[float], params: list, names: l
     def cost(rs):
         return sum(float((r * s).square().sum()) for r, s in zip(rs, inv))
 
+    def effect(f):
+        return flip_effect(graph.kinks[f.layer], f, params)
+
+    def weight(e):
+        return max(float(t.abs().max()) * s for t, s in zip(e, inv))
+
+    # each flip's effect is a set of whole gradients: weighed one at a time and computed again
+    # when its turn comes (two backward passes per flip), never held all at once (AlexNet's
+    # 61 M float64 gradient values per flip times hundreds of flips exceed any device)
+    weighed = [(w, f) for w, f in ((weight(effect(f)), f) for f in cands) if w > 0]
+    weighed.sort(key=lambda wf: -wf[0])
     taken = []
-    effects = [(f, flip_effect(graph.kinks[f.layer], f, params)) for f in cands]
-    effects = [(f, e) for f, e in effects if any(bool(t.abs().max() > 0) for t in e)]
-    effects.sort(key=lambda fe: -max(float(t.abs().max()) * s for t, s in zip(fe[1], inv)))
     now = cost(resid)
-    for f, e in effects:
-        trial = [r - t for r, t in zip(resid, e)]
+    for _, f in weighed:
+        trial = [r - t for r, t in zip(resid, effect(f))]
         c = cost(trial)
         if c < now:
             resid, now = trial, c
@@ -318,7 +326,7 @@ def follow(loss, graph: KinkGraph, rounding: list[float], params: list, names: l
     for f in taken:
         apply_flip(graph.kinks[f.layer], f)
     grads = torch.autograd.grad(loss, params, retain_graph=True)
-    return Following(float(loss.detach()), numpy_of(names, grads), taken, len(effects),
+    return Following(float(loss.detach()), numpy_of(names, grads), taken, len(weighed),
                      unresolved)
 
 
