@@ -324,11 +324,7 @@ def check_profile(profile: dict, path: str = "device profile") -> dict:
 def read_profile(path: str) -> dict:
     """The device profile in the JSON file ``path`` (:func:`check_profile`). Raises
     ValueError naming the file and the fix."""
-    import json
-    try:
-        with open(path) as f:
-            profile = json.load(f)
-    except (OSError, json.JSONDecodeError) as err:
-        raise ValueError(f"device profile {path!r}: not readable as JSON ({err}); write it "
-                         "with thomas-tune rpc probe ... --out FILE") from err
+    from ..files import read_json
+    profile = read_json(path, f"device profile {path!r}: not readable as JSON ({{err}}); write "
+                              "it with thomas-tune rpc probe ... --out FILE")
     return check_profile(profile, path)

@@ -72,3 +72,14 @@ def write_json_atomically(path: str, obj, indent: int | None = 1, sync: bool = T
     then left as it was)."""
     with replacing(path, sync=sync) as tmp, open(tmp, "w") as f:
         json.dump(obj, f, indent=indent)
+
+
+def read_json(path: str, failure: str):
+    """The JSON value in file ``path``. Raises ValueError with ``failure`` (a message naming
+    the file and the fix, where the text ``{err}`` stands for the reason) when the file cannot
+    be read or parsed."""
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, json.JSONDecodeError) as err:
+        raise ValueError(failure.replace("{err}", str(err))) from err

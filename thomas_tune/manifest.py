@@ -8,8 +8,9 @@ by these names. ``export`` and ``graph`` re-export them under their old names.
 
 from __future__ import annotations
 
-import json
 import os
+
+from .files import read_json
 
 MANIFEST = "manifest.json"
 FORMAT = "thomas_tune.export/2"  # 2: dropout masks drawn on the device (draw_masks)
@@ -64,12 +65,8 @@ def read_manifest(export_dir: str) -> dict:
     complete yet: the manifest is written last) or one of another export format, saying to run
     ``thomas-tune export`` (again)."""
     path = os.path.join(export_dir, MANIFEST)
-    try:
-        with open(path) as f:
-            manifest = json.load(f)
-    except (OSError, json.JSONDecodeError) as err:
-        raise ValueError(f"{export_dir}: not a thomas_tune export ({err}); run "
-                         "'thomas-tune export' first") from err
+    manifest = read_json(path, f"{export_dir}: not a thomas_tune export ({{err}}); run "
+                               "'thomas-tune export' first")
     if manifest.get("format") != FORMAT:
         raise ValueError(f"{path}: export format {manifest.get('format')!r}, but this "
                          f"thomas_tune reads {FORMAT!r}; export the model again with "

@@ -13,7 +13,7 @@ import subprocess
 
 import tvm
 
-from .files import write_json_atomically
+from .files import read_json, write_json_atomically
 
 HOST = {"kind": "llvm"}
 GPU_KINDS = ("opencl", "cuda", "vulkan", "metal", "rocm")
@@ -395,12 +395,8 @@ def read_device_file(folder: str) -> dict | None:
     path = os.path.join(folder, DEVICE_FILE)
     if not os.path.exists(path):
         return None
-    try:
-        with open(path) as f:
-            limits = json.load(f)
-    except (OSError, json.JSONDecodeError) as err:
-        raise ValueError(f"{path}: not readable as JSON ({err}); delete it and tune again "
-                         "with --target opencl:remote") from err
+    limits = read_json(path, f"{path}: not readable as JSON ({{err}}); delete it and tune "
+                             "again with --target opencl:remote")
     if not isinstance(limits, dict):
         raise ValueError(f"{path}: expected a JSON object of device limits")
     return limits
