@@ -34,7 +34,9 @@ from thomas_tune.cli import main
 from thomas_tune.export import export
 from thomas_tune.models import build, init_params, load_checkpoint
 from thomas_tune.runtime import RemoteDevice, Session, connect
-from thomas_tune.step_check import batch, check_export, export_step
+from thomas_tune.manifest import read_manifest
+from thomas_tune.step_check import (batch, check_export, export_step, manifest_frozen_bn,
+                                    reference_steps)
 from thomas_tune.target import parse_target
 
 from opencl_kernels import NEEDS_OPENCL
@@ -255,11 +257,16 @@ def test_adreno_export_trains_on_the_aarch64_tvm_rpc(tracker, tmp_path, rng, mon
         # the step's loss and every gradient on the device against PyTorch in float64
         seed = int(rng.integers(1 << 30))
         sess = connect(tracker, key, session_timeout_s=1200)
-        checked = check_export(arm, seed=seed, rpc_session=sess)
+        m = read_manifest(arm)
+        ref = reference_steps(model, tensors, m["trainable"], BATCH, seed, manifest_frozen_bn(m))
+        checked = check_export(arm, seed=seed, rpc_session=sess, reference=ref)
         print(checked.line())
         assert checked.ok, checked.line()
+        # the first check batch (its dropout masks and the tensors it was checked from) here
+        (cx, cy), mk = ref["batches"][0], ref["masks"][0]
+        here = export_step(x86, cx, cy, masks=mk, tensors=ref["context"][1])[0]
+        assert here == pytest.approx(checked.loss, rel=1e-4)
         x, y = batch(model, BATCH, seed)
-        assert export_step(x86, x, y)[0] == pytest.approx(checked.loss, rel=1e-4)
 
         # training steps there follow the same steps on this machine
         remote = Session(arm, rpc_session=sess, seed=seed)

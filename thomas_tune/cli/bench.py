@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import tempfile
 import time
 
@@ -20,11 +19,6 @@ def _bench_remote(args) -> int:
     if not args.export:
         raise ValueError("bench on a device server needs --export (an export for that "
                          "device, e.g. made with --host android-aarch64)")
-    checked = _check_remote(args)
-    if checked is not None and not checked.ok:
-        print(f"FAIL: the export's numbers on the device are wrong, not timed: {checked.line()}",
-              file=sys.stderr)
-        return 1
     session = open_session(args, args.checkpoint, seed=args.seed)
     rng = np.random.default_rng(args.seed)
     x = rng.standard_normal(session.model.input_shape(session.batch)).astype("float32")
@@ -37,34 +31,8 @@ def _bench_remote(args) -> int:
     infer_ms = (time.perf_counter() - t0) * 1e3 / args.steps
     print(json.dumps({"export": args.export, "device_key": args.key, "batch": session.batch,
                       "ms_per_training_step": round(ms, 3),
-                      "ms_per_inference": round(infer_ms, 3),
-                      "checked": checked.as_dict() if checked is not None else None}))
+                      "ms_per_inference": round(infer_ms, 3)}))
     return 0
-
-
-def _check_remote(args):
-    """The export's training step run on the device server of ``--tracker``/``--key`` (its own
-    session, before the timing) and checked against PyTorch float64
-    (:func:`thomas_tune.step_check.check_export`): the StepCheck, said on stderr; None, said
-    too, where PyTorch is not installed (the times are then of an unchecked build)."""
-    try:
-        import torch  # noqa: F401
-    except ImportError:
-        print("[bench] PyTorch is not installed: the export's numbers on the device are not "
-              "checked; its times are of an unchecked build", file=sys.stderr)
-        return None
-    from ..rpc import parse_address
-    from ..runtime import RemoteDevice
-    from ..step_check import check_export
-    if not (args.tracker and args.key):
-        raise ValueError("--tracker and --key go together: the tracker's HOST:PORT and the "
-                         "device key of the server to run on")
-    remote = RemoteDevice(parse_address(args.tracker), args.key, args.session_timeout,
-                          wait_s=args.wait)
-    check = check_export(args.export, seed=args.seed, rpc_session=remote.open())
-    print(f"[bench] numbers on the device against PyTorch float64: {check.line()}",
-          file=sys.stderr)
-    return check
 
 
 def cmd_bench(args) -> int:
