@@ -35,7 +35,7 @@ from thomas_tune.export import export
 from thomas_tune.models import build, init_params, load_checkpoint
 from thomas_tune.runtime import RemoteDevice, Session, connect
 from thomas_tune.manifest import read_manifest
-from thomas_tune.step_check import (batch, check_export, export_step, manifest_frozen_bn,
+from thomas_tune.step_check import (check_export, export_step, manifest_frozen_bn,
                                     reference_steps)
 from thomas_tune.target import parse_target
 
@@ -266,7 +266,9 @@ def test_adreno_export_trains_on_the_aarch64_tvm_rpc(tracker, tmp_path, rng, mon
         (cx, cy), mk = ref["batches"][0], ref["masks"][0]
         here = export_step(x86, cx, cy, masks=mk, tensors=ref["context"][1])[0]
         assert here == pytest.approx(checked.loss, rel=1e-4)
-        x, y = batch(model, BATCH, seed)
+        # training steps on a plain batch (standard normal images, uniform labels)
+        x = rng.standard_normal(model.input_shape(BATCH)).astype("float32")
+        y = rng.integers(0, MODEL["num_classes"], BATCH).astype("int64")
 
         # training steps there follow the same steps on this machine
         remote = Session(arm, rpc_session=sess, seed=seed)
