@@ -22,9 +22,15 @@ The build's decisions are read from its gradients (:func:`follow`): only an ambi
 may be decided otherwise than float64 decides it; the effect of deciding one otherwise (its
 *flip*) on every parameter gradient is computed exactly in float64 (the backward of the
 moved output gradient from that kink's input), and the flips that bring the float64 gradients
-closer to the build's are taken, one at a time, largest first. The reference is then the
-float64 step with those decisions, recomputed whole; it and the build differ by rounding only,
-on every batch. A mutant cannot hide behind this: the flips it could use are single elements
+closer to the build's are taken, one at a time, largest first. Past :data:`MAX_FLIPS`
+candidates (a 224-px step has tens of thousands: ReLU6 inputs within rounding of 0 or 6, pool
+windows whose constant squares tie), they are weighed all at once first: a flip's effect on
+the gradients is linear in it for fixed output gradients, so the flips that explain the
+residual solve a least-squares problem over every candidate, whose matrix is applied by one
+backward pass and its transpose by one Jacobian-vector product (:func:`_follow_bulk`); the
+flips it takes, what it leaves half-explained and the candidates nearest their kink are then
+weighed one at a time. The reference is the float64 step with those decisions, recomputed
+whole; it and the build differ by rounding only, on every batch. A mutant cannot hide behind this: the flips it could use are single elements
 within rounding of a kink, and each flip taken is listed (:attr:`Following.flips`).
 """
 
@@ -213,26 +219,42 @@ class Following:
     unresolved: int = 0
 
 
-def ambiguous_elements(kinks64: list[Kink], rounding: list[float]) -> list[Flip]:
-    """The elements of the float64 pass's kinks within ``delta`` of their kink (module
-    docstring; ``rounding``: per kink layer, the largest PyTorch float32 - float64 difference
-    of its input), only of kinks whose input carries a gradient, each with its distance."""
+def ambiguous_masks(kinks64: list[Kink], rounding: list[float]) -> list:
+    """Per kink layer of the float64 pass, a boolean tensor of its elements (relu / relu6: of
+    the input's shape; pool: per window, (N, C, OH*OW)) within ``delta`` of their kink whose
+    output gradient is not zero (module docstring; ``rounding``: per kink layer, the largest
+    PyTorch float32 - float64 difference of its input), or None for a kink no gradient passes
+    through (in the frozen part) or with no such element."""
     out = []
-    for i, (k, r) in enumerate(zip(kinks64, rounding)):
+    for k, r in zip(kinks64, rounding):
         if not k.x.requires_grad or k.dy0 is None:
-            continue  # in the frozen part: no gradient passes through it
-        x64 = k.x.detach()
-        delta = DELTA_FACTOR * r
-        if k.kind == "pool":
-            dist = k.gap
-        elif k.kind == "relu":
-            dist = x64.abs()
-        else:
-            dist = (x64.abs()).minimum((x64 - 6.0).abs())
-        # an element (window) whose output gradient is zero moves nothing when flipped
-        moving = k.dy0.reshape(-1) != 0
-        flat = dist.reshape(-1)
-        for j in ((flat <= delta) & moving).nonzero().reshape(-1).tolist():
+            out.append(None)  # in the frozen part: no gradient passes through it
+            continue
+        m = (_distance(k) <= DELTA_FACTOR * r) & (k.dy0.reshape(k.gap.shape if k.kind == "pool"
+                                                                else k.x.shape) != 0)
+        out.append(m if bool(m.any()) else None)
+    return out
+
+
+def _distance(k: Kink):
+    """Per element of ``k`` (per window of a pool), float64's distance from the kink."""
+    if k.kind == "pool":
+        return k.gap
+    x64 = k.x.detach()
+    return x64.abs() if k.kind == "relu" else x64.abs().minimum((x64 - 6.0).abs())
+
+
+def ambiguous_elements(kinks64: list[Kink], rounding: list[float],
+                       masks: list | None = None) -> list[Flip]:
+    """The elements of :func:`ambiguous_masks` (or of ``masks``, already made by it), each as
+    a :class:`Flip` with its distance."""
+    out = []
+    masks = ambiguous_masks(kinks64, rounding) if masks is None else masks
+    for i, (k, m) in enumerate(zip(kinks64, masks)):
+        if m is None:
+            continue
+        flat = _distance(k).reshape(-1)
+        for j in m.reshape(-1).nonzero().reshape(-1).tolist():
             out.append(Flip(i, k.kind, j, float(flat[j])))
     return out
 
@@ -275,6 +297,182 @@ def apply_flip(kink: Kink, flip: Flip) -> None:
         m[flip.index] = 1.0 - m[flip.index]
 
 
+def _apply_mask(kink: Kink, sel) -> None:
+    """Decide every element (pool: window) where ``sel`` is true otherwise in ``kink``."""
+    import torch
+    if kink.kind == "pool":
+        kink.decision, kink.alt = (torch.where(sel, kink.alt, kink.decision),
+                                   torch.where(sel, kink.decision, kink.alt))
+    else:
+        kink.decision = torch.where(sel, 1.0 - kink.decision, kink.decision)
+
+
+def _pushes(kink: Kink, coef):
+    """The change of the gradient of ``kink``'s input (a tensor of its shape) when each of its
+    elements (pool: windows) is decided otherwise by the amount ``coef`` (a tensor of the
+    elements' shape; 1: the whole flip), from the output gradient ``dy0``."""
+    if kink.kind == "pool":
+        n, c = kink.x.shape[:2]
+        moved = kink.dy0.reshape(n, c, -1) * coef
+        out = moved.new_zeros((n, c, kink.x.shape[2] * kink.x.shape[3]))
+        out.scatter_add_(2, kink.alt, moved)
+        out.scatter_add_(2, kink.decision, -moved)
+        return out.reshape(kink.x.shape)
+    return (1.0 - 2.0 * kink.decision) * kink.dy0 * coef
+
+
+def _moves(kink: Kink, derivative):
+    """The transpose of :func:`_pushes`: per element (pool: window) of ``kink``, the inner
+    product of its flip's change of the input gradient with ``derivative`` (a tensor of the
+    input's shape)."""
+    if kink.kind == "pool":
+        n, c = kink.x.shape[:2]
+        g = kink.dy0.reshape(n, c, -1)
+        flat = derivative.reshape(n, c, -1)
+        return g * (flat.gather(2, kink.alt) - flat.gather(2, kink.decision))
+    return (1.0 - 2.0 * kink.decision) * kink.dy0 * derivative
+
+
+class _Effects:
+    """The flips of the candidate elements ``masks`` (per kink layer of ``layers``) as a linear
+    map ``A`` from a coefficient per candidate to the change of every parameter gradient,
+    weighted per parameter by ``inv`` (its scale's inverse), at the graph's present decisions
+    and output gradients: :meth:`apply` is ``W A c`` (one backward pass from the kink inputs),
+    :meth:`transpose` is ``A^T W v`` (a Jacobian-vector product of every kink input: the
+    backward pass from the kink inputs to the parameters, built once with its graph, is
+    differentiated with respect to its output gradients)."""
+
+    def __init__(self, graph: KinkGraph, layers: list[int], masks: list, params: list,
+                 inv: list[float]):
+        import torch
+        self.kinks = [graph.kinks[i] for i in layers]
+        self.masks = [masks[i] for i in layers]
+        self.params, self.inv = params, inv
+        xs = [k.x for k in self.kinks]
+        self.vs = [torch.zeros_like(x, requires_grad=True) for x in xs]
+        g = torch.autograd.grad(xs, params, grad_outputs=self.vs, create_graph=True,
+                                allow_unused=True)
+        self.used = [(i, t) for i, t in enumerate(g) if t is not None]
+
+    def apply(self, coefs: list) -> list:
+        import torch
+        pushes = [_pushes(k, c * m) for k, c, m in zip(self.kinks, coefs, self.masks)]
+        g = torch.autograd.grad([k.x for k in self.kinks], self.params, grad_outputs=pushes,
+                                retain_graph=True, allow_unused=True)
+        return [(t if t is not None else torch.zeros_like(p)) * s
+                for t, p, s in zip(g, self.params, self.inv)]
+
+    def transpose(self, v: list) -> list:
+        import torch
+        jv = torch.autograd.grad([t for _, t in self.used], self.vs,
+                                 grad_outputs=[v[i] * self.inv[i] for i, _ in self.used],
+                                 retain_graph=True, allow_unused=True)
+        return [torch.where(m, _moves(k, j if j is not None else torch.zeros_like(k.x)), 0.0)
+                for k, m, j in zip(self.kinks, self.masks, jv)]
+
+
+def _dot(a: list, b: list) -> float:
+    return sum(float((x * y).sum()) for x, y in zip(a, b))
+
+
+def _least_squares(effects: _Effects, resid: list, iterations: int, probes: int,
+                   gen) -> list:
+    """The coefficients ``c`` per candidate (from 0) that minimise ``|W^(1/2) resid - W A c|``
+    (``resid``: the unweighted residual per parameter): conjugate gradients on the normal
+    equations (CGLS; Paige & Saunders 1982, ACM TOMS 8(1); Björck, "Numerical Methods for Least
+    Squares Problems", 1996, 7.4), ``iterations`` steps, its columns scaled to unit length
+    (Jacobi preconditioning). A column's squared length is estimated from ``probes`` random
+    directions: for z ~ N(0, I), the mean square of ``(A^T W z)_i`` is the squared length of
+    column i (Hutchinson 1990, Commun. Stat. Simul. 19(2)); ``gen``: their torch generator."""
+    import torch
+    zs = [[torch.randn(p.shape, generator=gen, dtype=p.dtype, device=p.device)
+           for p in effects.params] for _ in range(probes)]
+    sq = None
+    for z in zs:
+        t = [x.square() for x in effects.transpose(z)]
+        sq = t if sq is None else [a + b for a, b in zip(sq, t)]
+    # unit columns; a column of no length (a flip that moves nothing) stays out (scale 0)
+    d = [torch.where(q > 0, (q / probes).rsqrt(), 0.0) for q in sq]
+    r = [t * s for t, s in zip(resid, effects.inv)]
+    g = [a * b for a, b in zip(effects.transpose(r), d)]
+    y = [x.new_zeros(x.shape) for x in g]
+    p, gamma = g, _dot(g, g)
+    for _ in range(iterations):
+        if gamma == 0.0:
+            break
+        q = effects.apply([a * b for a, b in zip(p, d)])
+        qq = _dot(q, q)
+        if qq == 0.0:
+            break
+        alpha = gamma / qq
+        y = [a + alpha * b for a, b in zip(y, p)]
+        r = [a - alpha * b for a, b in zip(r, q)]
+        g = [a * b for a, b in zip(effects.transpose(r), d)]
+        new = _dot(g, g)
+        p, gamma = [a + (new / gamma) * b for a, b in zip(g, p)], new
+    return [a * b for a, b in zip(y, d)]
+
+
+#: bulk following: rounds (each a least-squares solve at the present decisions, its flips taken,
+#: the residual recomputed exactly), conjugate-gradient steps per solve, random directions for
+#: its preconditioner; then the flips taken, the candidates whose coefficient is still above
+#: POLISH_FROM (at most POLISH) and the POLISH nearest to their kink are weighed one at a time
+ROUNDS, ITERATIONS, PROBES, POLISH_FROM, POLISH = 6, 60, 8, 0.1, 100
+
+
+def _follow_bulk(loss, graph: KinkGraph, masks: list, params: list, want: list,
+                 inv: list[float]) -> list[Flip]:
+    """Take the flips among ``masks`` (:func:`ambiguous_masks`) that bring the float64
+    gradients closer to ``want`` (the build's), all candidates at once. A flip's effect on the
+    gradients is linear in the flip for fixed output gradients, so which flips explain the
+    residual is a least-squares problem over all candidates (:class:`_Effects`,
+    :func:`_least_squares`); the candidates whose coefficient passes 1/2 are flipped, and the
+    flips are kept when the exact weighted squared residual falls. Flips interact through the
+    output gradients of earlier kinks, so it is repeated from the new decisions (a flip taken
+    can be undone the same way). Leaves the graph's decisions so; returns the candidates the
+    last solve leaves half-explained (coefficient above :data:`POLISH_FROM`), for
+    :func:`_follow_exact`."""
+    import torch
+    layers = [i for i, m in enumerate(masks) if m is not None]
+    gen = torch.Generator(device=params[0].device).manual_seed(0)
+
+    def residual():
+        grads = torch.autograd.grad(loss, params, retain_graph=True)
+        for i in layers:
+            graph.kinks[i].dy0 = graph.kinks[i].dy
+        r = [w - g for w, g in zip(want, grads)]
+        return r, sum(float((t * s).square().sum()) for t, s in zip(r, inv))
+
+    resid, now = residual()
+    for _ in range(ROUNDS):
+        effects = _Effects(graph, layers, masks, params, inv)
+        coefs = _least_squares(effects, resid, ITERATIONS, PROBES, gen)
+        sels = [c > 0.5 for c in coefs]
+        del effects
+        if not any(bool(s.any()) for s in sels):
+            break
+        for i, sel in zip(layers, sels):
+            _apply_mask(graph.kinks[i], sel)
+        trial, c = residual()
+        if c >= now:
+            for i, sel in zip(layers, sels):
+                _apply_mask(graph.kinks[i], sel)  # undone: the same elements flipped back
+            residual()
+            break
+        resid, now = trial, c
+    effects = _Effects(graph, layers, masks, params, inv)
+    coefs = _least_squares(effects, resid, ITERATIONS, PROBES, gen)
+    del effects
+    # what the solve still half-explains, the strongest first: weighed one at a time
+    cands = []
+    for i, c in zip(layers, coefs):
+        flat = c.reshape(-1)
+        for j in (flat > POLISH_FROM).nonzero().reshape(-1).tolist():
+            cands.append((float(flat[j]), Flip(i, graph.kinks[i].kind, j, 0.0)))
+    cands.sort(key=lambda cf: -cf[0])
+    return [f for _, f in cands[:POLISH]]
+
+
 def follow(loss, graph: KinkGraph, rounding: list[float], params: list, names: list[str],
            target: dict[str, np.ndarray], scales: dict[str, float],
            within: float = 0.0) -> Following:
@@ -284,7 +482,9 @@ def follow(loss, graph: KinkGraph, rounding: list[float], params: list, names: l
     layer, the largest PyTorch float32 - float64 difference of its input. ``scales``: name ->
     the scale a parameter's error is judged on (the same as the check's). ``within``: where
     every parameter's error against float64's own decisions is at most this, those decisions
-    explain the build already and none is changed (no flip computed)."""
+    explain the build already and none is changed (no flip computed). Up to
+    :data:`MAX_FLIPS` candidates, each flip's exact effect is weighed one at a time; past it,
+    all candidates at once (:func:`_follow_bulk`)."""
     import torch
     base = torch.autograd.grad(loss, params, retain_graph=True)
     for k in graph.kinks:  # the output gradients of the pass with float64's decisions
@@ -296,13 +496,43 @@ def follow(loss, graph: KinkGraph, rounding: list[float], params: list, names: l
     if max((float(r.abs().max()) * s for r, s in zip(resid, inv) if r.numel()),
            default=0.0) <= within:
         return Following(float(loss.detach()), numpy_of(names, base))
-    cands = ambiguous_elements(graph.kinks, rounding)
-    cands.sort(key=lambda f: f.distance)
-    unresolved = max(0, len(cands) - MAX_FLIPS)
-    cands = cands[:MAX_FLIPS]
+    masks = ambiguous_masks(graph.kinks, rounding)
+    count = sum(int(m.sum()) for m in masks if m is not None)
+    start = [k.decision.clone() for k in graph.kinks]
+    if count > MAX_FLIPS:
+        # what the solve half-explains, and the flips it took (each may be undone)
+        half = _follow_bulk(loss, graph, masks, params, want, inv)
+        near = sorted(ambiguous_elements(graph.kinks, rounding, masks),
+                      key=lambda f: f.distance)[:POLISH]
+        cands = _changed(graph, start) + half + near
+    else:
+        cands = sorted(ambiguous_elements(graph.kinks, rounding), key=lambda f: f.distance)
+    _follow_exact(loss, graph, cands, params, want, inv)
+    grads = torch.autograd.grad(loss, params, retain_graph=True)
+    return Following(float(loss.detach()), numpy_of(names, grads), _changed(graph, start),
+                     count, 0)
 
-    def cost(rs):
-        return sum(float((r * s).square().sum()) for r, s in zip(rs, inv))
+
+#: the most passes of :func:`_follow_exact` over its candidates
+PASSES = 3
+
+
+def _follow_exact(loss, graph: KinkGraph, cands: list[Flip], params: list, want: list,
+                  inv: list[float]) -> None:
+    """Of ``cands``, take one at a time the flips that lower the weighted squared residual
+    (the build's gradients ``want`` minus the reference's; ``inv``: per parameter the inverse
+    of its scale), the largest effects first, each flip's effect computed exactly from the
+    output gradients at the present decisions (:func:`flip_effect`) and the residual computed
+    again after each flip taken; up to :data:`PASSES` passes while one takes a flip (a flip
+    taken can be undone in the next). Leaves the graph's decisions so."""
+    import torch
+
+    def residual():
+        grads = torch.autograd.grad(loss, params, retain_graph=True)
+        for k in graph.kinks:
+            k.dy0 = k.dy
+        r = [w - g for w, g in zip(want, grads)]
+        return r, sum(float((t * s).square().sum()) for t, s in zip(r, inv))
 
     def effect(f):
         return flip_effect(graph.kinks[f.layer], f, params)
@@ -310,24 +540,39 @@ def follow(loss, graph: KinkGraph, rounding: list[float], params: list, names: l
     def weight(e):
         return max(float(t.abs().max()) * s for t, s in zip(e, inv))
 
+    resid, now = residual()
     # each flip's effect is a set of whole gradients: weighed one at a time and computed again
-    # when its turn comes (two backward passes per flip), never held all at once (AlexNet's
-    # 61 M float64 gradient values per flip times hundreds of flips exceed any device)
+    # when its turn comes, never held all at once (AlexNet's 61 M float64 gradient values per
+    # flip times hundreds of flips exceed any device)
     weighed = [(w, f) for w, f in ((weight(effect(f)), f) for f in cands) if w > 0]
     weighed.sort(key=lambda wf: -wf[0])
-    taken = []
-    now = cost(resid)
-    for _, f in weighed:
-        trial = [r - t for r, t in zip(resid, effect(f))]
-        c = cost(trial)
-        if c < now:
-            resid, now = trial, c
-            taken.append(f)
-    for f in taken:
-        apply_flip(graph.kinks[f.layer], f)
-    grads = torch.autograd.grad(loss, params, retain_graph=True)
-    return Following(float(loss.detach()), numpy_of(names, grads), taken, len(weighed),
-                     unresolved)
+    for _ in range(PASSES):
+        took = False
+        for _, f in weighed:
+            trial = sum(float(((r - t) * s).square().sum())
+                        for r, t, s in zip(resid, effect(f), inv))
+            if trial < now:
+                apply_flip(graph.kinks[f.layer], f)
+                r, c = residual()
+                if c < now:
+                    resid, now, took = r, c, True
+                else:  # flips elsewhere make it worse: undone
+                    apply_flip(graph.kinks[f.layer], f)
+                    residual()
+        if not took:
+            break
+
+
+def _changed(graph: KinkGraph, start: list) -> list[Flip]:
+    """The elements (pool: windows) of the graph's kinks decided otherwise than ``start`` (per
+    kink, its decisions then), each as a :class:`Flip` with float64's distance from the
+    kink."""
+    out = []
+    for i, (k, d0) in enumerate(zip(graph.kinks, start)):
+        dist = _distance(k).reshape(-1)
+        for j in (k.decision != d0).reshape(-1).nonzero().reshape(-1).tolist():
+            out.append(Flip(i, k.kind, j, float(dist[j])))
+    return out
 
 
 def numpy_of(names, grads) -> dict[str, np.ndarray]:

@@ -1,0 +1,99 @@
+"""The branch-following reference (``thomas_tune.kinks``) on its own, with no build: a made-up
+"build" whose gradients are float64's with a random part of the ambiguous kink elements decided
+otherwise, plus noise of float32 rounding's size, is followed back by :func:`kinks.follow`,
+one flip at a time (a few candidates) and all at once (past ``MAX_FLIPS``, as at 224 px); a
+gradient 1% off on top of the same flips is explained by no set of flips. PyTorch on the CPU,
+float64; the AlexNet of the tests (0.1@67, ReLU and max pools) and MobileNetV2 0.35@32 (ReLU6).
+"""
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+NETS = {"alexnet": dict(num_classes=5, resolution=67, width=0.1),
+        "mobilenet_v2": dict(num_classes=5, resolution=32, width=0.35)}
+
+
+def _forward(arch, seed, dtype="float64"):
+    from thomas_tune.kinks import torch_forward
+    from thomas_tune.models import build, init_params, spec
+    from thomas_tune.step_check import batch, dropout_masks
+    model = build(arch, **NETS[arch])
+    tensors = init_params(model, seed=int(seed) % 1000)
+    x, y = batch(model, 8, int(seed))
+    masks = dropout_masks(model, 8, int(seed))
+    return torch_forward(model, tensors, [p.name for p in spec(model).params], x, y,
+                         device="cpu", dtype=dtype, masks=masks)
+
+
+def _made_up_build(arch, seed, rng, noise, monkeypatch):
+    """(rounding per kink layer, scales, the build's gradients, the elements decided
+    otherwise): float64's step whose kink inputs are read with an error of ``noise`` x that
+    layer's rounding (normal, per element; pools: per window's gap) before each decision, as
+    a float32 build's are, plus noise of 1e-8 of each scale on the gradients."""
+    from thomas_tune import kinks
+    from thomas_tune.step_check import CANCELLED
+    loss, g, params, names = _forward(arch, seed)
+    _, g32, _, _ = _forward(arch, seed, "float32")
+    rounding = [float((k32.x.detach().double() - k.x.detach()).abs().max())
+                for k, k32 in zip(g.kinks, g32.kinks)]
+    base = torch.autograd.grad(loss, params, retain_graph=True)
+    for k in g.kinks:
+        k.dy0 = k.dy
+    masks = kinks.ambiguous_masks(g.kinks, rounding)
+    flipped = 0
+    for k, m, r in zip(g.kinks, masks, rounding):
+        if m is None:
+            continue
+        err = torch.as_tensor(noise * r * rng.standard_normal(tuple(m.shape)))
+        if k.kind == "pool":
+            sel = k.gap + err < 0  # the runner-up read as the larger
+        else:
+            x = k.x.detach() + err
+            lo = (x > 0) if k.kind == "relu" else (x > 0) & (x < 6)
+            sel = lo != (k.decision > 0)
+        sel &= m
+        kinks._apply_mask(k, sel)
+        flipped += int(sel.sum())
+    # each parameter's scale as the check takes it (a bias before a training-form BatchNorm,
+    # whose gradient cancels, on the sum of its terms: step_check.following_step)
+    sums = kinks.bias_sums(loss, g)
+    scales = {n: max(float(b.abs().max()), CANCELLED * float(np.max(sums.get(n, 0.0))))
+              for n, b in zip(names, base)}
+    grads = torch.autograd.grad(loss, params)
+    build = {n: gr.numpy() + 1e-8 * scales[n] * rng.standard_normal(gr.shape)
+             for n, gr in zip(names, grads)}
+    return rounding, scales, build, flipped
+
+
+def _follow(arch, seed, rounding, scales, build):
+    from thomas_tune import kinks
+    loss, g, params, names = _forward(arch, seed)
+    f = kinks.follow(loss, g, rounding, params, names, build, scales)
+    worst = max(float(np.abs(f.grads[n] - build[n]).max()) / scales[n] for n in names)
+    return f, worst
+
+
+@pytest.mark.parametrize("arch,noise,max_flips", [
+    ("alexnet", 2.0, 400), ("alexnet", 2.0, 0), ("mobilenet_v2", 6.0, 0)],
+    ids=["alexnet-one-at-a-time", "alexnet-bulk", "mobilenet_v2-bulk"])
+def test_following_finds_the_builds_decisions(arch, noise, max_flips, rng, monkeypatch):
+    """Every gradient of the followed reference within 1e-6 of its scale of the made-up build
+    (rounding noise 1e-8; a flip left unfollowed moves a gradient by 1e-4..1e-1 of it); with
+    one gradient 1% off as well, the check's error stays above 5e-3."""
+    from thomas_tune import kinks
+    monkeypatch.setattr(kinks, "MAX_FLIPS", max_flips)
+    for _ in range(6):  # a batch with a few flips that move a gradient
+        seed = int(rng.integers(1 << 20))
+        rounding, scales, build, flipped = _made_up_build(arch, seed, rng, noise, monkeypatch)
+        if flipped >= 5:
+            break
+    assert flipped >= 5, flipped
+    f, worst = _follow(arch, seed, rounding, scales, build)
+    print(f"{arch}: {flipped} flipped, {len(f.flips)} followed of {f.ambiguous}; worst {worst:.1e}")
+    assert worst < 1e-6 and f.unresolved == 0
+    name = max(scales, key=lambda n: build[n].size * (not n.endswith("bias")))
+    build[name] = build[name] * 1.01
+    _, worst = _follow(arch, seed, rounding, scales, build)
+    assert worst > 5e-3, worst
