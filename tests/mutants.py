@@ -1,4 +1,5 @@
-"""Mutants of the training step's backward pass, for proving the step checks.
+"""Mutants of the training step's backward pass and of its optimizer update, for proving the
+step checks.
 
 Each mutant is a context manager under which a build (``export``, ``replay``, the tuner's
 candidate builds) makes one kind of gradient wrong: a gradient function of a Relax operator
@@ -11,6 +12,9 @@ computes, its kernels and all: the check sees only the export's outputs.
 Which call of a gradient function is mutated: the first (``which=0``), i.e. the network's last
 layer of that kind (the backward pass meets it first), so the error flows into every
 trainable layer before it; ``which=None``: every call.
+
+The update's mutants (:data:`UPDATE_MUTANTS`, :func:`optimizer_update`) change the expressions
+of the optimizer's multi-tensor kernels (:mod:`thomas_tune.multi_tensor`) the build compiles.
 """
 
 from __future__ import annotations
@@ -222,3 +226,39 @@ def param_mutant(grads: dict[str, np.ndarray], name: str, factor: float) -> dict
     out = dict(grads)
     out[name] = grads[name] * factor
     return out
+
+
+@contextlib.contextmanager
+def optimizer_update(output: str, factor: float, optimizer: str = "momentum_sgd"):
+    """``optimizer``'s update kernels (:mod:`thomas_tune.multi_tensor`) built wrong: ``output``
+    ``p_new`` with its step ``p_new - p`` times ``factor`` (1.01: the learning rate 1% too
+    large; -1: the update's sign wrong), or a state output (``v_new``: momentum SGD's new
+    momentum buffer, Adam's second moment; ``m_new``: Adam's first moment) times
+    ``factor``; the expressions after it read the wrong value."""
+    from thomas_tune import multi_tensor as MT
+    attr = f"{optimizer}_exprs"
+    original = getattr(MT, attr)
+
+    def wrong(*args, **kwargs):
+        exprs = dict(original(*args, **kwargs))
+        if output == "p_new":
+            exprs[output] = f"p + T.float32({factor!r}) * (({exprs[output]}) - p)"
+        else:
+            exprs[output] = f"T.float32({factor!r}) * ({exprs[output]})"
+        return exprs
+
+    setattr(MT, attr, wrong)
+    try:
+        yield
+    finally:
+        setattr(MT, attr, original)
+
+
+#: the momentum SGD update built wrong (what the optimizer's kernels compute; the gradients
+#: are right)
+UPDATE_MUTANTS = {
+    "momentum update x1.01 (learning rate)": lambda: optimizer_update("p_new", 1.01),
+    "momentum update wrong sign": lambda: optimizer_update("p_new", -1.0),
+    "momentum buffer x1.01": lambda: optimizer_update("v_new", 1.01),
+    "momentum buffer wrong sign": lambda: optimizer_update("v_new", -1.0),
+}

@@ -89,17 +89,61 @@ def test_replay_of_missing_log_is_a_clear_error(tmp_path, capsys):
 def test_replay_time_coverage_of_a_gpu_log(capsys):
     """A log tuned by time share is judged by the share of the untuned kernel time (measured on
     the device, default_latency.json) that its compiled records hold; it is computed here from
-    the committed H100 log with no device, and a minimum above it fails before compiling."""
+    the committed H100 log with no device, and a minimum above it fails before compiling. The
+    share and the untuned time it reports are the sums made again here from the kernels the
+    build has (the tasks of the inference and training graphs with the log's Winograd
+    choice), the records it applies and the times in default_latency.json (kept where the
+    kernel timed is the one the default rules make today), to the digits printed: a share
+    that counts a task without a record, misses a task, counts one twice or forgets its calls
+    fails here."""
+    import json
+    import math
+
+    from thomas_tune import graph as G
+    from thomas_tune.logs import TuningLog
+    from thomas_tune.models import build
+    from thomas_tune.record_check import checked_build
+    from thomas_tune.target import parse_target
+    from thomas_tune.tasks import extract, key
+    from thomas_tune.tuning.defaults import default_schedule_key
     gpu_log = os.path.join(ROOT, "tuning_logs", "h100", "mobilenet_v2-w0.35-r64-c10-b8")
+    target_json = os.path.join(ROOT, "targets", "h100_opencl.json")
     args = ["replay", "--log", gpu_log, "--no-check", "--width", "0.35", "--resolution", "64",
-            "--classes", "10", "--batch", "8", "--target",
-            os.path.join(ROOT, "targets", "h100_opencl.json"), "--min-flops-coverage", "0"]
+            "--classes", "10", "--batch", "8", "--target", target_json,
+            "--min-flops-coverage", "0"]
     rc = cli.main(args + ["--min-time-coverage", "0.99"])
     captured = capsys.readouterr()
     assert rc == 1
     assert "below --min-time-coverage 0.99" in captured.err
-    share = float(captured.out.split("% of the untuned kernel time")[0].rsplit(" ", 1)[1])
-    assert 1.0 < share < 99.0, captured.out
+    head, tail = captured.out.split("% of the untuned kernel time")
+    share, untuned_ms = float(head.rsplit(" ", 1)[1]), float(tail.split(" ms")[0])
+
+    # the same sums from the log's files (the CLI's defaults: trainable all, inference batch 1)
+    target = parse_target(target_json)
+    model = build("mobilenet_v2", width=0.35, resolution=64, num_classes=10)
+    graphs = {"infer": G.inference_module(model, 1),
+              "train": G.training_module(model, 8, "all").mod}
+    built = checked_build(TuningLog(gpu_log), target, graphs, check=False)
+    database = built["database"]
+    with open(os.path.join(gpu_log, "default_latency.json")) as f:
+        cached = json.load(f)
+    total = tuned = 0.0
+    counted = {True: 0, False: 0}
+    for task in extract(graphs, target, built["winograd"]):
+        k = key(task)
+        secs = cached["seconds"].get(k)
+        if secs is None or cached["schedules"].get(k) != default_schedule_key(task.mod, target):
+            continue  # not timed, failed, or timed on another kernel than today's
+        applied = bool(database.has_workload(task.mod) and database.get_top_k(
+            database.commit_workload(task.mod), 1))
+        total += task.weight * secs
+        tuned += task.weight * secs if applied else 0.0
+        counted[applied] += 1
+    print(f"{share}% of {untuned_ms} ms; here {100 * tuned / total:.3f}% of "
+          f"{1e3 * total:.4f} ms over {counted} timed tasks with and without a record")
+    assert counted[True] > 0 and counted[False] > 0 and math.isfinite(total)
+    assert abs(share - 100 * tuned / total) <= 0.05 + 1e-9, captured.out
+    assert abs(untuned_ms - 1e3 * total) <= 0.005 + 1e-9, captured.out
 
 
 SMALL_MNV2 = ["--width", "0.35", "--resolution", "64", "--classes", "10", "--batch", "8"]

@@ -2,7 +2,9 @@
 MobileNetV2 (0.35@32, 5 classes, batch 8) checked against PyTorch in float64. The right build
 passes on fresh seeds; each parameter's gradient 1% off or with the wrong sign fails, naming
 that parameter; builds whose BatchNorm bias gradient is 1% off, whose ReLU6 backward lacks its
-upper clip, or whose loss gradient is wrong for one class only fail. The full table, every kind
+upper clip, or whose loss gradient is wrong for one class only fail; so do builds whose
+momentum SGD update is 1% off or of the wrong sign (checked against torch.optim, on this
+machine and on a device server). The full table, every kind
 of gradient on MobileNetV2 and AlexNet: ``bench/mutants.py`` (docs/journal/precision.md)."""
 
 import pytest
@@ -46,6 +48,10 @@ def test_the_right_build_passes_on_fresh_seeds_and_the_inputs_reach_every_path(r
         assert check.ok, check.line()
         assert max(check.bounds.values()) <= CAP == 1e-2
         assert any(v > 0 for k, v in check.coverage.items() if k.startswith("relu6"))
+        # the optimizer update was checked too, alone and inside train_step: every trainable
+        # parameter and its momentum buffer, and the step count
+        update = check.update
+        assert update.ok and len(update.errors) == 2 * (1 + 2 * len(check.errors)), update.line()
 
 
 @pytest.mark.parametrize("factor", [1.01, -1.0], ids=["1.01x", "wrong-sign"])
@@ -96,3 +102,48 @@ def test_a_build_with_a_wrong_backward_fails(tmp_path, mutant, trainable):
     print(check.line())
     assert not check.ok and check.failing, check.line()
     assert check.loss_err <= check.loss_bound
+
+
+@pytest.mark.parametrize("mutant", list(M.UPDATE_MUTANTS))
+def test_a_build_with_a_wrong_optimizer_update_fails(tmp_path, mutant):
+    """Builds whose momentum SGD update is wrong (its step 1% too large, as with a learning
+    rate 1% off; the new momentum buffer 1% too large; either with the wrong sign) and whose
+    gradients are right: the check fails them on the update (against ``torch.optim`` in
+    float64, :mod:`thomas_tune.update_check`), by at least 100 times its bound in float32
+    ulps, naming every parameter; the loss and the gradients pass."""
+    from thomas_tune.step_check import check_export
+    out = _export(tmp_path, "mutant", "last:1", M.UPDATE_MUTANTS[mutant]())
+    check = check_export(out, seed=0)
+    print(check.line())
+    update = check.update
+    assert not check.ok and not update.ok, check.line()
+    assert not check.failing and check.loss_err <= check.loss_bound, check.line()
+    params = [n for n in check.errors]  # the trainable parameters
+    assert set(params) <= set(update.failing), update.line()
+    if "buffer" in mutant:
+        assert {f"{n}:momentum_buffer" for n in params} <= set(update.failing)
+    assert min(update.errors[n] / update.bounds[n] for n in params) > 100, update.line()
+
+
+def test_the_update_over_rpc_is_the_same_as_here(right):
+    """The update check with the export's optimizer run on a device server (``tvm.rpc``'s,
+    on 127.0.0.1, ports 9650-9699): the same outputs, the same errors as on this machine
+    (where ``train_step``'s update is checked too)."""
+    from tvm import rpc
+
+    from thomas_tune.update_check import check_update
+    server = rpc.Server("127.0.0.1", port=9650, port_end=9699, silent=True)
+    timer = __import__("threading").Timer(300, server.terminate)
+    timer.daemon = True
+    timer.start()
+    try:
+        sess = rpc.connect("127.0.0.1", server.port, session_timeout=240)
+        remote = check_update(right, seed=5, rpc_session=sess)
+        del sess
+    finally:
+        timer.cancel()
+        server.terminate()
+    here = check_update(right, seed=5)  # the optimizer's outputs, then train_step's
+    print(remote.line())
+    assert remote.ok and len(here.errors) == 2 * len(remote.errors), here.line()
+    assert remote.errors == {k: here.errors[k] for k in remote.errors}, remote.line()

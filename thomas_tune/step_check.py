@@ -127,7 +127,8 @@ class StepCheck:
     :mod:`thomas_tune.kinks`), ``unresolved`` (ambiguous kink elements past
     :data:`thomas_tune.kinks.MAX_FLIPS`, the farthest from their kink: not followed; said
     beside a failure),
-    ``coverage`` (what the check inputs reached, :func:`reference_steps`)."""
+    ``coverage`` (what the check inputs reached, :func:`reference_steps`), ``update`` (the
+    optimizer update's check, :mod:`thomas_tune.update_check`; its failure fails the step)."""
 
     loss: float
     loss_ref: float
@@ -145,11 +146,13 @@ class StepCheck:
     flips: list[int] = field(default_factory=list)
     unresolved: int = 0
     coverage: dict = field(default_factory=dict)
+    #: the optimizer update against torch.optim (thomas_tune.update_check.UpdateCheck), or None
+    update: object = None
 
     @property
     def ok(self) -> bool:
         return (self.loss_err <= self.loss_bound and not self.failing and not self.dead
-                and self.few_bn_values is None)
+                and self.few_bn_values is None and (self.update is None or self.update.ok))
 
     @property
     def worst(self) -> tuple[str, float]:
@@ -165,7 +168,8 @@ class StepCheck:
         bound = f" (bound {self.bounds[name]:.1e})" if name in self.bounds else ""
         head = (f"loss {self.loss:.6f} (PyTorch {self.loss_ref:.6f}, error {self.loss_err:.1e}, "
                 f"bound {self.loss_bound:.1e}); {len(self.errors)} gradients, worst {name} "
-                f"{err:.1e}{bound}{torch_part}")
+                f"{err:.1e}{bound}{torch_part}"
+                + (f"; {self.update.line()}" if self.update is not None else ""))
         if self.ok:
             return f"right: {head}"
         fail = ", ".join(f"{n} {self.errors[n]:.1e} (bound {self.bounds[n]:.1e})"
@@ -204,7 +208,8 @@ class StepCheck:
                 "torch_float32_errors": self.yardstick,
                 "torch_float32_loss_err": self.yardstick_loss_err,
                 "few_bn_values": self.few_bn_values, "flips": self.flips,
-                "unresolved": self.unresolved, "coverage": self.coverage}
+                "unresolved": self.unresolved, "coverage": self.coverage,
+                "update": self.update.as_dict() if self.update is not None else None}
 
 
 def batch(model, batch_size: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
@@ -446,7 +451,9 @@ def check_export(export_dir: str, seed: int = 0, frozen_bn: bool | set | None = 
     ``rpc_session``: run the export's step on that device server (:func:`export_step`);
     ``reference``: :func:`reference_steps` already computed for this model, parameters and
     seed (several exports of one step share it); ``cached``: check the step on cached
-    features (:func:`export_step`). Needs torch."""
+    features (:func:`export_step`). The export's optimizer update is checked too, against
+    ``torch.optim`` on fresh values of ``seed`` (:mod:`thomas_tune.update_check`, the
+    result's ``update``). Needs torch."""
     from .manifest import read_manifest
     from .models import load_checkpoint
     m = read_manifest(export_dir)
@@ -468,4 +475,6 @@ def check_export(export_dir: str, seed: int = 0, frozen_bn: bool | set | None = 
     check.flips = [len(r.flips) for r in refs]
     check.unresolved = sum(r.unresolved for r in refs)
     check.coverage = reference.get("coverage", {})
+    from .update_check import check_update
+    check.update = check_update(export_dir, seed, rpc_session)
     return check
