@@ -6,9 +6,10 @@
 
 ``table``: for the tests' networks (MobileNetV2 0.35@32 and AlexNet 0.1@67, 5 classes, batch
 8, every layer trainable), each mutant of ``tests/mutants.py`` (x1.01 and the wrong sign for
-every kind of gradient, and the data-dependent ones) is built, exported and checked with
-:func:`thomas_tune.step_check.check_export` at seed 0; one line per mutant: whether the check
-failed it, the parameter furthest over its bound, its error and bound. The parameters' own
+every kind of gradient, the data-dependent ones, the momentum update's) is built, exported
+and checked with :func:`thomas_tune.step_check.check_export` at seed 0; one line per
+mutant: whether the check failed it, the parameter (or update output) furthest over its bound,
+its error and bound. The parameters' own
 gradients are also mutated in the right build's outputs (``param_mutant``). ``seeds``: the
 right build of ``--model`` checked on ``--seeds`` fresh seeds (MobileNetV2 0.35@64, AlexNet at
 the tests' size); prints each seed's line and the count that passed. ``check``: each export
@@ -55,6 +56,11 @@ def worst(check):
 
 def row(label, check, say=print):
     name, err, bound = worst(check)
+    update = getattr(check, "update", None)
+    if update is not None and not update.ok and err <= bound:  # wrong in the update only
+        name = update.failing[0]
+        err, bound = update.errors[name], update.bounds[name]
+        name += " (update, ulps)"
     loss = f"loss {check.loss_err:.1e}/{check.loss_bound:.1e}"
     say(f"| {label} | {'fails' if not check.ok else '**passes**'} | {name} | {err:.1e} | "
         f"{bound:.1e} | {loss} |")
@@ -79,7 +85,7 @@ def _mutants(arch):
             M.DEPENDENT_MUTANTS[n]() if n in M.DEPENDENT_MUTANTS else M.DATA_MUTANTS[n](1.01))
            for n in names]
     return out + [(f"{n} wrong sign", M.DATA_MUTANTS[n](-1.0)) for n in names
-                  if n in M.DATA_MUTANTS]
+                  if n in M.DATA_MUTANTS] + [(n, m()) for n, m in M.UPDATE_MUTANTS.items()]
 
 
 def table(args):

@@ -143,7 +143,17 @@ def test_the_update_over_rpc_is_the_same_as_here(right):
     finally:
         timer.cancel()
         server.terminate()
-    here = check_update(right, seed=5)  # the optimizer's outputs, then train_step's
+    import os
+
+    from thomas_tune.manifest import read_manifest
+    from thomas_tune.models import load_checkpoint
+    from thomas_tune.step_check import batch, dropout_masks, export_step
+    model, tensors, _ = load_checkpoint(os.path.join(right, "params.npz"))
+    n = read_manifest(right)["batch"]
+    (x, y), masks = batch(model, n, 5), dropout_masks(model, n, 5)
+    first = (x, y, masks, export_step(right, x, y, masks=masks, tensors=tensors)[1])
+    # the optimizer's outputs, then train_step's
+    here = check_update(right, seed=5, first_batch=first)
     print(remote.line())
     assert remote.ok and len(here.errors) == 2 * len(remote.errors), here.line()
     assert remote.errors == {k: here.errors[k] for k in remote.errors}, remote.line()

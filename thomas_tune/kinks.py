@@ -30,8 +30,9 @@ residual solve a least-squares problem over every candidate, whose matrix is app
 backward pass and its transpose by one Jacobian-vector product (:func:`_follow_bulk`); the
 flips it takes, what it leaves half-explained and the candidates nearest their kink are then
 weighed one at a time. The reference is the float64 step with those decisions, recomputed
-whole; it and the build differ by rounding only, on every batch. A mutant cannot hide behind this: the flips it could use are single elements
-within rounding of a kink, and each flip taken is listed (:attr:`Following.flips`).
+whole; it and the build differ by rounding only, on every batch. A mutant cannot hide behind
+this: the flips it could use are single elements within rounding of a kink, and each flip
+taken is listed (:attr:`Following.flips`).
 """
 
 from __future__ import annotations

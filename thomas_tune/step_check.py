@@ -476,5 +476,6 @@ def check_export(export_dir: str, seed: int = 0, frozen_bn: bool | set | None = 
     check.unresolved = sum(r.unresolved for r in refs)
     check.coverage = reference.get("coverage", {})
     from .update_check import check_update
-    check.update = check_update(export_dir, seed, rpc_session)
+    (x, y), masks = reference["batches"][0], reference["masks"][0]
+    check.update = check_update(export_dir, seed, rpc_session, (x, y, masks, ours[0][1]))
     return check

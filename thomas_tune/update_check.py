@@ -325,29 +325,28 @@ def _compare(check: UpdateCheck, names: list[str], inputs: tuple, outputs: tuple
     check.bounds.update({prefix + o: b for o, b in limits.items()})
 
 
-def check_update(export_dir: str, seed: int = 0, rpc_session=None) -> UpdateCheck:
+def check_update(export_dir: str, seed: int = 0, rpc_session=None,
+                 first_batch: tuple | None = None) -> UpdateCheck:
     """Check the export's optimizer update against ``torch.optim`` in float64 on the fresh
     inputs of ``seed`` (module docstring), on this machine or on ``rpc_session``'s device
     server (:func:`export_update`). On this machine, an export with ``train_step`` is also
     checked as ``Session.train_step`` updates: its ``train_step`` (:func:`export_train_step`)
-    on the first check batch of ``seed`` (:func:`thomas_tune.step_check.batch`, its dropout
-    masks) from the export's parameters and fresh optimizer state, against ``torch.optim`` on
-    the gradients the export's ``train_adjoint`` gives for that batch (outputs named
-    ``train_step <output>``). Raises ValueError for an optimizer the check does not know.
-    Needs torch."""
+    on ``first_batch`` (``(x, y, masks, grads)``: the first check batch of ``seed`` as
+    :func:`thomas_tune.step_check.check_export` draws it, its dropout masks and the gradients
+    the export's ``train_adjoint`` gives for it; None: this part is left out) from the
+    export's parameters and fresh optimizer state, against ``torch.optim`` on those gradients
+    (outputs named ``train_step <output>``). Raises ValueError for an optimizer the check does
+    not know. Needs torch."""
     from .manifest import read_manifest
     from .models import load_checkpoint
-    from .step_check import batch, dropout_masks, export_step
     m = read_manifest(export_dir)
     config, names = m["optimizer"], m["trainable"]
-    model, tensors, _ = load_checkpoint(os.path.join(export_dir, "params.npz"))
+    _, tensors, _ = load_checkpoint(os.path.join(export_dir, "params.npz"))
     inputs = random_update_inputs(config, [tuple(np.shape(tensors[n])) for n in names], seed)
     check = UpdateCheck(dict(config), steps=inputs[3])
     _compare(check, names, inputs, export_update(export_dir, *inputs[:3], rpc_session))
-    if rpc_session is None and m.get("train_step"):
-        x, y = batch(model, m["batch"], seed)
-        masks = dropout_masks(model, m["batch"], seed)
-        _, grads = export_step(export_dir, x, y, masks=masks, tensors=tensors)
+    if rpc_session is None and m.get("train_step") and first_batch is not None:
+        x, y, masks, grads = first_batch
         step_inputs = ([tensors[n] for n in names], [grads[n] for n in names], *inputs[2:])
         _compare(check, names, step_inputs,
                  export_train_step(export_dir, x, y, masks, tensors, inputs[2]), "train_step ")
