@@ -45,7 +45,7 @@ def cmd_tune(args) -> int:
 
     from ..tuning.driver import TuneOptions, rpc_runner, tune
     from ..logs import TuningLog
-    from ..runtime import check_device
+    from ..remote import check_device
     from ..target import cross_compiler, resolve_target, write_device_file
     options = TuneOptions(  # its checks fail here, before the tracker is contacted
         trials=args.trials, trials_per_iter=args.trials_per_iter, seed=args.seed,
@@ -186,7 +186,7 @@ def cmd_remeasure(args) -> int:
     failed (the record keeps its old time), else 0."""
     from .. import rpc
     from ..remeasure import remeasure
-    from ..runtime import check_device
+    from ..remote import check_device
     from ..target import parse_target
     from ..tasks import extract
     from ..tuning.defaults import kernel_time_s, measure_defaults, read_default_times
