@@ -4,8 +4,8 @@ Over a loopback tracker and one device server of this machine's OpenCL device (t
 lane functions, one RPC session), per task of the training step (the largest first): the
 reference library loaded (uploaded, the driver's build of its programs), then, side by side and
 ``--repeat`` times, the set-up with the inputs drawn on the host and uploaded, the reference's
-outputs copied back (``kernel_check.reference_outputs``, as the runner did) and with the inputs
-drawn on the device and the outputs kept there (``kernel_check.device_reference``). The first
+outputs copied back (``kernel_reference.reference_outputs``, as the runner did) and with the inputs
+drawn on the device and the outputs kept there (``kernel_reference.device_reference``). The first
 repeat includes the device's first launch of each kernel. Prints one JSON line per task (MB of
 the task's arguments, seconds) and the totals; both set-ups give the same reference outputs.
 
@@ -34,13 +34,14 @@ def main() -> None:
     import tvm
 
     from thomas_tune import kernel_check as kc
+    from thomas_tune import kernel_reference as kr
     from thomas_tune import rpc
     from thomas_tune.measure import runner as R
     from thomas_tune.measure.builder import Builder
     target, tasks = largest_tasks(args)
     builder = Builder(max_workers=2, timeout_s=300)
     try:
-        refs, _ = kc.build_references([t.mod for t in tasks], target, builder)
+        refs, _ = kr.build_references([t.mod for t in tasks], target, builder)
     finally:
         builder.shutdown()
     total = {"load_s": 0.0, "host_s": [0.0] * args.repeat, "device_s": [0.0] * args.repeat}
@@ -58,11 +59,11 @@ def main() -> None:
             total["load_s"] += row["load_s"]
             for r in range(args.repeat):
                 t0 = clock()
-                up, expected = kc.reference_outputs(lib["main"], dev, func, ref.seed, spec)
-                kc.DeviceComparison(kc.library_function(lib, kc.COMPARE), up, dev)
+                up, expected = kr.reference_outputs(lib["main"], dev, func, ref.seed, spec)
+                kr.DeviceComparison(kr.library_function(lib, kc.COMPARE), up, dev)
                 dev.sync()
                 t1 = clock()
-                _, comparison, _ = kc.device_reference(lib, dev, func, ref.seed, spec)
+                _, comparison, _ = kr.device_reference(lib, dev, func, ref.seed, spec)
                 dev.sync()
                 t2 = clock()
                 total["host_s"][r] += t1 - t0

@@ -126,7 +126,7 @@ def _lane_load(artifact: str, name: str, dev):
 def _lane_prepare(artifact: str, device_type: str, args_info, ref: tuple | None = None) -> dict:
     """(worker) Upload and load one candidate on the lane's session and have the driver
     compile its OpenCL programs (outside the device lock; no device work); likewise the
-    reference kernel of ``ref`` (:meth:`thomas_tune.kernel_check.Reference.wire`) the first
+    reference kernel of ``ref`` (:meth:`thomas_tune.kernel_reference.Reference.wire`) the first
     time the session sees its task.
 
     Returns ``{name: s}`` of the phases; raises on any failure. The candidate waits in the
@@ -172,13 +172,13 @@ def _lane_reference(ref: tuple, dev) -> dict:
     :meth:`Reference.wire` tuple) on the lane's session, made once per session (the
     :data:`REFERENCES_PER_SESSION` most recent tasks are kept on the device): the reference
     library loaded, the inputs drawn and the reference kernel (the task's default schedule)
-    run on them there (:func:`thomas_tune.kernel_check.device_reference`); only the seed goes
+    run on them there (:func:`thomas_tune.kernel_reference.device_reference`); only the seed goes
     to the device and, for float outputs, the outputs stay there. A reference without a built
     default schedule is computed on this host with the llvm build of the workload, and its
     inputs uploaded."""
     import tvm
 
-    from .. import kernel_check as kc
+    from .. import kernel_reference as kr
     key, artifact, workload_json, spec, seed = ref
     refs = _LANE.setdefault("refs", collections.OrderedDict())
     if key in refs:
@@ -189,13 +189,13 @@ def _lane_reference(ref: tuple, dev) -> dict:
         libs = _LANE.setdefault("ref_libs", {})
         if key not in libs:
             libs[key] = _lane_load(artifact, f"ref-{key}.so", dev)
-        args, compare, expected = kc.device_reference(libs[key], dev, func, seed, spec)
+        args, compare, expected = kr.device_reference(libs[key], dev, func, seed, spec)
     else:
         host = tvm.cpu(0)
         lib = tvm.compile(tvm.IRModule({"main": func}), target="llvm")
-        local, expected = kc.reference_outputs(lib["main"], host, func, seed, spec)
+        local, expected = kr.reference_outputs(lib["main"], host, func, seed, spec)
         inputs = [a.numpy() for a in local.args]
-        args = kc.DeviceArgs(inputs, spec, dev)
+        args = kr.DeviceArgs(inputs, spec, dev)
         compare = None
     entry = {"args": args, "expected": expected, "tol": spec.tol, "compare": compare}
     refs[key] = entry
@@ -219,6 +219,7 @@ def _lane_time(repeat: int, min_repeat_ms: float, max_number: int,
     Returns ``{"costs": [s, ...], "number": runs per repeat, "phases": {name: s}}``, or
     ``{"wrong": reason, "phases": ...}``; raises on any other failure."""
     from .. import kernel_check as kc
+    from .. import kernel_reference as kr
     name, mod, dev, args_info = _LANE.pop("candidate")
     sess = _LANE["session"]
     t = {}
@@ -233,7 +234,7 @@ def _lane_time(repeat: int, min_repeat_ms: float, max_number: int,
             t3 = time.perf_counter()
             t["run.reference"] = t3 - t2
             if entry["compare"] is None:
-                got = kc.run_checked(mod[mod.entry_name], dev, entry["args"])
+                got = kr.run_checked(mod[mod.entry_name], dev, entry["args"])
                 out["wrong"] = kc.compare(got, entry["expected"], entry["tol"])
             else:  # compared on the device: two numbers per output come back
                 out["wrong"] = kc.verdict(entry["compare"].run(mod[mod.entry_name], dev),
@@ -520,7 +521,7 @@ class FarmRunner(ms.runner.PyRunner):
 
     def expect(self, reference) -> None:
         """The candidates of the next :meth:`run` call are kernels of the task of
-        ``reference`` (a :class:`thomas_tune.kernel_check.Reference`): each is run once on
+        ``reference`` (a :class:`thomas_tune.kernel_reference.Reference`): each is run once on
         the reference's inputs and compared with its outputs before it is timed, and a wrong
         one is a failed trial ("wrong result: ..."). None: the next call's candidates are
         timed unchecked (the default schedules themselves, the references)."""

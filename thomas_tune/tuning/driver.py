@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from tvm.s_tir import meta_schedule as ms
 
-from ..kernel_check import build_references
+from ..kernel_reference import build_references
 from ..measure.builder import Builder
 from ..measure.phases import Phases
 from ..measure.runner import FarmRunner, error_line
