@@ -36,7 +36,7 @@ def main() -> None:
     from thomas_tune import kernel_check as kc
     from thomas_tune import kernel_reference as kr
     from thomas_tune import rpc
-    from thomas_tune.measure import runner as R
+    from thomas_tune.measure import lane as R
     from thomas_tune.measure.builder import Builder
     target, tasks = largest_tasks(args)
     builder = Builder(max_workers=2, timeout_s=300)
@@ -47,12 +47,12 @@ def main() -> None:
     total = {"load_s": 0.0, "host_s": [0.0] * args.repeat, "device_s": [0.0] * args.repeat}
     clock = time.perf_counter
     with rpc.loopback(key="setup-cost", servers=1, lifetime=1800) as addr:
-        R._lane_open(addr[0], addr[1], "setup-cost", 1800, 1)
+        R.lane_open(addr[0], addr[1], "setup-cost", 1800, 1)
         dev = R._LANE["session"].device("opencl", 0)
         for task, ref in zip(tasks, refs):
             func, spec = tvm.ir.load_json(ref.workload_json), ref.spec
             t0 = clock()
-            lib = R._lane_load(ref.artifact, f"ref-{ref.key}.so", dev)
+            lib = R.lane_load(ref.artifact, f"ref-{ref.key}.so", dev)
             row = {"task": task.name[:40], "load_s": round(clock() - t0, 3),
                    "MB": round(sum(math.prod(s) * np.dtype(d).itemsize
                                    for s, d in kc.arg_shapes(func)) / 1e6, 1)}
@@ -73,7 +73,7 @@ def main() -> None:
                 np.array_equal(comparison.expected[k].numpy(), expected[i], equal_nan=True)
                 for k, i in enumerate(spec.written))
             print(json.dumps(row), flush=True)
-        R._lane_close()
+        R.lane_close()
     print(json.dumps({k: [round(x, 2) for x in v] if isinstance(v, list) else round(v, 2)
                       for k, v in total.items()}))
 
