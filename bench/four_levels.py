@@ -257,7 +257,8 @@ def imported_main(args):
     from thomas_tune.graph import (OptimizerConfig, frozen_batchnorms, parse_trainable,
                                    select_trainable)
     from thomas_tune.models import replace_head
-    from thomas_tune.models.onnx_import import calibrate_batchnorms, import_onnx
+    from thomas_tune.models.calibration import calibrate_batchnorms
+    from thomas_tune.models.onnx_import import import_onnx
     from thomas_tune.reference import torch_module, torch_pretrain
 
     t_start = time.perf_counter()

@@ -137,7 +137,8 @@ def main():
     args = ap.parse_args()
     recipes = args.recipe or [(0.005, 300), (0.01, 150)]
     from thomas_tune.models import replace_head
-    from thomas_tune.models.onnx_import import calibrate_batchnorms, import_onnx
+    from thomas_tune.models.calibration import calibrate_batchnorms
+    from thomas_tune.models.onnx_import import import_onnx
 
     t_start = time.perf_counter()
     work = args.work or tempfile.mkdtemp(prefix="fused-import-")

@@ -24,7 +24,8 @@ from thomas_tune import rpc
 from thomas_tune.cli import main
 from thomas_tune.export import export, read_manifest
 from thomas_tune.models import build, init_params, load_checkpoint
-from thomas_tune.runtime import Session, check_device, connect
+from thomas_tune.remote import check_device, connect
+from thomas_tune.runtime import Session
 from thomas_tune.target import cross_compiler, host_triple, parse_target
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -88,6 +88,7 @@ def test_dlight_adreno_configuration_is_kept_out_of_default_schedules(rng):
 
     from thomas_tune import graph as G
     from thomas_tune import kernel_check as kc
+    from thomas_tune import kernel_reference as kr
     from thomas_tune.measure.builder import build_candidate
     from thomas_tune.schedules import dlight_target
     from thomas_tune.tasks import fuse
@@ -116,15 +117,15 @@ def test_dlight_adreno_configuration_is_kept_out_of_default_schedules(rng):
 
     spec = kc.check_spec(one["main"])
     ref = build_candidate(scheduled(generic), generic)
-    args, expected = kc.reference_outputs(ref["main"], dev, one["main"],
+    args, expected = kr.reference_outputs(ref["main"], dev, one["main"],
                                           int(rng.integers(1 << 30)), spec)
-    wrong = kc.compare(kc.run_checked(build_candidate(scheduled(adreno), adreno)["main"], dev,
+    wrong = kc.compare(kr.run_checked(build_candidate(scheduled(adreno), adreno)["main"], dev,
                                       args), expected, spec.tol)
     print(f"{name}: dlight's Adreno Matmul: {wrong}")
     assert wrong is not None and wrong.startswith("wrong result")
     default = kc.default_kernel(one, adreno)
     assert tvm_ffi.structural_equal(default["main"], kc.default_kernel(one, generic)["main"])
-    assert kc.compare(kc.run_checked(build_candidate(default, adreno)["main"], dev, args),
+    assert kc.compare(kr.run_checked(build_candidate(default, adreno)["main"], dev, args),
                       expected, spec.tol) is None
 
 

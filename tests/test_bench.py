@@ -460,7 +460,7 @@ def test_compiling_verbs_refuse_a_runtime_only_process(tmp_path):
 def test_an_unchecked_time_is_marked_and_enters_no_ratio():
     """A build whose numbers were not checked (no PyTorch, or the check off) is printed marked
     unchecked and is in no speed-up; with both builds checked the ratio is printed."""
-    from thomas_tune.benchmark.run import format_report
+    from thomas_tune.benchmark.report import format_report
 
     def variant(ms, checked):
         return {"train_ms": ms, "train_images_per_s": 8e3 / ms, "infer_ms": ms / 3,

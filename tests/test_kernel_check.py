@@ -12,6 +12,7 @@ from tvm import te
 from tvm.script import tirx as T
 
 from thomas_tune import kernel_check as kc
+from thomas_tune import kernel_reference as kr
 from thomas_tune import rpc
 
 from opencl_kernels import NEEDS_OPENCL
@@ -248,7 +249,7 @@ def test_inputs_drawn_on_the_device_are_the_hosts_and_wrong_kernels_still_fail(t
     mods = [_matmul(), _scaled_sqrt(), _shifted_labels()]
     builder = Builder(max_workers=1, timeout_s=120)
     try:
-        refs, paths = kc.build_references(mods, target, builder, seed)
+        refs, paths = kr.build_references(mods, target, builder, seed)
     finally:
         builder.shutdown()
     assert all(paths) and len(paths) == 3
@@ -258,7 +259,7 @@ def test_inputs_drawn_on_the_device_are_the_hosts_and_wrong_kernels_still_fail(t
         func, spec = mod["main"], ref.spec
         shapes = kc.arg_shapes(func)
         for positive in (False, True):
-            drawn = kc.DeviceArgs.drawn(lib[kc.FILL], func, spec, dev, seed, positive)
+            drawn = kr.DeviceArgs.drawn(lib[kc.FILL], func, spec, dev, seed, positive)
             host = kc.random_inputs(shapes, seed, positive)
             for i, (a, h) in enumerate(zip(drawn.args, host)):
                 assert a.numpy().tobytes() == h.tobytes(), (mod, positive, i)
@@ -276,13 +277,13 @@ def test_inputs_drawn_on_the_device_are_the_hosts_and_wrong_kernels_still_fail(t
                     assert (got == np.iinfo(got.dtype).max).all()
         other = kc.random_inputs(shapes, seed + 1, positive=True)  # another seed, others
         assert not any(np.array_equal(a, b) for a, b in zip(other, host) if a.dtype.kind == "f")
-        args, comparison, expected = kc.device_reference(lib, dev, func, seed, spec)
-        uploaded, on_host = kc.reference_outputs(lib["main"], dev, func, seed, spec)
+        args, comparison, expected = kr.device_reference(lib, dev, func, seed, spec)
+        uploaded, on_host = kr.reference_outputs(lib["main"], dev, func, seed, spec)
         for a, b in zip(args.args, uploaded.args):
             assert a.numpy().tobytes() == b.numpy().tobytes()
         if mod is mods[2]:  # integer outputs come back to the host and are compared there
             assert comparison is None and expected[1].tobytes() == on_host[1].tobytes()
-            assert kc.compare(kc.run_checked(lib["main"], dev, args), expected, spec.tol) is None
+            assert kc.compare(kr.run_checked(lib["main"], dev, args), expected, spec.tol) is None
             continue
         assert expected is None and comparison is not None
         for k, i in enumerate(spec.written):
@@ -296,11 +297,11 @@ def test_inputs_drawn_on_the_device_are_the_hosts_and_wrong_kernels_still_fail(t
     assert spec.updated == (2,)
     fill = tvm.compile(tvm.IRModule({"main": kc.fill_kernel(_accumulate, spec, target)}),
                        target=target)
-    drawn = kc.DeviceArgs.drawn(fill["main"], _accumulate, spec, dev, seed)
+    drawn = kr.DeviceArgs.drawn(fill["main"], _accumulate, spec, dev, seed)
     host = kc.random_inputs(kc.arg_shapes(_accumulate), seed)
     assert all(a.numpy().tobytes() == h.tobytes() for a, h in zip(drawn.args, host))
     assert drawn.initial[2].numpy().tobytes() == host[2].tobytes()
-    _, matmul, _ = kc.device_reference(libs[0], dev, mods[0]["main"], seed, refs[0].spec)
+    _, matmul, _ = kr.device_reference(libs[0], dev, mods[0]["main"], seed, refs[0].spec)
     right = tvm.compile(tvm.IRModule({"main": _right}), target=target)
     assert kc.verdict(matmul.run(right["main"], dev), refs[0].spec.tol) is None
     for name, wrong in WRONG.items():
@@ -325,13 +326,13 @@ def test_a_kernel_writing_one_value_gets_its_reference_and_check(target, rng):
     seed = int(rng.integers(1 << 62))
     builder = Builder(max_workers=1, timeout_s=120)
     try:
-        refs, paths = kc.build_references([tvm.IRModule({"main": kernel})], target, builder,
+        refs, paths = kr.build_references([tvm.IRModule({"main": kernel})], target, builder,
                                           seed)
     finally:
         builder.shutdown()
     assert all(paths)
     dev, lib = tvm.opencl(0), tvm.runtime.load_module(paths[0])
-    _, comparison, _ = kc.device_reference(lib, dev, kernel, seed, refs[0].spec)
+    _, comparison, _ = kr.device_reference(lib, dev, kernel, seed, refs[0].spec)
     assert kc.verdict(comparison.run(lib["main"], dev), refs[0].spec.tol) is None
     x = tvm.te.placeholder((4, 10), "float32", "x")
     y = tvm.te.placeholder((4,), "int64", "y")
@@ -353,7 +354,7 @@ def test_tuner_runner_rejects_wrong_candidates_and_times_the_right_one(target):
     mods.append(vectorized.mod)
     builder = Builder(max_workers=2, timeout_s=120)
     try:
-        refs, paths = kc.build_references([workload, task.mod], target, builder)
+        refs, paths = kr.build_references([workload, task.mod], target, builder)
         with rpc.loopback(key="pocl-check", servers=1, lifetime=300) as addr:
             runner = rpc_runner(addr, "pocl-check", wait_s=30)
             try:

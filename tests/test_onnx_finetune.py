@@ -31,8 +31,8 @@ from conftest import REFERENCE
 from thomas_tune import graph as G
 from thomas_tune.compile import compile_graph
 from thomas_tune.models import build, replace_head, spec
-from thomas_tune.models.onnx_import import (calibrate_batchnorms, identity_batchnorms,
-                                            import_onnx)
+from thomas_tune.models.calibration import calibrate_batchnorms, identity_batchnorms
+from thomas_tune.models.onnx_import import import_onnx
 from thomas_tune.reference import TorchGraph, torch_module, torch_pretrain
 
 torch = pytest.importorskip("torch")

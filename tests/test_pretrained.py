@@ -137,7 +137,7 @@ def test_dropout_masks_follow_pytorch_semantics(tmp_path, rng):
 def test_calibration_refuses_bad_input(rng):
     # checked before anything is compiled: images of another shape or dtype, a layer that is
     # not a BatchNorm, a BatchNorm with trained statistics (not the identity of a fused file)
-    from thomas_tune.models.onnx_import import calibrate_batchnorms, identity_batchnorms
+    from thomas_tune.models.calibration import calibrate_batchnorms, identity_batchnorms
     model = build("mobilenet_v1", num_classes=4, resolution=64, width=0.25)
     tensors = random_tensors(model, rng)
     assert identity_batchnorms(model, tensors) == []

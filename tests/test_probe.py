@@ -239,7 +239,7 @@ def test_runner_bounds_follow_the_probed_compile_time(profile_path, tmp_path):
 
 
 def test_session_timeout_zero_is_refused(big_batch_export, capsys):
-    from thomas_tune.runtime import RemoteDevice
+    from thomas_tune.remote import RemoteDevice
     with pytest.raises(ValueError, match="session timeout 0"):
         RemoteDevice(("127.0.0.1", 9549), "k", 0)
     assert RemoteDevice(("127.0.0.1", 9549), "k").session_timeout_s == 900

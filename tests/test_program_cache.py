@@ -24,7 +24,8 @@ from thomas_tune import rpc
 from thomas_tune.export import export
 from thomas_tune.models import build, init_params
 from thomas_tune.programs import ProgramCache, pack, parse
-from thomas_tune.runtime import RemoteDevice, Session, connect
+from thomas_tune.remote import RemoteDevice, connect
+from thomas_tune.runtime import Session
 from thomas_tune.target import parse_target
 
 from opencl_kernels import NEEDS_OPENCL

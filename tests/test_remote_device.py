@@ -29,8 +29,10 @@ import tvm
 from thomas_tune import rpc
 from thomas_tune.export import export
 from thomas_tune.models import build, init_params
-from thomas_tune.measure.runner import FarmRunner, _lane_close, _lane_open
-from thomas_tune.runtime import RemoteDevice, Session, connect
+from thomas_tune.measure.lane import lane_close, lane_open
+from thomas_tune.measure.runner import FarmRunner
+from thomas_tune.remote import RemoteDevice, connect
+from thomas_tune.runtime import Session
 from thomas_tune.target import (DEVICE_FILE, parse_target, read_device_limits, resolve_target,
                                 target_from_limits, write_device_file)
 from thomas_tune.optimizers import OptimizerConfig
@@ -170,8 +172,8 @@ def test_sessions_are_asked_for_in_whole_seconds(farm, rng):
     del session
     lane_s = float(rng.uniform(600, 700))
     runner = FarmRunner(addr, KEY, lanes=1, session_timeout_s=lane_s, log=None)
-    _lane_open(addr[0], addr[1], KEY, runner.session_timeout_s, 1)  # a tuning lane's request
-    _lane_close()
+    lane_open(addr[0], addr[1], KEY, runner.session_timeout_s, 1)  # a tuning lane's request
+    lane_close()
     read_device_limits(addr, KEY)
     asked = _requested_timeouts(options_log)[before:]
     want = [int(np.ceil(runtime_s)), int(np.ceil(runtime_s + 0.25)), int(np.ceil(lane_s)), 120]

@@ -33,7 +33,8 @@ from thomas_tune import rpc
 from thomas_tune.cli import main
 from thomas_tune.export import export
 from thomas_tune.models import build, init_params, load_checkpoint
-from thomas_tune.runtime import RemoteDevice, Session, connect
+from thomas_tune.remote import RemoteDevice, connect
+from thomas_tune.runtime import Session
 from thomas_tune.manifest import read_manifest
 from thomas_tune.step_check import (check_export, export_step, manifest_frozen_bn,
                                     reference_steps)

@@ -17,7 +17,7 @@ TVM is imported, TVM loads only ``libtvm_runtime.so`` and skips ``tvm.relax``, w
 the import (a deployed second start; ``thomas-tune train --export DIR`` / ``infer``). Then
 :mod:`thomas_tune.runtime`, :mod:`thomas_tune.models` (checkpoints, ``spec``) and the OpenCL
 sidecar work; the compiler's modules (``export``, ``graph``, ``tune``...) do not import, graph
-building (``models.trace``) and ``runtime.check_device`` raise RuntimeError saying to run
+building (``models.trace``) and ``remote.check_device`` raise RuntimeError saying to run
 without the variable, and the CLI's compiling verbs exit with status 2 saying so.
 :func:`compiler_available` says which kind of process this is.
 """

@@ -257,17 +257,34 @@ def _tune(args, tune_fn, common: list[str], log_dir: str, shipped: str | None,
 
 def run(args, tune_fn) -> int:
     """The demo (see the module docstring). ``args``: the demo's options; ``tune_fn(argv)``
-    runs ``thomas-tune`` with ``argv`` and returns its exit status (the CLI's ``main``)."""
-    from .export import export
+    runs ``thomas-tune`` with ``argv`` and returns its exit status (the CLI's ``main``).
+    Raises FileNotFoundError without the pretrained checkpoint, RuntimeError when the untuned
+    build fails."""
     from .graph import OptimizerConfig
-    from .models import load_checkpoint, replace_head, save_checkpoint
-    from .runtime import Session
     from .target import parse_target
-    from .logs import TuningLog
 
     t_start = time.perf_counter()
     work = args.work
     log_dir = args.log or os.path.join(work, "tuning_log")
+    ckpt, model, tensors, train, test = _pretrained(args)
+    target = parse_target(args.target)
+    opt = OptimizerConfig(lr=args.lr)
+    dirs = {name: os.path.join(work, f"export-{name}") for name in ("tuned", "untuned")}
+    rc = _make_builds(args, tune_fn, ckpt, model, tensors, train, target, opt, dirs, log_dir)
+    if rc:
+        return rc
+    tuned, ms = _steps_side_by_side(args, dirs, train, tensors, opt)
+    _fine_tune(args, tuned, tensors, train, test, ms)
+    print(f"[demo] finished in {time.perf_counter() - t_start:.0f} s; files in {work}")
+    return 0
+
+
+def _pretrained(args):
+    """The pretrained model (``--checkpoint``, or the shipped one) with a new head for
+    :data:`FINE_TUNE_DIGITS`, and the fine-tuning data (training and held-out images).
+    Returns (checkpoint path, model, tensors, train, test); raises FileNotFoundError without
+    the checkpoint."""
+    from .models import load_checkpoint, replace_head
     ckpt = args.checkpoint or pretrained_path()
     if not os.path.exists(ckpt):
         raise FileNotFoundError(f"pretrained checkpoint {ckpt} is missing (install the project "
@@ -281,25 +298,29 @@ def run(args, tune_fn) -> int:
     train, test = digits(args.data, FINE_TUNE_DIGITS, model.resolution, args.limit, args.seed)
     print(f"[demo] data: {len(train.y)} training / {len(test.y)} held-out images of "
           f"{train.source}", flush=True)
+    return ckpt, model, tensors, train, test
 
-    # 1. the untuned build (default schedules) needs no tuning: a child process compiles it and
-    #    builds its device programs (into the caches this process then loads them from) while
-    #    this one tunes
-    target = parse_target(args.target)
-    opt = OptimizerConfig(lr=args.lr)
-    dirs = {name: os.path.join(work, f"export-{name}") for name in ("tuned", "untuned")}
-    init = os.path.join(work, "init.npz")
+
+def _make_builds(args, tune_fn, ckpt: str, model, tensors: dict, train, target, opt,
+                 dirs: dict, log_dir: str) -> int:
+    """Steps 1-3 of the demo: the untuned build (default schedules) compiled by a child
+    process (which also builds its device programs, into the caches this process then loads
+    them from) while this one tunes the training step's kernels into ``log_dir``, starting
+    from the shipped tuning log, and compiles the tuned build. Returns the tuning's exit
+    status (0: both builds are in ``dirs``); raises RuntimeError when the child fails."""
+    from .export import export
+    from .logs import TuningLog
+    from .models import save_checkpoint
+    init = os.path.join(args.work, "init.npz")
     save_checkpoint(init, model, tensors, train.classes)
-    child_log = os.path.join(work, "untuned-build.log")
+    child_log = os.path.join(args.work, "untuned-build.log")
     with open(child_log, "w") as out:
         child = subprocess.Popen(
             [sys.executable] + (["-P"] if sys.flags.safe_path else []) +
             ["-m", "thomas_tune.demo", init, dirs["untuned"], str(args.batch), args.trainable,
              str(args.lr), args.target], stdout=out, stderr=subprocess.STDOUT)
-
-    # 2. tune the training step's kernels on this machine's device, starting from the shipped
-    #    tuning log: its best records and their default schedules timed again here, then the
-    #    demo's own trials on the largest kernels
+    # the shipped log's best records and their default schedules are timed again here, then
+    # the demo's own trials run on the largest kernels
     common = ["--checkpoint", ckpt, "--batch", str(args.batch), "--trainable", args.trainable,
               "--target", args.target]
     # the shipped log holds OpenCL schedules: on another target it has nothing to offer
@@ -310,7 +331,7 @@ def run(args, tune_fn) -> int:
         rc = _tune(args, tune_fn, common, log_dir, shipped, started)
         if rc:
             return rc
-        # 3. the tuned build, here, while the child may still be building the untuned one
+        # the tuned build, here, while the child may still be building the untuned one
         with busy("[demo] compiling the tuned build"):
             export(dirs["tuned"], model, tensors, target, batch=args.batch,
                    trainable=args.trainable, optimizer=opt, log=TuningLog(log_dir),
@@ -325,10 +346,15 @@ def run(args, tune_fn) -> int:
         with open(child_log) as f:
             raise RuntimeError(f"compiling the untuned build failed ({child_log}):\n"
                                f"{f.read()[-3000:]}")
+    return 0
 
-    # 4. the same first batches through both builds, side by side: the two alternate step by
-    #    step (the order swapped every batch), so that a change in the machine's load or clock
-    #    during the timing reaches both alike; ms per step is each build's median
+
+def _steps_side_by_side(args, dirs: dict, train, tensors: dict, opt):
+    """Step 4 of the demo: the same first batches through both builds (and PyTorch's step,
+    where torch is installed), side by side: they alternate step by step (the order swapped
+    every batch), so that a change in the machine's load or clock during the timing reaches
+    all alike. Returns the tuned build's session and the ms per step (each one's median)."""
+    from .runtime import Session
     check_builds(dirs, args.seed)
     timing = first_batches(train, args)
     with busy("[demo] building the tuned device programs"):
@@ -344,9 +370,13 @@ def run(args, tune_fn) -> int:
           f"{ms['tuned']:.1f}, untuned {ms['untuned']:.1f} ({ms['untuned'] / ms['tuned']:.2f}x), "
           + (f"{torch_name} {ms[torch_name]:.1f}" if torch_step is not None else torch_name),
           flush=True)
+    return sessions["tuned"], ms
 
-    # 5. fine-tune from the pretrained weights with the tuned build
-    s = sessions["tuned"]
+
+def _fine_tune(args, s, tensors: dict, train, test, ms: dict) -> None:
+    """Step 5 of the demo: fine-tune from the pretrained weights with the tuned build's
+    session ``s``; print the held-out accuracy before and after, the mean training loss of
+    the first and last steps and ms per step; save the checkpoint with ``--save``."""
     print(f"[demo] fine-tuning {args.steps} steps of batch {args.batch} (trainable "
           f"{args.trainable}) with the tuned build", flush=True)
     evaluate = s.evaluate
@@ -367,8 +397,6 @@ def run(args, tune_fn) -> int:
     if args.save:
         s.save(args.save)
         print(f"[demo] saved the fine-tuned checkpoint to {args.save}")
-    print(f"[demo] finished in {time.perf_counter() - t_start:.0f} s; files in {work}")
-    return 0
 
 
 def export_untuned(init: str, out: str, batch: int, trainable: str, lr: float,

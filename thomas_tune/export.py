@@ -24,10 +24,12 @@ manifest is complete.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import os
 import time
+from typing import NamedTuple
 
 import numpy as np
 import tvm
@@ -124,6 +126,171 @@ def log_hash(log: TuningLog | None) -> str | None:
     return h.hexdigest()
 
 
+class _GraphModules(NamedTuple):
+    """The graph modules an export compiles: ``tg`` the training graph
+    (:func:`thomas_tune.graph.training_module`), ``train`` its library module with the frozen
+    parameters' transforms lifted out (:func:`training_library_module`), ``lift_inputs`` the
+    tensors its ``*_frozen`` functions take (None when nothing was lifted), ``infer`` the
+    inference module at the inference batch, its ``predict`` marked for lifting."""
+
+    tg: G.TrainingGraph
+    train: tvm.IRModule
+    lift_inputs: list[str] | None
+    infer: tvm.IRModule
+
+
+def _graph_modules(model, batch: int, infer_batch: int, trainable: str,
+                   optimizer: G.OptimizerConfig | None, cache_features: bool) -> _GraphModules:
+    """The training and inference modules of ``model`` at ``batch`` and ``infer_batch``
+    images (:class:`_GraphModules`). Raises ValueError for a bad trainable set or optimizer,
+    and for ``cache_features`` with a trainable set whose frozen part is not the same at every
+    step (:func:`thomas_tune.graph.training_module`)."""
+    tg = G.training_module(model, batch, trainable, optimizer, features=cache_features)
+    train_mod, lift_inputs = training_library_module(model, tg)
+    infer_mod = G.inference_module(model, infer_batch)
+    n_constant = len(spec(model).params) + len(spec(model).states)
+    infer_mod[PREDICT] = infer_mod[PREDICT].with_attr(lift.ATTR, [1, n_constant])
+    return _GraphModules(tg, train_mod, lift_inputs, infer_mod)
+
+
+def _refuse_unchecked_log(target: tvm.target.Target, log: TuningLog | None,
+                          check_records: bool) -> None:
+    """Fail before any work: ValueError for a foreign host without a working cross compiler
+    (:func:`thomas_tune.target.cross_compiler`), and for a ``log`` whose records no device of
+    this machine can check while ``check_records`` is True."""
+    cross_compiler(target)
+    if log is not None and check_records:  # no unchecked record reaches a build silently
+        from .record_check import CheckUnavailable, local_device
+        try:
+            local_device(target)
+        except CheckUnavailable as err:
+            raise ValueError(f"the tuning records of {log.path} cannot be checked on this "
+                             f"machine ({err}); export applies no unchecked record: give "
+                             "--no-check to apply them unchecked (the manifest's record_check "
+                             "then says so)") from None
+
+
+def _write_libraries(out_dir: str, mods: _GraphModules, target: tvm.target.Target, rules,
+                     progress, built: dict | None) -> dict:
+    """Compile both modules of ``mods`` with ``built``'s schedules (a
+    :func:`thomas_tune.record_check.checked_build` result; None: default schedules, ``rules``
+    for them, None for thomas_tune's) and write ``inference.so`` and ``train.so`` into
+    ``out_dir``, linked for the target's host. Returns the Winograd choice they were built
+    with (``{"infer": set, "train": set}`` of :class:`thomas_tune.winograd_form.Conv`)."""
+    database = built["database"] if built else None
+    wino = built["winograd"] if built else {"infer": set(), "train": set()}
+    if wino["infer"] or wino["train"]:
+        progress(f"Winograd form for {len(wino['infer'])} inference and "
+                 f"{len(wino['train'])} training convolution(s): their tuned kernels are "
+                 "faster than the direct ones")
+    t0 = time.perf_counter()
+    infer_exe = compile_graph(mods.infer, target, database, wino["infer"], rules)
+    progress(f"compiled inference module in {time.perf_counter() - t0:.1f} s")
+    t0 = time.perf_counter()
+    train_exe = compile_graph(mods.train, target, database, wino["train"], rules)
+    progress(f"compiled training module in {time.perf_counter() - t0:.1f} s")
+    with replacing(os.path.join(out_dir, "inference.so"), executable=True) as p:
+        export_shared(infer_exe, p, target)
+    with replacing(os.path.join(out_dir, "train.so"), executable=True) as p:
+        export_shared(train_exe, p, target)
+    return wino
+
+
+def _build_with_log(log: TuningLog | None, version, target: tvm.target.Target,
+                    mods: _GraphModules, write, check_records: bool, progress
+                    ) -> tuple[dict, dict]:
+    """Write the libraries (``write(built)``, :func:`_write_libraries`) with the records of
+    ``log`` (of code-generation ``version``, :meth:`thomas_tune.logs.TuningLog.version`) that
+    pass the record check, or with default schedules without a log. The records
+    are checked in child processes while this one compiles with all of them; a wrong one
+    (rare) means compiling again without it. Returns the Winograd choice and the manifest's
+    ``record_check`` (``checked``, ``wrong``, ``unchecked``)."""
+    checks = {"checked": None, "wrong": {}, "unchecked": "no tuning log"}
+    if version is not None and version.status != "current":
+        progress(f"tuning log {log.path}: its records were measured with {version.line()}; "
+                 "their times are used as they are ('thomas-tune export' refuses such a log "
+                 "without --any-codegen)")
+    if log is None:
+        return write(None), checks
+    built = checked_build(log, target, {"infer": mods.infer, "train": mods.train},
+                          check=check_records, say=progress,
+                          meanwhile=write if check_records else None)
+    checks = {k: built[k] for k in ("checked", "wrong", "unchecked")}
+    if not check_records:
+        checks["unchecked"] = "--no-check: the records were applied unchecked"
+    if built["slower"]:
+        progress(f"{built['slower']} workload(s) keep their default schedule: their best "
+                 "tuning record is slower on the device")
+    return (built["meanwhile"] if built.get("as_planned") else write(built)), checks
+
+
+def _build_manifest(model, target: tvm.target.Target, mods: _GraphModules, wino: dict,
+                    checks: dict, *, batch: int, infer_batch: int, log: TuningLog | None,
+                    version, classes: list[str] | None, device: dict | None,
+                    stock_defaults: bool) -> dict:
+    """The export's ``manifest.json`` (:data:`thomas_tune.manifest.FORMAT`) as a dict: the
+    model and its shapes, the target and host triple, the trainable and frozen sets and the
+    lifted slots of each step function, the optimizer, the tuning log (path, SHA-256, its
+    code-generation version), the record check (``checks``), the Winograd choice (``wino``),
+    class names, the device limits and the step's largest buffers (bytes)."""
+    tg, lift_inputs = mods.tg, mods.lift_inputs
+    wino_infer, wino_train = wino["infer"], wino["train"]
+    s = spec(model)
+    train_slots = frozen_slots(mods.train, wino_train)
+    step_slots = train_slots.get(ADJOINT)
+    train_step_slots = train_slots.get(TRAIN_STEP)
+    return {
+        "format": FORMAT,
+        "arch": model.arch,
+        "config": model.config(),
+        "input_shape": list(model.input_shape(infer_batch)),
+        "batch": batch,
+        "infer_batch": infer_batch,
+        "target": json.loads(str(target)),
+        "target_name": describe(target),
+        "host_triple": host_triple(target),
+        "params": [p.name for p in s.params],
+        "states": [p.name for p in s.states],
+        "trainable": tg.trainable,
+        "frozen": tg.frozen,
+        # per frozen slot of the step, the frozen parameter it takes or "" for the next value
+        # of ADJOINT_FROZEN (tasks.frozen_slots), or None: the step takes the frozen parameters
+        "frozen_slots": step_slots,
+        # the tensors ADJOINT_FROZEN takes, in order (the frozen parameters, then the running
+        # statistics of the BatchNorms in inference form)
+        "frozen_lift_inputs": lift_inputs if step_slots else None,
+        # the step in one function (TRAIN_STEP, graph.add_train_step), which Session.train_step
+        # runs: its frozen slots as frozen_slots' (TRAIN_STEP_FROZEN takes frozen_lift_inputs)
+        "train_step": {"frozen_slots": train_step_slots},
+        # the same for the inference module's predict: in the place of the parameters and
+        # states, each one itself or "" for the next value of PREDICT_FROZEN
+        "predict_slots": frozen_slots(mods.infer, wino_infer).get(PREDICT),
+        # and for the features function (--cache-features): frozen parameters, frozen states
+        "features_slots": train_slots.get(FEATURES),
+        # the BatchNorm mode of the step, and the BatchNorms it runs in inference form
+        "batchnorm": tg.batchnorm,
+        "frozen_bn": sorted(tg.frozen_bn),
+        "masks": {k: {"shape": list(v[0]), "p": v[1]} for k, v in tg.masks.items()},  # in order
+        # the step split at the frozen part's output (train --cache-features), or None
+        "features": tg.features.as_dict() if tg.features else None,
+        "optimizer": dataclasses.asdict(tg.optimizer),
+        "tuning_log": log.path if log is not None else None,
+        "tuning_log_sha256": log_hash(log),
+        # the code-generation version of the log's times (logs.codegen), or None without one
+        "tuning_log_codegen": None if version is None else {
+            "status": version.status, "id": (version.stamp or {}).get("id")},
+        "default_rules": "stock" if stock_defaults else "thomas_tune",
+        "record_check": checks,
+        # the convolutions built in the Winograd form (winograd.Conv.from_dict reads them)
+        "winograd": {"inference": [dataclasses.asdict(c) for c in sorted(wino_infer, key=repr)],
+                     "training": [dataclasses.asdict(c) for c in sorted(wino_train, key=repr)]},
+        "classes": list(classes) if classes else None,
+        "device": device,  # the limits read from the device server, or None
+        # the step's largest tensors and its peak, checked against a device profile
+        "buffers": step_buffers(tg.mod[ADJOINT]),
+    }
+
+
 def export(out_dir: str, model, tensors: dict[str, np.ndarray], target: tvm.target.Target,
            batch: int = 8, infer_batch: int = 1, trainable: str = "all",
            optimizer: G.OptimizerConfig | None = None, log: TuningLog | None = None,
@@ -155,123 +322,18 @@ def export(out_dir: str, model, tensors: dict[str, np.ndarray], target: tvm.targ
     code-generation version (:mod:`thomas_tune.logs.codegen`) is used with a message, and its
     status is kept in the manifest (``tuning_log_codegen``); the ``export`` verb refuses it.
     """
-    cross_compiler(target)  # a missing or wrong cross compiler fails here, before any work
-    if log is not None and check_records:  # no unchecked record reaches a build silently
-        from .record_check import CheckUnavailable, local_device
-        try:
-            local_device(target)
-        except CheckUnavailable as err:
-            raise ValueError(f"the tuning records of {log.path} cannot be checked on this "
-                             f"machine ({err}); export applies no unchecked record: give "
-                             "--no-check to apply them unchecked (the manifest's record_check "
-                             "then says so)") from None
+    _refuse_unchecked_log(target, log, check_records)
     os.makedirs(out_dir, exist_ok=True)
-    tg = G.training_module(model, batch, trainable, optimizer, features=cache_features)
-    train_mod, lift_inputs = training_library_module(model, tg)
-    infer_mod = G.inference_module(model, infer_batch)
-    n_constant = len(spec(model).params) + len(spec(model).states)
-    infer_mod[PREDICT] = infer_mod[PREDICT].with_attr(lift.ATTR, [1, n_constant])
-    rules = STOCK_RULES if stock_defaults else None
-
-    def build_libraries(built: dict | None) -> dict:
-        """Compile both modules with ``built``'s schedules (None: default schedules), write
-        their libraries; returns the Winograd choice they were built with."""
-        database = built["database"] if built else None
-        wino = built["winograd"] if built else {"infer": set(), "train": set()}
-        if wino["infer"] or wino["train"]:
-            progress(f"Winograd form for {len(wino['infer'])} inference and "
-                     f"{len(wino['train'])} training convolution(s): their tuned kernels are "
-                     "faster than the direct ones")
-        t0 = time.perf_counter()
-        infer_exe = compile_graph(infer_mod, target, database, wino["infer"], rules)
-        progress(f"compiled inference module in {time.perf_counter() - t0:.1f} s")
-        t0 = time.perf_counter()
-        train_exe = compile_graph(train_mod, target, database, wino["train"], rules)
-        progress(f"compiled training module in {time.perf_counter() - t0:.1f} s")
-        with replacing(os.path.join(out_dir, "inference.so"), executable=True) as p:
-            export_shared(infer_exe, p, target)
-        with replacing(os.path.join(out_dir, "train.so"), executable=True) as p:
-            export_shared(train_exe, p, target)
-        return wino
-
-    checks = {"checked": None, "wrong": {}, "unchecked": "no tuning log"}
+    mods = _graph_modules(model, batch, infer_batch, trainable, optimizer, cache_features)
+    write = functools.partial(_write_libraries, out_dir, mods, target,
+                              STOCK_RULES if stock_defaults else None, progress)
     version = log.version() if log is not None else None
-    if version is not None and version.status != "current":
-        progress(f"tuning log {log.path}: its records were measured with {version.line()}; "
-                 "their times are used as they are ('thomas-tune export' refuses such a log "
-                 "without --any-codegen)")
-    if log is None:
-        wino = build_libraries(None)
-    else:
-        # the records are checked in child processes while this one compiles with all of
-        # them; a wrong one (rare) means compiling again without it
-        built = checked_build(log, target, {"infer": infer_mod, "train": train_mod},
-                              check=check_records, say=progress,
-                              meanwhile=build_libraries if check_records else None)
-        checks = {k: built[k] for k in ("checked", "wrong", "unchecked")}
-        if not check_records:
-            checks["unchecked"] = "--no-check: the records were applied unchecked"
-        if built["slower"]:
-            progress(f"{built['slower']} workload(s) keep their default schedule: their best "
-                     "tuning record is slower on the device")
-        wino = built["meanwhile"] if built.get("as_planned") else build_libraries(built)
-    wino_infer, wino_train = wino["infer"], wino["train"]
+    wino, checks = _build_with_log(log, version, target, mods, write, check_records, progress)
     save_checkpoint(os.path.join(out_dir, "params.npz"), model, tensors, classes)
     np.savez(os.path.join(out_dir, "optim_state.npz"),
-             **{f"s{i}": a for i, a in enumerate(tg.optim_state)})
-    s = spec(model)
-    train_slots = frozen_slots(train_mod, wino_train)
-    step_slots = train_slots.get(ADJOINT)
-    train_step_slots = train_slots.get(TRAIN_STEP)
-    manifest = {
-        "format": FORMAT,
-        "arch": model.arch,
-        "config": model.config(),
-        "input_shape": list(model.input_shape(infer_batch)),
-        "batch": batch,
-        "infer_batch": infer_batch,
-        "target": json.loads(str(target)),
-        "target_name": describe(target),
-        "host_triple": host_triple(target),
-        "params": [p.name for p in s.params],
-        "states": [p.name for p in s.states],
-        "trainable": tg.trainable,
-        "frozen": tg.frozen,
-        # per frozen slot of the step, the frozen parameter it takes or "" for the next value
-        # of ADJOINT_FROZEN (tasks.frozen_slots), or None: the step takes the frozen parameters
-        "frozen_slots": step_slots,
-        # the tensors ADJOINT_FROZEN takes, in order (the frozen parameters, then the running
-        # statistics of the BatchNorms in inference form)
-        "frozen_lift_inputs": lift_inputs if step_slots else None,
-        # the step in one function (TRAIN_STEP, graph.add_train_step), which Session.train_step
-        # runs: its frozen slots as frozen_slots' (TRAIN_STEP_FROZEN takes frozen_lift_inputs)
-        "train_step": {"frozen_slots": train_step_slots},
-        # the same for the inference module's predict: in the place of the parameters and
-        # states, each one itself or "" for the next value of PREDICT_FROZEN
-        "predict_slots": frozen_slots(infer_mod, wino_infer).get(PREDICT),
-        # and for the features function (--cache-features): frozen parameters, frozen states
-        "features_slots": train_slots.get(FEATURES),
-        # the BatchNorm mode of the step, and the BatchNorms it runs in inference form
-        "batchnorm": tg.batchnorm,
-        "frozen_bn": sorted(tg.frozen_bn),
-        "masks": {k: {"shape": list(v[0]), "p": v[1]} for k, v in tg.masks.items()},  # in order
-        # the step split at the frozen part's output (train --cache-features), or None
-        "features": tg.features.as_dict() if tg.features else None,
-        "optimizer": dataclasses.asdict(tg.optimizer),
-        "tuning_log": log.path if log is not None else None,
-        "tuning_log_sha256": log_hash(log),
-        # the code-generation version of the log's times (logs.codegen), or None without one
-        "tuning_log_codegen": None if version is None else {
-            "status": version.status, "id": (version.stamp or {}).get("id")},
-        "default_rules": "stock" if stock_defaults else "thomas_tune",
-        "record_check": checks,
-        # the convolutions built in the Winograd form (winograd.Conv.from_dict reads them)
-        "winograd": {"inference": [dataclasses.asdict(c) for c in sorted(wino_infer, key=repr)],
-                     "training": [dataclasses.asdict(c) for c in sorted(wino_train, key=repr)]},
-        "classes": list(classes) if classes else None,
-        "device": device,  # the limits read from the device server, or None
-        # the step's largest tensors and its peak, checked against a device profile
-        "buffers": step_buffers(tg.mod[ADJOINT]),
-    }
+             **{f"s{i}": a for i, a in enumerate(mods.tg.optim_state)})
+    manifest = _build_manifest(model, target, mods, wino, checks, batch=batch,
+                               infer_batch=infer_batch, log=log, version=version,
+                               classes=classes, device=device, stock_defaults=stock_defaults)
     write_json_atomically(os.path.join(out_dir, MANIFEST), manifest)
     return manifest

@@ -93,6 +93,11 @@ def _kind(mod: tvm.IRModule, expr, bindings: dict, tuple_param):
 
 
 def _lift_one(mod: tvm.IRModule, name: str) -> tvm.IRModule:
+    """``mod`` with its function ``name`` split at the parameters :data:`ATTR` marks (module
+    docstring): the function, taking its frozen slots (:data:`SLOTS`) in the first marked
+    parameter's place, and ``NAME_frozen`` (:func:`frozen_function`), which computes the
+    lifted values from the marked parameters. Raises ValueError for marked positions that are
+    not among its parameters, or a lifted transform that returns no tuple of the values."""
     f = mod[name]
     first, count, *extra = (int(v) for v in f.attrs[ATTR])
     params = list(f.params)
@@ -116,17 +121,7 @@ def _lift_one(mod: tvm.IRModule, name: str) -> tvm.IRModule:
     transform = mod.get_global_var(f"{name}_transform_params")
     tfunc = mod[transform]
     bindings = _bindings(tfunc)
-    result = tfunc.body.body
-    while isinstance(result, relax.Var) and result in bindings:
-        result = bindings[result]
-    if result.same_as(tfunc.params[0]):  # nothing computed: every value as it came in
-        fields = [relax.TupleGetItem(result, j) for j in range(len(marked))]
-    else:
-        fields = list(result.fields) if isinstance(result, relax.Tuple) else None
-    if fields is None or len(fields) != len(lp) - len(kept):
-        raise ValueError(f"{name}: the lifted transform returns "
-                         f"{len(fields) if fields is not None else type(result).__name__}, "
-                         f"not one tuple of the {len(lp) - len(kept)} lifted values")
+    fields = _lifted_values(name, tfunc, bindings, len(marked), len(lp) - len(kept))
     kinds = [_kind(mod, e, bindings, tfunc.params[0]) for e in fields]
     values = lp[len(kept):]
     # each kept parameter, and each extra one that the function reads as it is, in its own
@@ -159,7 +154,34 @@ def _lift_one(mod: tvm.IRModule, name: str) -> tvm.IRModule:
     mod[name] = relax.Function(new_params, body, lifted.ret_ty, lifted.is_pure,
                                lifted.attrs).without_attr("num_input").with_attr(
         SLOTS, [n for _, n in slots])
-    flat = [relax.Var(params[i].name, params[i].ty) for i in marked]
+    return _with_frozen_function(mod, name, transform, [params[i] for i in marked], kinds)
+
+
+def _lifted_values(name: str, tfunc: relax.Function, bindings: dict, n_marked: int,
+                   n_lifted: int) -> list:
+    """The expressions of the ``n_lifted`` values that the lifted transform ``tfunc`` returns
+    (its tuple's fields, or each of its ``n_marked`` inputs where it computes nothing).
+    Raises ValueError when it returns anything else."""
+    result = tfunc.body.body
+    while isinstance(result, relax.Var) and result in bindings:
+        result = bindings[result]
+    if result.same_as(tfunc.params[0]):  # nothing computed: every value as it came in
+        fields = [relax.TupleGetItem(result, j) for j in range(n_marked)]
+    else:
+        fields = list(result.fields) if isinstance(result, relax.Tuple) else None
+    if fields is None or len(fields) != n_lifted:
+        raise ValueError(f"{name}: the lifted transform returns "
+                         f"{len(fields) if fields is not None else type(result).__name__}, "
+                         f"not one tuple of the {n_lifted} lifted values")
+    return fields
+
+
+def _with_frozen_function(mod: tvm.IRModule, name: str, transform, marked: list,
+                          kinds: list) -> tvm.IRModule:
+    """``mod`` with ``NAME_frozen`` (:func:`frozen_function`) added: from the ``marked``
+    parameters, the lifted values (``transform``'s outputs) that are not a parameter read as
+    it is (``kinds``, :func:`_kind`), each view copied into a tensor of its own."""
+    flat = [relax.Var(p.name, p.ty) for p in marked]
     bb = relax.BlockBuilder(mod)
     with bb.function(frozen_function(name), flat):
         out = bb.emit(relax.Call(transform, [relax.Tuple(flat)]))

@@ -31,6 +31,7 @@ import tvm
 import tvm_ffi
 
 from . import kernel_check as kc
+from . import kernel_reference as kr
 
 
 class CheckUnavailable(RuntimeError):
@@ -263,9 +264,9 @@ def _run_checks(items, target, dev, seed: int = 0, progress=None,
                     raise RuntimeError(error_line(b.error_msg, 200))
             spec = kc.check_spec(t.mod["main"])
             ref = tvm.runtime.load_module(str(ref_b.artifact_path))
-            args, expected = kc.reference_outputs(ref["main"], dev, t.mod["main"], seed, spec)
+            args, expected = kr.reference_outputs(ref["main"], dev, t.mod["main"], seed, spec)
             lib = tvm.runtime.load_module(str(rec_b.artifact_path))
-            out.append(kc.compare(kc.run_checked(lib["main"], dev, args), expected, spec.tol))
+            out.append(kc.compare(kr.run_checked(lib["main"], dev, args), expected, spec.tol))
         except Exception as err:  # TVM's build and run errors: the record is not applied
             out.append(f"check failed: {error_line(err, 200)}")
         finally:

@@ -26,8 +26,8 @@ log's records in file order: a workload's time is its default-schedule time (mea
 until a record beats it, x its calls per step. Peaks are measured once per device with kernels
 of this package (:func:`.peaks.measure_peaks`) and cached in ``<cache>/peaks.json``.
 
-Modules: :mod:`.run` (the whole bench and its report), :mod:`.checks` (each build's step
-against PyTorch before it is timed), :mod:`.exports` (the compiled variants, start-up,
+Modules: :mod:`.run` (the whole bench), :mod:`.report` (its text tables), :mod:`.checks` (each
+build's step against PyTorch before it is timed), :mod:`.exports` (the compiled variants, start-up,
 counters), :mod:`.timing` (the builds timed side by side), :mod:`.kernels` (the kernel table),
 :mod:`.peaks`, :mod:`.curve`, :mod:`.torch_baseline`, :mod:`.compiled` (PyTorch's step under
 ``torch.compile``).
@@ -38,7 +38,8 @@ from .curve import plot_curve, tuning_curve
 from .exports import prepare_exports, startup, time_export
 from .kernels import Kernel, exported_training_module, mark_tuned, step_kernels, time_kernels
 from .peaks import device_description, measure_peaks
-from .run import BenchConfig, format_report, run_bench
+from .report import format_report
+from .run import BenchConfig, run_bench
 from .timing import time_torch
 from .torch_baseline import torch_device, torchvision_module
 

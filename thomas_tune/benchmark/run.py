@@ -42,8 +42,8 @@ def run_bench(model, tensors, target, exports: dict, cfg: BenchConfig, log_path:
               trainable: str, optimizer, say=print) -> dict:
     """Measure every variant of ``exports`` (variant -> export folder), PyTorch eager, peaks,
     kernels, start-up and the tuning curve (see the module docstring). Returns the result
-    dict that :func:`format_report` prints and the ``--json`` file holds."""
-
+    dict that :func:`thomas_tune.benchmark.report.format_report` prints and the ``--json``
+    file holds. Raises ValueError for an OpenCL target without an OpenCL device here."""
     from ..export import read_manifest
     from ..graph import training_module
     from ..runtime import device_for
@@ -66,13 +66,68 @@ def run_bench(model, tensors, target, exports: dict, cfg: BenchConfig, log_path:
     say(f"[bench] peak of {res['device']} ...")
     res["peaks"] = peaks = measure_peaks(target, dev, refresh=cfg.refresh_peaks)
     kernels = step_kernels(train_mod)
+    res["step"], step_flops, step_bytes = _step_size(kernels, estimate.peak)
+    own, separate = _own_kernels(res, exports, kernels, train_mod, model, batch, trainable,
+                                 optimizer)
+    if log_path:  # one read of the log marks the tuned build's kernels and the common rows
+        tuned_ks = own.get("tuned", kernels)
+        mark_tuned([*kernels, *tuned_ks] if separate else kernels, log_path, target)
+        res["step"]["tuned_kernels"] = sum(k.tuned for k in tuned_ks)
+    ref = bench_reference(exports, cfg.seed) if cfg.check else None
+    checks = check_variants(exports, cfg.seed, say, ref) if cfg.check else {}
+    res["checks"] = {k: c.as_dict() for k, c in checks.items()}
+    res["skipped"] = {}
+    sides, torch_by_setting = _sides(exports, checks, cfg, model, tensors, tg, batch,
+                                     infer_batch, say)
+    compiled = _add_torch_compile(sides, res, model, tensors, tg, batch, infer_batch, cfg, ref,
+                                  say) if cfg.torch_compile else None
+    graphs_before = graphs_now() if compiled else 0
+    say(f"[bench] timing {', '.join(sides)} side by side: {cfg.steps} interleaved rounds of "
+        "training steps, then of inference passes ...")
+    timed = time_interleaved(sides, cfg.steps, cfg.warmup) if sides else {}
+    for variant, side in sides.items():
+        if variant == "torch":
+            r = torch_result(side, torch_by_setting, timed[variant])
+            r["checked"] = True  # the reference itself
+        elif variant == "torch.compile":
+            r = {**torch_result(side, {}, timed[variant]), **compiled,
+                 "recompiled_while_timed": graphs_now() - graphs_before,
+                 "checked": variant in res["checks"]}
+        else:
+            r = _export_result(variant, side, timed[variant], exports[variant], checks, cfg,
+                               kind, dev, kernels, own[variant], variant in separate, say)
+        res["variants"][variant] = r
+    sides.clear()
+    _rates(res["variants"], step_flops, step_bytes, peaks)
+    if cfg.kernels:
+        main = "tuned" if "tuned" in exports else next(iter(exports))
+        res["kernels"] = _kernel_rows(kernels, peaks, main)
+        res["kernel_table_variant"] = main
+        if log_path and "default" in exports:
+            res["tuning_curve"] = tuning_curve(log_path, kernels)
+    return res
+
+
+def _step_size(kernels: list, memory_bytes: int) -> tuple[dict, float, float]:
+    """The training step's size for the result (its kernels and calls, GFLOP, GB of kernel
+    arguments, each call's, and ``memory_bytes``, the estimated peak memory in bytes), and its
+    FLOPs and bytes of kernel arguments."""
     step_flops = sum(k.flops * k.calls for k in kernels)
     step_bytes = sum(k.bytes * k.calls for k in kernels)
-    res["step"] = {"kernels": len(kernels), "calls": sum(k.calls for k in kernels),
-                   "gflop": step_flops / 1e9, "argument_gbytes": step_bytes / 1e9,
-                   "memory_estimate_bytes": estimate.peak}
-    # the tuned build may compute some convolutions in the Winograd form (its manifest lists
-    # them): its own kernels
+    return ({"kernels": len(kernels), "calls": sum(k.calls for k in kernels),
+             "gflop": step_flops / 1e9, "argument_gbytes": step_bytes / 1e9,
+             "memory_estimate_bytes": memory_bytes}, step_flops, step_bytes)
+
+
+def _own_kernels(res: dict, exports: dict, kernels: list, train_mod, model, batch: int,
+                 trainable: str, optimizer) -> tuple[dict, set]:
+    """Each variant's kernels: the step's, except that the tuned build may compute some
+    convolutions in the Winograd form (its manifest lists them), which has its own kernels;
+    then the number of those convolutions and the tuned step's memory estimate (bytes, its
+    Winograd transforms counted) go to ``res["step"]``. Returns the kernels by variant and the
+    variants whose kernels are their own."""
+    from ..export import read_manifest
+    from ..memory import training_memory
     own = {variant: list(kernels) for variant in exports}
     separate = set()
     if "tuned" in exports:
@@ -83,17 +138,17 @@ def run_bench(model, tensors, target, exports: dict, cfg: BenchConfig, log_path:
             own["tuned"] = step_kernels(train_mod, chosen)
             separate.add("tuned")
             res["step"]["winograd_convolutions"] = len(chosen)
-            # the tuned build's step with its Winograd transforms counted
             res["step"]["memory_estimate_tuned_bytes"] = training_memory(
                 model, batch, trainable, optimizer, winograd=chosen).peak
-    if log_path:  # one read of the log marks the tuned build's kernels and the common rows
-        tuned_ks = own.get("tuned", kernels)
-        mark_tuned([*kernels, *tuned_ks] if separate else kernels, log_path, target)
-        res["step"]["tuned_kernels"] = sum(k.tuned for k in tuned_ks)
-    ref = bench_reference(exports, cfg.seed) if cfg.check else None
-    checks = check_variants(exports, cfg.seed, say, ref) if cfg.check else {}
-    res["checks"] = {k: c.as_dict() for k, c in checks.items()}
-    res["skipped"] = {}
+    return own, separate
+
+
+def _sides(exports: dict, checks: dict, cfg: BenchConfig, model, tensors, tg, batch: int,
+           infer_batch: int, say) -> tuple[dict, dict | None]:
+    """The sides to time: one per export whose numbers are not wrong (:class:`ExportSide`),
+    and PyTorch eager (:class:`TorchSide`, with ``cfg.torch`` where torch is installed), its
+    cudnn.benchmark setting chosen. Returns the sides by name and PyTorch's times per setting
+    (None without PyTorch)."""
     sides = {}
     for variant, folder in exports.items():
         if variant in checks and not checks[variant].ok:
@@ -111,74 +166,69 @@ def run_bench(model, tensors, target, exports: dict, cfg: BenchConfig, log_path:
             if td == "cuda":
                 say("[bench] PyTorch eager on cuda: cudnn.benchmark off and on ...")
             torch_by_setting = sides["torch"].choose_cudnn_benchmark(cfg.steps, cfg.warmup)
-    compiled = _add_torch_compile(sides, res, model, tensors, tg, batch, infer_batch, cfg, ref,
-                                  say) if cfg.torch_compile else None
-    graphs_before = graphs_now() if compiled else 0
-    say(f"[bench] timing {', '.join(sides)} side by side: {cfg.steps} interleaved rounds of "
-        "training steps, then of inference passes ...")
-    timed = time_interleaved(sides, cfg.steps, cfg.warmup) if sides else {}
-    for variant, side in sides.items():
-        if variant == "torch":
-            r = torch_result(side, torch_by_setting, timed[variant])
-            r["checked"] = True  # the reference itself
-            res["variants"][variant] = r
-            continue
-        if variant == "torch.compile":
-            r = {**torch_result(side, {}, timed[variant]), **compiled,
-                 "recompiled_while_timed": graphs_now() - graphs_before,
-                 "checked": variant in res["checks"]}
-            res["variants"][variant] = r
-            continue
-        folder = exports[variant]
-        r = {**as_result(timed[variant]), **export_counters(side, folder, cfg.seed)}
-        r["checked"] = variant in checks  # a time whose numbers were not checked: no ratio
-        res["variants"][variant] = r
-        if cfg.kernels:
-            ks = own[variant]
-            time_kernels(os.path.join(folder, "train.so"), ks, dev, variant,
-                         cfg.kernel_min_ms, cfg.seed, cfg.progress)
-            r["kernel_sum_ms"] = sum(k.ms[variant] * k.calls for k in ks
-                                     if math.isfinite(k.ms[variant]))
-            r["kernels_failed"] = sum(1 for k in ks if not math.isfinite(k.ms[variant]))
-            if variant in separate:  # one row per workload: times of shared kernels merged
-                by_key = {k.key: k for k in kernels}
-                for k in ks:
-                    if k.key in by_key:
-                        by_key[k.key].ms[variant] = k.ms[variant]
-                    else:
-                        kernels.append(k)
-        if cfg.startup and kind == "opencl":
-            say(f"[bench] start-up of the {variant} export: first start (empty program "
-                "cache), then second start ...")
-            r["startup"] = startup(folder, cfg.seed)
-    sides.clear()
-    for variant, r in res["variants"].items():
+    return sides, torch_by_setting
+
+
+def _export_result(variant: str, side, timed, folder: str, checks: dict, cfg: BenchConfig,
+                   kind: str, dev, kernels: list, ks: list, separate: bool, say) -> dict:
+    """The result of one export's side: its times ``timed`` (of the interleaved rounds) and
+    counters, ``checked`` where its numbers were (a time whose numbers were not checked gets
+    no ratio); with ``cfg.kernels`` its kernels ``ks`` timed alone (their sum per step in ms
+    and the failed ones counted; where they are the variant's own, ``separate``, their times
+    merged into the rows of ``kernels`` by workload, new workloads appended); with
+    ``cfg.startup`` on OpenCL its first and second start."""
+    r = {**as_result(timed), **export_counters(side, folder, cfg.seed)}
+    r["checked"] = variant in checks
+    if cfg.kernels:
+        time_kernels(os.path.join(folder, "train.so"), ks, dev, variant,
+                     cfg.kernel_min_ms, cfg.seed, cfg.progress)
+        r["kernel_sum_ms"] = sum(k.ms[variant] * k.calls for k in ks
+                                 if math.isfinite(k.ms[variant]))
+        r["kernels_failed"] = sum(1 for k in ks if not math.isfinite(k.ms[variant]))
+        if separate:  # one row per workload: times of shared kernels merged
+            by_key = {k.key: k for k in kernels}
+            for k in ks:
+                if k.key in by_key:
+                    by_key[k.key].ms[variant] = k.ms[variant]
+                else:
+                    kernels.append(k)
+    if cfg.startup and kind == "opencl":
+        say(f"[bench] start-up of the {variant} export: first start (empty program "
+            "cache), then second start ...")
+        r["startup"] = startup(folder, cfg.seed)
+    return r
+
+
+def _rates(variants: dict, step_flops: float, step_bytes: float, peaks: dict) -> None:
+    """Add to each variant's result its images/s (training, inference), GFLOP/s and shares
+    of the measured peaks (``peaks``: GFLOP/s, GB/s), from the step's FLOPs and bytes of
+    kernel arguments."""
+    for r in variants.values():
         r["train_images_per_s"] = 1e3 * r["batch"] / r["train_ms"]
         r["infer_images_per_s"] = 1e3 * r["infer_batch"] / r["infer_ms"]
         r["train_gflops"] = step_flops / r["train_ms"] / 1e6
         r["share_of_peak_flops"] = r["train_gflops"] / peaks["gflops"]
         r["share_of_peak_bandwidth"] = step_bytes / r["train_ms"] / 1e6 / peaks["gbytes_per_s"]
-    if cfg.kernels:
-        rows = []
-        for k in kernels:
-            row = {"name": k.name, "calls": k.calls, "mflop": k.flops / 1e6,
-                   "mbytes": k.bytes / 1e6, "tuned": k.tuned, "workload": k.key}
-            for variant, ms in k.ms.items():
-                row[f"{variant}_ms"] = ms
-                if math.isfinite(ms) and ms > 0:
-                    row[f"{variant}_gflops"] = k.flops / ms / 1e6
-                    row[f"{variant}_share_of_peak_flops"] = k.flops / ms / 1e6 / peaks["gflops"]
-                    row[f"{variant}_share_of_peak_bandwidth"] = (
-                        k.bytes / ms / 1e6 / peaks["gbytes_per_s"])
-            rows.append(row)
-        main = "tuned" if "tuned" in exports else next(iter(exports))
-        rows.sort(key=lambda r: -(r.get(f"{main}_ms", 0) * r["calls"]
-                                  if math.isfinite(r.get(f"{main}_ms", math.nan)) else 0))
-        res["kernels"] = rows
-        res["kernel_table_variant"] = main
-        if log_path and "default" in exports:
-            res["tuning_curve"] = tuning_curve(log_path, kernels)
-    return res
+
+
+def _kernel_rows(kernels: list, peaks: dict, main: str) -> list[dict]:
+    """The kernel table: per kernel its calls, MFLOP, MB of arguments, whether tuned, and per
+    variant ms per call, GFLOP/s and shares of the peaks; slowest per step of ``main`` first."""
+    rows = []
+    for k in kernels:
+        row = {"name": k.name, "calls": k.calls, "mflop": k.flops / 1e6,
+               "mbytes": k.bytes / 1e6, "tuned": k.tuned, "workload": k.key}
+        for variant, ms in k.ms.items():
+            row[f"{variant}_ms"] = ms
+            if math.isfinite(ms) and ms > 0:
+                row[f"{variant}_gflops"] = k.flops / ms / 1e6
+                row[f"{variant}_share_of_peak_flops"] = k.flops / ms / 1e6 / peaks["gflops"]
+                row[f"{variant}_share_of_peak_bandwidth"] = (
+                    k.bytes / ms / 1e6 / peaks["gbytes_per_s"])
+        rows.append(row)
+    rows.sort(key=lambda r: -(r.get(f"{main}_ms", 0) * r["calls"]
+                              if math.isfinite(r.get(f"{main}_ms", math.nan)) else 0))
+    return rows
 
 
 def _add_torch_compile(sides, res, model, tensors, tg, batch, infer_batch, cfg, ref,
@@ -212,141 +262,3 @@ def _add_torch_compile(sides, res, model, tensors, tg, batch, infer_batch, cfg, 
             return None
     sides["torch.compile"] = side
     return {k: info[k] for k in ("compile_s", "graphs", "graph_breaks")}
-
-
-def _fmt(v, spec=".1f", none="-"):
-    if v is None or (isinstance(v, float) and not math.isfinite(v)):
-        return none
-    return format(v, spec)
-
-
-def _iqr(sp) -> str:
-    if not sp or sp.get("q1") is None:
-        return "-"
-    return f"{sp['q1']:.2f}-{sp['q3']:.2f}"
-
-
-def speedup(slow: dict, fast: dict, what: str = "train") -> tuple[float, str]:
-    """How many times faster the variant ``fast`` is than ``slow`` (bench variant dicts) at
-    ``what`` ("train" or "infer"): the ratio of their device-timer medians when both have a
-    device timer (OpenCL events, CUDA events), else of their host-clock medians; returns
-    (ratio, "device timer" or "host clock")."""
-    key = f"{what}_device_ms"
-    if slow.get(key) and fast.get(key):
-        return slow[key] / fast[key], "device timer"
-    return slow[f"{what}_ms"] / fast[f"{what}_ms"], "host clock"
-
-
-def format_report(res: dict, top: int = 12) -> str:
-    """The bench result as text tables (what ``thomas-tune bench`` prints)."""
-    m = res["model"]
-    lines = [f"{m['arch']} width {m['width']:g}, {m['resolution']}x{m['resolution']}, "
-             f"{m['num_classes']} classes; training batch {res['batch']}, trainable "
-             f"{res['trainable']} ({res['trainable_params']} tensors), {res['optimizer']}; "
-             f"inference batch {res['infer_batch']}",
-             f"device: {res['device']}",
-             f"peak (measured{', cached' if res['peaks'].get('cached') else ''}): "
-             f"{res['peaks']['gflops']:.1f} GFLOP/s, {res['peaks']['gbytes_per_s']:.1f} GB/s "
-             f"({res['peaks']['method']})",
-             f"training step: {res['step']['calls']} kernel calls, {res['step']['gflop']:.3f} "
-             f"GFLOP, {res['step']['argument_gbytes'] * 1e3:.1f} MB of kernel arguments; "
-             f"'thomas-tune memory' estimates a peak of "
-             f"{res['step'].get('memory_estimate_bytes', 0) / 1e6:.1f} MB"
-             + (f" ({res['step']['memory_estimate_tuned_bytes'] / 1e6:.1f} MB with the tuned "
-                "build's Winograd transforms)" if "memory_estimate_tuned_bytes" in res["step"]
-                else ""), ""]
-    hdr = (f"{'variant':<13} {'train ms':>9} {'IQR':>13} {'device ms':>9} {'IQR':>13} "
-           f"{'img/s':>8} {'infer ms':>9} {'device ms':>9} {'img/s':>8} "
-           f"{'%peak FLOP':>10} {'%peak BW':>9} {'launches':>8} {'peak MB':>8} "
-           f"{'kernels ms':>10} "
-           f"{'1st start s':>11} {'2nd start s':>11}")
-    lines.append(hdr)
-    for name, c in res.get("checks", {}).items():
-        if not c["ok"] and name != "torch_float32":  # wrong, dead or not checkable
-            lines.append(f"{name:<13} not timed: {c['line']}")
-    for name, why in res.get("skipped", {}).items():
-        lines.append(f"{name:<13} not timed: {why}")
-    for name, r in res["variants"].items():
-        st = r.get("startup") or {}
-        mark = "" if r.get("checked", True) else " (unchecked: its numbers were not compared)"
-        lines.append(
-            f"{name:<13} {r['train_ms']:>9.2f} {_iqr(r.get('train_ms_spread')):>13} "
-            f"{_fmt(r.get('train_device_ms'), '.2f'):>9} "
-            f"{_iqr(r.get('train_device_ms_spread')):>13} {r['train_images_per_s']:>8.1f} "
-            f"{r['infer_ms']:>9.3f} {_fmt(r.get('infer_device_ms'), '.3f'):>9} "
-            f"{r['infer_images_per_s']:>8.1f} "
-            f"{100 * r['share_of_peak_flops']:>9.2f}% {100 * r['share_of_peak_bandwidth']:>8.2f}% "
-            f"{_fmt(r.get('launches_per_step'), '.0f'):>8} "
-            f"{_fmt(r.get('device_peak_bytes') and r['device_peak_bytes'] / 1e6, '.1f'):>8} "
-            f"{_fmt(r.get('kernel_sum_ms'), '.2f'):>10} "
-            f"{_fmt(st.get('first', {}).get('total_s'), '.2f'):>11} "
-            f"{_fmt(st.get('second', {}).get('total_s'), '.2f'):>11}{mark}")
-    # ratios of checked builds only: a time whose numbers may be wrong is no speed-up
-    v = res["variants"]
-    good = {n: r for n, r in v.items() if r.get("checked", True)}
-    ratios = []
-    for a, b in (("default", "tuned"), ("stock", "tuned"), ("stock", "default"),
-                 ("torch", "tuned"), ("torch", "default"), ("torch.compile", "tuned"),
-                 ("torch.compile", "default"), ("torch", "torch.compile")):
-        if a in good and b in good:
-            parts = []
-            for what in ("train", "infer"):
-                ratio, timer = speedup(v[a], v[b], what)
-                parts.append(f"{ratio:.2f}x ({'training' if what == 'train' else 'inference'}"
-                             f", {timer})")
-            ratios.append(f"{b} vs {a}: " + ", ".join(parts))
-    if ratios:
-        lines += ["", "speed-up (>1: the first named is faster): " + "; ".join(ratios)]
-    for name, c in res.get("checks", {}).items():
-        if c["ok"]:
-            yard = c.get("torch_float32_errors") or {}
-            beside = (f" (PyTorch float32 {yard[c['worst'][0]]:.1e})"
-                      if c["worst"][0] in yard else "")
-            eager = c.get("against_eager")
-            if eager:
-                beside += (f"; against PyTorch eager float32: worst gradient "
-                           f"{eager['worst'][0]} {eager['worst'][1]:.1e}")
-            lines.append(f"numbers of {name}: loss {c['loss']:.6f} (PyTorch float64 "
-                         f"{c['loss_ref']:.6f}), worst gradient {c['worst'][0]} "
-                         f"{c['worst'][1]:.1e}{beside}")
-    for name, r in v.items():
-        if r.get("compile_s") is not None:
-            lines.append(f"compilation of {name} (untimed): {r['compile_s']:.1f} s, "
-                         f"{r['graphs']} graphs, {r['graph_breaks']} graph breaks"
-                         + (f"; compiled again {r['recompiled_while_timed']} times while timed"
-                            if r.get("recompiled_while_timed") else ""))
-    for name, r in v.items():
-        st = r.get("startup")
-        if st:
-            f, s = st["first"], st["second"]
-            lines.append(f"start-up of {name}: first {f['total_s']:.2f} s (import "
-                         f"{f['import_s']:.2f}, load {f['load_s']:.2f}, first step "
-                         f"{f['first_step_s']:.2f}; {f['opencl'].get('source_builds')} program "
-                         f"builds from source), second {s['total_s']:.2f} s (first step "
-                         f"{s['first_step_s']:.2f}; {s['opencl'].get('source_builds')} builds, "
-                         f"{s['opencl'].get('binary_loads')} from the program cache)")
-    if res.get("kernels"):
-        main = res["kernel_table_variant"]
-        others = [n for n in ("tuned", "default", "stock") if n in v and n != main]
-        lines += ["", f"slowest kernels of the {main} training step (each timed alone on "
-                  "random inputs; ms per call x calls = ms per step):"]
-        h = (f"{'kernel':<44} {'calls':>5} {'ms/call':>9} {'ms/step':>8} {'GFLOP/s':>8} "
-             f"{'%peak':>6} {'%BW':>6} {'tuned':>5}")
-        h += "".join(f" {o + ' ms':>11}" for o in others)
-        lines.append(h)
-        for r in res["kernels"][:top]:
-            ms = r.get(f"{main}_ms", math.nan)
-            lines.append(
-                f"{r['name'][:44]:<44} {r['calls']:>5} {_fmt(ms, '.4f'):>9} "
-                f"{_fmt(ms * r['calls'], '.3f'):>8} {_fmt(r.get(f'{main}_gflops'), '.1f'):>8} "
-                f"{_fmt(100 * r.get(f'{main}_share_of_peak_flops', math.nan), '.1f'):>6} "
-                f"{_fmt(100 * r.get(f'{main}_share_of_peak_bandwidth', math.nan), '.1f'):>6} "
-                f"{'yes' if r['tuned'] else 'no':>5}"
-                + "".join(f" {_fmt(r.get(f'{o}_ms'), '.4f'):>11}" for o in others))
-    c = res.get("tuning_curve")
-    if c:
-        lines += ["", f"tuning curve: {len(c['trials']) - 1} records of this step's workloads "
-                  f"({c['skipped_records']} of other workloads skipped); estimated kernel time "
-                  f"per step {c['ms'][0]:.2f} ms (default schedules) -> {c['ms'][-1]:.2f} ms; "
-                  f"95% of the gain after {c['trials_to_95pct']} trials"]
-    return "\n".join(lines)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import numpy as np
 
@@ -67,39 +68,15 @@ def torch_step(model, tensors, trainable: list[str], optimizer, batch: int, infe
     if dev_name is None:
         raise RuntimeError("torch is not installed")
     import torch
-
-    from ..models import spec
-    from ..reference import torch_module
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     torch.manual_seed(seed)
     dev = torch.device(dev_name)
-    net = torchvision_module(model, tensors) if use_torchvision else None
-    impl = "torchvision" if net is not None else "thomas_tune.reference"
-    net = (net if net is not None else torch_module(model, tensors)).to(dev)
+    net, impl = _torch_network(model, tensors, dev, use_torchvision)
     train = set(trainable)
-    params = []
-    for name, p in net.named_parameters():
-        p.requires_grad_(name in train)
-        if name in train:
-            params.append(p)
-    if optimizer.name == "adam":
-        opt = torch.optim.Adam(params, lr=optimizer.lr, betas=tuple(optimizer.betas),
-                               eps=optimizer.eps, weight_decay=optimizer.weight_decay)
-    else:
-        opt = torch.optim.SGD(params, lr=optimizer.lr, weight_decay=optimizer.weight_decay,
-                              momentum=optimizer.momentum if optimizer.name == "momentum_sgd"
-                              else 0.0)
+    opt = _torch_optimizer(torch, net, train, optimizer)
     gen = torch.Generator(device="cpu").manual_seed(seed)
-
-    def training_mode():
-        net.train()
-        if impl == "torchvision":
-            for name, mod in net.named_modules():
-                if name in frozen_bn:
-                    mod.eval()
-        else:
-            net.frozen_bn = set(frozen_bn)
+    training_mode = functools.partial(_training_mode, net, impl, frozen_bn)
 
     def loss_of(x, y):
         return torch.nn.functional.cross_entropy(net(x), y)
@@ -126,26 +103,7 @@ def torch_step(model, tensors, trainable: list[str], optimizer, batch: int, infe
         return float(loss.detach()), {n: p.grad.detach().cpu().numpy().astype("float64")
                                       for n, p in net.named_parameters() if n in train}
 
-    def set_dropout(m, on: bool):
-        if impl == "torchvision":
-            m.train(on)
-        else:
-            m.dropout = on
-
-    @contextlib.contextmanager
-    def no_dropout():
-        # only what draws masks is switched: a switch makes a compiled step compile again
-        if impl == "torchvision":
-            drops = [m for m in net.modules() if isinstance(m, torch.nn.Dropout) and m.p > 0]
-        else:
-            drops = [net] if spec(model).masks else []
-        for m in drops:
-            set_dropout(m, False)
-        try:
-            yield
-        finally:
-            for m in drops:
-                set_dropout(m, True)
+    no_dropout = functools.partial(_no_dropout, torch, net, impl, model)
 
     def new_images(n=infer_batch):
         return torch.randn(model.input_shape(n), generator=gen).to(dev)
@@ -161,6 +119,73 @@ def torch_step(model, tensors, trainable: list[str], optimizer, batch: int, infe
             "infer": infer, "new_batch": new_batch, "new_images": new_images,
             "training_mode": training_mode, "loss_and_grads": loss_and_grads,
             "no_dropout": no_dropout, "compiled": compiled}
+
+
+def _torch_network(model, tensors: dict, dev, use_torchvision: bool):
+    """``model`` with ``tensors`` as a PyTorch network on ``dev``: torchvision's where it has
+    it (and ``use_torchvision``), else :func:`thomas_tune.reference.torch_module`. Returns the
+    network and which it is ("torchvision" or "thomas_tune.reference")."""
+    from ..reference import torch_module
+    net = torchvision_module(model, tensors) if use_torchvision else None
+    impl = "torchvision" if net is not None else "thomas_tune.reference"
+    return (net if net is not None else torch_module(model, tensors)).to(dev), impl
+
+
+def _torch_optimizer(torch, net, train: set[str], optimizer):
+    """PyTorch's optimizer of ``optimizer`` (a :class:`thomas_tune.graph.OptimizerConfig`:
+    Adam, else SGD with its momentum for ``momentum_sgd``, 0 for plain SGD; the same learning
+    rate, betas, eps and weight decay) over the parameters of ``net`` named in ``train``; the
+    others are frozen (``requires_grad`` off, so autograd records nothing of them)."""
+    params = []
+    for name, p in net.named_parameters():
+        p.requires_grad_(name in train)
+        if name in train:
+            params.append(p)
+    if optimizer.name == "adam":
+        return torch.optim.Adam(params, lr=optimizer.lr, betas=tuple(optimizer.betas),
+                                eps=optimizer.eps, weight_decay=optimizer.weight_decay)
+    return torch.optim.SGD(params, lr=optimizer.lr, weight_decay=optimizer.weight_decay,
+                           momentum=optimizer.momentum if optimizer.name == "momentum_sgd"
+                           else 0.0)
+
+
+def _training_mode(net, impl: str, frozen_bn) -> None:
+    """Put ``net`` in the training step's modes: ``train()``, with the BatchNorms named in
+    ``frozen_bn`` in ``eval()`` (torchvision's modules; the reference network takes the set)."""
+    net.train()
+    if impl == "torchvision":
+        for name, mod in net.named_modules():
+            if name in frozen_bn:
+                mod.eval()
+    else:
+        net.frozen_bn = set(frozen_bn)
+
+
+@contextlib.contextmanager
+def _no_dropout(torch, net, impl: str, model):
+    """A context in which ``net``'s dropout is off while it trains: torchvision's Dropout
+    modules with p > 0 in ``eval()``, or the reference network's ``dropout`` flag (where
+    ``model`` has dropout masks). Only what draws masks is switched: a switch makes a
+    compiled step compile again."""
+    from ..models import spec
+
+    def set_dropout(m, on: bool):
+        if impl == "torchvision":
+            m.train(on)
+        else:
+            m.dropout = on
+
+    if impl == "torchvision":
+        drops = [m for m in net.modules() if isinstance(m, torch.nn.Dropout) and m.p > 0]
+    else:
+        drops = [net] if spec(model).masks else []
+    for m in drops:
+        set_dropout(m, False)
+    try:
+        yield
+    finally:
+        for m in drops:
+            set_dropout(m, True)
 
 
 def torch_description(side) -> dict:

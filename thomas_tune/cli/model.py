@@ -17,7 +17,7 @@ def cmd_import_onnx(args) -> int:
     cal = None
     if args.calibrate and report.fused_batchnorms:
         from ..data import load
-        from ..models.onnx_import import calibrate_batchnorms
+        from ..models.calibration import calibrate_batchnorms
         import numpy as np
         x = load(args.calibrate, model.resolution, limit=args.calibrate_images, seed=args.seed).x
         images = x[np.random.default_rng(args.seed).permutation(len(x))[:args.calibrate_images]]

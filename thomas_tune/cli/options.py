@@ -94,7 +94,8 @@ def open_session(args, checkpoint: str | None = None, seed: int = 0, mode: str =
     """The export of ``--export`` loaded here, or on a device server of ``--tracker``/``--key``;
     started from ``checkpoint``'s weights (and class names) when given; first checked against
     a device profile (:func:`check_profile_for_run`, ``mode``: ``train`` or ``infer``)."""
-    from ..runtime import RemoteDevice, Session
+    from ..remote import RemoteDevice
+    from ..runtime import Session
     check_profile_for_run(args, mode)
     remote = None
     if args.tracker or args.key:

@@ -48,9 +48,9 @@ def report_lines(profile: dict, target=None) -> list[str]:
 
 
 def cmd_probe(args) -> int:
+    from ..models.layers import require_compiler
     from ..rpc import parse_address
     from ..rpc.probe import probe
-    from ..runtime import require_compiler
     from ..target import parse_target
     require_compiler("rpc probe (it compiles its kernels)")
     target = parse_target(args.target, args.host)

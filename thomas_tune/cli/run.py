@@ -30,7 +30,7 @@ def _warn_identity_batchnorms(session) -> None:
     (:func:`thomas_tune.models.fused_advice.fused_import_warning`, from the manifest's BatchNorm
     mode, frozen parameters and learning rate)."""
     from ..models.fused_advice import fused_import_warning
-    from ..models.onnx_import import identity_batchnorms
+    from ..models.calibration import identity_batchnorms
     fused = identity_batchnorms(session.model, session.tensors())
     if not fused:
         return

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import signal
@@ -38,16 +39,12 @@ def _bounds(args, log_dir: str) -> dict:
     return {"compile_timeout_s": compile_s, "trial_timeout_s": trial_s}
 
 
-def cmd_tune(args) -> int:
-    from .. import rpc
-    from ..tasks import extract, select, summary
-    import math
-
-    from ..tuning.driver import TuneOptions, rpc_runner, tune
-    from ..logs import TuningLog
-    from ..runtime import check_device
-    from ..target import cross_compiler, resolve_target, write_device_file
-    options = TuneOptions(  # its checks fail here, before the tracker is contacted
+def _tune_options(args):
+    """The :class:`thomas_tune.tuning.driver.TuneOptions` of the command line; its checks
+    fail here, before the tracker is contacted. Raises ValueError for a bad option (also a
+    ``--max-failed-share`` outside 0..1)."""
+    from ..tuning.driver import TuneOptions
+    options = TuneOptions(
         trials=args.trials, trials_per_iter=args.trials_per_iter, seed=args.seed,
         population=args.population, builder_workers=args.build_workers, stats_path=args.stats,
         max_in_flight=args.in_flight, max_unroll=args.max_unroll, refine_top=args.refine_top,
@@ -57,26 +54,37 @@ def cmd_tune(args) -> int:
     if not 0.0 <= args.max_failed_share <= 1.0:
         raise ValueError(f"--max-failed-share {args.max_failed_share} is not a share: give a "
                          "number from 0 to 1")
-    model, _, _ = load_model(args)
-    target, device = resolve_target(args.target, args.host, rpc.parse_address(args.tracker),
-                                    args.key, wait_s=args.wait)  # opencl:remote: the server's
-    cross_compiler(target)  # a missing or wrong cross compiler fails before any work
+    return options
+
+
+def _match_pattern(args):
+    """``--match`` compiled (None without it); ValueError naming it when it is not a regular
+    expression."""
     try:
-        pattern = re.compile(args.match) if args.match else None
+        return re.compile(args.match) if args.match else None
     except re.error as err:
         raise ValueError(f"--match {args.match!r} is not a regular expression ({err})") from None
-    tracker = rpc.parse_address(args.tracker)
-    rpc.wait_for_key(tracker, args.key, timeout=args.wait)
-    check_device(tracker, args.key, target, timeout=args.wait)  # loads code linked here
-    free = rpc.wait_for_key(tracker, args.key, timeout=args.wait)
-    everything = extract(model_graphs(args, model), target)
-    pool = everything
-    if pattern is not None:
-        from ..tasks import matching
-        pool = matching(everything, pattern)
-        if not pool:
-            raise ValueError(f"no task name or workload key matches --match {args.match!r}; "
-                             "'thomas-tune tasks' with the same model options lists the names")
+
+
+def _matching(args, everything: list, pattern) -> list:
+    """The tasks of ``everything`` that ``pattern`` (``--match``) matches by name or workload
+    key, or all of them without a pattern; ValueError when none does."""
+    if pattern is None:
+        return everything
+    from ..tasks import matching
+    pool = matching(everything, pattern)
+    if not pool:
+        raise ValueError(f"no task name or workload key matches --match {args.match!r}; "
+                         "'thomas-tune tasks' with the same model options lists the names")
+    return pool
+
+
+def _open_log(args, model, options):
+    """The tuning log to tune into (``--log``, or the default folder of the device key and
+    model), checked writable and of this code generation before minutes of default-schedule
+    timing, and the options with the cost model trained beside it where ``--cost-model`` is
+    not given (its choice printed). Returns (log, options)."""
+    from ..logs import TuningLog
     log = TuningLog(args.log or default_log(args, model, args.key))
     log.require_writable()  # before minutes of default-schedule timing
     log.require_version("tune into it")  # records of another code generation: re-measure
@@ -87,15 +95,19 @@ def cmd_tune(args) -> int:
         options = dataclasses.replace(options, cost_model=beside(log.path))
     print("cost model: " + (f"trained, from {options.cost_model}" if options.cost_model
                             else "untrained"), flush=True)
-    if device is not None:  # the limits the log's records were measured under
-        write_device_file(log.path, device)
-    STOP["log"] = log  # what a stop by signal reports
-    runner = rpc_runner(tracker, args.key, servers=args.servers or free,
-                        **_bounds(args, log.path), repeat=args.repeat,
-                        min_repeat_ms=args.min_repeat_ms)
-    latency = None
+    return log, options
+
+
+def _choose_tasks(args, everything: list, pool: list, target, runner, log) -> tuple[list, dict]:
+    """The tasks to tune among ``pool`` (``--time-share``, ``--untuned``, ``--top``,
+    ``--flops-share``) and the default-schedule times they start from (``{workload key:
+    seconds per call}``, timed on the device once and cached in the log): with
+    ``--time-share`` every kernel of ``everything`` is timed first (its sum printed in ms per
+    pass of all graphs), else only the chosen tasks' (and, with ``--untuned``, the
+    candidates')."""
+    from ..tasks import select
+    from ..tuning.defaults import kernel_time_s, measure_defaults, select_by_time
     if args.time_share:
-        from ..tuning.defaults import kernel_time_s, measure_defaults, select_by_time
         t0 = time.perf_counter()
         latency = measure_defaults(everything, target, runner, log,
                                    builder_workers=args.build_workers)
@@ -108,17 +120,42 @@ def cmd_tune(args) -> int:
         if args.untuned:
             pool = _untuned(pool, latency, log)
         tasks = select_by_time(pool, latency, args.time_share)
-        if args.top:
-            tasks = tasks[:args.top]
-    else:
-        from ..tuning.defaults import measure_defaults
-        if args.untuned:  # the candidates' default schedules timed, to compare with records
-            pool = _untuned(pool, measure_defaults(pool, target, runner, log,
-                                                   builder_workers=args.build_workers), log)
-        tasks = select(pool, top=args.top, flops_share=args.flops_share)
-        # the tuned tasks' default schedules, timed once (cached in the log, as --time-share
-        # does for every kernel): the baseline a record must beat to be compiled by export
-        latency = measure_defaults(tasks, target, runner, log, builder_workers=args.build_workers)
+        return (tasks[:args.top] if args.top else tasks), latency
+    if args.untuned:  # the candidates' default schedules timed, to compare with records
+        pool = _untuned(pool, measure_defaults(pool, target, runner, log,
+                                               builder_workers=args.build_workers), log)
+    tasks = select(pool, top=args.top, flops_share=args.flops_share)
+    # the tuned tasks' default schedules, timed once (cached in the log, as --time-share
+    # does for every kernel): the baseline a record must beat to be compiled by export
+    return tasks, measure_defaults(tasks, target, runner, log, builder_workers=args.build_workers)
+
+
+def cmd_tune(args) -> int:
+    from .. import rpc
+    from ..tasks import extract, summary
+    from ..tuning.driver import rpc_runner, tune
+    from ..remote import check_device
+    from ..target import cross_compiler, resolve_target, write_device_file
+    options = _tune_options(args)
+    model, _, _ = load_model(args)
+    target, device = resolve_target(args.target, args.host, rpc.parse_address(args.tracker),
+                                    args.key, wait_s=args.wait)  # opencl:remote: the server's
+    cross_compiler(target)  # a missing or wrong cross compiler fails before any work
+    pattern = _match_pattern(args)
+    tracker = rpc.parse_address(args.tracker)
+    rpc.wait_for_key(tracker, args.key, timeout=args.wait)
+    check_device(tracker, args.key, target, timeout=args.wait)  # loads code linked here
+    free = rpc.wait_for_key(tracker, args.key, timeout=args.wait)
+    everything = extract(model_graphs(args, model), target)
+    pool = _matching(args, everything, pattern)
+    log, options = _open_log(args, model, options)
+    if device is not None:  # the limits the log's records were measured under
+        write_device_file(log.path, device)
+    STOP["log"] = log  # what a stop by signal reports
+    runner = rpc_runner(tracker, args.key, servers=args.servers or free,
+                        **_bounds(args, log.path), repeat=args.repeat,
+                        min_repeat_ms=args.min_repeat_ms)
+    tasks, latency = _choose_tasks(args, everything, pool, target, runner, log)
     if not tasks and args.untuned:
         print("nothing to tune: every chosen task has a record faster than its default "
               "schedule (--untuned)", flush=True)
@@ -138,6 +175,13 @@ def cmd_tune(args) -> int:
               f"are safe in {log.record_path} (batches in flight at the signal were measured "
               "and logged); run the same command again to resume", file=sys.stderr, flush=True)
         return 128 + sig
+    return _print_tune_report(args, report)
+
+
+def _print_tune_report(args, report) -> int:
+    """Print what a finished tuning run did (trials, seeds, throughput, per task); returns
+    the exit status: 3 where more than ``--max-failed-share`` of its trials failed (the
+    reason on stderr), else 0."""
     print(f"measured {report.trials} new trials ({report.local} of them one decision from a "
           f"task's best record; {report.skipped} candidates already in the "
           f"log were not re-measured, {report.drawn} drawn at random from the design spaces "
@@ -186,7 +230,7 @@ def cmd_remeasure(args) -> int:
     failed (the record keeps its old time), else 0."""
     from .. import rpc
     from ..remeasure import remeasure
-    from ..runtime import check_device
+    from ..remote import check_device
     from ..target import parse_target
     from ..tasks import extract
     from ..tuning.defaults import kernel_time_s, measure_defaults, read_default_times
@@ -273,12 +317,9 @@ def _untuned(pool, latency, log):
     return left
 
 
-def add_tune(sub) -> None:
-    s = sub.add_parser("tune", help="tune the tasks on device servers of a tracker")
-    add_model_args(s)
-    add_target_arg(s)
-    s.add_argument("--tracker", required=True, help="tracker HOST:PORT")
-    s.add_argument("--key", required=True, help="device key of the servers to measure on")
+def _add_task_choice(s) -> None:
+    """``tune``'s budget and its choice of tasks: trials, their rounds, --top, --match,
+    --flops-share, --time-share, --untuned."""
     s.add_argument("--trials", type=int, default=64, help="measurements in all (default 64)")
     s.add_argument("--trials-per-iter", type=int, default=8,
                    help="candidates measured per task per round (default 8)")
@@ -298,13 +339,20 @@ def add_tune(sub) -> None:
                         "log) only: after a change of the graph or of the code generation, the "
                         "kernels an export would still run on default schedules; with "
                         "--time-share, the share is of those tasks' default time")
-    s.add_argument("--log", help="tuning-log folder (default tuning_logs/<key>/<model tag>)")
-    s.add_argument("--wait", type=float, default=30, help="seconds to wait for a free server")
+
+
+def _add_search_size(s) -> None:
+    """The evolutionary search's population and rounds of mutation per search round."""
     s.add_argument("--population", type=int, default=128,
                    help="evolutionary-search population per round (default 128)")
     s.add_argument("--genetic-iters", type=int, default=2,
                    help="rounds of mutation per search round (default 2); the search's host "
                         "time per round grows with population x rounds")
+
+
+def _add_measurement(s) -> None:
+    """How candidates are measured on the device servers: servers at once, the trial's
+    limits (s), the device profile, repeats, build processes, batches in flight."""
     s.add_argument("--servers", type=int, help="device servers measuring at once (default: "
                    "all free servers of the key)")
     s.add_argument("--trial-timeout", type=float, default=None,
@@ -325,6 +373,11 @@ def add_tune(sub) -> None:
     s.add_argument("--in-flight", type=int, default=3,
                    help="batches measured while the next is searched and built (default 3; "
                         "1: search, build and measure take turns)")
+
+
+def _add_refinement(s) -> None:
+    """The unroll limit and the refinement stages around the search: --refine-top, the seed
+    logs and their records per workload."""
     s.add_argument("--max-unroll", type=int,
                    help="largest unroll limit the search chooses on GPUs (of 0, 16, 64, 512, "
                         "1024; default: all): smaller candidates build and compile faster; "
@@ -348,6 +401,11 @@ def add_tune(sub) -> None:
     s.add_argument("--seed-top", type=int, default=4,
                    help="records per matching workload of each --seed-log measured, and per "
                    "task seeded from other shapes (default 4)")
+
+
+def _add_run_control(s) -> None:
+    """The run's statistics file, cost model, local-search share, bound on failed trials,
+    seed and printout."""
     s.add_argument("--stats", help="write trials/s and the time split as JSON here (every "
                    "30 s while tuning, and at the end, also after SIGINT or SIGTERM; its 'ended' "
                    "says how the run ended), and per task the trials, in the log's order, to "
@@ -368,6 +426,21 @@ def add_tune(sub) -> None:
     s.add_argument("--brief", action="store_true",
                    help="leave out the table of the chosen tasks before tuning (the line "
                         "that says how many are tuned stays)")
+
+
+def add_tune(sub) -> None:
+    s = sub.add_parser("tune", help="tune the tasks on device servers of a tracker")
+    add_model_args(s)
+    add_target_arg(s)
+    s.add_argument("--tracker", required=True, help="tracker HOST:PORT")
+    s.add_argument("--key", required=True, help="device key of the servers to measure on")
+    _add_task_choice(s)
+    s.add_argument("--log", help="tuning-log folder (default tuning_logs/<key>/<model tag>)")
+    s.add_argument("--wait", type=float, default=30, help="seconds to wait for a free server")
+    _add_search_size(s)
+    _add_measurement(s)
+    _add_refinement(s)
+    _add_run_control(s)
     add_cache_features_arg(s, "also tune the tasks of")
     s.set_defaults(fn=cmd_tune)
 

@@ -93,7 +93,7 @@ def measure_kernels(mods: list[tvm.IRModule], target, runner, builder: Builder,
     ``builder`` and time it on ``runner``'s device. Per module, in order: (run seconds, one
     per repeat; None) or (None; the error of the build or the run, one line). Build artifacts
     are removed. ``references``: per module, the
-    :class:`~thomas_tune.kernel_check.Reference` of its task, whose outputs it must reproduce
+    :class:`~thomas_tune.kernel_reference.Reference` of its task, whose outputs it must reproduce
     before it is timed (:meth:`thomas_tune.measure.runner.FarmRunner.expect`; "wrong result: ..."
     otherwise), or None for a module timed unchecked (a default schedule)."""
 

@@ -9,11 +9,11 @@ import signal
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from tvm.s_tir import meta_schedule as ms
 
-from ..kernel_check import build_references
+from ..kernel_reference import build_references
 from ..measure.builder import Builder
 from ..measure.phases import Phases
 from ..measure.runner import FarmRunner, error_line
@@ -173,15 +173,35 @@ def _options(options: TuneOptions | None, settings: dict) -> TuneOptions:
     return options if options is not None else TuneOptions(**settings)
 
 
-def _tune_locked(tasks: list[Task], target, log: TuningLog, runner: ms.Runner,
-                 opt: TuneOptions, default_s: dict[str, float], seeds: list) -> TuneReport:
-    t_open = time.perf_counter()
-    database = log.database()
-    report = TuneReport()
-    phases = getattr(runner, "phases", None) or Phases()
-    contexts, weights, progress, default_ms, tuned_ms, mods = [], [], [], [], [], []
-    strategies = []  # per context: the search strategy made here (shares state with its clone)
-    errors = TrialErrors(log, [t.name for t in tasks])
+@dataclass
+class _SearchTasks:
+    """The tasks that have a search space, side by side: their tuning contexts and search
+    strategies (a strategy shares its state with its context's clone), weights (calls per
+    step), progress rows, default-schedule and best tuned times (ms, None where unknown) and
+    workload modules."""
+
+    contexts: list = field(default_factory=list)
+    strategies: list[ResumingSearch] = field(default_factory=list)
+    weights: list[float] = field(default_factory=list)
+    progress: list[TaskProgress] = field(default_factory=list)
+    default_ms: list[float | None] = field(default_factory=list)
+    tuned_ms: list[float | None] = field(default_factory=list)
+    mods: list = field(default_factory=list)
+
+    def measured(self) -> list:
+        """Per task, the workloads its strategy has measured (the refinement stages add to
+        them)."""
+        return [s.measured for s in self.strategies]
+
+
+def _search_tasks(tasks: list[Task], target, log: TuningLog, database, opt: TuneOptions,
+                  default_s: dict[str, float], phases: Phases,
+                  report: TuneReport) -> _SearchTasks:
+    """The search contexts of ``tasks`` (:func:`.search.search_context`), resuming from the
+    records ``log`` already holds for each (counted in ``report.resumed_records``); a task
+    whose search space cannot be generated is left out with a line on stderr and keeps its
+    default schedule. ``default_s``: default-schedule seconds per call by workload key."""
+    found = _SearchTasks()
     for i, task in enumerate(tasks):
         measured = log.measured(database, task.mod)
         report.resumed_records += len(measured)
@@ -195,67 +215,168 @@ def _tune_locked(tasks: list[Task], target, log: TuningLog, runner: ms.Runner,
             print(f"task {task.name}: no search space ({error_line(err, 200)}); it keeps its "
                   "default schedule", file=sys.stderr, flush=True)
             continue
-        contexts.append(ctx)
-        strategies.append(strategy)
-        weights.append(float(task.weight))
+        found.contexts.append(ctx)
+        found.strategies.append(strategy)
+        found.weights.append(float(task.weight))
         d = default_s.get(workload_key(task))
-        default_ms.append(d * 1e3 if d is not None and math.isfinite(d) else None)
+        found.default_ms.append(d * 1e3 if d is not None and math.isfinite(d) else None)
         best = log.best_seconds(database, task.mod) if measured else None
-        tuned_ms.append(best * 1e3 if best is not None else None)
-        progress.append(TaskProgress(task.name, task.flops,
-                                     default_s=d if d is not None and math.isfinite(d) else None))
-        mods.append(task.mod)
-    replayed = log.save_hashes()  # the next start replays only the records added after this
-    report.replayed_records = replayed
-    report.startup_s = time.perf_counter() - t_open
-    if not contexts:
-        raise ValueError("no task has a search space for this target (see the lines above)")
-    report.tasks = progress
-    t0 = time.perf_counter()
-    last_write = [t0]
-    cpu0 = cpu_jiffies()
+        found.tuned_ms.append(best * 1e3 if best is not None else None)
+        found.progress.append(TaskProgress(
+            task.name, task.flops, default_s=d if d is not None and math.isfinite(d) else None))
+        found.mods.append(task.mod)
+    return found
 
-    def cpu_share() -> float | None:
+
+class _TuningRun:
+    """One tuning run after its start-up: the search tasks, the statistics written while it
+    runs and at its end (``report``, ``phases``), the builder and the tasks' references
+    (:meth:`start_builder`), and the refinement stages around MetaSchedule's loop."""
+
+    def __init__(self, found: _SearchTasks, target, log: TuningLog, database,
+                 runner: ms.Runner, opt: TuneOptions, report: TuneReport, phases: Phases,
+                 errors: TrialErrors):
+        self.found, self.target, self.log, self.database = found, target, log, database
+        self.runner, self.opt, self.report, self.phases = runner, opt, report, phases
+        self.errors = errors
+        self.builder: Builder | None = None
+        self.references: list = []
+        self.ref_paths: list[str] = []
+        self.t0 = self.last_write = time.perf_counter()
+        self.cpu0 = cpu_jiffies()
+
+    def cpu_share(self) -> float | None:
+        """The share of the machine's CPU time that was busy since the run started (0..1), or
+        None where it cannot be read."""
         now = cpu_jiffies()
-        if cpu0 is None or now is None or now[1] <= cpu0[1]:
+        if self.cpu0 is None or now is None or now[1] <= self.cpu0[1]:
             return None
-        return (now[0] - cpu0[0]) / (now[1] - cpu0[1])
+        return (now[0] - self.cpu0[0]) / (now[1] - self.cpu0[1])
 
-    def tick() -> None:
+    def statistics(self) -> None:
+        """Bring ``report`` up to date (elapsed s, phases, CPU share, search totals)."""
+        self.report.elapsed_s = time.perf_counter() - self.t0
+        self.report.phases = self.phases.as_dict()
+        self.report.cpu_busy = self.cpu_share()
+        _search_totals(self.report, self.found.strategies)
+
+    def tick(self) -> None:
+        """After each measured batch: the statistics, written to ``stats_path`` every
+        ``stats_every_s`` seconds."""
+        self.statistics()
         now = time.perf_counter()
-        report.elapsed_s, report.phases = now - t0, phases.as_dict()
-        report.cpu_busy = cpu_share()
-        _search_totals(report, strategies)
-        if opt.stats_path and now - last_write[0] >= opt.stats_every_s:
-            convergence(progress, database, mods, default_ms)
-            report.write(opt.stats_path)
-            last_write[0] = now
+        if self.opt.stats_path and now - self.last_write >= self.opt.stats_every_s:
+            convergence(self.found.progress, self.database, self.found.mods,
+                        self.found.default_ms)
+            self.report.write(self.opt.stats_path)
+            self.last_write = now
 
+    def write_last(self) -> None:
+        """The last statistics, also for a run that a signal stopped."""
+        self.statistics()
+        convergence(self.found.progress, self.database, self.found.mods, self.found.default_ms)
+        if self.opt.stats_path:
+            self.report.write(self.opt.stats_path)
+
+    def start_builder(self) -> None:
+        """The candidates' builder, and each task's default schedule built once with it: the
+        reference every candidate's outputs are compared with on the device before its time
+        enters the log (:mod:`thomas_tune.kernel_check`); its builds count as ``build`` (the
+        builder's), the rest as ``references``."""
+        opt, phases = self.opt, self.phases
+        self.builder = Builder(max_workers=opt.builder_workers or max(1, (os.cpu_count() or 2)),
+                               timeout_s=60, phases=phases)
+        t_ref, b_ref = time.perf_counter(), phases.wall.get("build", 0.0)
+        contexts = self.found.contexts
+        self.references, self.ref_paths = (
+            build_references([c.mod for c in contexts], self.target, self.builder, opt.seed)
+            if opt.check else ([None] * len(contexts), []))
+        built = phases.wall.get("build", 0.0) - b_ref
+        phases.add("references", max(0.0, time.perf_counter() - t_ref - built), wall=True)
+
+    def refining(self, stage, *args) -> dict:
+        """Run one refinement stage on the run's tasks (``stage(contexts, progress, database,
+        target, runner, builder, *args, errors, measured, references)``); its wall time less
+        its builds goes to the phase ``refine``."""
+        t, b = time.perf_counter(), self.phases.wall.get("build", 0.0)
+        f = self.found
+        try:
+            return stage(f.contexts, f.progress, self.database, self.target, self.runner,
+                         self.builder, *args, self.errors, f.measured(), self.references)
+        finally:
+            built = self.phases.wall.get("build", 0.0) - b
+            self.phases.add("refine", max(0.0, time.perf_counter() - t - built), wall=True)
+
+    def say(self, r: dict, what: str, always: bool = False) -> None:
+        """A refinement stage's line on stderr (with ``show_progress``; only where the stage
+        measured something unless ``always``)."""
+        if self.opt.show_progress and (always or r["measured"]):
+            print(refinement_line(r, what), file=sys.stderr, flush=True)
+
+    def refine_first(self, seeds: list) -> None:
+        """The refinement stages before the search: the seed logs' records, then (with
+        ``refine_top``) schedules shared between twins and padding out of the inner loop."""
+        report, opt = self.report, self.opt
+        if seeds:
+            r = report.seeded = self.refining(refine_seeds, seeds, opt.seed_top)
+            self.say(r, f"seeds from {len(seeds)} log(s): {r['measured']} records measured on "
+                        f"this device ({r['resized']} refitted from other shapes, "
+                        f"{r['unusable']} did not apply here)", always=True)
+        if opt.refine_top > 0:
+            r = report.transferred = self.refining(refine_transfer, opt.refine_top,
+                                                   self.log.workloads())
+            self.say(r, "schedules shared between kernels of one contraction: "
+                        f"{r['measured']} records of other workloads measured on their twins")
+            r = report.padded = self.refining(refine_padding, opt.refine_top)
+            self.say(r, f"padding out of the inner loop: {r['measured']} best records "
+                        "measured with their padding in the shared fill")
+
+    def refine_unroll(self) -> None:
+        """After the search, where ``max_unroll`` left larger unroll steps out: the
+        ``refine_top`` best records of each task measured again with each of them."""
+        larger = [s for s in UNROLL_STEPS if s not in unroll_steps(self.opt.max_unroll)]
+        if larger and self.opt.refine_top > 0:
+            r = self.report.refined = self.refining(refine_unroll, larger, self.opt.refine_top)
+            self.say(r, f"unroll refinement: {r['measured']} candidates with unroll steps "
+                        f"{larger} measured", always=True)
+
+    def close(self, callbacks: list) -> None:
+        """Close the progress bar, the builder, the references' files and the runner; write
+        the last statistics."""
+        callbacks[-1].bar.close()
+        if self.builder is not None:
+            self.builder.shutdown()
+        for path in self.ref_paths:
+            shutil.rmtree(os.path.dirname(path), ignore_errors=True)
+        if hasattr(self.runner, "shutdown"):
+            self.runner.shutdown()
+        self.write_last()
+
+
+def _tune_locked(tasks: list[Task], target, log: TuningLog, runner: ms.Runner,
+                 opt: TuneOptions, default_s: dict[str, float], seeds: list) -> TuneReport:
+    """:func:`tune` once the log is locked and stamped: the search tasks, the refinement
+    stages and MetaSchedule's loop, ended by its budget, a failure or a signal (the report's
+    ``ended``); the report is written at the end in every case."""
+    t_open = time.perf_counter()
+    database = log.database()
+    report = TuneReport()
+    phases = getattr(runner, "phases", None) or Phases()
+    errors = TrialErrors(log, [t.name for t in tasks])
+    found = _search_tasks(tasks, target, log, database, opt, default_s, phases, report)
+    # the next start replays only the records added after this
+    report.replayed_records = log.save_hashes()
+    report.startup_s = time.perf_counter() - t_open
+    if not found.contexts:
+        raise ValueError("no task has a search space for this target (see the lines above)")
+    report.tasks = found.progress
+    run = _TuningRun(found, target, log, database, runner, opt, report, phases, errors)
     callbacks = [*ms.measure_callback.MeasureCallback.create("default"), errors,
-                 Progress(progress, opt.trials, disable=not opt.show_progress, tick=tick)]
+                 Progress(found.progress, opt.trials, disable=not opt.show_progress,
+                          tick=run.tick)]
     model = cost_model(phases, pretrained=(load_cost_model(opt.cost_model)[0]
                                            if opt.cost_model else None))
-    builder = Builder(max_workers=opt.builder_workers or max(1, (os.cpu_count() or 2)),
-                      timeout_s=60, phases=phases)
-    # each task's default schedule, built once: the reference every candidate's outputs
-    # are compared with on the device before its time enters the log (kernel_check); its
-    # builds count as ``build`` (the builder's), the rest as ``references``
-    t_ref, b_ref = time.perf_counter(), phases.wall.get("build", 0.0)
-    references, ref_paths = (build_references([c.mod for c in contexts], target, builder,
-                                              opt.seed)
-                             if opt.check else ([None] * len(contexts), []))
-    built = phases.wall.get("build", 0.0) - b_ref
-    phases.add("references", max(0.0, time.perf_counter() - t_ref - built), wall=True)
-
-    def refining(stage, *args, **kwargs) -> dict:
-        """Run one refinement stage; its wall time less its builds goes to ``refine``."""
-        t, b = time.perf_counter(), phases.wall.get("build", 0.0)
-        try:
-            return stage(*args, **kwargs)
-        finally:
-            built = phases.wall.get("build", 0.0) - b
-            phases.add("refine", max(0.0, time.perf_counter() - t - built), wall=True)
-
+    run.start_builder()
     seen: list[int] = []
     # While MetaSchedule's loop runs, the first SIGINT/SIGTERM stops it from the task
     # scheduler (no new batch; those in flight are joined and logged), never by an exception
@@ -273,84 +394,39 @@ def _tune_locked(tasks: list[Task], target, log: TuningLog, runner: ms.Runner,
 
     restore_handlers = note_signals(seen, stop_softly)
     try:
-        if seeds:
-            report.seeded = refining(refine_seeds, contexts, progress, database, target,
-                                     runner, builder, seeds, opt.seed_top, errors,
-                                     [s.measured for s in strategies], references)
-            r = report.seeded
-            if opt.show_progress:
-                print(refinement_line(r, f"seeds from {len(seeds)} log(s): {r['measured']} "
-                                          f"records measured on this device ({r['resized']} "
-                                          f"refitted from other shapes, {r['unusable']} did not "
-                                          "apply here)"), file=sys.stderr, flush=True)
-        if opt.refine_top > 0:
-            report.transferred = refining(refine_transfer, contexts, progress, database,
-                                          target, runner, builder, opt.refine_top,
-                                          log.workloads(), errors,
-                                          [s.measured for s in strategies], references)
-            r = report.transferred
-            if opt.show_progress and r["measured"]:
-                print(refinement_line(r, "schedules shared between kernels of one "
-                                          f"contraction: {r['measured']} records of other "
-                                          "workloads measured on their twins"),
-                      file=sys.stderr, flush=True)
-            report.padded = refining(refine_padding, contexts, progress, database, target,
-                                     runner, builder, opt.refine_top, errors,
-                                     [s.measured for s in strategies], references)
-            r = report.padded
-            if opt.show_progress and r["measured"]:
-                print(refinement_line(r, f"padding out of the inner loop: {r['measured']} "
-                                          "best records measured with their padding in the "
-                                          "shared fill"), file=sys.stderr, flush=True)
-        loop["scheduler"] = PipelinedGradient(default_ms, max_in_flight=opt.max_in_flight,
-                                              seed=opt.seed, phases=phases, tuned_ms=tuned_ms,
-                                              on_task=lambda i: runner.expect(references[i]))
+        run.refine_first(seeds)
+        loop["scheduler"] = PipelinedGradient(
+            found.default_ms, max_in_flight=opt.max_in_flight, seed=opt.seed, phases=phases,
+            tuned_ms=found.tuned_ms, on_task=lambda i: runner.expect(run.references[i]))
         try:
             ms.tune_tasks(
-                tasks=contexts, task_weights=weights, work_dir=log.path,
+                tasks=found.contexts, task_weights=found.weights, work_dir=log.path,
                 max_trials_global=opt.trials, num_trials_per_iter=opt.trials_per_iter,
-                builder=builder, runner=runner, database=database, cost_model=model,
+                builder=run.builder, runner=runner, database=database, cost_model=model,
                 measure_callbacks=callbacks, task_scheduler=loop["scheduler"])
         finally:
             loop["scheduler"] = None
         if seen:  # the loop ended at a signal: the run stops here
             raise KeyboardInterrupt
-        larger = [s for s in UNROLL_STEPS if s not in unroll_steps(opt.max_unroll)]
-        if larger and opt.refine_top > 0:
-            report.refined = refining(refine_unroll, contexts, progress, database, target,
-                                      runner, builder, larger, opt.refine_top, errors,
-                                      [s.measured for s in strategies], references)
-            if opt.show_progress:
-                r = report.refined
-                print(refinement_line(r, f"unroll refinement: {r['measured']} candidates "
-                                          f"with unroll steps {larger} measured"),
-                      file=sys.stderr, flush=True)
+        run.refine_unroll()
         report.ended = "finished"
     except BaseException as err:
-        # a signal's KeyboardInterrupt can come out of MetaSchedule's C++ loop as another
-        # error (a RuntimeError with no message): the signals seen tell a stop from a failure
-        stop = seen[0] if seen else (signal.SIGINT if isinstance(err, KeyboardInterrupt)
-                                     else None)
-        report.ended = (f"stopped by {signal.Signals(stop).name}" if stop is not None
-                        else f"failed: {type(err).__name__}: {error_line(err, 300)}")
+        report.ended = _ended(seen, err)
         raise
     finally:
         restore_handlers()
-        callbacks[-1].bar.close()
-        builder.shutdown()
-        for path in ref_paths:
-            shutil.rmtree(os.path.dirname(path), ignore_errors=True)
-        if hasattr(runner, "shutdown"):
-            runner.shutdown()
-        # the last statistics, also for a run that a signal stopped
-        report.elapsed_s = time.perf_counter() - t0
-        report.phases = phases.as_dict()
-        report.cpu_busy = cpu_share()
-        _search_totals(report, strategies)
-        convergence(progress, database, mods, default_ms)
-        if opt.stats_path:
-            report.write(opt.stats_path)
+        run.close(callbacks)
     return report
+
+
+def _ended(seen: list[int], err: BaseException) -> str:
+    """How a run that raised ``err`` ended, for the report's ``ended``: stopped by the first
+    signal in ``seen`` (or SIGINT for a KeyboardInterrupt), else failed with ``err``. A
+    signal's KeyboardInterrupt can come out of MetaSchedule's C++ loop as another error (a
+    RuntimeError with no message): the signals seen tell a stop from a failure."""
+    stop = seen[0] if seen else (signal.SIGINT if isinstance(err, KeyboardInterrupt) else None)
+    return (f"stopped by {signal.Signals(stop).name}" if stop is not None
+            else f"failed: {type(err).__name__}: {error_line(err, 300)}")
 
 
 def note_signals(seen: list[int], soft=None):

@@ -39,7 +39,7 @@ def refine_unroll(contexts, progress: list[TaskProgress], database: ms.Database,
     which gets the new ones) are skipped. Failed ones are committed as MetaSchedule commits a
     failed trial (run time :data:`~thomas_tune.logs.FAILED_RUN_S`) and their reasons go
     to ``errors``. ``references`` (per context, its
-    :class:`~thomas_tune.kernel_check.Reference`): each candidate's outputs are checked
+    :class:`~thomas_tune.kernel_reference.Reference`): each candidate's outputs are checked
     against its task's before it is timed (:func:`measure_kernels`).
     ``progress`` (per context) gets the trials, errors and best times. Returns ``{"measured",
     "failed", "better", "seconds"}``: candidates measured, failed, tasks whose best record

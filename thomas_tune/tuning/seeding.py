@@ -3,6 +3,7 @@ here."""
 
 from __future__ import annotations
 
+import itertools
 import os
 import sys
 
@@ -64,84 +65,113 @@ def refine_seeds(contexts, progress, database, target, runner, builder, seeds, t
     trace does not apply to its workload here (another TVM, another graph), and ``resized``:
     candidates refitted from other shapes (before postprocessing; those it rejects are not
     measured)."""
-    twins: dict[int, list[tuple[LogDatabase, object]]] = {}
-    # family -> (seed log, workload, its extents, its structural hash)
-    families: dict[str, list[tuple[LogDatabase, object, tuple[int, ...], int]]] = {}
-    for _, seed in seeds:
-        for workload in seed.workloads:
-            try:
-                key = anchor_key(workload.mod)
-            except Exception:  # a kernel the block analysis cannot read: no twin
-                key = None
-            if key is not None:
-                twins.setdefault(key, []).append((seed, workload))
-            try:
-                kin, sizes = family_and_extents(workload.mod)
-            except Exception:  # a kernel TVMScript cannot print: no family
-                continue
-            families.setdefault(kin, []).append(
-                (seed, workload, sizes, int(tvm_ffi.structural_hash(workload.mod))))
-    unusable, resized = [0], [0]
+    donors = _SeedDonors(seeds, top_k)
+    out = _measure_variants(contexts, progress, database, target, runner, builder,
+                            donors.candidates, errors, measured, references)
+    out["unusable"] = donors.unusable
+    out["resized"] = donors.resized
+    return out
 
-    def top(seed: LogDatabase, workload) -> list:
+
+class _SeedDonors:
+    """The workloads of the seed logs ``seeds`` indexed for one run, and the seed candidates
+    of a task drawn from them (:meth:`candidates`): ``twins`` by contraction
+    (:func:`thomas_tune.schedules.anchor_key` -> [(seed log, workload)]), ``families`` by
+    computation (:func:`.resized.family_and_extents` -> [(seed log, workload, its extents, its
+    structural hash)]). Counts ``unusable`` seed records (whose trace does not apply here)
+    and ``resized`` candidates (refitted from other shapes)."""
+
+    def __init__(self, seeds, top_k: int):
+        self.seeds, self.top_k = seeds, top_k
+        self.twins: dict[int, list[tuple[LogDatabase, object]]] = {}
+        self.families: dict[str, list[tuple[LogDatabase, object, tuple[int, ...], int]]] = {}
+        self.unusable = self.resized = 0
+        for _, seed in seeds:
+            for workload in seed.workloads:
+                self._index(seed, workload)
+
+    def _index(self, seed: LogDatabase, workload) -> None:
         try:
-            return seed.get_top_k(workload, top_k)
+            key = anchor_key(workload.mod)
+        except Exception:  # a kernel the block analysis cannot read: no twin
+            key = None
+        if key is not None:
+            self.twins.setdefault(key, []).append((seed, workload))
+        try:
+            kin, sizes = family_and_extents(workload.mod)
+        except Exception:  # a kernel TVMScript cannot print: no family
+            return
+        self.families.setdefault(kin, []).append(
+            (seed, workload, sizes, int(tvm_ffi.structural_hash(workload.mod))))
+
+    def top(self, seed: LogDatabase, workload) -> list:
+        """The ``top_k`` best records of ``workload`` in ``seed`` ([] where its traces do not
+        replay here: counted unusable)."""
+        try:
+            return seed.get_top_k(workload, self.top_k)
         except Exception:  # a trace that does not replay here
-            unusable[0] += 1
+            self.unusable += 1
             return []
 
-    def candidates(c, ctx, workload, best_s):
+    def candidates(self, c, ctx, workload, best_s):
+        """The seed traces of the task of ``ctx`` (the ``_measure_variants`` candidate
+        generator's signature): the records of the same kernel, then its twins' rewritten;
+        where there is none, those of the nearest shapes of its family, refitted."""
         own = int(tvm_ffi.structural_hash(ctx.mod))
         found = False
-        for _, seed in seeds:
-            same = seed.find_workload(ctx.mod)  # (no commit: a seed log is never written)
+        for trace in itertools.chain(self._same_kernel(ctx.mod), self._twins(ctx.mod, own)):
+            found = True
+            yield trace
+        if not found:
+            yield from self._other_shapes(ctx.mod, own)
+
+    def _same_kernel(self, mod):
+        for _, seed in self.seeds:
+            same = seed.find_workload(mod)  # (no commit: a seed log is never written)
             if same is not None:
-                for rec in top(seed, same):
+                for rec in self.top(seed, same):
                     try:
-                        yield list(before_postproc(*plain_json(rec.trace.as_json())))
-                        found = True
+                        trace = list(before_postproc(*plain_json(rec.trace.as_json())))
                     except TypeError:  # an object with no JSON form
-                        unusable[0] += 1
-        key = anchor_key(ctx.mod)
-        for seed, donor in twins.get(key, []) if key is not None else []:
+                        self.unusable += 1
+                        continue
+                    yield trace
+
+    def _twins(self, mod, own: int):
+        key = anchor_key(mod)
+        for seed, donor in self.twins.get(key, []) if key is not None else []:
             if int(tvm_ffi.structural_hash(donor.mod)) == own:
                 continue
-            for rec in top(seed, donor):
+            for rec in self.top(seed, donor):
                 try:
-                    trace = transferred(rec.trace.as_json(), donor.mod, ctx.mod)
+                    trace = transferred(rec.trace.as_json(), donor.mod, mod)
                 except TypeError:
                     trace = None
                 if trace is None:
-                    unusable[0] += 1
+                    self.unusable += 1
                 else:
-                    found = True
                     yield trace
-        if not found:
-            yield from other_shapes(ctx.mod, own)
 
-    def other_shapes(mod, own):
+    def _other_shapes(self, mod, own: int):
+        """The best record of each of the ``top_k`` nearest workloads of ``mod``'s family
+        (:func:`.resized.shape_distance`), then their second best and so on, ``top_k`` in all,
+        refitted to ``mod``'s extents (:func:`.resized.refitted`)."""
         try:
             kin, here = family_and_extents(mod)
         except Exception:  # a kernel TVMScript cannot print: no family
             return
-        near = sorted((d for d in families.get(kin, ()) if d[3] != own),
-                      key=lambda d: shape_distance(d[2], here))[:top_k]
-        ranked = [(donor, top(seed, donor)) for seed, donor, _, _ in near]
-        picks = [(donor, recs[depth]) for depth in range(top_k)
-                 for donor, recs in ranked if depth < len(recs)][:top_k]
+        near = sorted((d for d in self.families.get(kin, ()) if d[3] != own),
+                      key=lambda d: shape_distance(d[2], here))[:self.top_k]
+        ranked = [(donor, self.top(seed, donor)) for seed, donor, _, _ in near]
+        picks = [(donor, recs[depth]) for depth in range(self.top_k)
+                 for donor, recs in ranked if depth < len(recs)][:self.top_k]
         for donor, rec in picks:
             try:
                 trace = refitted(rec.trace.as_json(), donor.mod, mod)
             except TypeError:
                 trace = None
             if trace is None:
-                unusable[0] += 1
+                self.unusable += 1
             else:
-                resized[0] += 1
+                self.resized += 1
                 yield trace
-
-    out = _measure_variants(contexts, progress, database, target, runner, builder, candidates,
-                            errors, measured, references)
-    out["unusable"] = unusable[0]
-    out["resized"] = resized[0]
-    return out
