@@ -77,6 +77,38 @@ def update_kernel(shapes: list[tuple[int, ...]], inputs: tuple[str, ...],
     scalars, that the kernel adds one to (the optimizer's step count: no launch of its own).
     Raises ValueError for an empty list of shapes, for a ``counter`` without ``inplace``, and
     with ``inplace`` for an output whose name is not an input's with ``_new`` appended."""
+    over = _in_place_outputs(shapes, inputs, outputs, inplace, counter)
+    sizes = [int(np.prod(s)) if len(s) else 1 for s in shapes]
+    offsets = np.cumsum([0, *sizes]).tolist()
+    total = offsets[-1]
+    stored = tuple(o for o in outputs if o not in over)  # outputs with buffers of their own
+    layout = _Layout(shapes, sizes, dtype, inputs, outputs, over, shared, counter)
+    views = [f"{name}{j}_ = T.decl_buffer(({sizes[j]},), '{dtype}', data={name}{j}.data)"
+             for j in range(len(shapes)) for name in (*inputs, *stored)]
+    body: list[str] = []
+    if counter:  # one work-item counts the step
+        body.append(f"{' ' * 12}if vi == 0:")
+        body.append(f"{' ' * 16}{counter}_w[0] = {counter}[()] + T.int64(1)")
+    _chain(layout, offsets, body, 0, len(shapes), " " * 12)
+    text = "\n".join([
+        "@T.prim_func(s_tir=True)",
+        f"def main({', '.join(layout.arguments(stored))}):",
+        "    T.func_attr({'tirx.noalias': True})",
+        *("    " + w for w in layout.written()),
+        f"    for i in range({total}):",
+        "        with T.sblock('update'):",
+        f"            vi = T.axis.spatial({total}, i)",
+        f"            T.reads({layout.reads()})",
+        f"            T.writes({layout.writes()})",
+        *("            " + v for v in views),
+        *body, ""])
+    return tvm.script.from_source(text)
+
+
+def _in_place_outputs(shapes, inputs, outputs, inplace, counter) -> dict[str, str]:
+    """:func:`update_kernel`'s arguments checked: the in-place outputs, each ``X_new`` mapped
+    to the input ``X`` it overwrites (empty unless ``inplace``). Raises ValueError as
+    :func:`update_kernel` says."""
     if not shapes:
         raise ValueError("update_kernel: no tensor to update")
     if counter and not inplace:
@@ -86,81 +118,89 @@ def update_kernel(shapes: list[tuple[int, ...]], inputs: tuple[str, ...],
     if bad:
         raise ValueError(f"update_kernel: in-place outputs {bad} name no input (an output "
                          f"X_new overwrites the input X; inputs {list(inputs)})")
-    sizes = [int(np.prod(s)) if len(s) else 1 for s in shapes]
-    offsets = np.cumsum([0, *sizes]).tolist()
-    total = offsets[-1]
-    stored = tuple(o for o in outputs if o not in over)  # outputs with buffers of their own
-    names = (*inputs, *stored)
+    return over
 
-    def region(name, j):
-        shape = shapes[j]
+
+class _Layout:
+    """The buffers of one :func:`update_kernel`: per tensor ``j`` of ``shapes`` (elements
+    ``sizes[j]``) a buffer per input and per stored output, named ``<name><j>``; the shared
+    scalars; the step counter; the in-place outputs ``over`` (output -> the input it
+    overwrites), written through a second flat view ``<input><j>_w``. Its methods give the
+    TVMScript text of the kernel's arguments, its flat write views and its block's read and
+    write regions."""
+
+    def __init__(self, shapes, sizes, dtype, inputs, outputs, over, shared, counter):
+        self.shapes, self.sizes, self.dtype = shapes, sizes, dtype
+        self.inputs, self.outputs, self.over = inputs, outputs, over
+        self.shared, self.counter = shared, counter
+
+    def region(self, name: str, j: int) -> str:
+        shape = self.shapes[j]
         return f"{name}{j}[{', '.join(f'0:{d}' for d in shape)}]" if shape else f"{name}{j}[()]"
 
-    def arg(name, j):
-        return f"{name}{j}: T.Buffer({tuple(shapes[j])}, '{dtype}')"
+    def arguments(self, stored: tuple[str, ...]) -> list[str]:
+        """call_tir's order: the shared scalars, the counter, every input, then every output."""
+        def arg(name, j):
+            return f"{name}{j}: T.Buffer({tuple(self.shapes[j])}, '{self.dtype}')"
+        n = range(len(self.shapes))
+        return ([f"{name}: T.Buffer((), '{self.dtype}')" for name in self.shared]
+                + ([f"{self.counter}: T.Buffer((), 'int64')"] if self.counter else [])
+                + [arg(name, j) for j in n for name in self.inputs]
+                + [arg(name, j) for j in n for name in stored])
 
-    # call_tir's order: every input, then every output
-    args = [f"{name}: T.Buffer((), '{dtype}')" for name in shared] + \
-        ([f"{counter}: T.Buffer((), 'int64')"] if counter else []) + \
-        [arg(name, j) for j in range(len(shapes)) for name in inputs] + \
-        [arg(name, j) for j in range(len(shapes)) for name in stored]
-    views = [f"{name}{j}_ = T.decl_buffer(({sizes[j]},), '{dtype}', data={name}{j}.data)"
-             for j in range(len(shapes)) for name in names]
-    body: list[str] = []
+    def written(self) -> list[str]:
+        """The flat views an overwritten input (and the counter) is written through, declared
+        before the loop: a block that reads and writes one buffer has no GPU schedule in
+        dlight (each element is read before it is written, by the same iteration, so this is
+        exact)."""
+        out = [f"{self.over[n]}{j}_w = T.decl_buffer(({self.sizes[j]},), '{self.dtype}', "
+               f"data={self.over[n]}{j}.data)" for j in range(len(self.shapes))
+               for n in self.outputs if n in self.over]
+        if self.counter:
+            out.append(f"{self.counter}_w = T.decl_buffer((1,), 'int64', "
+                       f"data={self.counter}.data)")
+        return out
 
-    def leaf(j: int, indent: str) -> None:
-        i = f"vi - {offsets[j]}"
-        env = {name: f"{name}{j}_[{i}]" for name in inputs}
-        env.update({name: f"{name}[()]" for name in shared})
-        for out, expr in outputs.items():  # every new value bound first, then stored
-            text = expr
-            for name in sorted(env, key=len, reverse=True):
-                text = _substitute(text, name, env[name])
-            body.append(f"{indent}{out}_{j}: T.{dtype} = {text}")  # (buffer {out}{j})
-            env[out] = f"{out}_{j}"
-        body.extend(f"{indent}{over[out]}{j}_w[{i}] = {out}_{j}" if out in over
-                    else f"{indent}{out}{j}_[{i}] = {out}_{j}" for out in outputs)
+    def reads(self) -> str:
+        return ", ".join([f"{name}[()]" for name in self.shared]
+                         + ([f"{self.counter}[()]"] if self.counter else [])
+                         + [self.region(n, j) for j in range(len(self.shapes))
+                            for n in self.inputs])
 
-    def chain(lo: int, hi: int, indent: str) -> None:
-        if hi - lo == 1:
-            leaf(lo, indent)
-            return
-        mid = (lo + hi) // 2
-        body.append(f"{indent}if vi < {offsets[mid]}:")
-        chain(lo, mid, indent + "    ")
-        body.append(f"{indent}else:")
-        chain(mid, hi, indent + "    ")
+    def writes(self) -> str:
+        return ", ".join(([f"{self.counter}_w[0:1]"] if self.counter else [])
+                         + [f"{self.over[n]}{j}_w[0:{self.sizes[j]}]" if n in self.over
+                            else self.region(n, j)
+                            for j in range(len(self.shapes)) for n in self.outputs])
 
-    if counter:  # one work-item counts the step
-        body.insert(0, f"{' ' * 12}if vi == 0:")
-        body.insert(1, f"{' ' * 16}{counter}_w[0] = {counter}[()] + T.int64(1)")
-    chain(0, len(shapes), " " * 12)
-    reads = ", ".join([f"{name}[()]" for name in shared] + ([f"{counter}[()]"] if counter else [])
-                      + [region(n, j) for j in range(len(shapes)) for n in inputs])
-    # an overwritten input is written through a second flat view of its data, declared
-    # before the loop: a block that reads and writes one buffer has no GPU schedule in dlight
-    # (each element is read before it is written, by the same iteration, so this is exact)
-    written = [f"{over[n]}{j}_w = T.decl_buffer(({sizes[j]},), '{dtype}', "
-               f"data={over[n]}{j}.data)" for j in range(len(shapes)) for n in outputs
-               if n in over]
-    if counter:
-        written.append(f"{counter}_w = T.decl_buffer((1,), 'int64', data={counter}.data)")
-    writes = ", ".join(([f"{counter}_w[0:1]"] if counter else [])
-                       + [f"{over[n]}{j}_w[0:{sizes[j]}]" if n in over else region(n, j)
-                          for j in range(len(shapes)) for n in outputs])
-    text = "\n".join([
-        "@T.prim_func(s_tir=True)",
-        f"def main({', '.join(args)}):",
-        "    T.func_attr({'tirx.noalias': True})",
-        *("    " + w for w in written),
-        f"    for i in range({total}):",
-        "        with T.sblock('update'):",
-        f"            vi = T.axis.spatial({total}, i)",
-        f"            T.reads({reads})",
-        f"            T.writes({writes})",
-        *("            " + v for v in views),
-        *body, ""])
-    return tvm.script.from_source(text)
+
+def _leaf(layout: _Layout, offsets: list[int], body: list[str], j: int, indent: str) -> None:
+    """Tensor ``j``'s update as lines of ``body``: every new value bound first, then stored."""
+    i = f"vi - {offsets[j]}"
+    env = {name: f"{name}{j}_[{i}]" for name in layout.inputs}
+    env.update({name: f"{name}[()]" for name in layout.shared})
+    for out, expr in layout.outputs.items():
+        text = expr
+        for name in sorted(env, key=len, reverse=True):
+            text = _substitute(text, name, env[name])
+        body.append(f"{indent}{out}_{j}: T.{layout.dtype} = {text}")  # (buffer {out}{j})
+        env[out] = f"{out}_{j}"
+    body.extend(f"{indent}{layout.over[out]}{j}_w[{i}] = {out}_{j}" if out in layout.over
+                else f"{indent}{out}{j}_[{i}] = {out}_{j}" for out in layout.outputs)
+
+
+def _chain(layout: _Layout, offsets: list[int], body: list[str], lo: int, hi: int,
+           indent: str) -> None:
+    """Tensors ``lo`` to ``hi`` as a binary tree of ``if vi < offset`` over their flat
+    ranges, each leaf :func:`_leaf`."""
+    if hi - lo == 1:
+        _leaf(layout, offsets, body, lo, indent)
+        return
+    mid = (lo + hi) // 2
+    body.append(f"{indent}if vi < {offsets[mid]}:")
+    _chain(layout, offsets, body, lo, mid, indent + "    ")
+    body.append(f"{indent}else:")
+    _chain(layout, offsets, body, mid, hi, indent + "    ")
 
 
 def emit_update(bb: relax.BlockBuilder, name: str, tensors: list[list[relax.Expr]],
