@@ -156,10 +156,10 @@ def gpu_kernel(func: tvm.tirx.PrimFunc, threads: int) -> tvm.tirx.PrimFunc | Non
     if (2 * LANES + 2) * n * tvm.DataType(dt).bits // 8 > LOCAL_BYTES or n > MAX_ROWS:
         return None
     nl, kk = n * LANES, -(-c // LANES)
-    low, inv_n = float(np.finfo(dt).min), 1.0 / n
+    low = float(np.finfo(dt).min)
     levels = LANES.bit_length() - 1  # pairwise joins: LANES a power of two
     half = LANES // 2
-    row_levels = (n - 1).bit_length()  # levels of the pairwise sum over the rows
+    columns, total = _gpu_tail(n, c, dt, yt, threads)
 
     @T.prim_func
     def main(x: T.Buffer((n, c), dt), y: T.Buffer((n,), yt), loss: T.Buffer((), dt),
@@ -208,6 +208,25 @@ def gpu_kernel(func: tvm.tirx.PrimFunc, threads: int) -> tvm.tirx.PrimFunc | Non
                 row_max[q * threads + tx] = part_max[0]
                 row_sum[q * threads + tx] = part_sum[0]
         T.tvm_storage_sync("shared")
+        columns(x, y, row_max, row_sum, column, dx, dx_sum, tx)
+        if tx == 0:
+            total(x, y, row_max, row_sum, acc, loss)
+
+    return main
+
+
+def _gpu_tail(n: int, c: int, dt: str, yt: str, threads: int):
+    """The last two stages of :func:`gpu_kernel` as TVMScript macros (inlined where they are
+    called): ``columns``, each column of ``dx`` by one work-item, kept in its registers and
+    summed over the rows in :func:`_pairwise`'s tree into ``dx_sum``; ``total``, the loss (a
+    sum over the rows in order)."""
+    from tvm.script import tirx as T
+
+    inv_n = 1.0 / n
+    row_levels = (n - 1).bit_length()  # levels of the pairwise sum over the rows
+
+    @T.macro
+    def columns(x, y, row_max, row_sum, column, dx, dx_sum, tx):
         for q in range((c + threads - 1) // threads):
             if q * threads + tx < c:
                 for i in T.unroll(n):
@@ -221,14 +240,16 @@ def gpu_kernel(func: tvm.tirx.PrimFunc, threads: int) -> tvm.tirx.PrimFunc | Non
                             column[a * (2 << level)] = column[a * (2 << level)] + column[
                                 a * (2 << level) + (1 << level)]
                 dx_sum[q * threads + tx] = column[0]
-        if tx == 0:
-            acc[0] = T.Cast(dt, 0)
-            for i in range(n):
-                acc[0] = acc[0] + (row_max[i] + T.log(row_sum[i]) - x[i, y[i]]) * T.Cast(
-                    dt, inv_n)
-            loss[()] = acc[0]
 
-    return main
+    @T.macro
+    def total(x, y, row_max, row_sum, acc, loss):
+        acc[0] = T.Cast(dt, 0)
+        for i in range(n):
+            acc[0] = acc[0] + (row_max[i] + T.log(row_sum[i]) - x[i, y[i]]) * T.Cast(
+                dt, inv_n)
+        loss[()] = acc[0]
+
+    return columns, total
 
 
 def one_group_kernels(mod: tvm.IRModule, target: tvm.target.Target) -> tvm.IRModule:
