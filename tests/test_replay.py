@@ -102,7 +102,7 @@ def test_replay_time_coverage_of_a_gpu_log(capsys):
     from thomas_tune import graph as G
     from thomas_tune.logs import TuningLog
     from thomas_tune.models import build
-    from thomas_tune.record_check import checked_build
+    from thomas_tune.build_plan import BuildPlan
     from thomas_tune.target import parse_target
     from thomas_tune.tasks import extract, key
     from thomas_tune.tuning.defaults import default_schedule_key
@@ -123,13 +123,13 @@ def test_replay_time_coverage_of_a_gpu_log(capsys):
     model = build("mobilenet_v2", width=0.35, resolution=64, num_classes=10)
     graphs = {"infer": G.inference_module(model, 1),
               "train": G.training_module(model, 8, "all").mod}
-    built = checked_build(TuningLog(gpu_log), target, graphs, check=False)
-    database = built["database"]
+    plan = BuildPlan.from_log(TuningLog(gpu_log), target, graphs)
+    database = plan.database
     with open(os.path.join(gpu_log, "default_latency.json")) as f:
         cached = json.load(f)
     total = tuned = 0.0
     counted = {True: 0, False: 0}
-    for task in extract(graphs, target, built["winograd"]):
+    for task in extract(graphs, target, plan.winograd):
         k = key(task)
         secs = cached["seconds"].get(k)
         if secs is None or cached["schedules"].get(k) != default_schedule_key(task.mod, target):
