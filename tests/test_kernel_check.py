@@ -491,3 +491,18 @@ def test_a_batchnorm_over_too_few_values_is_not_checked_to_the_bounds():
     assert not few.ok and "not checkable" in few.line(), few.line()
     enough = reference_steps(model, tensors, names, 8, seed=3, batches=1)["yardstick"]
     assert enough.few_bn_values is None
+
+
+def test_the_record_check_builds_nothing():
+    """record_check checks the records a build plan applies and returns the wrong ones: it
+    imports nothing of the build above it (compile, tasks, export, build_plan), anywhere in
+    the module, so the plan is made and remade in one place."""
+    import ast
+
+    from thomas_tune import record_check
+    with open(record_check.__file__) as f:
+        tree = ast.parse(f.read())
+    imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.level}
+    imported |= {f"{n.module or ''}.{a.name}".strip(".") for n in ast.walk(tree)
+                 if isinstance(n, ast.ImportFrom) and n.level for a in n.names}
+    assert not imported & {"compile", "tasks", "export", "build_plan", "replay"}, imported
