@@ -491,3 +491,48 @@ def test_a_batchnorm_over_too_few_values_is_not_checked_to_the_bounds():
     assert not few.ok and "not checkable" in few.line(), few.line()
     enough = reference_steps(model, tensors, names, 8, seed=3, batches=1)["yardstick"]
     assert enough.few_bn_values is None
+
+
+def test_the_record_check_builds_nothing():
+    """record_check checks the records a build plan applies and returns the wrong ones: it
+    imports nothing of the build above it (compile, tasks, export, build_plan), anywhere in
+    the module, so the plan is made and remade in one place."""
+    import ast
+
+    from thomas_tune import record_check
+    with open(record_check.__file__) as f:
+        tree = ast.parse(f.read())
+    imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.level}
+    imported |= {f"{n.module or ''}.{a.name}".strip(".") for n in ast.walk(tree)
+                 if isinstance(n, ast.ImportFrom) and n.level for a in n.names}
+    assert not imported & {"compile", "tasks", "export", "build_plan", "replay"}, imported
+
+
+def test_log_check_sets_a_wrong_record_aside(tmp_path, target):
+    """``log check --records`` (:func:`thomas_tune.build_plan.set_aside_wrong`) moves the
+    wrong ReLU6-gradient record to ``database_tuning_record.json.rejected`` with its reason,
+    and the plan made from the log afterwards applies no record of that kernel."""
+    import json
+
+    from tvm.s_tir import meta_schedule as ms
+    from tvm.s_tir.meta_schedule.arg_info import ArgInfo
+
+    from thomas_tune import graph as G
+    from thomas_tune.build_plan import BuildPlan, set_aside_wrong
+    from thomas_tune.logs import TuningLog
+    model, task, sch = _relu6_mask_task(target)
+    os.makedirs(tmp_path / "log")
+    log = TuningLog(str(tmp_path / "log"))
+    database = log.database(check=False)
+    database.commit_tuning_record(ms.database.TuningRecord(
+        sch.trace, database.commit_workload(task.mod), [1e-7], target,
+        ArgInfo.from_prim_func(task.mod["main"])))
+    graphs = {"train": G.training_module(model, BATCH, TRAINABLE).mod}
+    said = []
+    assert set_aside_wrong(log, target, graphs, say=said.append) == 1
+    assert len(said) == 1 and "1 wrong record(s) set aside" in said[0], said
+    with open(log.record_path + ".rejected") as f:
+        rows = [json.loads(line) for line in f]
+    assert len(rows) == 1 and rows[0]["reason"].startswith("wrong result"), rows
+    plan = BuildPlan.from_log(TuningLog(str(tmp_path / "log")), target, graphs)
+    assert plan.database.query_tuning_record(task.mod, target, "main") is None

@@ -102,7 +102,7 @@ def test_replay_time_coverage_of_a_gpu_log(capsys):
     from thomas_tune import graph as G
     from thomas_tune.logs import TuningLog
     from thomas_tune.models import build
-    from thomas_tune.record_check import checked_build
+    from thomas_tune.build_plan import BuildPlan
     from thomas_tune.target import parse_target
     from thomas_tune.tasks import extract, key
     from thomas_tune.tuning.defaults import default_schedule_key
@@ -123,19 +123,23 @@ def test_replay_time_coverage_of_a_gpu_log(capsys):
     model = build("mobilenet_v2", width=0.35, resolution=64, num_classes=10)
     graphs = {"infer": G.inference_module(model, 1),
               "train": G.training_module(model, 8, "all").mod}
-    built = checked_build(TuningLog(gpu_log), target, graphs, check=False)
-    database = built["database"]
+    plan = BuildPlan.from_log(TuningLog(gpu_log), target, graphs)
+    database = plan.database
     with open(os.path.join(gpu_log, "default_latency.json")) as f:
         cached = json.load(f)
     total = tuned = 0.0
     counted = {True: 0, False: 0}
-    for task in extract(graphs, target, built["winograd"]):
+    def applied_in(db, task):
+        return bool(db.has_workload(task.mod) and db.get_top_k(db.commit_workload(task.mod), 1))
+
+    assert [key(t) for t in plan.tasks] == [key(t) for t in extract(graphs, target,
+                                                                    plan.winograd)]
+    for task in plan.tasks:
         k = key(task)
         secs = cached["seconds"].get(k)
         if secs is None or cached["schedules"].get(k) != default_schedule_key(task.mod, target):
             continue  # not timed, failed, or timed on another kernel than today's
-        applied = bool(database.has_workload(task.mod) and database.get_top_k(
-            database.commit_workload(task.mod), 1))
+        applied = applied_in(database, task)
         total += task.weight * secs
         tuned += task.weight * secs if applied else 0.0
         counted[applied] += 1
@@ -144,6 +148,15 @@ def test_replay_time_coverage_of_a_gpu_log(capsys):
     assert counted[True] > 0 and counted[False] > 0 and math.isfinite(total)
     assert abs(share - 100 * tuned / total) <= 0.05 + 1e-9, captured.out
     assert abs(untuned_ms - 1e3 * total) <= 0.005 + 1e-9, captured.out
+
+    # the plan made again without a record (as for a wrong one): that kernel alone loses it
+    first = next(t for t in plan.tasks if applied_in(database, t))
+    fewer = plan.without({key(first): "left out"})
+    assert fewer.wrong == {key(first): "left out"} and plan.wrong == {}
+    assert not applied_in(fewer.database, first)
+    kept = {key(t) for t in fewer.tasks} - {key(first)}
+    assert all(applied_in(fewer.database, t) for t in plan.tasks
+               if key(t) in kept and applied_in(database, t))
 
 
 SMALL_MNV2 = ["--width", "0.35", "--resolution", "64", "--classes", "10", "--batch", "8"]

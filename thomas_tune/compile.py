@@ -97,7 +97,7 @@ def tuned_build(log, target: tvm.target.Target, exclude: set[str] = frozenset()
     than the untuned one. (A search stopped early can leave records many times slower than the
     default schedule.) Without such times every record is used. The workloads of
     ``exclude`` (workload keys: records found to compute wrong numbers,
-    :func:`thomas_tune.record_check.checked_build`) keep their default schedule too, and their
+    :func:`thomas_tune.build_plan.check_plan`) keep their default schedule too, and their
     time as built is the default's where known. Raises what :meth:`TuningLog.database`
     raises."""
     import math

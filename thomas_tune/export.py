@@ -39,7 +39,8 @@ from tvm import relax
 
 from .compile import compile_graph
 from .tasks import frozen_slots
-from .record_check import checked_build
+from .build_plan import BuildPlan, check_plan
+from .record_check import check_in_background, wait_background
 from .dropout import draw_masks_function
 from .manifest import (ADJOINT, FEATURES, FORMAT, MANIFEST,  # noqa: F401
                        PACK_OPTIMIZER_STATE, PACK_TRAINABLE, PREDICT, TRAIN_STEP,
@@ -171,14 +172,14 @@ def _refuse_unchecked_log(target: tvm.target.Target, log: TuningLog | None,
 
 
 def _write_libraries(out_dir: str, mods: _GraphModules, target: tvm.target.Target, rules,
-                     progress, built: dict | None) -> dict:
-    """Compile both modules of ``mods`` with ``built``'s schedules (a
-    :func:`thomas_tune.record_check.checked_build` result; None: default schedules, ``rules``
-    for them, None for thomas_tune's) and write ``inference.so`` and ``train.so`` into
-    ``out_dir``, linked for the target's host. Returns the Winograd choice they were built
-    with (``{"infer": set, "train": set}`` of :class:`thomas_tune.winograd_form.Conv`)."""
-    database = built["database"] if built else None
-    wino = built["winograd"] if built else {"infer": set(), "train": set()}
+                     progress, plan: BuildPlan | None) -> dict:
+    """Compile both modules of ``mods`` with ``plan``'s schedules and Winograd choice (None:
+    default schedules, ``rules`` for them, None for thomas_tune's) and write ``inference.so``
+    and ``train.so`` into ``out_dir``, linked for the target's host. Returns the Winograd
+    choice they were built with (``{"infer": set, "train": set}`` of
+    :class:`thomas_tune.winograd_form.Conv`)."""
+    database = plan.database if plan else None
+    wino = plan.winograd if plan else {"infer": set(), "train": set()}
     if wino["infer"] or wino["train"]:
         progress(f"Winograd form for {len(wino['infer'])} inference and "
                  f"{len(wino['train'])} training convolution(s): their tuned kernels are "
@@ -199,29 +200,39 @@ def _write_libraries(out_dir: str, mods: _GraphModules, target: tvm.target.Targe
 def _build_with_log(log: TuningLog | None, version, target: tvm.target.Target,
                     mods: _GraphModules, write, check_records: bool, progress
                     ) -> tuple[dict, dict]:
-    """Write the libraries (``write(built)``, :func:`_write_libraries`) with the records of
+    """Write the libraries (``write(plan)``, :func:`_write_libraries`) with the records of
     ``log`` (of code-generation ``version``, :meth:`thomas_tune.logs.TuningLog.version`) that
-    pass the record check, or with default schedules without a log. The records
-    are checked in child processes while this one compiles with all of them; a wrong one
-    (rare) means compiling again without it. Returns the Winograd choice and the manifest's
-    ``record_check`` (``checked``, ``wrong``, ``unchecked``)."""
-    checks = {"checked": None, "wrong": {}, "unchecked": "no tuning log"}
+    pass the record check, or with default schedules without a log. The build's plan
+    (:class:`thomas_tune.build_plan.BuildPlan`) is made once; its records are checked in child
+    processes while this one compiles with all of them, and a wrong one (rare) means
+    compiling again with the plan made without it (:func:`thomas_tune.build_plan.check_plan`).
+    Returns the Winograd choice and the manifest's ``record_check`` (``checked``, ``wrong``,
+    ``unchecked``)."""
     if version is not None and version.status != "current":
         progress(f"tuning log {log.path}: its records were measured with {version.line()}; "
                  "their times are used as they are ('thomas-tune export' refuses such a log "
                  "without --any-codegen)")
     if log is None:
-        return write(None), checks
-    built = checked_build(log, target, {"infer": mods.infer, "train": mods.train},
-                          check=check_records, say=progress,
-                          meanwhile=write if check_records else None)
-    checks = {k: built[k] for k in ("checked", "wrong", "unchecked")}
+        return write(None), {"checked": None, "wrong": {}, "unchecked": "no tuning log"}
+    plan = BuildPlan.from_log(log, target, {"infer": mods.infer, "train": mods.train})
     if not check_records:
-        checks["unchecked"] = "--no-check: the records were applied unchecked"
-    if built["slower"]:
-        progress(f"{built['slower']} workload(s) keep their default schedule: their best "
+        checked, checks = plan, {"checked": None, "wrong": {},
+                                 "unchecked": "--no-check: the records were applied unchecked"}
+        wino = write(plan)
+    else:
+        t0 = time.perf_counter()
+        background = check_in_background(plan.tasks, plan.database, target)
+        try:
+            wino = write(plan)
+        except BaseException:
+            wait_background(background, kill=True)
+            raise
+        wait_background(background, say=progress)
+        checked, checks = check_plan(plan, say=progress, started=t0)
+    if checked.slower:
+        progress(f"{checked.slower} workload(s) keep their default schedule: their best "
                  "tuning record is slower on the device")
-    return (built["meanwhile"] if built.get("as_planned") else write(built)), checks
+    return (wino if checked is plan else write(checked)), checks
 
 
 def _build_manifest(model, target: tvm.target.Target, mods: _GraphModules, wino: dict,
@@ -307,8 +318,8 @@ def export(out_dir: str, model, tensors: dict[str, np.ndarray], target: tvm.targ
     (``schedules.STOCK_RULES``), not thomas_tune's (a baseline for ``bench``).
     ``check_records``: each tuning record the build applies is first run on this machine's
     device and compared with its default schedule; a wrong one is left out with a message
-    (:func:`thomas_tune.record_check.checked_build`; the manifest's ``record_check`` says
-    how many were checked, which were left out and why, or why none could be checked; with
+    (:func:`thomas_tune.build_plan.check_plan`; the manifest's ``record_check`` says how many
+    were checked, which were left out and why, or why none could be checked; with
     ``check_records`` False, that they were applied unchecked).
     ``cache_features``: the training module also holds the step split at the frozen part's
     output (``graph.training_module(..., features=True)``), which ``train --cache-features``

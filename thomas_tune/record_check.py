@@ -13,9 +13,12 @@ GPU target's kernels run on PoCL's CPU device as long as its work-group and loca
 limits fit PoCL's (4,096 work-items; the H100 target asks for at most 256), which is how CI
 checks the committed GPU logs. Results are cached per record, target and device in
 ``$THOMAS_TUNE_CACHE/record_checks.jsonl`` (default ``~/.cache/thomas_tune``): a second
-export of the same log checks nothing again. ``export`` runs the checks in child processes
-(one per core, at most 4, each with a share of the records) while it compiles with every record
-(:func:`checked_build`'s ``meanwhile``), and compiles again only when a record turns out wrong.
+export of the same log checks nothing again. ``export`` starts the checks in child processes
+(:func:`check_in_background`: one per core, at most 4, each with a share of the records) and
+compiles with every record meanwhile, then reads their results (:func:`wrong_records`) and
+compiles again only when a record turns out wrong. What a build applies comes from its
+:class:`thomas_tune.build_plan.BuildPlan`; this module only checks records: it builds nothing
+else.
 """
 
 from __future__ import annotations
@@ -26,12 +29,27 @@ import os
 import subprocess
 import sys
 import time
+from typing import NamedTuple
 
 import tvm
 import tvm_ffi
 
 from . import kernel_check as kc
 from . import kernel_reference as kr
+
+
+class _Kernel(NamedTuple):
+    """A kernel to check: its name (for messages) and its TIR module; a
+    :class:`thomas_tune.tasks.Task` serves as well."""
+
+    name: str
+    mod: tvm.IRModule
+
+
+def _key(mod: tvm.IRModule) -> str:
+    """A workload's key: the structural hash of its TIR module in decimal, as
+    :func:`thomas_tune.tasks.key` and the tuning records have it."""
+    return str(tvm_ffi.structural_hash(mod))
 
 
 class CheckUnavailable(RuntimeError):
@@ -121,7 +139,7 @@ def check_records(tasks, database, target, seed: int = 0, progress=None,
     per core)."""
     dev, device_name = local_device(target)
     out, todo = _pending(tasks, database, target, device_name)
-    for (key, rid, _, _), why in zip(todo, _run_checks([(t, rec) for _, _, t, rec in todo],
+    for (key, rid, _, _), why in zip(todo, run_checks([(t, rec) for _, _, t, rec in todo],
                                                        target, dev, seed, progress,
                                                        build_workers)):
         out[key] = why
@@ -133,7 +151,6 @@ def _pending(tasks, database, target, device_name: str):
     """The results cached for the records ``database`` applies to ``tasks`` on the device
     ``device_name`` (workload key -> None or the reason), and the records not checked there
     yet: (workload key, record id, task, record)."""
-    from .tasks import key as workload_key
     cached = _read_cache()
     out: dict[str, str | None] = {}
     todo = []
@@ -141,7 +158,7 @@ def _pending(tasks, database, target, device_name: str):
         rec = database.query_tuning_record(t.mod, target, "main")
         if rec is None:
             continue
-        key, rid = workload_key(t), record_id(rec, target, device_name)
+        key, rid = _key(t.mod), record_id(rec, target, device_name)
         if rid in cached:
             out[key] = cached[rid]
         else:
@@ -226,17 +243,16 @@ def _check_folder(folder: str, build_workers: int | None = None) -> None:
     ``build_workers`` processes (None: one per core)."""
     from tvm.s_tir import meta_schedule as ms
 
-    from .tasks import Task
     with open(os.path.join(folder, "target.json")) as f:
         target = tvm.target.Target(json.loads(f.read()))
     db = ms.database.JSONDatabase(os.path.join(folder, "workloads.json"),
                                   os.path.join(folder, "records.json"), allow_missing=False)
-    tasks = [Task(f"record {i}", rec.workload.mod, 0.0)
+    tasks = [_Kernel(f"record {i}", rec.workload.mod)
              for i, rec in enumerate(db.get_all_tuning_records())]
     check_records(tasks, db, target, build_workers=build_workers)
 
 
-def _run_checks(items, target, dev, seed: int = 0, progress=None,
+def run_checks(items, target, dev, seed: int = 0, progress=None,
                 build_workers: int | None = None) -> list[str | None]:
     """Check each (task, record) of ``items`` on ``dev``: None (right) or the reason. Both
     kernels of every record are built at once by ``build_workers`` processes (None: one per
@@ -278,143 +294,56 @@ def _run_checks(items, target, dev, seed: int = 0, progress=None,
     return out
 
 
-def checked_build(log, target, graphs: dict[str, tvm.IRModule], check: bool = True,
-                  say=print, meanwhile=None) -> dict:
-    """What a build with tuning log ``log`` compiles ``graphs`` (name -> unfused Relax module)
-    with, every applied record checked (:func:`check_records`) unless ``check`` is False:
-    ``{"database", "slower", "kernel_ms", "winograd" (graph name -> convolutions in the
-    Winograd form), "wrong" (workload key -> reason, the records left out), "checked" (records
-    checked, or None where they could not be: ``"unchecked"`` says why)}``.
+class RecordChecks:
+    """The results of the record checks of one build, over every round of
+    :func:`wrong_records`: ``results`` (workload key -> None, right, or the reason it is
+    wrong) and ``unchecked`` (why no record could be checked, or None)."""
 
-    Leaving a record out can change which convolutions take the Winograd form (the choice
-    compares kernel times), and so the tasks: the check runs again on the new tasks until no
-    new record fails. ``say`` gets one line per record left out.
+    def __init__(self):
+        self.results: dict[str, str | None] = {}
+        self.unchecked: str | None = None
 
-    ``meanwhile(plan)``: work on the build that assumes every record right (the compile),
-    done while the records are checked in child processes (:func:`check_in_background`):
-    ``plan`` is this function's result with ``check`` False. Its return value is
-    ``out["meanwhile"]``, and ``out["as_planned"]`` says whether the checks left every record
-    in (else the work must be done again with ``out``). A wrong record is rare, so the checks
-    (a device run of each record: most of an export's time on PoCL) cost no time of their own.
-    """
-    if check and meanwhile is not None:
-        from .tasks import extract
-        plan = checked_build(log, target, graphs, check=False)
-        t0 = time.perf_counter()
-        checks = check_in_background(extract(graphs, target, plan["winograd"]),
-                                     plan["database"], target)
-        try:
-            result = meanwhile(plan)
-        except BaseException:
-            wait_background(checks, kill=True)
-            raise
-        wait_background(checks, say=say)
-        out = _checked_build(log, target, graphs, True, say, t0)
-        out["meanwhile"], out["as_planned"] = result, not out["wrong"]
-        return out
-    return _checked_build(log, target, graphs, check, say, None)
+    @property
+    def checked(self) -> int | None:
+        """Records checked, or None where they could not be."""
+        return None if self.unchecked is not None else len(self.results)
 
 
-def _checked_build(log, target, graphs, check: bool, say, started: float | None) -> dict:
-    """:func:`checked_build` without ``meanwhile``; ``started``: when the checks began (for the
-    message; None: now)."""
-    from .compile import tuned_build, winograd_choice
-    from .tasks import extract
-    from .tasks import key as workload_key
-    wrong: dict[str, str] = {}
-    checked: dict[str, str | None] = {}
-    out = {"wrong": wrong, "checked": None, "unchecked": None}
-    while True:
-        database, slower, kernel_ms = tuned_build(log, target, exclude=set(wrong))
-        chosen = {name: winograd_choice(mod, kernel_ms, log, target)
-                  for name, mod in graphs.items()}
-        out.update(database=database, slower=slower, kernel_ms=kernel_ms, winograd=chosen)
-        if not check:
-            return out
-        tasks = [t for t in extract(graphs, target, chosen) if workload_key(t) not in checked]
-        try:
-            t0 = time.perf_counter() if started is None else started
-            results = check_records(tasks, database, target)
-        except CheckUnavailable as err:
-            out["unchecked"] = str(err)
-            say(f"tuning records not checked: {err}")
-            return out
-        checked.update(results)
-        out["checked"] = len(checked)
-        if not checked:
-            say(f"tuning log {log.path} holds no usable record for this build: none of its "
-                f"{len(tasks)} kernels has a record faster than its default schedule, so every "
-                "kernel keeps its default schedule (tune this model, batch and target into the "
-                "log first)")
-        new = {k: why for k, why in results.items() if why is not None}
-        for k, why in new.items():
-            name = next((t.name for t in tasks if workload_key(t) == k), k)
-            say(f"tuning record of {name} left out, the kernel keeps its default schedule: "
-                f"{why}")
-        if results:
-            say(f"checked {len(results)} tuning record(s) on this machine's device in "
-                f"{time.perf_counter() - t0:.0f} s: {len(new)} wrong")
-        started = None
-        if not new:
-            return out
-        wrong.update(new)
+def wrong_records(plan, tally: RecordChecks, say=print,
+                  started: float | None = None) -> dict[str, str]:
+    """Check the records that ``plan`` (a :class:`thomas_tune.build_plan.BuildPlan`: its
+    ``tasks``, ``database``, ``target`` and ``log``) applies and ``tally`` holds no result for
+    (:func:`check_records`); the results go into ``tally``. Returns the records found wrong
+    (workload key -> reason); {} when every one is right, and when none can be checked here
+    (``tally.unchecked`` then says why). ``say`` gets one line per wrong record, one for the
+    round, and one when the log has no record for this build; ``started``: when the checks
+    began (``time.perf_counter()``, for the message; None: now)."""
+    tasks = [t for t in plan.tasks if _key(t.mod) not in tally.results]
+    try:
+        t0 = time.perf_counter() if started is None else started
+        results = check_records(tasks, plan.database, plan.target)
+    except CheckUnavailable as err:
+        tally.unchecked = str(err)
+        say(f"tuning records not checked: {err}")
+        return {}
+    tally.results.update(results)
+    if not tally.results:
+        say(f"tuning log {plan.log.path} holds no usable record for this build: none of its "
+            f"{len(tasks)} kernels has a record faster than its default schedule, so every "
+            "kernel keeps its default schedule (tune this model, batch and target into the "
+            "log first)")
+    new = {k: why for k, why in results.items() if why is not None}
+    for k, why in new.items():
+        name = next((t.name for t in tasks if _key(t.mod) == k), k)
+        say(f"tuning record of {name} left out, the kernel keeps its default schedule: "
+            f"{why}")
+    if results:
+        say(f"checked {len(results)} tuning record(s) on this machine's device in "
+            f"{time.perf_counter() - t0:.0f} s: {len(new)} wrong")
+    return new
 
 
-def set_aside_wrong(log, target, graphs: dict[str, tvm.IRModule], say=print,
-                    batch: int = 8) -> int:
-    """Check the records a build of ``graphs`` applies from ``log`` (an unpacked
-    :class:`~thomas_tune.logs.TuningLog`) and move each wrong one to
-    ``database_tuning_record.json.rejected`` with its reason. For a workload whose applied
-    record is wrong, its next-fastest records are checked, ``batch`` at a time, until a right
-    one is found (or none is left); then the build's tasks are taken again (leaving a record out
-    can change the Winograd choice) until every applied record is right. Returns the number of
-    records set aside. Raises ValueError for a packed log ('thomas-tune log unpack' first) and
-    :class:`CheckUnavailable` when no device here runs the target."""
-    import math
-
-    from .compile import tuned_build, winograd_choice
-    from .tasks import extract
-    from .tasks import key as workload_key
-    from .logs import mean_run_seconds
-    log.require_writable()
-    dev, _ = local_device(target)
-    total = 0
-    while True:
-        database, _, kernel_ms = tuned_build(log, target)
-        chosen = {name: winograd_choice(mod, kernel_ms, log, target)
-                  for name, mod in graphs.items()}
-        tasks = extract(graphs, target, chosen)
-        results = check_records(tasks, database, target)
-        wrong_tasks = [t for t in tasks if results.get(workload_key(t)) is not None]
-        if not wrong_tasks:
-            return total
-        aside: dict[str, list[tuple[list[float], str]]] = {}  # key -> (run times, reason)
-        every = log.database(check=False)  # all records (the build's holds the best ones)
-        for t in wrong_tasks:
-            k = workload_key(t)
-            workload = every.commit_workload(t.mod)
-            recs = [r for r in every.get_top_k(workload, 1 << 20)
-                    if math.isfinite(mean_run_seconds(r.run_secs or []))]
-            found = []
-            for start in range(0, len(recs), batch):
-                chunk = recs[start:start + batch]
-                whys = _run_checks([(t, r) for r in chunk], target, dev)
-                for r, why in zip(chunk, whys):
-                    if why is None:
-                        break
-                    found.append(([float(x) for x in r.run_secs], why))
-                else:
-                    continue
-                break
-            aside[k] = found
-            right = "a right record remains" if len(found) < len(recs) else \
-                "no right record: the kernel keeps its default schedule"
-            say(f"{t.name}: {len(found)} wrong record(s) set aside, {right}; "
-                f"{found[0][1] if found else ''}")
-        total += _move_aside(log, aside)
-
-
-def _move_aside(log, aside: dict[str, list[tuple[list[float], str]]]) -> int:
+def move_aside(log, aside: dict[str, list[tuple[list[float], str]]]) -> int:
     """Move the record lines of ``aside`` (workload key -> [(run times, reason)]: a line is
     found by its workload and its run times, read back exactly as written) to
     ``database_tuning_record.json.rejected`` with the reason. Returns the lines moved. Raises
@@ -423,8 +352,8 @@ def _move_aside(log, aside: dict[str, list[tuple[list[float], str]]]) -> int:
 
     from .logs import rewrite_atomically
     with open(log.workload_path) as f:
-        wl_keys = [str(tvm_ffi.structural_hash(ms.database.Workload.from_json(
-            json.loads(line)).mod)) if line.strip() else None for line in f]
+        wl_keys = [_key(ms.database.Workload.from_json(json.loads(line)).mod)
+                   if line.strip() else None for line in f]
     with open(log.record_path) as f:
         lines = f.readlines()
     wanted = {(k, tuple(secs)): why for k, found in aside.items() for secs, why in found}

@@ -23,9 +23,8 @@ from tvm import relax
 
 from . import graph as G
 from .compile import compile_graph
-from .record_check import checked_build
+from .build_plan import BuildPlan, check_plan
 from .models import init_params, spec
-from .tasks import extract
 from .logs import TuningLog
 
 
@@ -181,7 +180,7 @@ def replay(model, target, log: TuningLog, batch: int = 8, infer_batch: int = 1,
     """Compile ``model``'s inference and training graphs with ``log``; see the module docstring.
 
     ``check``: each applied record is first run on this machine's device against its default
-    schedule (:func:`thomas_tune.record_check.checked_build`; wrong ones are left out and
+    schedule (:func:`thomas_tune.build_plan.check_plan`; wrong ones are left out and
     listed in the report), and on llvm targets of this machine the compiled graphs are
     compared with float64 (:func:`check_numbers`). ``say`` gets the check's messages.
 
@@ -206,12 +205,15 @@ def replay(model, target, log: TuningLog, batch: int = 8, infer_batch: int = 1,
     graphs = {"infer": G.inference_module(model, infer_batch),
               "train": G.training_module(model, batch, trainable).mod}
     # what `export` compiles with: every applied record checked on this machine's device
-    built = checked_build(log, target, graphs, check=check, say=say)
-    database, slower, chosen = built["database"], built["slower"], built["winograd"]
-    tasks = extract(graphs, target, chosen)  # the kernels `export` builds
+    plan = BuildPlan.from_log(log, target, graphs)
+    checks = {"checked": None, "wrong": {}, "unchecked": None}
+    if check:
+        plan, checks = check_plan(plan, say=say)
+    database, chosen = plan.database, plan.winograd
+    tasks = plan.tasks  # the kernels `export` builds
     report = ReplayReport(tasks=len(tasks), flops=sum(t.total_flops for t in tasks),
-                          slower=slower, records_checked=built["checked"],
-                          records_wrong=built["wrong"], records_unchecked=built["unchecked"])
+                          slower=plan.slower, records_checked=checks["checked"],
+                          records_wrong=checks["wrong"], records_unchecked=checks["unchecked"])
     report.tuned, report.tuned_flops = coverage(tasks, database)
     times = time_coverage(tasks, database, log.path, target)
     if times is not None:

@@ -9,7 +9,7 @@ the logs of several devices or runs.
   other targets, workloads that belong to no task of the model. Exit status 1 when a line was
   bad or no task of the model is tuned. With ``--records``, every record a build of the model
   applies is run on this machine's device against its default schedule and wrong ones are set
-  aside (:func:`thomas_tune.record_check.set_aside_wrong`). The log's code-generation version
+  aside (:func:`thomas_tune.build_plan.set_aside_wrong`). The log's code-generation version
   (:mod:`thomas_tune.logs.codegen`) is checked too: records of another version are flagged
   (exit status 1), a log of unknown version is reported as such.
 * ``merge SRC... --out DEST``: every distinct record of the sources, once, in ``DEST``.
@@ -113,7 +113,7 @@ def cmd_check(args) -> int:
     else:
         print(f"records measured with {version.line()}")
     if args.records:
-        from ..record_check import set_aside_wrong
+        from ..build_plan import set_aside_wrong
         aside = set_aside_wrong(log, target, model_graphs(args, model))
         print(f"records: every record a build of this model applies was run on this machine's "
               f"device against its default schedule; {aside} wrong record(s) set aside "
