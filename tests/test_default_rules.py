@@ -2,6 +2,7 @@
 kernel, and that its numbers match numpy in float64."""
 
 import numpy as np
+import pytest
 import tvm
 from tvm import te
 
@@ -9,7 +10,8 @@ from thomas_tune.schedules import default_gpu_schedules
 
 from opencl_kernels import (NEEDS_OPENCL, run_kernel)
 
-pytestmark = NEEDS_OPENCL
+# the whole file runs in seconds: all of it in the subset for edits (pytest -m quick)
+pytestmark = [NEEDS_OPENCL, pytest.mark.quick]
 
 
 def test_long_reduction_schedule(target, rng):

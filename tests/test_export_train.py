@@ -83,6 +83,7 @@ def test_image_folder(tmp_path, rng):
     assert sorted(set(d.y.tolist())) == [0, 1, 2]
 
 
+@pytest.mark.quick
 def test_image_folder_errors(tmp_path, rng):
     with pytest.raises(ValueError, match="does not exist"):
         data.load(str(tmp_path / "nope"), 32)
@@ -131,6 +132,7 @@ def test_train_out_leaves_an_export_that_infers_with_the_fine_tuned_weights(tmp_
     assert printed.startswith(f"{image}: ") and printed.split(": ")[1].split(" ")[0] in classes
 
 
+@pytest.mark.quick
 def test_divergence_names_a_rising_loss_a_non_finite_one_and_chance_accuracy():
     from thomas_tune.train import TrainReport, divergence, likely_cause
     rng = np.random.default_rng(0)
@@ -161,6 +163,7 @@ def test_train_warns_when_the_run_diverges(tmp_path, rng, capsys):
     assert "warning: the run diverged" in err and "learning rate (1000)" in err, err
 
 
+@pytest.mark.quick  # the subset for edits (pytest -m quick): the CLI's argument errors
 def test_cli_errors(capsys):
     assert cli.main(["tasks", "--target", "no-such-kind"]) == 2
     assert "target" in capsys.readouterr().err

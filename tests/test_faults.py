@@ -424,6 +424,8 @@ def _same_records(a, b) -> None:
     assert json.dumps(plain_json(a.trace.as_json())) == json.dumps(plain_json(b.trace.as_json()))
 
 
+# the tuning log's append, resume and corrupt record: in the subset for edits (pytest -m quick)
+@pytest.mark.quick
 def test_log_database_hands_out_what_jsondatabase_does(tmp_path, rng):
     log = _copy_log(tmp_path / "log")
     lazy = log.database(check=False)
@@ -458,6 +460,7 @@ def test_log_database_hands_out_what_jsondatabase_does(tmp_path, rng):
     assert ms.database.JSONDatabase(log.workload_path, log.record_path).has_workload(new)
 
 
+@pytest.mark.quick
 def test_schedule_hashes_are_kept_and_match_a_full_replay(tmp_path):
     log = _copy_log(tmp_path / "log")
     lazy = log.database(check=False)
@@ -495,6 +498,7 @@ def _copy_log(dst) -> TuningLog:
     return TuningLog(str(dst))
 
 
+@pytest.mark.quick
 def test_damaged_log_is_reported_and_set_aside(tmp_path, rng, capsys):
     log = _copy_log(tmp_path / "log")
     lines = open(log.record_path).readlines()

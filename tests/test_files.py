@@ -8,6 +8,9 @@ import pytest
 
 from thomas_tune.files import replacing, write_atomically, write_json_atomically
 
+# the whole file runs in seconds: all of it in the subset for edits (pytest -m quick)
+pytestmark = pytest.mark.quick
+
 
 def test_replaced_whole_with_a_plain_files_mode(tmp_path):
     path = tmp_path / "sub" / "log.json"  # the folder is made

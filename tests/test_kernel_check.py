@@ -405,6 +405,7 @@ def test_export_leaves_out_and_replay_refuses_a_wrong_record(tmp_path, target, r
     assert not report.compiled  # a wrong record fails the replay before it compiles
 
 
+@pytest.mark.quick  # the step check's comparison, in the subset for edits (pytest -m quick)
 def test_step_check_names_the_parameters_a_wrong_kernel_breaks(rng):
     """The comparison of a step with its float64 reference on three batches, with gradients
     of scales 1e-6 to 1 (each judged on its own): rounding at PyTorch float32's level passes;
@@ -454,6 +455,7 @@ def test_step_check_names_the_parameters_a_wrong_kernel_breaks(rng):
     assert not compare_step(losses, noise, losses, zero).ok  # on its own scale: 1e7
 
 
+@pytest.mark.quick
 def test_a_dead_layer_is_named_and_fails_the_check(rng):
     """A weight whose reference gradient is zero on every check batch (here AlexNet's last
     hidden layer, its input made all zero by a large negative bias before the ReLU) cannot show

@@ -17,6 +17,9 @@ from thomas_tune.target import codegen_target, parse_target
 from conftest import SMALL
 from opencl_kernels import NEEDS_OPENCL as needs_opencl  # the one OpenCL guard
 
+# the whole file runs in seconds: all of it in the subset for edits (pytest -m quick)
+pytestmark = pytest.mark.quick
+
 
 def _loss_and_grad(dtype, n, c, target="llvm", factor=None):
     """A VM running the loss function and its gradient (``main_adjoint``) for (n, c) logits,

@@ -50,7 +50,9 @@ def _run_adjoint(model, tg, tensors, batch, rng):
     return x, y, masks, ret, grads, vm
 
 
-@pytest.mark.parametrize("arch", sorted(SMALL))
+# AlexNet's case (about 6 s) is in the subset for edits (pytest -m quick); the MobileNets' 20-40 s
+@pytest.mark.parametrize("arch", [pytest.param(a, marks=pytest.mark.quick) if a == "alexnet" else a
+                                  for a in sorted(SMALL)])
 def test_training_graph_matches_pytorch(arch, rng):
     model = build(arch, **SMALL[arch])
     batch = 4
@@ -73,6 +75,7 @@ def test_training_graph_matches_pytorch(arch, rng):
     _close(logits, ref_logits, "inference logits")
 
 
+@pytest.mark.quick
 def test_standard_sizes_have_torchvision_parameter_counts():
     # torchvision: mobilenet_v2 3,504,872; alexnet 61,100,840 parameters (BN stats excluded).
     for arch, want in (("mobilenet_v2", 3_504_872), ("alexnet", 61_100_840)):
@@ -108,6 +111,7 @@ def test_linear_layers_read_their_weight_in_place():
             assert not copies, gv.name_hint
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("bad", ["last:0", "last:999", "first:2", "some"])
 def test_bad_trainable_is_a_clear_error(bad):
     model = build("mobilenet_v2", **SMALL["mobilenet_v2"])
@@ -115,7 +119,8 @@ def test_bad_trainable_is_a_clear_error(bad):
         G.select_trainable(model, bad)
 
 
-@pytest.mark.parametrize("name", ["momentum_sgd", "sgd", "adam"])
+@pytest.mark.parametrize("name", ["momentum_sgd", pytest.param("sgd", marks=pytest.mark.quick),
+                                  "adam"])
 def test_optimizer_update_matches_pytorch(name, rng):
     # two updates of the optimizer function against torch.optim on the same gradients, float64,
     # for 30 parameters of assorted shapes

@@ -20,6 +20,7 @@ from opencl_kernels import (NEEDS_OPENCL, prim_module, run_kernel)
 pytestmark = NEEDS_OPENCL
 
 
+@pytest.mark.quick  # the subset for edits (pytest -m quick): a small kernel on PoCL
 def test_elementwise(target, rng):
     a = te.placeholder((3000,), name="a")
     b = te.placeholder((3000,), name="b")
@@ -46,6 +47,7 @@ def test_time_evaluator_uses_the_device_timer(target, rng, capfd):
     assert "No timer implementation" not in capfd.readouterr().err
 
 
+@pytest.mark.quick
 def test_reduction(target, rng):
     a = te.placeholder((37, 513), name="a")
     k = te.reduce_axis((0, 513), name="k")
@@ -210,6 +212,7 @@ def test_contraction_kernels_are_built_in_programs_of_their_own(tmp_path, monkey
     assert 10 < len(programs) <= 25, programs  # 1 + at most 24 groups of the elementwise ones
 
 
+@pytest.mark.quick
 def test_kernel_build_failure_shows_the_build_log():
     import tvm_ffi
     blob = bytearray()

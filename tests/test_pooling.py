@@ -9,6 +9,9 @@ from tvm.relax import op as R
 from thomas_tune import pooling
 from thomas_tune.target import parse_target
 
+# the whole file runs in seconds: all of it in the subset for edits (pytest -m quick)
+pytestmark = pytest.mark.quick
+
 
 def _pool_module(shape, kernel, stride, padding, ceil_mode, dtype="float64"):
     bb = relax.BlockBuilder()

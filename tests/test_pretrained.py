@@ -19,7 +19,9 @@ ort = pytest.importorskip("onnxruntime")
 CASES = [("mobilenet_v2", dict(num_classes=6, resolution=64, width=0.35), True),
          ("mobilenet_v2", dict(num_classes=6, resolution=64, width=0.35), False),
          ("mobilenet_v1", dict(num_classes=6, resolution=64, width=0.25), True),
-         ("alexnet", dict(num_classes=6, resolution=67, width=0.1), True)]
+         # AlexNet (about 9 s) is in the subset for edits (pytest -m quick)
+         pytest.param("alexnet", dict(num_classes=6, resolution=67, width=0.1), True,
+                      marks=pytest.mark.quick)]
 
 
 def _export_onnx(model, tensors, path, optimize=True):
@@ -63,6 +65,7 @@ def test_onnx_that_does_not_map_names_the_first_node(tmp_path, rng):
         import_onnx(str(path), "mobilenet_v2", width=0.75, resolution=96)
 
 
+@pytest.mark.quick
 def test_unreadable_onnx_file(tmp_path):
     bad = tmp_path / "bad.onnx"
     bad.write_bytes(b"\x08\x07not a protobuf at all" * 10)

@@ -382,6 +382,7 @@ def test_a_stop_ends_the_wait_for_a_batch_and_sends_no_new_one():
     assert s.next_task_id() == -1  # and stays so
 
 
+@pytest.mark.quick
 def test_resumed_tasks_start_from_their_best_record_and_skip_the_first_round():
     """A task with records in the resumed tuning log starts from its best record (or its
     default, where that is faster) and is not owed a first-round batch; only tasks never
