@@ -398,6 +398,7 @@ def _least_squares(effects: _Effects, resid: list, iterations: int, probes: int,
     g = [a * b for a, b in zip(effects.transpose(r), d)]
     y = [x.new_zeros(x.shape) for x in g]
     p, gamma = g, _dot(g, g)
+    first = gamma
     for _ in range(iterations):
         if gamma == 0.0:
             break
@@ -410,6 +411,8 @@ def _least_squares(effects: _Effects, resid: list, iterations: int, probes: int,
         r = [a - alpha * b for a, b in zip(r, q)]
         g = [a * b for a, b in zip(effects.transpose(r), d)]
         new = _dot(g, g)
+        if new <= TOLERANCE * first:
+            break
         p, gamma = [a + (new / gamma) * b for a, b in zip(g, p)], new
     return [a * b for a, b in zip(y, d)]
 
@@ -419,6 +422,8 @@ def _least_squares(effects: _Effects, resid: list, iterations: int, probes: int,
 #: its preconditioner; then the flips taken, the candidates whose coefficient is still above
 #: POLISH_FROM (at most POLISH) and the POLISH nearest to their kink are weighed one at a time
 ROUNDS, ITERATIONS, PROBES, POLISH_FROM, POLISH = 6, 60, 8, 0.1, 100
+#: CGLS stops when the normal equations' residual falls below this share of its first
+TOLERANCE = 1e-10
 
 
 def _follow_bulk(loss, graph: KinkGraph, masks: list, params: list, want: list,
@@ -485,7 +490,8 @@ def follow(loss, graph: KinkGraph, rounding: list[float], params: list, names: l
     every parameter's error against float64's own decisions is at most this, those decisions
     explain the build already and none is changed (no flip computed). Up to
     :data:`MAX_FLIPS` candidates, each flip's exact effect is weighed one at a time; past it,
-    all candidates at once (:func:`_follow_bulk`)."""
+    or where that leaves an error above ``within``, all candidates at once
+    (:func:`_follow_bulk`)."""
     import torch
     base = torch.autograd.grad(loss, params, retain_graph=True)
     for k in graph.kinks:  # the output gradients of the pass with float64's decisions
@@ -500,18 +506,37 @@ def follow(loss, graph: KinkGraph, rounding: list[float], params: list, names: l
     masks = ambiguous_masks(graph.kinks, rounding)
     count = sum(int(m.sum()) for m in masks if m is not None)
     start = [k.decision.clone() for k in graph.kinks]
-    if count > MAX_FLIPS:
-        # what the solve half-explains, and the flips it took (each may be undone)
-        half = _follow_bulk(loss, graph, masks, params, want, inv)
-        near = sorted(ambiguous_elements(graph.kinks, rounding, masks),
-                      key=lambda f: f.distance)[:POLISH]
-        cands = _changed(graph, start) + half + near
-    else:
+    if count <= MAX_FLIPS:
         cands = sorted(ambiguous_elements(graph.kinks, rounding), key=lambda f: f.distance)
-    _follow_exact(loss, graph, cands, params, want, inv)
+        _follow_exact(loss, graph, cands, params, want, inv)
+        grads = torch.autograd.grad(loss, params, retain_graph=True)
+        worst = max((float(np.max(np.abs(target[n] - g.detach().cpu().numpy()))) * s
+                     for n, g, s in zip(names, grads, inv) if g.numel()), default=0.0)
+        if worst <= within:
+            return Following(float(loss.detach()), numpy_of(names, grads),
+                             _changed(graph, start), count, 0)
+        # one flip at a time did not explain the build (flips whose effects only add up
+        # together): all at once, from float64's own decisions again
+        for k, d in zip(graph.kinks, start):
+            _restore(k, d)
+    # what the solve half-explains, and the flips it took (each may be undone)
+    half = _follow_bulk(loss, graph, masks, params, want, inv)
+    near = sorted(ambiguous_elements(graph.kinks, rounding, masks),
+                  key=lambda f: f.distance)[:POLISH]
+    _follow_exact(loss, graph, _changed(graph, start) + half + near, params, want, inv)
     grads = torch.autograd.grad(loss, params, retain_graph=True)
     return Following(float(loss.detach()), numpy_of(names, grads), _changed(graph, start),
                      count, 0)
+
+
+def _restore(kink: Kink, decision) -> None:
+    """Put ``kink``'s decisions back to ``decision`` (a pool's runner-up positions with them:
+    a window whose decision changed had the two swapped)."""
+    import torch
+    if kink.kind == "pool":
+        moved = kink.decision != decision
+        kink.alt = torch.where(moved, kink.decision, kink.alt)
+    kink.decision = decision.clone()
 
 
 #: the most passes of :func:`_follow_exact` over its candidates
