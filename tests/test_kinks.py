@@ -33,6 +33,7 @@ def _made_up_build(arch, seed, rng, noise, monkeypatch):
     layer's rounding (normal, per element; pools: per window's gap) before each decision, as
     a float32 build's are, plus noise of 1e-8 of each scale on the gradients."""
     from thomas_tune import kinks
+    from thomas_tune.flip_solve import apply_mask
     from thomas_tune.step_check import CANCELLED
     loss, g, params, names = _forward(arch, seed)
     _, g32, _, _ = _forward(arch, seed, "float32")
@@ -54,7 +55,7 @@ def _made_up_build(arch, seed, rng, noise, monkeypatch):
             lo = (x > 0) if k.kind == "relu" else (x > 0) & (x < 6)
             sel = lo != (k.decision > 0)
         sel &= m
-        kinks._apply_mask(k, sel)
+        apply_mask(k, sel)
         flipped += int(sel.sum())
     # each parameter's scale as the check takes it (a bias before a training-form BatchNorm,
     # whose gradient cancels, on the sum of its terms: step_check.following_step)
