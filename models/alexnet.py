@@ -5,33 +5,25 @@ and three linear layers with dropout before the first two."""
 from __future__ import annotations
 
 from .layers import Graph
+from .network import Network
 
 # (index in torchvision's features, out channels, kernel, stride, padding, max-pool after)
 CONVS = [(0, 64, 11, 4, 2, True), (3, 192, 5, 1, 2, True), (6, 384, 3, 1, 1, False),
          (8, 256, 3, 1, 1, False), (10, 256, 3, 1, 1, True)]
 
 
-class AlexNet:
+class AlexNet(Network):
     """AlexNet with width multiplier (channels and hidden units), resolution and class count.
 
     Input: float32 NCHW (batch, 3, resolution, resolution), resolution >= 63; output: logits.
     """
 
     arch = "alexnet"
+    DROPOUT = 0.5
 
-    def __init__(self, num_classes: int = 1000, resolution: int = 224, width: float = 1.0,
-                 dropout: float = 0.5, in_channels: int = 3):
+    def check_resolution(self, resolution: int) -> None:
         if resolution < 63:
             raise ValueError(f"AlexNet resolution must be at least 63, got {resolution}")
-        self.num_classes, self.resolution, self.width = num_classes, resolution, width
-        self.dropout, self.in_channels = dropout, in_channels
-
-    def config(self) -> dict:
-        return {"num_classes": self.num_classes, "resolution": self.resolution,
-                "width": self.width, "dropout": self.dropout, "in_channels": self.in_channels}
-
-    def input_shape(self, batch: int) -> tuple[int, int, int, int]:
-        return (batch, self.in_channels, self.resolution, self.resolution)
 
     def forward(self, g: Graph, x):
         for idx, out, k, s, p, pool in CONVS:

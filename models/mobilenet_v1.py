@@ -5,34 +5,24 @@ classifier. Names: ``features.{i}`` for the blocks (``dw``/``pw`` convs with the
 from __future__ import annotations
 
 from .layers import Graph
+from .network import Network, multiple_of_32
 
 # (output channels, stride) of the 13 depthwise-separable blocks: Table 1 of the paper.
 BLOCKS = [(64, 1), (128, 2), (128, 1), (256, 2), (256, 1), (512, 2),
           (512, 1), (512, 1), (512, 1), (512, 1), (512, 1), (1024, 2), (1024, 1)]
 
 
-class MobileNetV1:
+class MobileNetV1(Network):
     """MobileNetV1 with width multiplier, input resolution and class count as parameters.
 
     Input: float32 NCHW (batch, 3, resolution, resolution); output: logits (batch, num_classes).
     """
 
     arch = "mobilenet_v1"
+    DROPOUT = 0.0
 
-    def __init__(self, num_classes: int = 1000, resolution: int = 224, width: float = 1.0,
-                 dropout: float = 0.0, in_channels: int = 3):
-        if resolution < 32 or resolution % 32:
-            raise ValueError(f"MobileNetV1 resolution must be a multiple of 32 (>= 32), "
-                             f"got {resolution}")
-        self.num_classes, self.resolution, self.width = num_classes, resolution, width
-        self.dropout, self.in_channels = dropout, in_channels
-
-    def config(self) -> dict:
-        return {"num_classes": self.num_classes, "resolution": self.resolution,
-                "width": self.width, "dropout": self.dropout, "in_channels": self.in_channels}
-
-    def input_shape(self, batch: int) -> tuple[int, int, int, int]:
-        return (batch, self.in_channels, self.resolution, self.resolution)
+    def check_resolution(self, resolution: int) -> None:
+        multiple_of_32("MobileNetV1", resolution)
 
     def forward(self, g: Graph, x):
         ch = max(8, int(32 * self.width))

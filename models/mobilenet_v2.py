@@ -7,6 +7,7 @@ so that weights exported from torchvision map one to one.
 from __future__ import annotations
 
 from .layers import Graph
+from .network import Network, multiple_of_32
 
 # (expansion t, output channels c, repeats n, first stride s): Table 2 of the paper.
 INVERTED_RESIDUAL_SETTING = [
@@ -28,28 +29,17 @@ def make_divisible(v: float, divisor: int = 8) -> int:
     return new_v
 
 
-class MobileNetV2:
+class MobileNetV2(Network):
     """MobileNetV2 with width multiplier, input resolution and class count as parameters.
 
     Input: float32 NCHW (batch, 3, resolution, resolution); output: logits (batch, num_classes).
     """
 
     arch = "mobilenet_v2"
+    DROPOUT = 0.2
 
-    def __init__(self, num_classes: int = 1000, resolution: int = 224, width: float = 1.0,
-                 dropout: float = 0.2, in_channels: int = 3):
-        if resolution < 32 or resolution % 32:
-            raise ValueError(f"MobileNetV2 resolution must be a multiple of 32 (>= 32), "
-                             f"got {resolution}")
-        self.num_classes, self.resolution, self.width = num_classes, resolution, width
-        self.dropout, self.in_channels = dropout, in_channels
-
-    def config(self) -> dict:
-        return {"num_classes": self.num_classes, "resolution": self.resolution,
-                "width": self.width, "dropout": self.dropout, "in_channels": self.in_channels}
-
-    def input_shape(self, batch: int) -> tuple[int, int, int, int]:
-        return (batch, self.in_channels, self.resolution, self.resolution)
+    def check_resolution(self, resolution: int) -> None:
+        multiple_of_32("MobileNetV2", resolution)
 
     def _conv_bn(self, g: Graph, name: str, x, out, k, stride, groups=1, act=True):
         x = g.conv2d(f"{name}.0", x, out, k, stride, (k - 1) // 2, groups)
