@@ -18,6 +18,16 @@ import sys
 import time
 
 
+def wait_for(duration: float | None) -> None:
+    """Return after ``duration`` seconds (None or 0: never), or at Ctrl-C."""
+    deadline = time.monotonic() + duration if duration else None
+    try:
+        while deadline is None or time.monotonic() < deadline:
+            time.sleep(0.5)
+    except KeyboardInterrupt:
+        pass
+
+
 def main(argv=None) -> int:
     """Serve until ``--duration`` seconds have passed (0: until killed); returns 0."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -43,12 +53,7 @@ def main(argv=None) -> int:
                                        silent=True)
     print(f"device server {args.key!r} on {args.host}:{state.port} ({os.uname().machine}), "
           f"registered with {host}:{port}", flush=True)
-    deadline = time.monotonic() + args.duration if args.duration else None
-    try:
-        while deadline is None or time.monotonic() < deadline:
-            time.sleep(0.5)
-    except KeyboardInterrupt:
-        pass
+    wait_for(args.duration)
     sys.stdout.flush()
     os._exit(0)  # the listening thread never returns by itself
 

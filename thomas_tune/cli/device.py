@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import sys
-import time
 
 from .options import add_target_arg
 
@@ -25,12 +24,9 @@ def cmd_rpc(args) -> int:
         rpc.serve(addr, args.key, host=args.host, port=args.port, duration=args.duration,
                   log=sys.stdout)
         return 0
-    deadline = time.monotonic() + args.duration if args.duration else None
+    from ..rpc.device_server import wait_for
     try:
-        while deadline is None or time.monotonic() < deadline:
-            time.sleep(0.5)
-    except KeyboardInterrupt:
-        pass
+        wait_for(args.duration)
     finally:
         for p in procs:
             p.terminate()
