@@ -30,8 +30,8 @@ def _forward(arch, seed, dtype="float64"):
 def _made_up_build(arch, seed, rng, noise, monkeypatch):
     """(rounding per kink layer, scales, the build's gradients, the elements decided
     otherwise): float64's step whose kink inputs are read with an error of ``noise`` x that
-    layer's rounding (normal, per element; pools: per window's gap) before each decision, as
-    a float32 build's are, plus noise of 1e-8 of each scale on the gradients."""
+    layer's rounding (normal, per distinct value; pools: per window's gap) before each
+    decision, as a float32 build's are, plus noise of 1e-8 of each scale on the gradients."""
     from thomas_tune import kinks
     from thomas_tune.flip_solve import apply_mask
     from thomas_tune.step_check import CANCELLED
@@ -47,7 +47,12 @@ def _made_up_build(arch, seed, rng, noise, monkeypatch):
     for k, m, r in zip(g.kinks, masks, rounding):
         if m is None:
             continue
-        err = torch.as_tensor(noise * r * rng.standard_normal(tuple(m.shape)))
+        # one error per distinct value: a build computes equal values (the constant squares'
+        # insides) by the same arithmetic, so it reads them alike
+        value = (k.gap if k.kind == "pool" else k.x.detach()).reshape(-1).numpy()
+        _, which = np.unique(value, return_inverse=True)
+        draw = rng.standard_normal(int(which.max()) + 1)[which]
+        err = torch.as_tensor(noise * r * draw.reshape(tuple(m.shape)))
         if k.kind == "pool":
             sel = k.gap + err < 0  # the runner-up read as the larger
         else:
@@ -77,7 +82,7 @@ def _follow(arch, seed, rounding, scales, build):
 
 
 @pytest.mark.parametrize("arch,noise,max_flips", [
-    ("alexnet", 2.0, 400), ("alexnet", 2.0, 0), ("mobilenet_v2", 6.0, 0)],
+    ("alexnet", 2.0, 400), ("alexnet", 2.0, 0), ("mobilenet_v2", 3.0, 0)],
     ids=["alexnet-one-at-a-time", "alexnet-bulk", "mobilenet_v2-bulk"])
 def test_following_finds_the_builds_decisions(arch, noise, max_flips, rng, monkeypatch):
     """Every gradient of the followed reference within 1e-6 of its scale of the made-up build

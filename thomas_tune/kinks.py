@@ -249,18 +249,24 @@ def _distance(k: Kink):
 
 
 def ambiguous_elements(kinks64: list[Kink], rounding: list[float],
-                       masks: list | None = None) -> list[Flip]:
+                       masks: list | None = None, nearest: int | None = None) -> list[Flip]:
     """The elements of :func:`ambiguous_masks` (or of ``masks``, already made by it), each as
-    a :class:`Flip` with its distance."""
-    out = []
-    masks = ambiguous_masks(kinks64, rounding) if masks is None else masks
-    for i, (k, m) in enumerate(zip(kinks64, masks)):
-        if m is None:
-            continue
-        flat = _distance(k).reshape(-1)
-        for j in m.reshape(-1).nonzero().reshape(-1).tolist():
-            out.append(Flip(i, k.kind, j, float(flat[j])))
-    return out
+    a :class:`Flip` with its distance; with ``nearest``, only that many, the nearest to their
+    kink first (chosen on the device: a 224-px batch has a million)."""
+    import torch
+    found = [(i, m.reshape(-1).nonzero().reshape(-1), _distance(k).reshape(-1))
+             for i, (k, m) in enumerate(zip(kinks64, ambiguous_masks(kinks64, rounding)
+                                            if masks is None else masks)) if m is not None]
+    if not found:
+        return []
+    layers = torch.cat([torch.full_like(j, i) for i, j, _ in found])
+    index = torch.cat([j for _, j, _ in found])
+    dist = torch.cat([d[j] for _, j, d in found])
+    order = torch.sort(dist, stable=True).indices
+    if nearest is not None:
+        order = order[:nearest]
+    return [Flip(i, kinks64[i].kind, j, d) for i, j, d in
+            zip(layers[order].tolist(), index[order].tolist(), dist[order].tolist())]
 
 
 def flip_effect(kink: Kink, flip: Flip, params: list, sign: float = 1.0):
@@ -328,28 +334,39 @@ def follow(loss, graph: KinkGraph, rounding: list[float], params: list, names: l
     masks = ambiguous_masks(graph.kinks, rounding)
     count = sum(int(m.sum()) for m in masks if m is not None)
     start = [k.decision.clone() for k in graph.kinks]
-    if count <= MAX_FLIPS:
-        cands = sorted(ambiguous_elements(graph.kinks, rounding), key=lambda f: f.distance)
-        _follow_exact(loss, graph, cands, params, want, inv)
+
+    def worst():
         grads = torch.autograd.grad(loss, params, retain_graph=True)
-        worst = max((float(np.max(np.abs(target[n] - g.detach().cpu().numpy()))) * s
-                     for n, g, s in zip(names, grads, inv) if g.numel()), default=0.0)
-        if worst <= within:
+        return grads, max((float((w - g).abs().max()) * s
+                           for w, g, s in zip(want, grads, inv) if g.numel()), default=0.0)
+
+    if count <= MAX_FLIPS:
+        _follow_exact(loss, graph, ambiguous_elements(graph.kinks, rounding), params, want,
+                      inv, start)
+        grads, err = worst()
+        if err <= within:
             return Following(float(loss.detach()), numpy_of(names, grads),
                              _changed(graph, start), count, 0)
         # one flip at a time did not explain the build (flips whose effects only add up
         # together): all at once, from float64's own decisions again
         for k, d in zip(graph.kinks, start):
             _restore(k, d)
-    # what the solve half-explains, and the flips it took (each may be undone)
-    half = [Flip(i, graph.kinks[i].kind, j, 0.0)
-            for i, j in follow_bulk(loss, graph, masks, params, want, inv)]
-    near = sorted(ambiguous_elements(graph.kinks, rounding, masks),
-                  key=lambda f: f.distance)[:POLISH]
-    _follow_exact(loss, graph, _changed(graph, start) + half + near, params, want, inv)
-    grads = torch.autograd.grad(loss, params, retain_graph=True)
+    for _ in range(ATTEMPTS):  # each from the decisions the one before left
+        # what the solve half-explains, and the flips taken so far (each may be undone)
+        half = [Flip(i, graph.kinks[i].kind, j, 0.0)
+                for i, j in follow_bulk(loss, graph, masks, params, want, inv)]
+        near = ambiguous_elements(graph.kinks, rounding, masks, POLISH)
+        _follow_exact(loss, graph, _changed(graph, start) + half + near, params, want, inv,
+                      start)
+        grads, err = worst()
+        if err <= within:
+            break
     return Following(float(loss.detach()), numpy_of(names, grads), _changed(graph, start),
                      count, 0)
+
+
+#: rounds of bulk following and weighing one at a time, while a parameter stays over the floor
+ATTEMPTS = 2
 
 
 def _restore(kink: Kink, decision) -> None:
@@ -367,13 +384,14 @@ PASSES = 3
 
 
 def _follow_exact(loss, graph: KinkGraph, cands: list[Flip], params: list, want: list,
-                  inv: list[float]) -> None:
+                  inv: list[float], start: list | None = None) -> None:
     """Of ``cands``, take one at a time the flips that lower the weighted squared residual
     (the build's gradients ``want`` minus the reference's; ``inv``: per parameter the inverse
     of its scale), the largest effects first, each flip's effect computed exactly from the
     output gradients at the present decisions (:func:`flip_effect`) and the residual computed
     again after each flip taken; up to :data:`PASSES` passes while one takes a flip (a flip
-    taken can be undone in the next). Leaves the graph's decisions so."""
+    taken can be undone in the next); then, with ``start`` (the decisions before following),
+    swaps (:func:`_swaps`). Leaves the graph's decisions so."""
     import torch
 
     def residual():
@@ -410,6 +428,46 @@ def _follow_exact(loss, graph: KinkGraph, cands: list[Flip], params: list, want:
                     residual()
         if not took:
             break
+    if start is not None:
+        _swaps(graph, start, [f for _, f in weighed], effect, residual, resid, now, inv)
+
+
+#: swaps weighed after the one-at-a-time passes: of the flips taken, at most SWAPS, each
+#: against at most SWAP_WITH candidates of the same kink layer
+SWAPS, SWAP_WITH = 40, 24
+
+
+def _swaps(graph: KinkGraph, start: list, cands: list[Flip], effect, residual, resid: list,
+           now: float, inv: list[float]) -> None:
+    """Where a flip taken and an untaken candidate of the same kink layer have nearly the same
+    effect (elements of one channel), taking the wrong one leaves a residual that neither
+    undoing it nor taking the other lowers alone: each taken flip (against ``start``, the
+    decisions before following) is undone together with taking the candidate that lowers the
+    weighted squared residual most, kept where the residual computed again is lower."""
+    def cost(rs):
+        return sum(float((r * s).square().sum()) for r, s in zip(rs, inv))
+
+    for a in _changed(graph, start)[:SWAPS]:
+        same = [f for f in cands if f.layer == a.layer and f.index != a.index][:SWAP_WITH]
+        if not same:
+            continue
+        back = [r - t for r, t in zip(resid, effect(a))]
+        best, pick = now, None
+        for f in same:
+            c = cost([r - t for r, t in zip(back, effect(f))])
+            if c < best:
+                best, pick = c, f
+        if pick is None:
+            continue
+        apply_flip(graph.kinks[a.layer], a)
+        apply_flip(graph.kinks[pick.layer], pick)
+        r, c = residual()
+        if c < now:
+            resid, now = r, c
+        else:
+            apply_flip(graph.kinks[pick.layer], pick)
+            apply_flip(graph.kinks[a.layer], a)
+            residual()
 
 
 def _changed(graph: KinkGraph, start: list) -> list[Flip]:
