@@ -82,7 +82,7 @@ def _follow(arch, seed, rounding, scales, build):
 
 
 @pytest.mark.parametrize("arch,noise,max_flips", [
-    ("alexnet", 2.0, 400), ("alexnet", 2.0, 0), ("mobilenet_v2", 3.0, 0)],
+    ("alexnet", 2.0, 400), ("alexnet", 2.0, 0), ("mobilenet_v2", 2.0, 0)],
     ids=["alexnet-one-at-a-time", "alexnet-bulk", "mobilenet_v2-bulk"])
 def test_following_finds_the_builds_decisions(arch, noise, max_flips, rng, monkeypatch):
     """Every gradient of the followed reference within 1e-6 of its scale of the made-up build
@@ -90,12 +90,12 @@ def test_following_finds_the_builds_decisions(arch, noise, max_flips, rng, monke
     one gradient 1% off as well, the check's error stays above 5e-3."""
     from thomas_tune import kinks
     monkeypatch.setattr(kinks, "MAX_FLIPS", max_flips)
-    for _ in range(6):  # a batch with a few flips that move a gradient
+    for _ in range(12):  # a batch with a few flips that move a gradient
         seed = int(rng.integers(1 << 20))
         rounding, scales, build, flipped = _made_up_build(arch, seed, rng, noise, monkeypatch)
-        if flipped >= 5:
+        if flipped >= 4:
             break
-    assert flipped >= 5, flipped
+    assert flipped >= 4, flipped
     f, worst = _follow(arch, seed, rounding, scales, build)
     print(f"{arch}: {flipped} flipped, {len(f.flips)} followed of {f.ambiguous}; worst {worst:.1e}")
     assert worst < 1e-6 and f.unresolved == 0

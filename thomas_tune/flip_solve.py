@@ -154,6 +154,8 @@ def follow_bulk(loss, graph, masks: list, params: list, want: list,
     element index) pairs), for :func:`thomas_tune.kinks.follow`."""
     import torch
     layers = [i for i, m in enumerate(masks) if m is not None]
+    if not layers:
+        return []
     gen = torch.Generator(device=params[0].device).manual_seed(0)
 
     def residual():

@@ -344,7 +344,7 @@ def follow(loss, graph: KinkGraph, rounding: list[float], params: list, names: l
         _follow_exact(loss, graph, ambiguous_elements(graph.kinks, rounding), params, want,
                       inv, start)
         grads, err = worst()
-        if err <= within:
+        if err <= within or count == 0:  # (no candidate: nothing else to follow)
             return Following(float(loss.detach()), numpy_of(names, grads),
                              _changed(graph, start), count, 0)
         # one flip at a time did not explain the build (flips whose effects only add up
