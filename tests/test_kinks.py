@@ -16,7 +16,7 @@ NETS = {"alexnet": dict(num_classes=5, resolution=67, width=0.1),
 
 
 def _forward(arch, seed, dtype="float64"):
-    from thomas_tune.kinks import torch_forward
+    from thomas_tune.kink_step import torch_forward
     from thomas_tune.models import build, init_params, spec
     from thomas_tune.step_check import batch, dropout_masks
     model = build(arch, **NETS[arch])

@@ -140,6 +140,18 @@ ROUNDS, ITERATIONS, PROBES, POLISH_FROM, POLISH = 6, 60, 8, 0.1, 100
 TOLERANCE = 1e-10
 
 
+def weighted_residual(loss, graph, params: list, want: list, inv: list[float]):
+    """(the residual ``want`` minus the gradients of ``params`` at the graph's present
+    decisions, per parameter; its squared norm weighted by ``inv`` squared), after one backward
+    pass that also leaves each kink's output gradient in ``dy0``."""
+    import torch
+    grads = torch.autograd.grad(loss, params, retain_graph=True)
+    for k in graph.kinks:
+        k.dy0 = k.dy
+    r = [w - g for w, g in zip(want, grads)]
+    return r, sum(float((t * s).square().sum()) for t, s in zip(r, inv))
+
+
 def follow_bulk(loss, graph, masks: list, params: list, want: list,
                 inv: list[float]) -> list[tuple[int, int]]:
     """Take the flips among ``masks`` (:func:`thomas_tune.kinks.ambiguous_masks`) that bring
@@ -159,11 +171,7 @@ def follow_bulk(loss, graph, masks: list, params: list, want: list,
     gen = torch.Generator(device=params[0].device).manual_seed(0)
 
     def residual():
-        grads = torch.autograd.grad(loss, params, retain_graph=True)
-        for i in layers:
-            graph.kinks[i].dy0 = graph.kinks[i].dy
-        r = [w - g for w, g in zip(want, grads)]
-        return r, sum(float((t * s).square().sum()) for t, s in zip(r, inv))
+        return weighted_residual(loss, graph, params, want, inv)
 
     resid, now = residual()
     for _ in range(ROUNDS):

@@ -43,8 +43,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .flip_solve import POLISH, follow_bulk
-from .models import spec
+from .flip_solve import POLISH, follow_bulk, weighted_residual
 from .reference import TorchGraph
 
 #: an element is ambiguous when float64's input of its kink lies within this many times the
@@ -392,14 +391,8 @@ def _follow_exact(loss, graph: KinkGraph, cands: list[Flip], params: list, want:
     again after each flip taken; up to :data:`PASSES` passes while one takes a flip (a flip
     taken can be undone in the next); then, with ``start`` (the decisions before following),
     swaps (:func:`_swaps`). Leaves the graph's decisions so."""
-    import torch
-
     def residual():
-        grads = torch.autograd.grad(loss, params, retain_graph=True)
-        for k in graph.kinks:
-            k.dy0 = k.dy
-        r = [w - g for w, g in zip(want, grads)]
-        return r, sum(float((t * s).square().sum()) for t, s in zip(r, inv))
+        return weighted_residual(loss, graph, params, want, inv)
 
     def effect(f):
         return flip_effect(graph.kinks[f.layer], f, params)
@@ -485,66 +478,3 @@ def _changed(graph: KinkGraph, start: list) -> list[Flip]:
 def numpy_of(names, grads) -> dict[str, np.ndarray]:
     """name -> float64 numpy array of each tensor of ``grads``."""
     return {n: g.detach().cpu().numpy().astype("float64") for n, g in zip(names, grads)}
-
-
-def follow_float32(loss64, graph: KinkGraph, graph32: KinkGraph, params: list,
-                   names: list[str]) -> dict[str, np.ndarray]:
-    """The float64 gradients with PyTorch float32's own decisions (read from ``graph32``'s
-    kink inputs): the reference of the yardstick. Leaves ``graph``'s decisions so."""
-    import torch
-    for k, k32 in zip(graph.kinks, graph32.kinks):
-        if k.kind == "pool":
-            k.decision = k32.decision.clone()
-        else:
-            k.decision = k32.decision.to(k.decision.dtype)
-    grads = torch.autograd.grad(loss64, params, retain_graph=True)
-    return {n: g.detach().cpu().numpy().astype("float64") for n, g in zip(names, grads)}
-
-
-def torch_forward(model, tensors: dict[str, np.ndarray], trainable: list[str], x: np.ndarray,
-                  y: np.ndarray, frozen_bn: bool | set = False, device: str | None = None,
-                  dtype: str = "float64", masks: dict | None = None):
-    """The step's forward pass in PyTorch (``dtype``, BatchNorm in training form but where
-    ``frozen_bn`` says, dropout ``masks`` name -> array or None for ones) on a
-    :class:`KinkGraph`: returns (loss tensor, the graph, the trainable
-    tensors, their names). ``device``: a torch device (default: CUDA when available, else
-    the CPU). Needs torch."""
-    import torch
-    import torch.nn.functional as F
-
-    dev = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    s = spec(model)
-    train = set(trainable)
-    if torch.cuda.is_available() and dtype == "float32":
-        torch.backends.cuda.matmul.allow_tf32 = False  # float32 means float32 here
-        torch.backends.cudnn.allow_tf32 = False
-    params = {p.name: torch.tensor(np.asarray(tensors[p.name], dtype), device=dev,
-                                   requires_grad=p.name in train) for p in s.params}
-    states = {q.name: torch.tensor(np.asarray(tensors[q.name], dtype), device=dev)
-              for q in s.states}
-    tm = {name: torch.tensor(np.asarray((masks or {}).get(name, np.ones(shape)), dtype),
-                             device=dev) for name, (shape, _) in s.masks.items()}
-    g = KinkGraph(params, states, tm, training=True, frozen_bn=frozen_bn)
-    logits = model.forward(g, torch.tensor(np.asarray(x, dtype), device=dev))
-    loss = F.cross_entropy(logits, torch.tensor(np.asarray(y, "int64"), device=dev))
-    names = [n for n in params if n in train]
-    return loss, g, [params[n] for n in names], names
-
-
-def numpy_grads(names, grads) -> dict[str, np.ndarray]:
-    return {n: g.detach().cpu().numpy().astype("float64") for n, g in zip(names, grads)}
-
-
-def torch_step(model, tensors: dict[str, np.ndarray], trainable: list[str], x: np.ndarray,
-               y: np.ndarray, frozen_bn: bool | set = False, device: str | None = None,
-               dtype: str = "float64", bn_values: dict | None = None, masks: dict | None = None
-               ) -> tuple[float, dict[str, np.ndarray]]:
-    """Loss and gradients (float64 arrays) of ``trainable`` of the same step in PyTorch with
-    its own decisions at every kink (:func:`torch_forward`). ``bn_values``: a dict that gets,
-    per training-form BatchNorm layer, the values per channel it normalised (N*H*W)."""
-    import torch
-    loss, g, params, names = torch_forward(model, tensors, trainable, x, y, frozen_bn, device,
-                                           dtype, masks)
-    if bn_values is not None:
-        bn_values.update(g.bn_values)
-    return float(loss.detach()), numpy_grads(names, torch.autograd.grad(loss, params))

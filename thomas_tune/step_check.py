@@ -42,7 +42,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .kinks import numpy_grads as _numpy, torch_forward, torch_step  # noqa: F401
+from .kink_step import torch_forward, torch_step  # noqa: F401
+from .kinks import numpy_of as _numpy
 
 #: batches a step is checked on: different labels, dropout masks and tails on each
 CHECK_BATCHES = 3
@@ -379,7 +380,7 @@ def reference_steps(model, tensors: dict[str, np.ndarray], trainable: list[str],
     "context": what :func:`following_step` needs}``. Needs torch."""
     import torch
 
-    from .kinks import follow_float32
+    from .kink_step import follow_float32
     xs = [batch(model, batch_size, seed + i) for i in range(batches)]
     ms = [dropout_masks(model, batch_size, seed + i) for i in range(batches)]
     counts: dict[str, int] = {}
