@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import os
+import re
 import sys
 import time
 
@@ -106,7 +107,7 @@ def table(args):
         for arch in args.models:
             if rights[arch]:
                 label, mutant = rights[arch].pop(0)
-                if f"{arch}: {label}" in args.skip:
+                if f"{arch}: {label}" in args.skip or not re.search(args.match, label):
                     continue
                 # a folder each: a library loaded once is not loaded again from its path
                 out = build(arch, NETS[arch], args.target,
@@ -181,6 +182,8 @@ def main():
     p.add_argument("--models", nargs="+", default=list(NETS), choices=list(NETS))
     p.add_argument("--skip", nargs="*", default=[],
                    help="table: rows already made ('ARCH: LABEL')")
+    p.add_argument("--match", default="",
+                   help="table: only the mutants whose label matches this regular expression")
     p.add_argument("--mutants-only", action="store_true",
                    help="table: leave out the right builds' rows and the parameter rows")
     args = p.parse_args()

@@ -381,29 +381,69 @@ def _restore(kink: Kink, decision) -> None:
 #: the most passes of :func:`_follow_exact` over its candidates
 PASSES = 3
 
+#: bytes of flip effects :class:`_Effects` keeps (float64 parameter gradients: 28 MB a flip for
+#: MobileNetV2 1.0, 0.5 GB for AlexNet)
+EFFECT_CACHE_BYTES = 4 << 30
+
+
+class _Effects:
+    """Flip effects (:func:`flip_effect`) of one graph at its present decisions, each computed
+    once while it stays valid. A flip taken at kink layer M changes the backward pass from
+    every later layer's input (it passes through M) and, once the residual is computed again,
+    the output gradients of every earlier layer (they pass back through M): only the effects
+    of M's other elements stay. A flip undone puts back what it dropped. Up to
+    :data:`EFFECT_CACHE_BYTES` are kept (the first ones asked for: the weighing passes go over
+    the candidates in one order)."""
+
+    def __init__(self, graph: KinkGraph, params: list):
+        self.graph, self.params, self.kept = graph, params, {}
+        per = 8 * sum(p.numel() for p in params)
+        self.room = EFFECT_CACHE_BYTES // max(per, 1)
+
+    def __call__(self, f: Flip) -> list:
+        key = (f.layer, f.index)
+        e = self.kept.get(key)
+        if e is None:
+            e = flip_effect(self.graph.kinks[f.layer], f, self.params)
+            if len(self.kept) < self.room:
+                self.kept[key] = e
+        return e
+
+    def flip(self, f: Flip) -> dict:
+        """Take ``f`` in the graph; returns the effects it dropped, for :meth:`undo`."""
+        apply_flip(self.graph.kinks[f.layer], f)
+        dropped = self.kept
+        self.kept = {k: e for k, e in dropped.items() if k[0] == f.layer and k[1] != f.index}
+        return dropped
+
+    def undo(self, f: Flip, dropped: dict) -> None:
+        """Undo ``f`` taken by :meth:`flip` (nothing taken since), with the effects it dropped
+        (valid again once the residual is computed again)."""
+        apply_flip(self.graph.kinks[f.layer], f)
+        self.kept = dropped
+
 
 def _follow_exact(loss, graph: KinkGraph, cands: list[Flip], params: list, want: list,
                   inv: list[float], start: list | None = None) -> None:
     """Of ``cands``, take one at a time the flips that lower the weighted squared residual
     (the build's gradients ``want`` minus the reference's; ``inv``: per parameter the inverse
     of its scale), the largest effects first, each flip's effect computed exactly from the
-    output gradients at the present decisions (:func:`flip_effect`) and the residual computed
-    again after each flip taken; up to :data:`PASSES` passes while one takes a flip (a flip
-    taken can be undone in the next); then, with ``start`` (the decisions before following),
-    swaps (:func:`_swaps`). Leaves the graph's decisions so."""
+    output gradients at the present decisions (:func:`flip_effect`, kept while valid:
+    :class:`_Effects`) and the residual computed again after each flip taken; up to
+    :data:`PASSES` passes while one takes a flip (a flip taken can be undone in the next);
+    then, with ``start`` (the decisions before following), swaps (:func:`_swaps`). Leaves the
+    graph's decisions so."""
     def residual():
         return weighted_residual(loss, graph, params, want, inv)
 
-    def effect(f):
-        return flip_effect(graph.kinks[f.layer], f, params)
+    effect = _Effects(graph, params)
 
     def weight(e):
         return max(float(t.abs().max()) * s for t, s in zip(e, inv))
 
     resid, now = residual()
-    # each flip's effect is a set of whole gradients: weighed one at a time and computed again
-    # when its turn comes, never held all at once (AlexNet's 61 M float64 gradient values per
-    # flip times hundreds of flips exceed any device)
+    # each flip's effect is a set of whole gradients: kept only up to a budget (AlexNet's 61 M
+    # float64 gradient values per flip times hundreds of flips exceed any device)
     weighed = [(w, f) for w, f in ((weight(effect(f)), f) for f in cands) if w > 0]
     weighed.sort(key=lambda wf: -wf[0])
     for _ in range(PASSES):
@@ -412,12 +452,12 @@ def _follow_exact(loss, graph: KinkGraph, cands: list[Flip], params: list, want:
             trial = sum(float(((r - t) * s).square().sum())
                         for r, t, s in zip(resid, effect(f), inv))
             if trial < now:
-                apply_flip(graph.kinks[f.layer], f)
+                dropped = effect.flip(f)
                 r, c = residual()
                 if c < now:
                     resid, now, took = r, c, True
                 else:  # flips elsewhere make it worse: undone
-                    apply_flip(graph.kinks[f.layer], f)
+                    effect.undo(f, dropped)
                     residual()
         if not took:
             break
@@ -430,8 +470,8 @@ def _follow_exact(loss, graph: KinkGraph, cands: list[Flip], params: list, want:
 SWAPS, SWAP_WITH = 40, 24
 
 
-def _swaps(graph: KinkGraph, start: list, cands: list[Flip], effect, residual, resid: list,
-           now: float, inv: list[float]) -> None:
+def _swaps(graph: KinkGraph, start: list, cands: list[Flip], effect: _Effects, residual,
+           resid: list, now: float, inv: list[float]) -> None:
     """Where a flip taken and an untaken candidate of the same kink layer have nearly the same
     effect (elements of one channel), taking the wrong one leaves a residual that neither
     undoing it nor taking the other lowers alone: each taken flip (against ``start``, the
@@ -452,14 +492,14 @@ def _swaps(graph: KinkGraph, start: list, cands: list[Flip], effect, residual, r
                 best, pick = c, f
         if pick is None:
             continue
-        apply_flip(graph.kinks[a.layer], a)
-        apply_flip(graph.kinks[pick.layer], pick)
+        dropped = effect.flip(a)
+        effect.flip(pick)
         r, c = residual()
         if c < now:
             resid, now = r, c
         else:
             apply_flip(graph.kinks[pick.layer], pick)
-            apply_flip(graph.kinks[a.layer], a)
+            effect.undo(a, dropped)
             residual()
 
 
