@@ -443,7 +443,7 @@ def following_step(reference: dict, i: int, grads: dict[str, np.ndarray]):
 
 def check_export(export_dir: str, seed: int = 0, frozen_bn: bool | set | None = None,
                  reference: dict | None = None, rpc_session=None,
-                 cached: bool = False) -> StepCheck:
+                 cached: bool = False, say=None) -> StepCheck:
     """Check an export's training step against PyTorch float64 following the build's branches
     (see the module docstring) on the :data:`CHECK_BATCHES` batches of ``seed``
     (:func:`reference_steps`), from the export's own parameters, with PyTorch float32's
@@ -454,20 +454,35 @@ def check_export(export_dir: str, seed: int = 0, frozen_bn: bool | set | None = 
     seed (several exports of one step share it); ``cached``: check the step on cached
     features (:func:`export_step`). The export's optimizer update is checked too, against
     ``torch.optim`` on fresh values of ``seed`` (:mod:`thomas_tune.update_check`, the
-    result's ``update``). Needs torch."""
+    result's ``update``). ``say``: a callable given a line per stage with its wall time in s
+    (the reference steps, each batch's following: at 224 px these take minutes). Needs
+    torch."""
+    import time
+
     from .manifest import read_manifest
     from .models import load_checkpoint
     m = read_manifest(export_dir)
     if frozen_bn is None:
         frozen_bn = manifest_frozen_bn(m)
+    say = say or (lambda _line: None)
+    t0 = time.perf_counter()
     if reference is None:
         model, tensors, _ = load_checkpoint(os.path.join(export_dir, "params.npz"))
         reference = reference_steps(model, tensors, m["trainable"], m["batch"], seed, frozen_bn)
+        say(f"[check] PyTorch's float64 and float32 steps of {CHECK_BATCHES} batches in "
+            f"{time.perf_counter() - t0:.1f} s")
     checked = reference["context"][1]
     ours = [export_step(export_dir, x, y, rpc_session=rpc_session, cached=cached, masks=mk,
                         tensors=checked)
             for (x, y), mk in zip(reference["batches"], reference["masks"])]
-    refs = [following_step(reference, i, o[1]) for i, o in enumerate(ours)]
+    refs = []
+    for i, o in enumerate(ours):
+        t0 = time.perf_counter()
+        refs.append(following_step(reference, i, o[1]))
+        r, dt = refs[-1], time.perf_counter() - t0
+        say(f"[check] batch {i}: " + (f"{r.ambiguous} element(s) within rounding of a kink "
+            f"weighed, {len(r.flips)} decided as the build did" if r.ambiguous else
+            "float64's own decisions explain the build") + f" ({dt:.1f} s)")
     yard = reference["yardstick"]
     check = compare_step([o[0] for o in ours], [o[1] for o in ours], [r.loss for r in refs],
                          [r.grads for r in refs], yard.errors, yard.loss_err,

@@ -26,11 +26,13 @@ def bench_reference(exports: dict, seed: int) -> dict | None:
                            manifest_frozen_bn(m))
 
 
-def check_variants(exports: dict, seed: int, say=print, reference: dict | None = None) -> dict:
+def check_variants(exports: dict, seed: int, say=print, reference: dict | None = None,
+                   progress=None) -> dict:
     """Each export's training step checked against PyTorch in float64, with PyTorch's float32
     step on the same batches as the yardstick (:func:`thomas_tune.step_check.check_export`,
     on the check batches of ``seed``; ``reference``: :func:`bench_reference` already
-    computed). Returns variant ->
+    computed; ``progress``: given a line per stage of each check with its time, or None).
+    Returns variant ->
     :class:`~thomas_tune.step_check.StepCheck` plus ``"torch_float32"`` (PyTorch float32's own
     comparison); says one line per variant. Without PyTorch, says so and returns nothing
     checked: the bench then marks every time unchecked and gives no ratio of them."""
@@ -46,7 +48,7 @@ def check_variants(exports: dict, seed: int, say=print, reference: dict | None =
     out = {}
     ref = reference if reference is not None else bench_reference(exports, seed)
     for variant in sorted(exports, key=lambda v: v != "default"):
-        out[variant] = c = check_export(exports[variant], seed, reference=ref)
+        out[variant] = c = check_export(exports[variant], seed, reference=ref, say=progress)
         say(f"[bench] numbers of {variant} against PyTorch float64: {c.line()}")
     out["torch_float32"] = c = ref["yardstick"]
     name, err = c.worst

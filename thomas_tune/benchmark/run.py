@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+import time
 from dataclasses import dataclass
 
 from .checks import bench_reference, check_variants
@@ -73,8 +74,12 @@ def run_bench(model, tensors, target, exports: dict, cfg: BenchConfig, log_path:
         tuned_ks = own.get("tuned", kernels)
         mark_tuned([*kernels, *tuned_ks] if separate else kernels, log_path, target)
         res["step"]["tuned_kernels"] = sum(k.tuned for k in tuned_ks)
+    t0 = time.perf_counter()
     ref = bench_reference(exports, cfg.seed) if cfg.check else None
-    checks = check_variants(exports, cfg.seed, say, ref) if cfg.check else {}
+    if ref is not None:
+        say(f"[bench] PyTorch's float64 and float32 reference steps in "
+            f"{time.perf_counter() - t0:.1f} s")
+    checks = check_variants(exports, cfg.seed, say, ref, progress=say) if cfg.check else {}
     res["checks"] = {k: c.as_dict() for k, c in checks.items()}
     res["skipped"] = {}
     sides, torch_by_setting = _sides(exports, checks, cfg, model, tensors, tg, batch,
