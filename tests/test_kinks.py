@@ -103,3 +103,33 @@ def test_following_finds_the_builds_decisions(arch, noise, max_flips, rng, monke
     build[name] = build[name] * 1.01
     _, worst = _follow(arch, seed, rounding, scales, build)
     assert worst > 5e-3, worst
+
+
+@pytest.mark.parametrize("arch", list(NETS))
+def test_bulk_transpose_is_the_backward_pass_transposed(arch):
+    """The bulk solve's ``A^T`` (a forward pass in forward-mode differentiation, the kinks
+    decided as they are) is the transpose of its ``A`` (a backward pass from the kink inputs):
+    ``<A c, v> = <c, A^T v>`` for random ``c`` and ``v``, to float64 rounding, with every
+    element of every kink a candidate and a flip taken in each layer first (so the decisions
+    are not float64's own). A transpose through other decisions, or a kink's derivative
+    left out, breaks the identity by far more."""
+    import torch
+    from thomas_tune.flip_solve import Effects, weighted_residual
+    from thomas_tune.flip_exact import Flip, apply_flip
+    loss, g, params, _ = _forward(arch, 5)
+    inv = [1.0 + i % 3 for i in range(len(params))]
+    layers = [i for i, k in enumerate(g.kinks) if k.x.requires_grad]
+    for i in layers:
+        apply_flip(g.kinks[i], Flip(i, g.kinks[i].kind, 0, 0.0))
+    weighted_residual(loss, g, params, [torch.zeros_like(p) for p in params], inv)
+    masks = [None] * len(g.kinks)
+    for i in layers:
+        k = g.kinks[i]
+        masks[i] = torch.ones(k.gap.shape if k.kind == "pool" else k.x.shape, dtype=torch.bool)
+    effects = Effects(g, layers, masks, params, inv)
+    gen = torch.Generator().manual_seed(int(np.random.default_rng().integers(1 << 30)))
+    c = [torch.randn(m.shape, generator=gen, dtype=torch.float64) for m in effects.masks]
+    v = [torch.randn(p.shape, generator=gen, dtype=torch.float64) for p in params]
+    lhs = sum(float((a * b).sum()) for a, b in zip(effects.apply(c), v))
+    rhs = sum(float((a * b).sum()) for a, b in zip(c, effects.transpose(v)))
+    assert abs(lhs - rhs) <= 1e-10 * abs(lhs), (lhs, rhs)

@@ -3,7 +3,8 @@
 For fixed output gradients of the kinks, deciding an element otherwise changes the gradients
 of the parameters linearly in the flip, so which flips explain the build's gradients is a
 least-squares problem over all candidates (:func:`least_squares`) whose matrix is applied by
-one backward pass from the kink inputs and its transpose by one Jacobian-vector product
+one backward pass from the kink inputs and its transpose by one forward pass in forward-mode
+differentiation (the derivative of the kink inputs along a direction of the parameters)
 (:class:`Effects`). :func:`follow_bulk` solves it in rounds from the new decisions; the
 caller, :func:`thomas_tune.kinks.follow`, weighs what it leaves one flip at a time. The kinks
 are :class:`thomas_tune.kinks.Kink` objects (``kind``, ``x``, ``decision``, ``alt``, ``dy0``),
@@ -53,21 +54,16 @@ class Effects:
     map ``A`` from a coefficient per candidate to the change of every parameter gradient,
     weighted per parameter by ``inv`` (its scale's inverse), at the graph's present decisions
     and output gradients: :meth:`apply` is ``W A c`` (one backward pass from the kink inputs),
-    :meth:`transpose` is ``A^T W v`` (a Jacobian-vector product of every kink input: the
-    backward pass from the kink inputs to the parameters, built once with its graph, is
-    differentiated with respect to its output gradients)."""
+    :meth:`transpose` is ``A^T W v``: the transpose of that backward pass is the derivative
+    of the kink inputs along ``W v`` (one forward pass in forward-mode differentiation, the
+    graph's ``tangents``), and each candidate's inner product with it (:func:`moves`)."""
 
     def __init__(self, graph, layers: list[int], masks: list, params: list,
                  inv: list[float]):
-        import torch
+        self.graph, self.layers = graph, layers
         self.kinks = [graph.kinks[i] for i in layers]
         self.masks = [masks[i] for i in layers]
         self.params, self.inv = params, inv
-        xs = [k.x for k in self.kinks]
-        self.vs = [torch.zeros_like(x, requires_grad=True) for x in xs]
-        g = torch.autograd.grad(xs, params, grad_outputs=self.vs, create_graph=True,
-                                allow_unused=True)
-        self.used = [(i, t) for i, t in enumerate(g) if t is not None]
 
     def apply(self, coefs: list) -> list:
         import torch
@@ -79,11 +75,9 @@ class Effects:
 
     def transpose(self, v: list) -> list:
         import torch
-        jv = torch.autograd.grad([t for _, t in self.used], self.vs,
-                                 grad_outputs=[v[i] * self.inv[i] for i, _ in self.used],
-                                 retain_graph=True, allow_unused=True)
-        return [torch.where(m, moves(k, j if j is not None else torch.zeros_like(k.x)), 0.0)
-                for k, m, j in zip(self.kinks, self.masks, jv)]
+        jv = self.graph.tangents(self.params, [t * s for t, s in zip(v, self.inv)])
+        return [torch.where(m, moves(k, jv[i]), 0.0)
+                for i, k, m in zip(self.layers, self.kinks, self.masks)]
 
 
 def dot(a: list, b: list) -> float:

@@ -47,7 +47,8 @@ def torch_forward(model, tensors: dict[str, np.ndarray], trainable: list[str], x
     tm = {name: torch.tensor(np.asarray((masks or {}).get(name, np.ones(shape)), dtype),
                              device=dev) for name, (shape, _) in s.masks.items()}
     g = KinkGraph(params, states, tm, training=True, frozen_bn=frozen_bn)
-    logits = model.forward(g, torch.tensor(np.asarray(x, dtype), device=dev))
+    g.source = (model, torch.tensor(np.asarray(x, dtype), device=dev))
+    logits = model.forward(g, g.source[1])
     loss = F.cross_entropy(logits, torch.tensor(np.asarray(y, "int64"), device=dev))
     names = [n for n in params if n in train]
     return loss, g, [params[n] for n in names], names

@@ -20,30 +20,33 @@ input of that kink over the batch (a measurement of the forward's rounding there
 
 The build's decisions are read from its gradients (:func:`follow`): only an ambiguous element
 may be decided otherwise than float64 decides it; the effect of deciding one otherwise (its
-*flip*) on every parameter gradient is computed exactly in float64 (the backward of the
-moved output gradient from that kink's input), and the flips that bring the float64 gradients
-closer to the build's are taken, one at a time, largest first. Past :data:`MAX_FLIPS`
-candidates (a 224-px step has tens of thousands: ReLU6 inputs within rounding of 0 or 6, pool
-windows whose constant squares tie), they are weighed all at once first: a flip's effect on
-the gradients is linear in it for fixed output gradients, so the flips that explain the
-residual solve a least-squares problem over every candidate, whose matrix is applied by one
-backward pass and its transpose by one Jacobian-vector product
-(:func:`thomas_tune.flip_solve.follow_bulk`); the flips it takes, what it leaves
-half-explained and the candidates nearest their kink are then weighed one at a time; the same
-where one flip at a time leaves a parameter over the bounds' floor (flips that explain the
-build only together). The reference is the float64 step with those decisions, recomputed
-whole; it and the build differ by rounding only, on every batch. A mutant cannot hide behind
-this: the flips it could use are single elements within rounding of a kink, and each flip
-taken is listed (:attr:`Following.flips`).
+*flip*) on every parameter gradient is computed exactly in float64 (the backward of the moved
+output gradient from that kink's input), and the flips that bring the float64 gradients closer
+to the build's are taken, one at a time, largest first
+(:func:`thomas_tune.flip_exact.follow_exact`). Past :data:`MAX_FLIPS` candidates (a 224-px step
+has tens of thousands: ReLU6 inputs within rounding of 0 or 6, pool windows whose constant
+squares tie), they are weighed all at once first: a flip's effect on the gradients is linear in
+it for fixed output gradients, so the flips that explain the residual solve a least-squares
+problem over every candidate, whose matrix is applied by one backward pass and its transpose by
+one forward pass in forward-mode differentiation (:func:`thomas_tune.flip_solve.follow_bulk`,
+:meth:`KinkGraph.tangents`); the flips it takes, what it leaves half-explained and the
+candidates nearest their kink are then weighed one at a time; the same where one flip at a time
+leaves a parameter over the bounds' floor (flips that explain the build only together). The
+reference is the float64 step with those decisions, recomputed whole; it and the build differ
+by rounding only, on every batch. A mutant cannot hide behind this: the flips it could use are
+single elements within rounding of a kink, and each flip taken is listed
+(:attr:`Following.flips`).
 """
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from .flip_solve import POLISH, follow_bulk, weighted_residual
+from .flip_exact import Flip, changed, distance, follow_exact, restore
+from .flip_solve import POLISH, follow_bulk
 from .reference import TorchGraph
 
 #: an element is ambiguous when float64's input of its kink lies within this many times the
@@ -91,13 +94,17 @@ def _functions():
             ctx.kink.dy = dy
             return dy * ctx.kink.decision, None, None
 
+        @staticmethod
+        def jvp(ctx, dx, *_):
+            return dx * ctx.kink.decision
+
     class Pool(torch.autograd.Function):
         """max_pool2d whose backward scatters each window's gradient to ``kink.decision``."""
 
         @staticmethod
         def forward(ctx, x, kink, kernel, stride, padding):
             out, _ = F.max_pool2d(x, kernel, stride, padding, return_indices=True)
-            ctx.kink, ctx.shape = kink, x.shape
+            ctx.kink, ctx.shape, ctx.out_shape = kink, x.shape, out.shape
             return out
 
         @staticmethod
@@ -107,6 +114,11 @@ def _functions():
             dx = dy.new_zeros((n, c, h * w))
             dx.scatter_add_(2, ctx.kink.decision, dy.reshape(n, c, -1))
             return dx.reshape(n, c, h, w), None, None, None, None
+
+        @staticmethod
+        def jvp(ctx, dx, *_):
+            n, c = ctx.shape[:2]
+            return dx.reshape(n, c, -1).gather(2, ctx.kink.decision).reshape(ctx.out_shape)
 
     return Masked, Pool
 
@@ -147,6 +159,36 @@ class KinkGraph(TorchGraph):
         self.kinks: list[Kink] = []
         self.bias_outputs: dict[str, object] = {}
         self._masked, self._pool = _functions()
+        self._made = (args, kwargs)
+        #: (model, input batch) of the forward pass run on it, for :meth:`tangents`
+        self.source = None
+
+    def tangents(self, params: list, directions: list) -> list:
+        """Per kink (in :attr:`kinks`' order), the derivative of its input when ``params``
+        (tensors of this graph's parameters) move along ``directions`` (a tensor of each
+        one's shape; the other parameters stay),
+        the kinks decided as they are now: the forward pass run again in forward-mode
+        differentiation (``J u``, the transpose of the backward pass from the kink inputs to
+        the parameters, ``J^T g``). A kink input that does not move gets zeros. Needs
+        :attr:`source`."""
+        import torch
+        import torch.autograd.forward_ad as fw
+        model, x = self.source
+        args, kwargs = self._made
+        along = {id(p): d for p, d in zip(params, directions)}
+        with fw.dual_level(), torch.no_grad(), warnings.catch_warnings():
+            # (some of PyTorch's forward-mode formulas are scripted functions, and scripting
+            # says it is deprecated)
+            warnings.filterwarnings("ignore", category=DeprecationWarning, module="torch")
+            params = {n: fw.make_dual(t.detach(), along[id(t)]) if id(t) in along
+                      else t.detach() for n, t in args[0].items()}
+            again = _Replay(self.kinks, params, *args[1:], **kwargs)
+            model.forward(again, x)
+            out = []
+            for k in again.kinks:
+                t = fw.unpack_dual(k.x).tangent
+                out.append(t if t is not None else torch.zeros_like(fw.unpack_dual(k.x).primal))
+        return out
 
     def conv2d(self, name, x, out_channels, kernel, stride=1, padding=0, groups=1, bias=False):
         y = super().conv2d(name, x, out_channels, kernel, stride, padding, groups, bias)
@@ -186,6 +228,26 @@ class KinkGraph(TorchGraph):
         return self._pool.apply(x, k, kernel, stride, padding)
 
 
+class _Replay(KinkGraph):
+    """A :class:`KinkGraph` whose kinks take the decisions of ``given`` (another pass's kinks
+    of the same network, in order) instead of their own."""
+
+    def __init__(self, given: list[Kink], *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._given = iter(given)
+
+    def _masked_kink(self, x, kind, hi):
+        k = Kink(kind, x, next(self._given).decision)
+        self.kinks.append(k)
+        return self._masked.apply(x, k, hi)
+
+    def max_pool2d(self, x, kernel, stride, padding=0):
+        g = next(self._given)
+        k = Kink("pool", x, g.decision, g.alt)
+        self.kinks.append(k)
+        return self._pool.apply(x, k, kernel, stride, padding)
+
+
 def bias_sums(loss, graph: KinkGraph) -> dict[str, np.ndarray]:
     """Per bias, the sum over (N, H, W) of |the gradient of the tensor it is added into| per
     channel: the sum of absolute terms of the bias's gradient, its natural scale (float64)."""
@@ -194,18 +256,6 @@ def bias_sums(loss, graph: KinkGraph) -> dict[str, np.ndarray]:
     outs = torch.autograd.grad(loss, [graph.bias_outputs[n] for n in names], retain_graph=True)
     return {n: g.abs().sum(dim=[d for d in range(g.dim()) if d != 1]).detach().cpu().numpy()
             for n, g in zip(names, outs)}
-
-
-@dataclass
-class Flip:
-    """A kink element decided otherwise than float64 decides it: ``layer`` (index in the
-    forward's kinks), ``kind``, ``index`` (flat index of the element, or of the pool window),
-    ``distance`` (float64's input's distance from the kink, or the pool window's gap)."""
-
-    layer: int
-    kind: str
-    index: int
-    distance: float
 
 
 @dataclass
@@ -233,18 +283,12 @@ def ambiguous_masks(kinks64: list[Kink], rounding: list[float]) -> list:
         if not k.x.requires_grad or k.dy0 is None:
             out.append(None)  # in the frozen part: no gradient passes through it
             continue
-        m = (_distance(k) <= DELTA_FACTOR * r) & (k.dy0.reshape(k.gap.shape if k.kind == "pool"
+        m = (distance(k) <= DELTA_FACTOR * r) & (k.dy0.reshape(k.gap.shape if k.kind == "pool"
                                                                 else k.x.shape) != 0)
         out.append(m if bool(m.any()) else None)
     return out
 
 
-def _distance(k: Kink):
-    """Per element of ``k`` (per window of a pool), float64's distance from the kink."""
-    if k.kind == "pool":
-        return k.gap
-    x64 = k.x.detach()
-    return x64.abs() if k.kind == "relu" else x64.abs().minimum((x64 - 6.0).abs())
 
 
 def ambiguous_elements(kinks64: list[Kink], rounding: list[float],
@@ -253,7 +297,7 @@ def ambiguous_elements(kinks64: list[Kink], rounding: list[float],
     a :class:`Flip` with its distance; with ``nearest``, only that many, the nearest to their
     kink first (chosen on the device: a 224-px batch has a million)."""
     import torch
-    found = [(i, m.reshape(-1).nonzero().reshape(-1), _distance(k).reshape(-1))
+    found = [(i, m.reshape(-1).nonzero().reshape(-1), distance(k).reshape(-1))
              for i, (k, m) in enumerate(zip(kinks64, ambiguous_masks(kinks64, rounding)
                                             if masks is None else masks)) if m is not None]
     if not found:
@@ -266,44 +310,6 @@ def ambiguous_elements(kinks64: list[Kink], rounding: list[float],
         order = order[:nearest]
     return [Flip(i, kinks64[i].kind, j, d) for i, j, d in
             zip(layers[order].tolist(), index[order].tolist(), dist[order].tolist())]
-
-
-def flip_effect(kink: Kink, flip: Flip, params: list, sign: float = 1.0):
-    """The change of every parameter gradient (a list of tensors, in ``params``' order) when
-    ``flip``'s element is decided otherwise (``sign`` -1: the change undone), from the output
-    gradient of the last backward pass (float64, exact up to rounding)."""
-    import torch
-    x = kink.x
-    delta = torch.zeros_like(x)
-    if kink.kind == "pool":
-        n, c, _, _ = x.shape
-        per = kink.dy0.reshape(n, c, -1)
-        nc, j = divmod(flip.index, per.shape[2])
-        b, ch = divmod(nc, c)
-        g = per[b, ch, j]
-        d = delta.reshape(n, c, -1)
-        d[b, ch, kink.decision[b, ch, j]] -= sign * g
-        d[b, ch, kink.alt[b, ch, j]] += sign * g
-    else:
-        now = kink.decision.reshape(-1)[flip.index]
-        delta.reshape(-1)[flip.index] = sign * (1.0 - 2.0 * now) * kink.dy0.reshape(-1)[flip.index]
-    grads = torch.autograd.grad(x, params, grad_outputs=delta, retain_graph=True,
-                                allow_unused=True)
-    return [g if g is not None else torch.zeros_like(p) for g, p in zip(grads, params)]
-
-
-def apply_flip(kink: Kink, flip: Flip) -> None:
-    """Decide ``flip``'s element otherwise in ``kink`` (a pool window's gradient goes to its
-    second-best position, a mask element is inverted)."""
-    if kink.kind == "pool":
-        n, c, _, _ = kink.x.shape
-        nc, j = divmod(flip.index, kink.decision.shape[2])
-        b, ch = divmod(nc, c)
-        a, d = kink.alt[b, ch, j].clone(), kink.decision[b, ch, j].clone()
-        kink.decision[b, ch, j], kink.alt[b, ch, j] = a, d
-    else:
-        m = kink.decision.reshape(-1)
-        m[flip.index] = 1.0 - m[flip.index]
 
 
 def follow(loss, graph: KinkGraph, rounding: list[float], params: list, names: list[str],
@@ -340,179 +346,32 @@ def follow(loss, graph: KinkGraph, rounding: list[float], params: list, names: l
                            for w, g, s in zip(want, grads, inv) if g.numel()), default=0.0)
 
     if count <= MAX_FLIPS:
-        _follow_exact(loss, graph, ambiguous_elements(graph.kinks, rounding), params, want,
+        follow_exact(loss, graph, ambiguous_elements(graph.kinks, rounding), params, want,
                       inv, start)
         grads, err = worst()
         if err <= within or count == 0:  # (no candidate: nothing else to follow)
             return Following(float(loss.detach()), numpy_of(names, grads),
-                             _changed(graph, start), count, 0)
+                             changed(graph, start), count, 0)
         # one flip at a time did not explain the build (flips whose effects only add up
         # together): all at once, from float64's own decisions again
         for k, d in zip(graph.kinks, start):
-            _restore(k, d)
+            restore(k, d)
     for _ in range(ATTEMPTS):  # each from the decisions the one before left
         # what the solve half-explains, and the flips taken so far (each may be undone)
         half = [Flip(i, graph.kinks[i].kind, j, 0.0)
                 for i, j in follow_bulk(loss, graph, masks, params, want, inv)]
         near = ambiguous_elements(graph.kinks, rounding, masks, POLISH)
-        _follow_exact(loss, graph, _changed(graph, start) + half + near, params, want, inv,
+        follow_exact(loss, graph, changed(graph, start) + half + near, params, want, inv,
                       start)
         grads, err = worst()
         if err <= within:
             break
-    return Following(float(loss.detach()), numpy_of(names, grads), _changed(graph, start),
+    return Following(float(loss.detach()), numpy_of(names, grads), changed(graph, start),
                      count, 0)
 
 
 #: rounds of bulk following and weighing one at a time, while a parameter stays over the floor
 ATTEMPTS = 2
-
-
-def _restore(kink: Kink, decision) -> None:
-    """Put ``kink``'s decisions back to ``decision`` (a pool's runner-up positions with them:
-    a window whose decision changed had the two swapped)."""
-    import torch
-    if kink.kind == "pool":
-        moved = kink.decision != decision
-        kink.alt = torch.where(moved, kink.decision, kink.alt)
-    kink.decision = decision.clone()
-
-
-#: the most passes of :func:`_follow_exact` over its candidates
-PASSES = 3
-
-#: bytes of flip effects :class:`_Effects` keeps (float64 parameter gradients: 28 MB a flip for
-#: MobileNetV2 1.0, 0.5 GB for AlexNet)
-EFFECT_CACHE_BYTES = 4 << 30
-
-
-class _Effects:
-    """Flip effects (:func:`flip_effect`) of one graph at its present decisions, each computed
-    once while it stays valid. A flip taken at kink layer M changes the backward pass from
-    every later layer's input (it passes through M) and, once the residual is computed again,
-    the output gradients of every earlier layer (they pass back through M): only the effects
-    of M's other elements stay. A flip undone puts back what it dropped. Up to
-    :data:`EFFECT_CACHE_BYTES` are kept (the first ones asked for: the weighing passes go over
-    the candidates in one order)."""
-
-    def __init__(self, graph: KinkGraph, params: list):
-        self.graph, self.params, self.kept = graph, params, {}
-        per = 8 * sum(p.numel() for p in params)
-        self.room = EFFECT_CACHE_BYTES // max(per, 1)
-
-    def __call__(self, f: Flip) -> list:
-        key = (f.layer, f.index)
-        e = self.kept.get(key)
-        if e is None:
-            e = flip_effect(self.graph.kinks[f.layer], f, self.params)
-            if len(self.kept) < self.room:
-                self.kept[key] = e
-        return e
-
-    def flip(self, f: Flip) -> dict:
-        """Take ``f`` in the graph; returns the effects it dropped, for :meth:`undo`."""
-        apply_flip(self.graph.kinks[f.layer], f)
-        dropped = self.kept
-        self.kept = {k: e for k, e in dropped.items() if k[0] == f.layer and k[1] != f.index}
-        return dropped
-
-    def undo(self, f: Flip, dropped: dict) -> None:
-        """Undo ``f`` taken by :meth:`flip` (nothing taken since), with the effects it dropped
-        (valid again once the residual is computed again)."""
-        apply_flip(self.graph.kinks[f.layer], f)
-        self.kept = dropped
-
-
-def _follow_exact(loss, graph: KinkGraph, cands: list[Flip], params: list, want: list,
-                  inv: list[float], start: list | None = None) -> None:
-    """Of ``cands``, take one at a time the flips that lower the weighted squared residual
-    (the build's gradients ``want`` minus the reference's; ``inv``: per parameter the inverse
-    of its scale), the largest effects first, each flip's effect computed exactly from the
-    output gradients at the present decisions (:func:`flip_effect`, kept while valid:
-    :class:`_Effects`) and the residual computed again after each flip taken; up to
-    :data:`PASSES` passes while one takes a flip (a flip taken can be undone in the next);
-    then, with ``start`` (the decisions before following), swaps (:func:`_swaps`). Leaves the
-    graph's decisions so."""
-    def residual():
-        return weighted_residual(loss, graph, params, want, inv)
-
-    effect = _Effects(graph, params)
-
-    def weight(e):
-        return max(float(t.abs().max()) * s for t, s in zip(e, inv))
-
-    resid, now = residual()
-    # each flip's effect is a set of whole gradients: kept only up to a budget (AlexNet's 61 M
-    # float64 gradient values per flip times hundreds of flips exceed any device)
-    weighed = [(w, f) for w, f in ((weight(effect(f)), f) for f in cands) if w > 0]
-    weighed.sort(key=lambda wf: -wf[0])
-    for _ in range(PASSES):
-        took = False
-        for _, f in weighed:
-            trial = sum(float(((r - t) * s).square().sum())
-                        for r, t, s in zip(resid, effect(f), inv))
-            if trial < now:
-                dropped = effect.flip(f)
-                r, c = residual()
-                if c < now:
-                    resid, now, took = r, c, True
-                else:  # flips elsewhere make it worse: undone
-                    effect.undo(f, dropped)
-                    residual()
-        if not took:
-            break
-    if start is not None:
-        _swaps(graph, start, [f for _, f in weighed], effect, residual, resid, now, inv)
-
-
-#: swaps weighed after the one-at-a-time passes: of the flips taken, at most SWAPS, each
-#: against at most SWAP_WITH candidates of the same kink layer
-SWAPS, SWAP_WITH = 40, 24
-
-
-def _swaps(graph: KinkGraph, start: list, cands: list[Flip], effect: _Effects, residual,
-           resid: list, now: float, inv: list[float]) -> None:
-    """Where a flip taken and an untaken candidate of the same kink layer have nearly the same
-    effect (elements of one channel), taking the wrong one leaves a residual that neither
-    undoing it nor taking the other lowers alone: each taken flip (against ``start``, the
-    decisions before following) is undone together with taking the candidate that lowers the
-    weighted squared residual most, kept where the residual computed again is lower."""
-    def cost(rs):
-        return sum(float((r * s).square().sum()) for r, s in zip(rs, inv))
-
-    for a in _changed(graph, start)[:SWAPS]:
-        same = [f for f in cands if f.layer == a.layer and f.index != a.index][:SWAP_WITH]
-        if not same:
-            continue
-        back = [r - t for r, t in zip(resid, effect(a))]
-        best, pick = now, None
-        for f in same:
-            c = cost([r - t for r, t in zip(back, effect(f))])
-            if c < best:
-                best, pick = c, f
-        if pick is None:
-            continue
-        dropped = effect.flip(a)
-        effect.flip(pick)
-        r, c = residual()
-        if c < now:
-            resid, now = r, c
-        else:
-            apply_flip(graph.kinks[pick.layer], pick)
-            effect.undo(a, dropped)
-            residual()
-
-
-def _changed(graph: KinkGraph, start: list) -> list[Flip]:
-    """The elements (pool: windows) of the graph's kinks decided otherwise than ``start`` (per
-    kink, its decisions then), each as a :class:`Flip` with float64's distance from the
-    kink."""
-    out = []
-    for i, (k, d0) in enumerate(zip(graph.kinks, start)):
-        dist = _distance(k).reshape(-1)
-        for j in (k.decision != d0).reshape(-1).nonzero().reshape(-1).tolist():
-            out.append(Flip(i, k.kind, j, float(dist[j])))
-    return out
 
 
 def numpy_of(names, grads) -> dict[str, np.ndarray]:
