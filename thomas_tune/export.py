@@ -150,16 +150,14 @@ def _graph_modules(model, batch: int, infer_batch: int, trainable: str,
     ``cache_features`` with a trainable set whose frozen part is not the same at every step
     (:func:`thomas_tune.graph.training_module`)."""
     from . import half_storage
-    half_storage.check_precision(precision)
-    if precision != "float32" and cache_features:
+    if half_storage.check_precision(precision) != "float32" and cache_features:
         raise ValueError(f"--cache-features is built in float32 only: drop --precision "
                          f"{precision} or --cache-features")
     tg = G.training_module(model, batch, trainable, optimizer, features=cache_features)
     infer_mod = G.inference_module(model, infer_batch)
-    if precision == "mixed16":
-        tg = dataclasses.replace(tg, mod=half_storage.round_module(
-            tg.mod, {ADJOINT: batch, PREDICT: batch}))
-        infer_mod = half_storage.round_module(infer_mod, {PREDICT: infer_batch})
+    train, infer_mod = half_storage.apply_precision(precision, tg.mod, infer_mod, batch,
+                                                    infer_batch)
+    tg = dataclasses.replace(tg, mod=train)
     train_mod, lift_inputs = training_library_module(model, tg)
     n_constant = len(spec(model).params) + len(spec(model).states)
     infer_mod[PREDICT] = infer_mod[PREDICT].with_attr(lift.ATTR, [1, n_constant])

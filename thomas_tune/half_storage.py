@@ -41,8 +41,10 @@ from tvm import relax
 
 #: the precisions an export takes: float32 throughout, or float16 storage of the layer outputs
 PRECISIONS = ("float32", "mixed16")
-#: Relax operators whose result is a stored layer output (module docstring)
-STORED_OPS = frozenset({"relax.nn.conv2d", "relax.add", "relax.multiply", "relax.nn.max_pool2d",
+#: Relax operators whose result is a stored layer output (module docstring; and ``multiply`` by
+#: a function input, a dropout mask). An inference-form BatchNorm's output (an ``add``) is stored
+#: before its activation: rounding commutes with ReLU and ReLU6 (0 and 6 are float16 values)
+STORED_OPS = frozenset({"relax.nn.conv2d", "relax.add", "relax.nn.max_pool2d",
                         "relax.nn.avg_pool2d", "relax.nn.adaptive_avg_pool2d"})
 #: kernels (``call_tir`` of these PrimFunc names, any suffix) whose result is a layer output:
 #: a training-form BatchNorm with its activation (:mod:`models.batchnorm`)
@@ -57,8 +59,9 @@ def check_precision(precision: str) -> str:
     return precision
 
 
-def _is_layer_output(value: relax.Expr, ty, batch: int) -> bool:
-    """Whether a binding's ``value`` (of type ``ty``) is a layer output of the forward pass."""
+def _is_layer_output(value: relax.Expr, ty, batch: int, params) -> bool:
+    """Whether a binding's ``value`` (of type ``ty``) is a layer output of the forward pass
+    (``params``: the function's parameters)."""
     if not isinstance(value, relax.Call) or not isinstance(ty, relax.TensorType):
         return False
     if ty.dtype != "float32" or ty.ndim < 2 or ty.shape is None:
@@ -67,6 +70,9 @@ def _is_layer_output(value: relax.Expr, ty, batch: int) -> bool:
     if not isinstance(first, tvm.tirx.IntImm) or int(first) != batch:
         return False
     name = value.op.name if isinstance(value.op, tvm.ir.Op) else ""
+    if name == "relax.multiply":  # a dropout: by a mask, an input of the function
+        return any(isinstance(a, relax.Var) and any(a.same_as(p) for p in params)
+                   for a in value.args)
     if name in STORED_OPS:
         return True
     if name in ("relax.call_tir", "relax.call_tir_with_grad"):
@@ -105,8 +111,9 @@ class _Rounder:
     """The state of :func:`round_stored` over one function: the float16 twin of each stored
     value, and a counter for new names."""
 
-    def __init__(self, batch: int):
+    def __init__(self, batch: int, params):
         self.batch = batch
+        self.params = list(params)
         self.half: dict = {}  # stored var -> its float16 var
         self.count = 0
         self.bb = relax.BlockBuilder()
@@ -141,7 +148,7 @@ class _Rounder:
                 forward = False
             value = self.reads(b.value, dataflow, out)
             out.append(relax.VarBinding(b.var, value) if value is not b.value else b)
-            if forward and _is_layer_output(b.value, b.var.ty, self.batch):
+            if forward and _is_layer_output(b.value, b.var.ty, self.batch, self.params):
                 h = self._var(b.var, "float16", dataflow)
                 out.append(relax.VarBinding(h, self.cast(b.var, "float16")))
                 self.half[b.var] = h
@@ -153,7 +160,7 @@ def round_stored(func: relax.Function, batch: int) -> relax.Function:
     its layer outputs stored as float16 and read back as float32 (module docstring); ``batch``
     is its batch size (the first axis of the tensors that are activations). A function with no
     layer output is returned as it is."""
-    r = _Rounder(batch)
+    r = _Rounder(batch, func.params)
     blocks, forward = [], True
     for block in func.body.blocks:
         new, forward = r.block(block, forward)
@@ -293,3 +300,16 @@ def rewrite_half_access(source: str) -> str:
         if m is not None and ROUND_HALF in sec[m.start():]:
             sections[i] = sec[:m.start()] + _HELPER + sec[m.start():]
     return "// Function: ".join(sections)
+
+
+def apply_precision(precision: str, train_mod: tvm.IRModule, infer_mod: tvm.IRModule,
+                    batch: int, infer_batch: int) -> tuple[tvm.IRModule, tvm.IRModule]:
+    """The training module (its ``train_adjoint`` and ``predict`` at ``batch`` images) and the
+    inference module (``predict`` at ``infer_batch``) of a graph built at ``precision``
+    (:data:`PRECISIONS`): as they are for float32, their layer outputs stored as float16
+    (:func:`round_stored`) for mixed16. Raises ValueError for another precision."""
+    from .manifest import ADJOINT, PREDICT
+    if check_precision(precision) == "float32":
+        return train_mod, infer_mod
+    return (round_module(train_mod, {ADJOINT: batch, PREDICT: batch}),
+            round_module(infer_mod, {PREDICT: infer_batch}))
