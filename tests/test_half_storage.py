@@ -246,3 +246,20 @@ def test_a_step_reads_its_stored_halves_and_keeps_gradients_in_float32(tmp_path,
         mutant = list(run)
         mutant[i] = mutant[i] * 1.01
         assert _step_errors(mutant)[i - 6] > 50 * STEP_BOUND
+
+
+def test_half_storage_kernels_are_workloads_of_their_own():
+    """The tasks of the mixed16 graph: the kernels that store or read float16 are workloads
+    no float32 task has (their buffers' dtypes differ), so a tuning log keeps them apart; each
+    convolution kernel of the mixed16 graph is one of them."""
+    from thomas_tune import half_storage
+    from thomas_tune.target import parse_target
+    from thomas_tune.tasks import extract, key
+
+    target = parse_target("opencl")
+    f32 = extract({"g": _graph()}, target)
+    f16 = extract({"g": half_storage.round_module(_graph(), {"f": N})}, target)
+    keys32 = {key(t) for t in f32}
+    half = [t for t in f16 if "float16" in t.mod.script()]
+    assert {t.name for t in half} and not {key(t) for t in half} & keys32
+    assert all("float16" in t.mod.script() for t in f16 if "conv2d" in t.name)
