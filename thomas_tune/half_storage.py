@@ -21,9 +21,9 @@ each later use of ``y`` reads ``astype(y16, float32)``, emitted just before that
 (:func:`thomas_tune.tasks.fuse`) then puts the first cast into the kernel that makes ``y``,
 which stores float16, and each second cast into the kernel that reads it where that kernel is
 element-wise; where it is not (a convolution, a reduction), the cast is a kernel of its own
-whose float32 copy lives only until its one reader has run. The step's float32 result is that
-of the same arithmetic on the rounded layer outputs (what :mod:`thomas_tune.half_check`
-checks against PyTorch in float64).
+whose float32 copy lives only until its one reader has run. The step computes, in float32,
+the same arithmetic on the rounded layer outputs (``tests/test_half_storage.py`` checks each
+stored tensor and a small step's gradients against float64).
 
 OpenCL C without ``cl_khr_fp16`` (no device here has it) forbids loading or storing ``half``
 through a pointer, but its core built-ins ``vload_half`` / ``vstore_half`` (OpenCL C
