@@ -141,14 +141,24 @@ class _GraphModules(NamedTuple):
 
 
 def _graph_modules(model, batch: int, infer_batch: int, trainable: str,
-                   optimizer: G.OptimizerConfig | None, cache_features: bool) -> _GraphModules:
+                   optimizer: G.OptimizerConfig | None, cache_features: bool,
+                   precision: str = "float32") -> _GraphModules:
     """The training and inference modules of ``model`` at ``batch`` and ``infer_batch``
-    images (:class:`_GraphModules`). Raises ValueError for a bad trainable set or optimizer,
-    and for ``cache_features`` with a trainable set whose frozen part is not the same at every
-    step (:func:`thomas_tune.graph.training_module`)."""
+    images (:class:`_GraphModules`), their layer outputs stored as float16 for ``precision``
+    ``mixed16`` (:mod:`thomas_tune.half_storage`). Raises ValueError for a bad trainable set,
+    optimizer or precision, for ``mixed16`` with ``cache_features``, and for
+    ``cache_features`` with a trainable set whose frozen part is not the same at every step
+    (:func:`thomas_tune.graph.training_module`)."""
+    from . import half_storage
+    if half_storage.check_precision(precision) != "float32" and cache_features:
+        raise ValueError(f"--cache-features is built in float32 only: drop --precision "
+                         f"{precision} or --cache-features")
     tg = G.training_module(model, batch, trainable, optimizer, features=cache_features)
-    train_mod, lift_inputs = training_library_module(model, tg)
     infer_mod = G.inference_module(model, infer_batch)
+    train, infer_mod = half_storage.apply_precision(precision, tg.mod, infer_mod, batch,
+                                                    infer_batch)
+    tg = dataclasses.replace(tg, mod=train)
+    train_mod, lift_inputs = training_library_module(model, tg)
     n_constant = len(spec(model).params) + len(spec(model).states)
     infer_mod[PREDICT] = infer_mod[PREDICT].with_attr(lift.ATTR, [1, n_constant])
     return _GraphModules(tg, train_mod, lift_inputs, infer_mod)
@@ -307,7 +317,7 @@ def export(out_dir: str, model, tensors: dict[str, np.ndarray], target: tvm.targ
            optimizer: G.OptimizerConfig | None = None, log: TuningLog | None = None,
            classes: list[str] | None = None, progress=print, device: dict | None = None,
            stock_defaults: bool = False, check_records: bool = True,
-           cache_features: bool = False) -> dict:
+           cache_features: bool = False, precision: str = "float32") -> dict:
     """Compile and write the export folder (see the module docstring); returns the manifest.
 
     ``tensors``: parameters and states (float32, shapes of ``models.spec``). ``batch``: images
@@ -324,9 +334,12 @@ def export(out_dir: str, model, tensors: dict[str, np.ndarray], target: tvm.targ
     ``cache_features``: the training module also holds the step split at the frozen part's
     output (``graph.training_module(..., features=True)``), which ``train --cache-features``
     runs; the manifest's ``features`` describes it (feature shape per image, the running
-    statistics of each part), None without it. The libraries are linked for the target's
-    host (``target.export_shared``). Raises ValueError for a bad trainable set or optimizer,
-    for ``cache_features`` with a trainable set whose frozen part is not the same at every
+    statistics of each part), None without it. ``precision``: ``float32``, or ``mixed16``
+    (the layer outputs stored as float16, arithmetic in float32:
+    :mod:`thomas_tune.half_storage`; kept in the manifest as ``precision``). The libraries
+    are linked for the target's host (``target.export_shared``). Raises ValueError for a bad
+    trainable set, optimizer or precision (``mixed16`` with ``cache_features`` too), for
+    ``cache_features`` with a trainable set whose frozen part is not the same at every
     step (the message names the fix), for a ``log`` whose records no device of this machine
     can check while ``check_records`` is True, and for a foreign host without a working cross
     compiler (both before compiling anything). A log whose times belong to another or an unknown
@@ -335,7 +348,8 @@ def export(out_dir: str, model, tensors: dict[str, np.ndarray], target: tvm.targ
     """
     _refuse_unchecked_log(target, log, check_records)
     os.makedirs(out_dir, exist_ok=True)
-    mods = _graph_modules(model, batch, infer_batch, trainable, optimizer, cache_features)
+    mods = _graph_modules(model, batch, infer_batch, trainable, optimizer, cache_features,
+                          precision)
     write = functools.partial(_write_libraries, out_dir, mods, target,
                               STOCK_RULES if stock_defaults else None, progress)
     version = log.version() if log is not None else None
@@ -346,5 +360,6 @@ def export(out_dir: str, model, tensors: dict[str, np.ndarray], target: tvm.targ
     manifest = _build_manifest(model, target, mods, wino, checks, batch=batch,
                                infer_batch=infer_batch, log=log, version=version,
                                classes=classes, device=device, stock_defaults=stock_defaults)
+    manifest["precision"] = precision
     write_json_atomically(os.path.join(out_dir, MANIFEST), manifest)
     return manifest

@@ -88,13 +88,15 @@ def check_source(source: str) -> str:
 
 
 def _postproc(code: str, target=None) -> str:
-    from . import opencl_source
-    return opencl_source._postproc(check_source(code), target)
+    from . import half_storage, opencl_source
+    return opencl_source._postproc(half_storage.rewrite_half_access(check_source(code)), target)
 
 
 def register() -> None:
     """Make TVM's OpenCL code generator pass each module's source through
-    :func:`check_source`, then :mod:`thomas_tune.opencl_source`'s rewrite (the global function
+    :func:`check_source`, then float16 buffers through ``vload_half`` / ``vstore_half``
+    (:func:`thomas_tune.half_storage.rewrite_half_access`: source without ``half`` unchanged),
+    then :mod:`thomas_tune.opencl_source`'s rewrite (the global function
     ``tvm_callback_opencl_postproc``, in this process; replaces one registered before)."""
     import tvm
 

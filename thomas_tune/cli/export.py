@@ -5,8 +5,8 @@ from __future__ import annotations
 import os
 import sys
 
-from .options import (add_cache_features_arg, add_model_args, add_profile_arg, add_target_arg,
-                      load_model, optimizer_config)
+from .options import (add_cache_features_arg, add_model_args, add_precision_arg,
+                      add_profile_arg, add_target_arg, load_model, optimizer_config)
 
 
 def export_model(args, out: str) -> dict:
@@ -32,7 +32,8 @@ def export_model(args, out: str) -> dict:
                   infer_batch=args.infer_batch, trainable=args.trainable,
                   optimizer=optimizer_config(args), log=log, classes=classes, device=device,
                   cache_features=getattr(args, "cache_features", False),
-                  check_records=not getattr(args, "no_check", False))
+                  check_records=not getattr(args, "no_check", False),
+                  precision=getattr(args, "precision", "float32"))
 
 
 def _check_against_profile(args) -> None:
@@ -151,6 +152,7 @@ def add_export(sub) -> None:
                    "check' says which) with its times as they are (each applied record is "
                    "still checked); without it such a log is refused")
     add_cache_features_arg(s, "also compile")
+    add_precision_arg(s)
     add_profile_arg(s, "--log's device_profile.json", "the export is checked against its "
                     "limits and keeps it, for train and infer to check against")
     s.add_argument("--no-check", action="store_true",

@@ -138,12 +138,23 @@ def optimizer_config(args):
                            weight_decay=args.weight_decay)
 
 
+def add_precision_arg(p) -> None:
+    p.add_argument("--precision", default="float32", choices=["float32", "mixed16"],
+                   help="float32 (default), or mixed16: the activations the step keeps between "
+                   "kernels stored as float16 and read back as float32, arithmetic, weights, "
+                   "gradients, optimizer state and BatchNorm statistics in float32 (its "
+                   "kernels are workloads of their own)")
+
+
 def model_graphs(args, model):
     from .. import graph as G
-    return {"infer": G.inference_module(model, args.infer_batch),
-            "train": G.training_module(model, args.batch, args.trainable,
-                                       optimizer_config(args),
-                                       features=getattr(args, "cache_features", False)).mod}
+    from ..half_storage import apply_precision
+    train = G.training_module(model, args.batch, args.trainable, optimizer_config(args),
+                              features=getattr(args, "cache_features", False)).mod
+    train, infer = apply_precision(getattr(args, "precision", "float32"), train,
+                                   G.inference_module(model, args.infer_batch), args.batch,
+                                   args.infer_batch)
+    return {"infer": infer, "train": train}
 
 
 def model_tag(model, args) -> str:

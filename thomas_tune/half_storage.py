@@ -1,0 +1,315 @@
+"""Half-precision storage, single-precision arithmetic (``--precision mixed16``).
+
+Mixed precision in the sense of PyTorch's automatic mixed precision (AMP), restricted to
+*storage*: the activations a step keeps between kernels are held in device memory as float16,
+every kernel reads them as float32 and computes in float32. Parameters (the master weights),
+their gradients, the optimizer state, the BatchNorm statistics and the loss stay float32, and so
+do the gradients of the activations (no loss scaling is needed: nothing of the backward pass is
+stored in half, so no gradient can underflow half's range).
+
+Which tensors: the *layer outputs* of the forward pass, each rounded to float16 once where it
+is made, and read back as float32 by every kernel that uses it (forward or backward):
+
+* the output of each convolution (before its BatchNorm), of each BatchNorm with its activation,
+  of each residual ``add``, of each pooling, of each dropout and of the classifier (the logits);
+* only tensors of the forward pass whose first axis is the batch (activations, not the per
+  channel statistics).
+
+:func:`round_stored` rewrites a Relax function after its gradient is built (so that no
+gradient passes through a cast): ``y = layer(...)`` gains ``y16 = astype(y, float16)`` and
+each later use of ``y`` reads ``astype(y16, float32)``, emitted just before that use. Fusion
+(:func:`thomas_tune.tasks.fuse`) then puts the first cast into the kernel that makes ``y``,
+which stores float16, and each second cast into the kernel that reads it where that kernel is
+element-wise; where it is not (a convolution, a reduction), the cast is a kernel of its own
+whose float32 copy lives only until its one reader has run. The step computes, in float32,
+the same arithmetic on the rounded layer outputs (``tests/test_half_storage.py`` checks each
+stored tensor and a small step's gradients against float64).
+
+OpenCL C without ``cl_khr_fp16`` (no device here has it) forbids loading or storing ``half``
+through a pointer, but its core built-ins ``vload_half`` / ``vstore_half`` (OpenCL C
+specification 3.0, section 6.15.8) read and write float16 memory as float32 on every device:
+:func:`rewrite_half_access` puts them in the source TVM writes for float16 buffers (a kernel
+without ``half`` is returned unchanged, so float32 builds are byte for byte as before).
+"""
+
+from __future__ import annotations
+
+import re
+
+import tvm
+from tvm import relax
+
+#: the precisions an export takes: float32 throughout, or float16 storage of the layer outputs
+PRECISIONS = ("float32", "mixed16")
+#: Relax operators whose result is a stored layer output (module docstring; and ``multiply`` by
+#: a function input, a dropout mask). An inference-form BatchNorm's output (an ``add``) is stored
+#: before its activation: rounding commutes with ReLU and ReLU6 (0 and 6 are float16 values)
+STORED_OPS = frozenset({"relax.nn.conv2d", "relax.add", "relax.nn.max_pool2d",
+                        "relax.nn.avg_pool2d", "relax.nn.adaptive_avg_pool2d"})
+#: kernels (``call_tir`` of these PrimFunc names, any suffix) whose result is a layer output:
+#: a training-form BatchNorm with its activation (:mod:`models.batchnorm`)
+STORED_KERNELS = ("bn_act",)
+
+
+def check_precision(precision: str) -> str:
+    """``precision`` when it is one of :data:`PRECISIONS`; ValueError naming them otherwise."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision {precision!r}: use one of {', '.join(PRECISIONS)} "
+                         "(mixed16: activations stored as float16, arithmetic in float32)")
+    return precision
+
+
+def _is_layer_output(value: relax.Expr, ty, batch: int, params) -> bool:
+    """Whether a binding's ``value`` (of type ``ty``) is a layer output of the forward pass
+    (``params``: the function's parameters)."""
+    if not isinstance(value, relax.Call) or not isinstance(ty, relax.TensorType):
+        return False
+    if ty.dtype != "float32" or ty.ndim < 2 or ty.shape is None:
+        return False
+    first = ty.shape.values[0]
+    if not isinstance(first, tvm.tirx.IntImm) or int(first) != batch:
+        return False
+    name = value.op.name if isinstance(value.op, tvm.ir.Op) else ""
+    if name == "relax.multiply":  # a dropout: by a mask, an input of the function
+        return any(isinstance(a, relax.Var) and any(a.same_as(p) for p in params)
+                   for a in value.args)
+    if name in STORED_OPS:
+        return True
+    if name in ("relax.call_tir", "relax.call_tir_with_grad"):
+        callee = value.args[0]
+        return isinstance(callee, tvm.ir.GlobalVar) and any(
+            re.fullmatch(rf"{k}\d*", callee.name_hint) for k in STORED_KERNELS)
+    return False
+
+
+@relax.expr_functor.mutator
+class _Replace(relax.PyExprMutator):
+    """Replaces variables by others (``table``: old -> new)."""
+
+    def __init__(self, table: dict):
+        super().__init__()
+        self.table = table
+
+    def visit_var_(self, op):
+        return self.table.get(op, op)
+
+    def visit_dataflow_var_(self, op):
+        return self.table.get(op, op)
+
+
+def _free_vars(expr) -> list:
+    out = []
+
+    def visit(e):
+        if isinstance(e, relax.Var) and not any(e.same_as(v) for v in out):
+            out.append(e)
+    relax.analysis.post_order_visit(expr, visit)
+    return out
+
+
+class _Rounder:
+    """The state of :func:`round_stored` over one function: the float16 twin of each stored
+    value, and a counter for new names."""
+
+    def __init__(self, batch: int, params):
+        self.batch = batch
+        self.params = list(params)
+        self.half: dict = {}  # stored var -> its float16 var
+        self.count = 0
+        self.bb = relax.BlockBuilder()
+
+    def cast(self, x: relax.Expr, dtype: str) -> relax.Expr:
+        return self.bb.normalize(relax.op.astype(x, dtype))
+
+    def _var(self, like: relax.Var, dtype: str, dataflow: bool) -> relax.Var:
+        self.count += 1
+        ty = relax.TensorType(like.ty.shape, dtype)
+        name = f"{like.name}_{'f16' if dtype == 'float16' else 'f32'}{self.count}"
+        return relax.DataflowVar(name, ty) if dataflow else relax.Var(name, ty)
+
+    def reads(self, expr, dataflow: bool, out: list) -> relax.Expr:
+        """``expr`` reading the float32 casts of the stored values it uses, whose bindings are
+        appended to ``out``."""
+        table = {}
+        for v in _free_vars(expr):
+            h = next((h for s, h in self.half.items() if s.same_as(v)), None)
+            if h is not None:
+                c = self._var(v, "float32", dataflow)
+                out.append(relax.VarBinding(c, self.cast(h, "float32")))
+                table[v] = c
+        return _Replace(table).visit_expr(expr) if table else expr
+
+    def block(self, block, forward: bool):
+        """``block`` rewritten (module docstring); ``forward``: still in the forward pass."""
+        dataflow = isinstance(block, relax.DataflowBlock)
+        out = []
+        for b in block.bindings:
+            if "_adjoint" in b.var.name:
+                forward = False
+            value = self.reads(b.value, dataflow, out)
+            out.append(relax.VarBinding(b.var, value) if value is not b.value else b)
+            if forward and _is_layer_output(b.value, b.var.ty, self.batch, self.params):
+                h = self._var(b.var, "float16", dataflow)
+                out.append(relax.VarBinding(h, self.cast(b.var, "float16")))
+                self.half[b.var] = h
+        return (relax.DataflowBlock(out) if dataflow else relax.BindingBlock(out)), forward
+
+
+def round_stored(func: relax.Function, batch: int) -> relax.Function:
+    """``func`` (a step's adjoint or a ``predict`` function, its gradient already built) with
+    its layer outputs stored as float16 and read back as float32 (module docstring); ``batch``
+    is its batch size (the first axis of the tensors that are activations). A function with no
+    layer output is returned as it is."""
+    r = _Rounder(batch, func.params)
+    blocks, forward = [], True
+    for block in func.body.blocks:
+        new, forward = r.block(block, forward)
+        blocks.append(new)
+    if not r.half:
+        return func
+    tail: list = []
+    body = r.reads(func.body.body, False, tail)
+    if tail:
+        blocks.append(relax.BindingBlock(tail))
+    out = relax.Function(func.params, relax.SeqExpr(blocks, body), func.ret_ty, func.is_pure,
+                         func.attrs)
+    return r.bb.normalize(out)
+
+
+def round_module(mod: tvm.IRModule, batches: dict[str, int]) -> tvm.IRModule:
+    """``mod`` with :func:`round_stored` applied to each function named in ``batches``
+    (function name -> its batch size); other functions as they are."""
+    out = mod.clone() if hasattr(mod, "clone") else tvm.IRModule(mod.functions, attrs=mod.attrs)
+    for name, batch in batches.items():
+        gv = out.get_global_var(name)
+        out[gv] = round_stored(out[gv], batch)
+    return out
+
+
+# ---- OpenCL C: float16 memory through vload_half / vstore_half ------------------------------
+
+#: the rounding of a float32 value to float16 and back, in OpenCL C without ``cl_khr_fp16``:
+#: a store to and a load from private memory (``vstore_half`` rounds to nearest even)
+ROUND_HALF = "thomas_tune_round_half"
+_HELPER = (f"#ifndef THOMAS_TUNE_ROUND_HALF\n#define THOMAS_TUNE_ROUND_HALF\ninline float "
+           f"{ROUND_HALF}(float x) {{ ushort h; vstore_half(x, 0, (half*)&h); "
+           "return vload_half(0, (const half*)&h); }\n#endif\n")
+_DEFINITION = re.compile(r"^__kernel void \w+\([^;{]*\)\s*\{", re.M)
+_FP16_BLOCK = re.compile(r"#ifdef cl_khr_fp16\n#pragma OPENCL EXTENSION cl_khr_fp16 : enable\n"
+                         r"#elif defined\(cl_amd_fp16\)\n.*?#endif\n", re.S)
+_HALF_WORD = re.compile(r"\bhalf\d*\b")
+_HALF_PTR = re.compile(r"__global\s+half\s*\*\s*(?:restrict\s+)?(\w+)")
+
+
+class HalfAccessError(ValueError):
+    """OpenCL C uses float16 in a form :func:`rewrite_half_access` does not rewrite."""
+
+
+def _close(src: str, i: int, open_c: str, close_c: str) -> int:
+    """Index of the bracket closing the one at ``i``."""
+    depth = 0
+    for j in range(i, len(src)):
+        if src[j] == open_c:
+            depth += 1
+        elif src[j] == close_c:
+            depth -= 1
+            if depth == 0:
+                return j
+    raise HalfAccessError("unbalanced brackets in OpenCL source")
+
+
+def _strip_parens(e: str) -> str:
+    e = e.strip()
+    while e.startswith("(") and _close(e, 0, "(", ")") == len(e) - 1:
+        e = e[1:-1].strip()
+    return e
+
+
+def _calls(src: str, name: str, make) -> str:
+    """``src`` with each call ``name(arg)`` (innermost first) replaced by ``make(arg)``."""
+    pat = re.compile(rf"\b{name}\(")
+    while True:
+        m = pat.search(src)
+        if m is None:
+            return src
+        end = _close(src, m.end() - 1, "(", ")")
+        src = src[:m.start()] + make(src[m.end():end]) + src[end + 1:]
+
+
+def _accesses(kernel: str, ptrs: set[str]) -> str:
+    """``kernel`` with each load ``p[i]`` of a float16 pointer ``p`` a ``vload_half`` and each
+    store ``p[i] = e;`` a ``vstore_half``."""
+    pat = re.compile(r"\b(" + "|".join(sorted(ptrs)) + r")\[")
+    out, pos = [], 0
+    while True:
+        m = pat.search(kernel, pos)
+        if m is None:
+            out.append(kernel[pos:])
+            return "".join(out)
+        end = _close(kernel, m.end() - 1, "[", "]")
+        index = _accesses(kernel[m.end():end], ptrs)
+        store = re.match(r"\s*=(?!=)", kernel[end + 1:])
+        out.append(kernel[pos:m.start()])
+        if store:
+            semi = kernel.index(";", end + 1 + store.end())
+            value = _accesses(kernel[end + 1 + store.end():semi], ptrs)
+            inner = _strip_parens(value)
+            if inner.startswith("convert_half(") and _close(inner, 12, "(", ")") == len(inner) - 1:
+                value = inner[13:-1]
+            out.append(f"vstore_half({value.strip()}, {index}, {m.group(1)})")
+            pos = semi
+        else:
+            out.append(f"vload_half({index}, {m.group(1)})")
+            pos = end + 1
+
+
+def rewrite_half_access(source: str) -> str:
+    """``source`` (OpenCL C as TVM writes it) with its float16 buffers read and written through
+    ``vload_half`` / ``vstore_half`` and every other float16 value held in a float (module
+    docstring): loads ``p[i]`` -> ``vload_half(i, p)``, stores ``p[i] = convert_half(e);`` ->
+    ``vstore_half(e, i, p);``, a rounding ``convert_half(e)`` elsewhere -> a float with
+    ``e``'s float16 value (:data:`ROUND_HALF`); the ``cl_khr_fp16`` block that fails to compile
+    without the extension becomes a plain ``#ifdef``. Source without ``half`` is returned as
+    it is. Raises :class:`HalfAccessError` naming the kernel where ``half`` is left in another
+    form (a vector, a ``__local`` array)."""
+    if not _HALF_WORD.search(source):
+        return source
+    source = _FP16_BLOCK.sub("#ifdef cl_khr_fp16\n#pragma OPENCL EXTENSION cl_khr_fp16 : "
+                             "enable\n#endif\n", source)
+    parts = source.split("__kernel ")
+    for i, kernel in enumerate(parts[1:], 1):
+        body_at = kernel.find("{")
+        head = kernel[:body_at] if body_at >= 0 else kernel
+        ptrs = set(_HALF_PTR.findall(head))
+        if body_at < 0 or not (ptrs or "convert_half" in kernel):
+            continue
+        body = _accesses(kernel[body_at:], ptrs) if ptrs else kernel[body_at:]
+        body = _calls(body, "convert_half", lambda e: f"{ROUND_HALF}({e})")
+        left = [w for w in _HALF_WORD.findall(body)]
+        if left:
+            name = head.split("(")[0].split()[-1]
+            raise HalfAccessError(f"OpenCL kernel {name}: float16 used as {left[0]!r}, which "
+                                  "OpenCL C without cl_khr_fp16 cannot compile and thomas_tune "
+                                  "does not rewrite; build this graph with --precision float32")
+        parts[i] = head + body
+    # the helper in each section (TVM's OpenCL runtime builds each "// Function: " section as
+    # a program of its own), before the definition of the kernel that uses it
+    sections = "__kernel ".join(parts).split("// Function: ")
+    for i, sec in enumerate(sections):
+        m = _DEFINITION.search(sec)
+        if m is not None and ROUND_HALF in sec[m.start():]:
+            sections[i] = sec[:m.start()] + _HELPER + sec[m.start():]
+    return "// Function: ".join(sections)
+
+
+def apply_precision(precision: str, train_mod: tvm.IRModule, infer_mod: tvm.IRModule,
+                    batch: int, infer_batch: int) -> tuple[tvm.IRModule, tvm.IRModule]:
+    """The training module (its ``train_adjoint`` and ``predict`` at ``batch`` images) and the
+    inference module (``predict`` at ``infer_batch``) of a graph built at ``precision``
+    (:data:`PRECISIONS`): as they are for float32, their layer outputs stored as float16
+    (:func:`round_stored`) for mixed16. Raises ValueError for another precision."""
+    from .manifest import ADJOINT, PREDICT
+    if check_precision(precision) == "float32":
+        return train_mod, infer_mod
+    return (round_module(train_mod, {ADJOINT: batch, PREDICT: batch}),
+            round_module(infer_mod, {PREDICT: infer_batch}))
