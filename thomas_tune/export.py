@@ -141,12 +141,16 @@ class _GraphModules(NamedTuple):
 
 
 def _graph_modules(model, batch: int, infer_batch: int, trainable: str,
-                   optimizer: G.OptimizerConfig | None, cache_features: bool) -> _GraphModules:
+                   optimizer: G.OptimizerConfig | None, cache_features: bool,
+                   recompute=None) -> _GraphModules:
     """The training and inference modules of ``model`` at ``batch`` and ``infer_batch``
     images (:class:`_GraphModules`). Raises ValueError for a bad trainable set or optimizer,
     and for ``cache_features`` with a trainable set whose frozen part is not the same at every
     step (:func:`thomas_tune.graph.training_module`)."""
     tg = G.training_module(model, batch, trainable, optimizer, features=cache_features)
+    if recompute is not None:  # a memory budget's plan (thomas_tune.recompute)
+        from .recompute import apply_plan
+        tg = apply_plan(tg, recompute)
     train_mod, lift_inputs = training_library_module(model, tg)
     infer_mod = G.inference_module(model, infer_batch)
     n_constant = len(spec(model).params) + len(spec(model).states)
@@ -302,12 +306,39 @@ def _build_manifest(model, target: tvm.target.Target, mods: _GraphModules, wino:
     }
 
 
+def _budget_plan(model, batch: int, trainable: str, optimizer, memory_budget: int | None,
+                 cache_features: bool, progress) -> tuple[object, dict | None]:
+    """The recomputation plan of ``memory_budget`` bytes (None: no budget) and the manifest's
+    ``memory_budget`` record (the budget, the level chosen, the estimated peak, bytes saved,
+    FLOPs added, tensors recomputed). Raises ValueError with ``cache_features``, and
+    :class:`thomas_tune.recompute.BudgetError` when no plan fits."""
+    if memory_budget is None:
+        return None, None
+    if cache_features:
+        raise ValueError("--memory-budget plans the whole step; the step on cached features "
+                         "(--cache-features) keeps only the last layers' tensors: drop one "
+                         "of the two")
+    from .recompute import plan_for_budget
+    plan, tried = plan_for_budget(model, batch, trainable, optimizer, int(memory_budget),
+                                  say=lambda m: progress(f"memory budget: {m}"))
+    chosen = tried[-1]
+    progress(f"memory budget {memory_budget / 1e6:.1f} MB: {plan.level} recomputation "
+             f"({len(plan.recomputed)} tensors made again in the backward, "
+             f"{chosen['saved_bytes'] / 1e6:.1f} MB saved, "
+             f"{plan.flops_added / 1e9:.3f} GFLOP added), estimated peak "
+             f"{chosen['peak_bytes'] / 1e6:.1f} MB")
+    return plan, {"budget_bytes": int(memory_budget), "level": plan.level,
+                  "estimated_peak_bytes": chosen["peak_bytes"],
+                  "saved_bytes": chosen["saved_bytes"], "flops_added": plan.flops_added,
+                  "recomputed": [r.name for r in plan.recomputed]}
+
+
 def export(out_dir: str, model, tensors: dict[str, np.ndarray], target: tvm.target.Target,
            batch: int = 8, infer_batch: int = 1, trainable: str = "all",
            optimizer: G.OptimizerConfig | None = None, log: TuningLog | None = None,
            classes: list[str] | None = None, progress=print, device: dict | None = None,
            stock_defaults: bool = False, check_records: bool = True,
-           cache_features: bool = False) -> dict:
+           cache_features: bool = False, memory_budget: int | None = None) -> dict:
     """Compile and write the export folder (see the module docstring); returns the manifest.
 
     ``tensors``: parameters and states (float32, shapes of ``models.spec``). ``batch``: images
@@ -332,10 +363,18 @@ def export(out_dir: str, model, tensors: dict[str, np.ndarray], target: tvm.targ
     compiler (both before compiling anything). A log whose times belong to another or an unknown
     code-generation version (:mod:`thomas_tune.logs.codegen`) is used with a message, and its
     status is kept in the manifest (``tuning_log_codegen``); the ``export`` verb refuses it.
+    ``memory_budget``: bytes the training step may hold on the device; the step recomputes
+    in its backward what :func:`thomas_tune.recompute.plan_for_budget` chooses to fit it (the
+    manifest's ``memory_budget`` says what), and a budget no plan fits raises
+    :class:`thomas_tune.recompute.BudgetError` (a ValueError naming the smallest budget that
+    fits) before anything is compiled.
     """
     _refuse_unchecked_log(target, log, check_records)
+    plan, budget = _budget_plan(model, batch, trainable, optimizer, memory_budget,
+                                cache_features, progress)
     os.makedirs(out_dir, exist_ok=True)
-    mods = _graph_modules(model, batch, infer_batch, trainable, optimizer, cache_features)
+    mods = _graph_modules(model, batch, infer_batch, trainable, optimizer, cache_features,
+                          plan)
     write = functools.partial(_write_libraries, out_dir, mods, target,
                               STOCK_RULES if stock_defaults else None, progress)
     version = log.version() if log is not None else None
@@ -346,5 +385,6 @@ def export(out_dir: str, model, tensors: dict[str, np.ndarray], target: tvm.targ
     manifest = _build_manifest(model, target, mods, wino, checks, batch=batch,
                                infer_batch=infer_batch, log=log, version=version,
                                classes=classes, device=device, stock_defaults=stock_defaults)
+    manifest["memory_budget"] = budget
     write_json_atomically(os.path.join(out_dir, MANIFEST), manifest)
     return manifest
