@@ -205,19 +205,21 @@ class _Run:
 
 
 def lowered_training_module(model, batch: int, trainable: str = "all", optimizer=None,
-                            winograd=None, budget_plan=None) -> tuple[tvm.IRModule, object]:
+                            winograd=None, budget_plan=None, tg=None
+                            ) -> tuple[tvm.IRModule, object]:
     """The training module an export compiles (``export.training_library_module``), through
     the build's Relax passes up to ``KillAfterLastUse`` (:func:`thomas_tune.compile._pipeline`
     without the kernels' schedules, which allocate nothing): storages planned, their releases
     placed. ``winograd``: the training convolutions in the Winograd form (as
     ``compile_graph`` takes them). ``budget_plan``: a
-    :class:`thomas_tune.recompute.RecomputePlan` the step is rewritten with. Returns
+    :class:`thomas_tune.recompute.RecomputePlan` the step is rewritten with. ``tg``: the
+    training graph of these arguments when it is already built (it is not changed). Returns
     (module, :class:`thomas_tune.graph.TrainingGraph`). Raises ValueError as
     :func:`thomas_tune.graph.training_module`."""
     from . import graph as G
     from .export import training_library_module
     from .tasks import fuse
-    tg = G.training_module(model, batch, trainable, optimizer)
+    tg = tg or G.training_module(model, batch, trainable, optimizer)
     if budget_plan is not None:
         from .recompute import apply_plan
         tg = apply_plan(tg, budget_plan)
@@ -276,9 +278,11 @@ def step_memory(mod: tvm.IRModule, tg, steps: int = 3) -> StepMemory:
 
 
 def compiled_step_memory(model, batch: int, trainable: str = "all", optimizer=None,
-                         winograd=None, budget_plan=None, steps: int = 3) -> StepMemory:
+                         winograd=None, budget_plan=None, steps: int = 3,
+                         tg=None) -> StepMemory:
     """Bytes the compiled training step of ``model`` at ``batch`` holds on a device over
     ``steps`` steps (module docstring): what ``thomas-tune memory`` reports as the compiled
     step's peak. Arguments as :func:`lowered_training_module`; raises what it raises."""
-    mod, tg = lowered_training_module(model, batch, trainable, optimizer, winograd, budget_plan)
+    mod, tg = lowered_training_module(model, batch, trainable, optimizer, winograd, budget_plan,
+                                      tg)
     return step_memory(mod, tg, steps)

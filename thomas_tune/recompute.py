@@ -152,7 +152,8 @@ def _choose(bindings, backward: int, level: str) -> dict:
             return chosen
         for v in bad:
             del chosen[v]
-            held.discard(v) if v not in read else None
+            if v not in read:
+                held.discard(v)
 
 
 def recompute_function(func: relax.Function, level: str) -> tuple[relax.Function, list]:
@@ -223,12 +224,14 @@ def plan_for_budget(model, batch: int, trainable: str, optimizer, budget_bytes: 
     every level tried (level, peak bytes, bytes saved, FLOPs added). Raises
     :class:`BudgetError` (a ValueError) when even the last level does not fit; its message
     names the smallest budget that does, in MB (10^6 bytes)."""
+    from .graph import training_module
     from .memory_plan import compiled_step_memory
     tried, base = [], None
+    tg = training_module(model, batch, trainable, optimizer)
     for level in LEVELS:
         plan = RecomputePlan(level)
         mem = compiled_step_memory(model, batch, trainable, optimizer, winograd,
-                                   budget_plan=plan)
+                                   budget_plan=plan, tg=tg)
         base = mem.peak if base is None else base
         tried.append({"level": level, "peak_bytes": mem.peak, "saved_bytes": base - mem.peak,
                       "flops_added": plan.flops_added, "recomputed": len(plan.recomputed)})
