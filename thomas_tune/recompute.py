@@ -14,10 +14,12 @@ What this module recomputes:
   next convolution's weight gradient reads. Its input (the convolution's output) and the
   batch's statistics are kept anyway (the BatchNorm's own backward reads them), so it is made
   again from them by one element-wise kernel: about 7 operations per element.
-* ``segments``: on top, the convolutions that make those inputs, for every other
-  BatchNorm layer (a segment of two layers recomputed from the previous layer's kept output;
-  PyTorch's ``torch.utils.checkpoint`` on such segments): each one costs the convolution's
-  forward FLOPs again.
+* ``segments`` (``segments:k``, k = 2 or 3): on top, the convolutions that make those inputs,
+  for all but every k-th BatchNorm layer (segments of k layers recomputed from the kept output
+  of the layer before; PyTorch's ``torch.utils.checkpoint`` on such segments): each one costs
+  the convolution's forward FLOPs again. The copies of a segment live together from where the
+  backward reaches it, so longer segments hold more: on MobileNetV2 k = 3 holds the least,
+  k = 4 already more than k = 2.
 
 :func:`plan_for_budget` picks the first of these that fits a budget (measured by
 :func:`thomas_tune.memory_plan.compiled_step_memory`, the compiled step's own memory plan)
@@ -32,8 +34,9 @@ import numpy as np
 import tvm
 from tvm import relax
 
-#: the plans, from the cheapest in added work to the one that saves the most
-LEVELS = ("none", "elementwise", "segments")
+#: the plans, from the cheapest in added work to the most recomputed (``segments:k``: all but
+#: every k-th BatchNorm layer's convolution output; ``segments`` is ``segments:2``)
+LEVELS = ("none", "elementwise", "segments", "segments:3")
 #: operations per element of the BatchNorm-with-activation kernel made again (subtract,
 #: multiply by the inverse deviation, scale, shift, clip at 0 and 6): its FLOPs
 BN_ACT_FLOPS_PER_ELEMENT = 7
@@ -119,6 +122,11 @@ class _Substitute(relax.PyExprMutator):
         return self.mapping.get(var, var)
 
 
+def _segment(level: str) -> int:
+    """k of a ``segments:k`` level (``segments`` alone: 2)."""
+    return int(level.split(":")[1]) if ":" in level else 2
+
+
 def _choose(bindings, backward: int, level: str) -> dict:
     """The forward variables to recompute at ``level``: var -> (binding, op, flops)."""
     forward = {b.var: b for b in bindings[:backward]}
@@ -134,13 +142,14 @@ def _choose(bindings, backward: int, level: str) -> dict:
             n = int(np.prod(_shape(var), dtype=np.int64))
             chosen[var] = (b, name, BN_ACT_FLOPS_PER_ELEMENT * n)
             bn_inputs.append(_args(b.value)[0])
-    if level == "segments":
-        # every other BatchNorm layer's convolution output, in forward order
+    if level.startswith("segments"):
+        # of the BatchNorm layers' convolution outputs, in forward order, all but every k-th
         order = {b.var: i for i, b in enumerate(bindings[:backward])}
         convs = sorted((v for v in bn_inputs if v in forward
                         and _kernel_name(forward[v].value) == "relax.nn.conv2d"),
                        key=order.__getitem__)
-        for var in convs[1::2]:
+        k = _segment(level)
+        for var in (v for i, v in enumerate(convs) if i % k):
             b = forward[var]
             chosen[var] = (b, "relax.nn.conv2d", _conv_flops(b.value, var))
     # a copy reads only what the backward holds anyway: arguments, kept tensors, other copies
@@ -163,7 +172,8 @@ def recompute_function(func: relax.Function, level: str) -> tuple[relax.Function
     reading the new copy; a copy's inputs that are themselves recomputed are read from their
     copies. Returns (function, [:class:`Recomputed`]). Raises ValueError for an unknown
     level."""
-    if level not in LEVELS:
+    if level not in LEVELS and not (level.startswith("segments:") and
+                                    level[9:].isdigit() and int(level[9:]) >= 2):
         raise ValueError(f"recomputation level {level!r} is not one of {', '.join(LEVELS)}")
     blocks = list(func.body.blocks)
     bindings = [b for bl in blocks for b in bl.bindings]
