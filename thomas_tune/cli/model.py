@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 from .options import add_memory_budget_arg, add_model_args, load_model, optimizer_config
 
@@ -99,17 +100,20 @@ def _memory_plan(args, model, mode: str, budget: int) -> int:
     for t in tried:
         print(f"  {t['level']:>12} recomputation: peak {t['peak_bytes'] / 1e6:.2f} MB, "
               f"{t['saved_bytes'] / 1e6:.2f} MB saved, {t['flops_added'] / 1e9:.4f} GFLOP "
-              f"added, {t['recomputed']} tensors recomputed")
+              f"added, {t['recomputed']} tensors recomputed, {t['kept_bytes'] / 1e6:.2f} MB "
+              "kept from the forward for the backward")
     print(f"plan: {plan.level} (fits: {chosen['peak_bytes'] / 1e6:.2f} MB)")
     by_op: dict = {}
     for r in plan.recomputed:
-        n, b, f = by_op.get(r.op, (0, 0, 0))
-        by_op[r.op] = (n + 1, b + r.bytes, f + r.flops)
+        op = re.sub(r"\d+$", "", r.op)  # bn_act7 -> bn_act: one kernel per shape
+        n, b, f = by_op.get(op, (0, 0, 0))
+        by_op[op] = (n + 1, b + r.bytes, f + r.flops)
     for op, (n, b, f) in sorted(by_op.items()):
         print(f"  recomputed: {n} outputs of {op} ({b / 1e6:.2f} MB no longer kept from the "
               f"forward to the backward, {f / 1e9:.4f} GFLOP)")
-    print("  kept: every other tensor the backward reads (the convolutions' outputs not "
-          "listed, the batch statistics, the inputs of the step)")
+    print(f"  kept: {chosen['kept_bytes'] / 1e6:.2f} MB, every other forward tensor the "
+          "backward reads (the BatchNorms' inputs and batch statistics, the residual sums, "
+          "what feeds the loss)")
     return 0
 
 
