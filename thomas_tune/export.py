@@ -333,6 +333,21 @@ def _budget_plan(model, batch: int, trainable: str, optimizer, memory_budget: in
                   "recomputed": [r.name for r in plan.recomputed]}
 
 
+def _budget_with_winograd(budget: dict, tg: G.TrainingGraph, wino: set, progress) -> dict:
+    """The manifest's ``memory_budget`` with the estimated peak of the step as built, its
+    training convolutions ``wino`` in the Winograd form (their transforms hold more), and a
+    message when that is over the budget (the build is kept: its record times chose it)."""
+    from .memory_plan import compiled_step_memory
+    peak = compiled_step_memory(tg.model, tg.batch, tg.trainable, tg.optimizer,
+                                winograd=wino, tg=tg).peak
+    if peak > budget["budget_bytes"]:
+        progress(f"memory budget {budget['budget_bytes'] / 1e6:.1f} MB: with the "
+                 f"{len(wino)} training convolution(s) the tuning log puts in the Winograd "
+                 f"form the step is estimated at {peak / 1e6:.1f} MB, over the budget; "
+                 "export without --log, or with a larger budget")
+    return dict(budget, estimated_peak_bytes=peak)
+
+
 def export(out_dir: str, model, tensors: dict[str, np.ndarray], target: tvm.target.Target,
            batch: int = 8, infer_batch: int = 1, trainable: str = "all",
            optimizer: G.OptimizerConfig | None = None, log: TuningLog | None = None,
@@ -385,6 +400,8 @@ def export(out_dir: str, model, tensors: dict[str, np.ndarray], target: tvm.targ
     manifest = _build_manifest(model, target, mods, wino, checks, batch=batch,
                                infer_batch=infer_batch, log=log, version=version,
                                classes=classes, device=device, stock_defaults=stock_defaults)
+    if budget and wino["train"]:  # the plan was measured without the Winograd form
+        budget = _budget_with_winograd(budget, mods.tg, wino["train"], progress)
     manifest["memory_budget"] = budget
     write_json_atomically(os.path.join(out_dir, MANIFEST), manifest)
     return manifest
