@@ -75,13 +75,13 @@ def cmd_memory(args) -> int:
         return 0
     keys = ["parameters", "gradients", "optimizer_state", "activations_kept", "peak",
             "compiled_peak"]
-    print(f"{model.arch} w{model.width:g} r{model.resolution} batch {args.batch}, MB "
-          "(10^6 bytes); peak: the training graph's tensors by liveness (an upper bound); "
-          "compiled_peak: what the compiled step holds on the device")
+    print(f"{model.arch} w{model.width:g} r{model.resolution} batch {args.batch}, MiB; peak: "
+          "the training graph's tensors by liveness; compiled_peak: what the compiled step "
+          "holds on the device")
     print(f"{'trainable':>10}" + "".join(f"{k:>18}" for k in keys))
     for r in rows:
         print(f"{r['trainable']:>10}" + "".join(
-            f"{'-' if r[k] is None else format(r[k] / 1e6, '.2f'):>18}" for k in keys))
+            f"{'-' if r[k] is None else format(r[k] / 2**20, '.2f'):>18}" for k in keys))
     return 0
 
 
