@@ -1,6 +1,6 @@
 """The compiled step's memory estimate against the device's measured peak, and the memory
-budget: real OpenCL exports on PoCL (MobileNetV1 0.25@32, 5 classes, batch 8; AlexNet
-w0.1@67), their peak measured by the sidecar in a fresh process
+budget: real OpenCL exports on PoCL (MobileNetV2 0.35@32, 5 classes, batch 8; AlexNet
+w0.1@67; the planner on MobileNetV1 0.25@32), their peak measured by the sidecar in a fresh process
 (``benchmark.device_memory``), the budgeted step checked against PyTorch float64."""
 
 import json
@@ -12,6 +12,7 @@ from opencl_kernels import NEEDS_OPENCL as needs_opencl  # the one OpenCL guard
 from thomas_tune.models import build, init_params
 
 V1 = dict(num_classes=5, resolution=32, width=0.25)
+V2 = dict(num_classes=5, resolution=32, width=0.35)
 BATCH = 8  # the step check's bounds hold for a BatchNorm over 8 values or more (1x1 x 8 here)
 
 
@@ -25,10 +26,13 @@ def _export(out, model, **kw):
 
 @pytest.fixture(scope="module")
 def budgeted(tmp_path_factory):
-    """MobileNetV1 with a budget between the step's peak with recomputation and without."""
+    """MobileNetV2 0.35@32, batch 8 (test_step_check's network, whose check holds on fresh
+    seeds; on MobileNetV1 0.25@32 the float64 check fails some seeds by a BatchNorm weight, the
+    budgeted build's gradients bit for bit those of the plain build) with a budget between the
+    step's peak with recomputation and without."""
     from thomas_tune.memory_plan import compiled_step_memory
     from thomas_tune.recompute import RecomputePlan
-    model = build("mobilenet_v1", **V1)
+    model = build("mobilenet_v2", **V2)
     full = compiled_step_memory(model, BATCH, "all").peak
     cheap = compiled_step_memory(model, BATCH, "all", budget_plan=RecomputePlan("elementwise"))
     budget = (full + cheap.peak) // 2
