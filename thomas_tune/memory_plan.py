@@ -20,9 +20,9 @@ register until it is killed or the function returns), storages taken from and gi
 a pool of the allocator's kind. Its result is the most bytes the device holds over
 ``steps`` training steps of a :class:`thomas_tune.runtime.Session`, the figure the OpenCL
 sidecar measures (``device_peak_bytes``, :func:`thomas_tune.benchmark.exports.device_memory`).
-Not counted: the workspaces a kernel's host code allocates itself (none in the kernels of
-thomas_tune's default schedules; a tuned schedule may add some) and the OpenCL driver's own
-memory.
+Not counted: the workspaces a kernel's host code allocates itself (a schedule that splits a
+reduction may have some; the sidecar keeps them in a pool of its own) and the OpenCL driver's
+own memory.
 """
 
 from __future__ import annotations
