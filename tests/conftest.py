@@ -57,7 +57,8 @@ SMALL = {
 # collection order (--no-loadscope-reorder), so the long files start first and the short
 # ones, unlisted here, fill the end of both workers instead of one worker finishing a long
 # file alone.
-COSTLIEST_FIRST = ("test_onnx_finetune.py", "test_faults.py", "test_tuning.py",
+COSTLIEST_FIRST = ("test_onnx_finetune.py", "test_memory_budget.py", "test_faults.py",
+                   "test_tuning.py",
                    "test_opencl_tuning.py", "test_opencl_runtime.py", "test_adreno.py",
                    "test_kernel_check.py", "test_replay.py", "test_models.py", "test_bench.py",
                    "test_aarch64.py", "test_export_train.py", "test_pretrained.py")

@@ -480,3 +480,29 @@ def test_an_unchecked_time_is_marked_and_enters_no_ratio():
     text = format_report(res)
     assert "unchecked" not in text, text
     assert "tuned vs default: 2.00x (training, host clock)" in text, text
+
+
+def test_the_table_prints_megabytes_per_step_beside_the_peak():
+    """A variant's bytes per step (the sidecar's launch_arg_bytes over the steps) are printed in
+    MB (10^6 bytes) in their own column beside the device peak; a variant without the counters
+    (off OpenCL) prints a dash there."""
+    from thomas_tune.benchmark.report import format_report
+    row = {"train_ms": 10.0, "train_images_per_s": 800.0, "infer_ms": 3.0,
+           "infer_images_per_s": 333.0, "share_of_peak_flops": 0.1,
+           "share_of_peak_bandwidth": 0.2, "launches_per_step": 120,
+           "device_peak_bytes": 21_500_000, "launch_arg_bytes_per_step": 123_456_789}
+    res = {"model": {"arch": "alexnet", "width": 0.1, "resolution": 67, "num_classes": 5},
+           "batch": 8, "infer_batch": 1, "trainable": "all", "trainable_params": 16,
+           "optimizer": "momentum_sgd", "device": "cpu",
+           "peaks": {"gflops": 100.0, "gbytes_per_s": 10.0, "method": "fma loop"},
+           "step": {"calls": 40, "gflop": 0.1, "argument_gbytes": 0.01}, "checks": {},
+           "variants": {"default": row,
+                        "tuned": dict(row, launch_arg_bytes_per_step=None)}}
+    lines = format_report(res).splitlines()
+    header = next(ln for ln in lines if ln.startswith("variant"))
+    col = header.index("MB/step")
+    default = next(ln for ln in lines if ln.startswith("default "))
+    tuned = next(ln for ln in lines if ln.startswith("tuned "))
+    assert default[col - 1:col + 7].strip() == "123.5", (header, default)
+    assert tuned[col - 1:col + 7].strip() == "-", (header, tuned)
+    assert "21.5" in default

@@ -142,18 +142,19 @@ class _GraphModules(NamedTuple):
 
 def _graph_modules(model, batch: int, infer_batch: int, trainable: str,
                    optimizer: G.OptimizerConfig | None, cache_features: bool,
-                   precision: str = "float32") -> _GraphModules:
+                   precision: str = "float32", recompute=None) -> _GraphModules:
     """The training and inference modules of ``model`` at ``batch`` and ``infer_batch``
     images (:class:`_GraphModules`), their layer outputs stored as float16 for ``precision``
-    ``mixed16`` (:mod:`thomas_tune.half_storage`). Raises ValueError for a bad trainable set,
-    optimizer or precision, for ``mixed16`` with ``cache_features``, and for
-    ``cache_features`` with a trainable set whose frozen part is not the same at every step
+    ``mixed16`` (:mod:`thomas_tune.half_storage`), the training step recomputing what
+    ``recompute`` (a memory budget's plan, :mod:`thomas_tune.recompute`) says. Raises
+    ValueError for a bad trainable set or optimizer, and for ``cache_features`` with a
+    trainable set whose frozen part is not the same at every step
     (:func:`thomas_tune.graph.training_module`)."""
     from . import half_storage
-    if half_storage.check_precision(precision) != "float32" and cache_features:
-        raise ValueError(f"--cache-features is built in float32 only: drop --precision "
-                         f"{precision} or --cache-features")
     tg = G.training_module(model, batch, trainable, optimizer, features=cache_features)
+    if recompute is not None:  # a memory budget's plan (thomas_tune.recompute)
+        from .recompute import apply_plan
+        tg = apply_plan(tg, recompute)
     infer_mod = G.inference_module(model, infer_batch)
     train, infer_mod = half_storage.apply_precision(precision, tg.mod, infer_mod, batch,
                                                     infer_batch)
@@ -162,6 +163,20 @@ def _graph_modules(model, batch: int, infer_batch: int, trainable: str,
     n_constant = len(spec(model).params) + len(spec(model).states)
     infer_mod[PREDICT] = infer_mod[PREDICT].with_attr(lift.ATTR, [1, n_constant])
     return _GraphModules(tg, train_mod, lift_inputs, infer_mod)
+
+
+def _refuse_float32_only(precision: str, cache_features: bool, memory_budget) -> None:
+    """ValueError for a ``precision`` :mod:`thomas_tune.half_storage` does not know, and for
+    ``mixed16`` with ``cache_features`` or a ``memory_budget`` (both built and planned in
+    float32 only), before any work."""
+    from .half_storage import check_precision
+    if check_precision(precision) == "float32":
+        return
+    for given, option in ((cache_features, "--cache-features"),
+                          (memory_budget, "--memory-budget")):
+        if given:
+            raise ValueError(f"{option} is built in float32 only: drop --precision "
+                             f"{precision} or {option}")
 
 
 def _refuse_unchecked_log(target: tvm.target.Target, log: TuningLog | None,
@@ -248,12 +263,13 @@ def _build_with_log(log: TuningLog | None, version, target: tvm.target.Target,
 def _build_manifest(model, target: tvm.target.Target, mods: _GraphModules, wino: dict,
                     checks: dict, *, batch: int, infer_batch: int, log: TuningLog | None,
                     version, classes: list[str] | None, device: dict | None,
-                    stock_defaults: bool) -> dict:
+                    stock_defaults: bool, precision: str, memory_budget) -> dict:
     """The export's ``manifest.json`` (:data:`thomas_tune.manifest.FORMAT`) as a dict: the
     model and its shapes, the target and host triple, the trainable and frozen sets and the
     lifted slots of each step function, the optimizer, the tuning log (path, SHA-256, its
     code-generation version), the record check (``checks``), the Winograd choice (``wino``),
-    class names, the device limits and the step's largest buffers (bytes)."""
+    class names, the device limits, the step's largest buffers (bytes), the precision and
+    the memory budget's plan."""
     tg, lift_inputs = mods.tg, mods.lift_inputs
     wino_infer, wino_train = wino["infer"], wino["train"]
     s = spec(model)
@@ -309,7 +325,51 @@ def _build_manifest(model, target: tvm.target.Target, mods: _GraphModules, wino:
         "device": device,  # the limits read from the device server, or None
         # the step's largest tensors and its peak, checked against a device profile
         "buffers": step_buffers(tg.mod[ADJOINT]),
+        "precision": precision,
+        "memory_budget": memory_budget,
     }
+
+
+def _budget_plan(model, batch: int, trainable: str, optimizer, memory_budget: int | None,
+                 cache_features: bool, progress) -> tuple[object, dict | None]:
+    """The recomputation plan of ``memory_budget`` bytes (None: no budget) and the manifest's
+    ``memory_budget`` record (the budget, the level chosen, the estimated peak, bytes saved,
+    FLOPs added, tensors recomputed). Raises ValueError with ``cache_features``, and
+    :class:`thomas_tune.recompute.BudgetError` when no plan fits."""
+    if memory_budget is None:
+        return None, None
+    if cache_features:
+        raise ValueError("--memory-budget plans the whole step; the step on cached features "
+                         "(--cache-features) keeps only the last layers' tensors: drop one "
+                         "of the two")
+    from .recompute import plan_for_budget
+    plan, tried = plan_for_budget(model, batch, trainable, optimizer, int(memory_budget),
+                                  say=lambda m: progress(f"memory budget: {m}"))
+    chosen = tried[-1]
+    progress(f"memory budget {memory_budget / 1e6:.1f} MB: {plan.level} recomputation "
+             f"({len(plan.recomputed)} tensors made again in the backward, "
+             f"{chosen['saved_bytes'] / 1e6:.1f} MB saved, "
+             f"{plan.flops_added / 1e9:.3f} GFLOP added), estimated peak "
+             f"{chosen['peak_bytes'] / 1e6:.1f} MB")
+    return plan, {"budget_bytes": int(memory_budget), "level": plan.level,
+                  "estimated_peak_bytes": chosen["peak_bytes"],
+                  "saved_bytes": chosen["saved_bytes"], "flops_added": plan.flops_added,
+                  "recomputed": [r.name for r in plan.recomputed]}
+
+
+def _budget_with_winograd(budget: dict, tg: G.TrainingGraph, wino: set, progress) -> dict:
+    """The manifest's ``memory_budget`` with the estimated peak of the step as built, its
+    training convolutions ``wino`` in the Winograd form (their transforms hold more), and a
+    message when that is over the budget (the build is kept: its record times chose it)."""
+    from .memory_plan import compiled_step_memory
+    peak = compiled_step_memory(tg.model, tg.batch, tg.trainable, tg.optimizer,
+                                winograd=wino, tg=tg).peak
+    if peak > budget["budget_bytes"]:
+        progress(f"memory budget {budget['budget_bytes'] / 1e6:.1f} MB: with the "
+                 f"{len(wino)} training convolution(s) the tuning log puts in the Winograd "
+                 f"form the step is estimated at {peak / 1e6:.1f} MB, over the budget; "
+                 "export without --log, or with a larger budget")
+    return dict(budget, estimated_peak_bytes=peak)
 
 
 def export(out_dir: str, model, tensors: dict[str, np.ndarray], target: tvm.target.Target,
@@ -317,39 +377,35 @@ def export(out_dir: str, model, tensors: dict[str, np.ndarray], target: tvm.targ
            optimizer: G.OptimizerConfig | None = None, log: TuningLog | None = None,
            classes: list[str] | None = None, progress=print, device: dict | None = None,
            stock_defaults: bool = False, check_records: bool = True,
-           cache_features: bool = False, precision: str = "float32") -> dict:
+           cache_features: bool = False, precision: str = "float32",
+           memory_budget: int | None = None) -> dict:
     """Compile and write the export folder (see the module docstring); returns the manifest.
 
-    ``tensors``: parameters and states (float32, shapes of ``models.spec``). ``batch``: images
-    per training step. ``classes``: class names (kept in ``params.npz`` and the manifest).
-    ``device``: the device limits the target was made from (``--target opencl:remote``:
-    :func:`thomas_tune.target.device_limits`), kept in the manifest as ``device``.
-    ``stock_defaults``: kernels without a tuning record get TVM's own default GPU rules
-    (``schedules.STOCK_RULES``), not thomas_tune's (a baseline for ``bench``).
-    ``check_records``: each tuning record the build applies is first run on this machine's
-    device and compared with its default schedule; a wrong one is left out with a message
-    (:func:`thomas_tune.build_plan.check_plan`; the manifest's ``record_check`` says how many
-    were checked, which were left out and why, or why none could be checked; with
-    ``check_records`` False, that they were applied unchecked).
-    ``cache_features``: the training module also holds the step split at the frozen part's
-    output (``graph.training_module(..., features=True)``), which ``train --cache-features``
-    runs; the manifest's ``features`` describes it (feature shape per image, the running
-    statistics of each part), None without it. ``precision``: ``float32``, or ``mixed16``
-    (the layer outputs stored as float16, arithmetic in float32:
-    :mod:`thomas_tune.half_storage`; kept in the manifest as ``precision``). The libraries
-    are linked for the target's host (``target.export_shared``). Raises ValueError for a bad
-    trainable set, optimizer or precision (``mixed16`` with ``cache_features`` too), for
-    ``cache_features`` with a trainable set whose frozen part is not the same at every
-    step (the message names the fix), for a ``log`` whose records no device of this machine
-    can check while ``check_records`` is True, and for a foreign host without a working cross
-    compiler (both before compiling anything). A log whose times belong to another or an unknown
-    code-generation version (:mod:`thomas_tune.logs.codegen`) is used with a message, and its
-    status is kept in the manifest (``tuning_log_codegen``); the ``export`` verb refuses it.
+    ``tensors``: parameters and states (float32, shapes of ``models.spec``); ``batch``: images
+    per training step; ``classes``: class names; ``device``: the device limits the target was
+    made from (:func:`thomas_tune.target.device_limits`); ``stock_defaults``: TVM's own default
+    GPU rules for kernels without a record (a ``bench`` baseline); ``check_records``: each
+    record applied is first run on this machine's device against its default schedule, a
+    wrong one left out (:func:`thomas_tune.build_plan.check_plan`; the manifest's
+    ``record_check``); ``cache_features``: the step split at the frozen part's output is
+    compiled too (``train --cache-features``; the manifest's ``features``); ``precision``:
+    ``float32`` or ``mixed16`` (:mod:`thomas_tune.half_storage`); ``memory_budget``: bytes the
+    step may hold, recomputing what :func:`thomas_tune.recompute.plan_for_budget` chooses.
+    Raises, before compiling anything, ValueError for a bad trainable set, optimizer or
+    precision (``mixed16`` with ``cache_features`` or ``memory_budget`` too), for
+    ``cache_features`` whose frozen part changes between steps, for a ``log`` no device here
+    can check while ``check_records`` is True, for a foreign host without a cross compiler,
+    and :class:`thomas_tune.recompute.BudgetError` (naming the smallest budget that fits).
+    A log of another code-generation version is used with a message (the manifest's
+    ``tuning_log_codegen``); the ``export`` verb refuses it.
     """
+    _refuse_float32_only(precision, cache_features, memory_budget)
     _refuse_unchecked_log(target, log, check_records)
+    plan, budget = _budget_plan(model, batch, trainable, optimizer, memory_budget,
+                                cache_features, progress)
     os.makedirs(out_dir, exist_ok=True)
     mods = _graph_modules(model, batch, infer_batch, trainable, optimizer, cache_features,
-                          precision)
+                          precision, plan)
     write = functools.partial(_write_libraries, out_dir, mods, target,
                               STOCK_RULES if stock_defaults else None, progress)
     version = log.version() if log is not None else None
@@ -357,9 +413,11 @@ def export(out_dir: str, model, tensors: dict[str, np.ndarray], target: tvm.targ
     save_checkpoint(os.path.join(out_dir, "params.npz"), model, tensors, classes)
     np.savez(os.path.join(out_dir, "optim_state.npz"),
              **{f"s{i}": a for i, a in enumerate(mods.tg.optim_state)})
+    if budget and wino["train"]:  # the plan was measured without the Winograd form
+        budget = _budget_with_winograd(budget, mods.tg, wino["train"], progress)
     manifest = _build_manifest(model, target, mods, wino, checks, batch=batch,
                                infer_batch=infer_batch, log=log, version=version,
-                               classes=classes, device=device, stock_defaults=stock_defaults)
-    manifest["precision"] = precision
+                               classes=classes, device=device, stock_defaults=stock_defaults,
+                               precision=precision, memory_budget=budget)
     write_json_atomically(os.path.join(out_dir, MANIFEST), manifest)
     return manifest

@@ -22,6 +22,10 @@ def _fmt(v, spec=".1f", none="-"):
     return format(v, spec)
 
 
+def _mb(nbytes):
+    return None if nbytes is None else nbytes / 1e6
+
+
 def _iqr(sp) -> str:
     if not sp or sp.get("q1") is None:
         return "-"
@@ -56,8 +60,10 @@ def _heading(res: dict) -> list[str]:
             f"({peaks['method']})",
             f"training step: {step['calls']} kernel calls, {step['gflop']:.3f} "
             f"GFLOP, {step['argument_gbytes'] * 1e3:.1f} MB of kernel arguments; "
-            f"'thomas-tune memory' estimates a peak of "
-            f"{step.get('memory_estimate_bytes', 0) / 1e6:.1f} MB" + tuned_memory, ""]
+            f"'thomas-tune memory' estimates the compiled step's peak at "
+            f"{step.get('memory_estimate_bytes', 0) / 1e6:.1f} MB" + tuned_memory,
+            "peak MB: the most bytes the device held (a fresh process, three steps); MB/step: "
+            "the bytes of the buffers each step's kernels were given to read and write", ""]
 
 
 def _variant_table(res: dict) -> list[str]:
@@ -66,6 +72,7 @@ def _variant_table(res: dict) -> list[str]:
     lines = [f"{'variant':<13} {'train ms':>9} {'IQR':>13} {'device ms':>9} {'IQR':>13} "
              f"{'img/s':>8} {'infer ms':>9} {'device ms':>9} {'img/s':>8} "
              f"{'%peak FLOP':>10} {'%peak BW':>9} {'launches':>8} {'peak MB':>8} "
+             f"{'MB/step':>8} "
              f"{'kernels ms':>10} "
              f"{'1st start s':>11} {'2nd start s':>11}"]
     for name, c in res.get("checks", {}).items():
@@ -85,6 +92,7 @@ def _variant_table(res: dict) -> list[str]:
             f"{100 * r['share_of_peak_flops']:>9.2f}% {100 * r['share_of_peak_bandwidth']:>8.2f}% "
             f"{_fmt(r.get('launches_per_step'), '.0f'):>8} "
             f"{_fmt(r.get('device_peak_bytes') and r['device_peak_bytes'] / 1e6, '.1f'):>8} "
+            f"{_fmt(_mb(r.get('launch_arg_bytes_per_step')), '.1f'):>8} "
             f"{_fmt(r.get('kernel_sum_ms'), '.2f'):>10} "
             f"{_fmt(st.get('first', {}).get('total_s'), '.2f'):>11} "
             f"{_fmt(st.get('second', {}).get('total_s'), '.2f'):>11}{mark}")

@@ -57,8 +57,12 @@ def run_bench(model, tensors, target, exports: dict, cfg: BenchConfig, log_path:
                          "print(o.devices())\"'")
     tg = training_module(model, batch, trainable, optimizer)
     train_mod = exported_training_module(model, tg)
-    from ..memory import training_memory
-    estimate = training_memory(model, batch, trainable, optimizer)
+    from ..memory_plan import compiled_step_memory
+    from ..recompute import RecomputePlan
+    # the export's own recomputation (export --memory-budget), the same for every variant
+    level = (first.get("memory_budget") or {}).get("level", "none")
+    estimate = compiled_step_memory(model, batch, trainable, optimizer,
+                                    budget_plan=RecomputePlan(level))
     res = {"model": {"arch": model.arch, **model.config()}, "batch": batch,
            "infer_batch": infer_batch, "trainable": trainable,
            "trainable_params": len(tg.trainable), "optimizer": tg.optimizer.name,
@@ -69,7 +73,7 @@ def run_bench(model, tensors, target, exports: dict, cfg: BenchConfig, log_path:
     kernels = step_kernels(train_mod)
     res["step"], step_flops, step_bytes = _step_size(kernels, estimate.peak)
     own, separate = _own_kernels(res, exports, kernels, train_mod, model, batch, trainable,
-                                 optimizer)
+                                 optimizer, level)
     if log_path:  # one read of the log marks the tuned build's kernels and the common rows
         tuned_ks = own.get("tuned", kernels)
         mark_tuned([*kernels, *tuned_ks] if separate else kernels, log_path, target)
@@ -125,14 +129,15 @@ def _step_size(kernels: list, memory_bytes: int) -> tuple[dict, float, float]:
 
 
 def _own_kernels(res: dict, exports: dict, kernels: list, train_mod, model, batch: int,
-                 trainable: str, optimizer) -> tuple[dict, set]:
+                 trainable: str, optimizer, level: str = "none") -> tuple[dict, set]:
     """Each variant's kernels: the step's, except that the tuned build may compute some
     convolutions in the Winograd form (its manifest lists them), which has its own kernels;
     then the number of those convolutions and the tuned step's memory estimate (bytes, its
     Winograd transforms counted) go to ``res["step"]``. Returns the kernels by variant and the
     variants whose kernels are their own."""
     from ..export import read_manifest
-    from ..memory import training_memory
+    from ..memory_plan import compiled_step_memory
+    from ..recompute import RecomputePlan
     own = {variant: list(kernels) for variant in exports}
     separate = set()
     if "tuned" in exports:
@@ -143,8 +148,9 @@ def _own_kernels(res: dict, exports: dict, kernels: list, train_mod, model, batc
             own["tuned"] = step_kernels(train_mod, chosen)
             separate.add("tuned")
             res["step"]["winograd_convolutions"] = len(chosen)
-            res["step"]["memory_estimate_tuned_bytes"] = training_memory(
-                model, batch, trainable, optimizer, winograd=chosen).peak
+            res["step"]["memory_estimate_tuned_bytes"] = compiled_step_memory(
+                model, batch, trainable, optimizer, winograd=chosen,
+                budget_plan=RecomputePlan(level)).peak
     return own, separate
 
 

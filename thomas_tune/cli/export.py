@@ -5,8 +5,9 @@ from __future__ import annotations
 import os
 import sys
 
-from .options import (add_cache_features_arg, add_model_args, add_precision_arg,
-                      add_profile_arg, add_target_arg, load_model, optimizer_config)
+from .options import (add_cache_features_arg, add_memory_budget_arg, add_model_args,
+                      add_precision_arg, add_profile_arg, add_target_arg, budget_bytes,
+                      load_model, optimizer_config)
 
 
 def export_model(args, out: str) -> dict:
@@ -33,7 +34,8 @@ def export_model(args, out: str) -> dict:
                   optimizer=optimizer_config(args), log=log, classes=classes, device=device,
                   cache_features=getattr(args, "cache_features", False),
                   check_records=not getattr(args, "no_check", False),
-                  precision=getattr(args, "precision", "float32"))
+                  precision=getattr(args, "precision", "float32"),
+                  memory_budget=budget_bytes(getattr(args, "memory_budget", None)))
 
 
 def _check_against_profile(args) -> None:
@@ -60,6 +62,10 @@ def cmd_export(args) -> int:
     print(f"exported {manifest['arch']} to {args.out}: {len(manifest['trainable'])} trainable, "
           f"{len(manifest['frozen'])} frozen parameters; tuning log "
           f"{manifest['tuning_log'] or 'none'} (sha256 {str(manifest['tuning_log_sha256'])[:12]})")
+    budget = manifest.get("memory_budget")
+    if budget:
+        print(f"memory budget {budget['budget_bytes'] / 1e6:.1f} MB: {budget['level']} "
+              f"recomputation, estimated peak {budget['estimated_peak_bytes'] / 1e6:.1f} MB")
     checks = manifest["record_check"]
     if manifest["tuning_log"] and checks["unchecked"]:
         print(f"its tuning records are UNCHECKED: {checks['unchecked']}")
@@ -153,6 +159,7 @@ def add_export(sub) -> None:
                    "still checked); without it such a log is refused")
     add_cache_features_arg(s, "also compile")
     add_precision_arg(s)
+    add_memory_budget_arg(s, "the step recomputes what it must to fit")
     add_profile_arg(s, "--log's device_profile.json", "the export is checked against its "
                     "limits and keeps it, for train and infer to check against")
     s.add_argument("--no-check", action="store_true",

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import json
+import re
 
-from .options import add_model_args, load_model, optimizer_config
+from .options import add_memory_budget_arg, add_model_args, load_model, optimizer_config
 
 
 def cmd_import_onnx(args) -> int:
@@ -51,21 +52,68 @@ def cmd_import_onnx(args) -> int:
 
 def cmd_memory(args) -> int:
     from ..memory import training_memory
+    from ..memory_plan import compiled_step_memory
+    from .options import budget_bytes
     model, _, _ = load_model(args)
     modes = args.modes.split(",") if args.modes else [args.trainable]
+    budget = budget_bytes(args.memory_budget)
+    if budget is not None and len(modes) > 1:
+        raise ValueError("--memory-budget plans one trainable set: give --trainable, not "
+                         "--modes")
+    if budget is not None:
+        return _memory_plan(args, model, modes[0], budget)
     rows = []
     for mode in modes:
         m = training_memory(model, args.batch, mode, optimizer_config(args),
                             features=args.cache_features).as_dict()
+        # the compiled step's own plan (memory_plan); the step on cached features has none
+        m["compiled_peak"] = None if args.cache_features else compiled_step_memory(
+            model, args.batch, mode, optimizer_config(args)).peak
         rows.append({"trainable": mode, **m})
     if args.json:
         print(json.dumps(rows, indent=1))
         return 0
-    keys = ["parameters", "gradients", "optimizer_state", "activations_kept", "peak"]
-    print(f"{model.arch} w{model.width:g} r{model.resolution} batch {args.batch}, MiB:")
+    keys = ["parameters", "gradients", "optimizer_state", "activations_kept", "peak",
+            "compiled_peak"]
+    print(f"{model.arch} w{model.width:g} r{model.resolution} batch {args.batch}, MiB; peak: "
+          "the training graph's tensors by liveness; compiled_peak: what the compiled step "
+          "holds on the device")
     print(f"{'trainable':>10}" + "".join(f"{k:>18}" for k in keys))
     for r in rows:
-        print(f"{r['trainable']:>10}" + "".join(f"{r[k] / 2**20:>18.2f}" for k in keys))
+        print(f"{r['trainable']:>10}" + "".join(
+            f"{'-' if r[k] is None else format(r[k] / 2**20, '.2f'):>18}" for k in keys))
+    return 0
+
+
+def _memory_plan(args, model, mode: str, budget: int) -> int:
+    """``memory --memory-budget``: the recomputation plan that fits (what is kept, what is
+    recomputed, bytes saved, FLOPs added), or the refusal naming the smallest budget."""
+    from ..recompute import plan_for_budget
+    plan, tried = plan_for_budget(model, args.batch, mode, optimizer_config(args), budget)
+    chosen = tried[-1]
+    if args.json:
+        print(json.dumps({"trainable": mode, "budget_bytes": budget, "tried": tried,
+                          "plan": plan.as_dict()}, indent=1))
+        return 0
+    print(f"{model.arch} w{model.width:g} r{model.resolution} batch {args.batch}, trainable "
+          f"{mode}: memory budget {budget / 1e6:.1f} MB")
+    for t in tried:
+        print(f"  {t['level']:>12} recomputation: peak {t['peak_bytes'] / 1e6:.2f} MB, "
+              f"{t['saved_bytes'] / 1e6:.2f} MB saved, {t['flops_added'] / 1e9:.4f} GFLOP "
+              f"added, {t['recomputed']} tensors recomputed, {t['kept_bytes'] / 1e6:.2f} MB "
+              "kept from the forward for the backward")
+    print(f"plan: {plan.level} (fits: {chosen['peak_bytes'] / 1e6:.2f} MB)")
+    by_op: dict = {}
+    for r in plan.recomputed:
+        op = re.sub(r"\d+$", "", r.op)  # bn_act7 -> bn_act: one kernel per shape
+        n, b, f = by_op.get(op, (0, 0, 0))
+        by_op[op] = (n + 1, b + r.bytes, f + r.flops)
+    for op, (n, b, f) in sorted(by_op.items()):
+        print(f"  recomputed: {n} outputs of {op} ({b / 1e6:.2f} MB no longer kept from the "
+              f"forward to the backward, {f / 1e9:.4f} GFLOP)")
+    print(f"  kept: {chosen['kept_bytes'] / 1e6:.2f} MB, every other forward tensor the "
+          "backward reads (the BatchNorms' inputs and batch statistics, the residual sums, "
+          "what feeds the loss)")
     return 0
 
 
@@ -96,4 +144,6 @@ def add_memory(sub) -> None:
     s.add_argument("--cache-features", action="store_true",
                    help="the step of train --cache-features (the last K layers on cached "
                         "features, the frozen parameters resident); last:K modes only")
+    add_memory_budget_arg(s, "report the plan that fits: what is kept, what is recomputed, "
+                          "bytes saved, FLOPs added")
     s.set_defaults(fn=cmd_memory)

@@ -67,6 +67,23 @@ def add_remote_args(p) -> None:
     add_profile_arg(g)
 
 
+def add_memory_budget_arg(p, what: str) -> None:
+    p.add_argument("--memory-budget", type=float, metavar="MB",
+                   help=f"device memory the training step may hold, in MB (10^6 bytes): "
+                   f"{what} (tensors of the forward pass computed again in the backward "
+                   "instead of kept; refused with the smallest budget that fits when none does)")
+
+
+def budget_bytes(mb: float | None) -> int | None:
+    """``--memory-budget`` MB as bytes (None stays None). Raises ValueError for a budget that
+    is not positive."""
+    if mb is None:
+        return None
+    if mb <= 0:
+        raise ValueError(f"--memory-budget {mb:g}: give a positive number of MB")
+    return int(round(mb * 1e6))
+
+
 def add_profile_arg(p, default: str = "the export's device_profile.json when its key is "
                     "--key's", use: str = "the export's tensors and kernels are checked "
                     "against its limits before the first step") -> None:

@@ -1,0 +1,288 @@
+"""Device memory of a compiled training step, from the build's own memory plan.
+
+:func:`thomas_tune.memory.training_memory` counts tensors of the training graph; a compiled
+step allocates otherwise. The build (:func:`thomas_tune.compile.compile_graph`) fuses the graph
+into kernels, and Relax's ``StaticPlanBlockMemory`` places the tensors of a function in
+*storages*: a tensor whose life has ended lends its storage to a later tensor of the same
+bytes (TVM's ``src/relax/transform/static_plan_block_memory.cc``: storage tokens reused by
+size, never split). ``KillAfterLastUse`` then releases a storage where its last tensor dies.
+At run time the Relax VM takes storages from TVM's pooled allocator
+(``src/runtime/memory/pooled_allocator.h``): a request is rounded up to a page of 4,096 bytes
+and served by a released buffer of exactly that size when there is one; otherwise the device
+allocates, and the pool never gives memory back. Tensors made with ``tvm.runtime.tensor``
+(the session's parameters, states, optimizer state, each batch) are allocated directly, at
+their size.
+
+:func:`compiled_step_memory` runs the build's Relax passes on the export's training module up
+to the release of storages, then replays the step's function the way the VM runs it: each
+object counted by its references (a tensor keeps its storage alive, a tuple its items, a
+register until it is killed or the function returns), storages taken from and given back to
+a pool of the allocator's kind. Its result is the most bytes the device holds over
+``steps`` training steps of a :class:`thomas_tune.runtime.Session`, the figure the OpenCL
+sidecar measures (``device_peak_bytes``, :func:`thomas_tune.benchmark.exports.device_memory`).
+Not counted: the workspaces a kernel's host code allocates itself (a schedule that splits a
+reduction may have some; the sidecar keeps them in a pool of its own) and the OpenCL driver's
+own memory.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+import tvm
+from tvm import relax
+
+#: TVM's pooled allocator rounds every request up to this many bytes (``kDefaultPageSize``)
+PAGE = 4096
+
+
+def _page(n: int) -> int:
+    return -(-max(int(n), 1) // PAGE) * PAGE
+
+
+def _tensor_bytes(ty) -> int:
+    """Bytes of a Relax tensor type of static shape; 0 for anything else."""
+    if not isinstance(ty, relax.TensorType) or ty.shape is None:
+        return 0
+    shape = [int(v) for v in ty.shape.values]
+    return int(np.prod(shape, dtype=np.int64)) * np.dtype(str(ty.dtype)).itemsize
+
+
+@dataclass
+class StepMemory:
+    """Bytes of a compiled training step on a device (module docstring).
+
+    ``resident``: tensors the session holds (parameters, states, optimizer state, a batch's
+    images and labels), allocated at their size; ``planned``: the storages of the step function
+    the pool allocated (page-rounded: what the device holds for them after the first step);
+    ``largest_storages``: the largest of them, (bytes, tensor shape first placed there);
+    ``peak``: the most bytes on the device over the steps."""
+
+    resident: int
+    planned: int
+    peak: int
+    storages: int
+    largest_storages: list = field(default_factory=list)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+class _Pool:
+    """TVM's pooled allocator (page-rounded sizes, exact-size reuse, memory never returned),
+    with the device's count of bytes: ``device`` now and ``peak``."""
+
+    def __init__(self):
+        self.free: Counter = Counter()
+        self.allocated = 0  # bytes the pool took from the device
+        self.direct = 0  # bytes allocated outside the pool, alive
+        self.peak = 0
+
+    def take(self, nbytes: int) -> int:
+        size = _page(nbytes)
+        if self.free[size]:
+            self.free[size] -= 1
+        else:
+            self.allocated += size
+            self._mark()
+        return size
+
+    def give(self, size: int) -> None:
+        self.free[size] += 1
+
+    def direct_alloc(self, nbytes: int) -> None:
+        self.direct += max(int(nbytes), 1)
+        self._mark()
+
+    def _mark(self) -> None:
+        self.peak = max(self.peak, self.allocated + self.direct)
+
+
+class _Obj:
+    """A run-time object of the VM: a storage (``size``), a tensor (``refs``: its storage), a
+    tuple (``refs``: its items) or an argument (nothing)."""
+
+    __slots__ = ("size", "refs", "count")
+
+    def __init__(self, size: int = 0, refs=()):
+        self.size, self.refs, self.count = size, list(refs), 0
+
+
+class _Run:
+    """One call of a lowered Relax function, objects counted by their references."""
+
+    def __init__(self, pool: _Pool, storages: list, mod: tvm.IRModule | None = None):
+        self.pool, self.storages, self.regs, self.mod = pool, storages, {}, mod
+
+    def hold(self, obj: _Obj) -> _Obj:
+        obj.count += 1
+        return obj
+
+    def drop(self, obj: _Obj) -> None:
+        obj.count -= 1
+        if obj.count > 0:
+            return
+        if obj.size:
+            self.pool.give(obj.size)
+        for r in obj.refs:
+            self.drop(r)
+
+    def set(self, var, obj: _Obj) -> None:
+        old = self.regs.get(var)
+        self.regs[var] = self.hold(obj)
+        if old is not None:
+            self.drop(old)
+
+    def kill(self, var) -> None:
+        obj = self.regs.pop(var, None)
+        if obj is not None:
+            self.drop(obj)
+
+    def value(self, expr) -> _Obj | None:
+        if isinstance(expr, relax.Var):
+            return self.regs.get(expr)
+        if isinstance(expr, relax.Tuple):
+            items = [self.value(f) for f in expr.fields]
+            return _Obj(refs=[self.hold(i) for i in items if i is not None])
+        if isinstance(expr, relax.TupleGetItem):
+            tup = self.value(expr.tuple_value)
+            if tup is not None and expr.index < len(tup.refs):
+                return tup.refs[expr.index]
+            return None
+        return None
+
+    def bind(self, b) -> None:
+        v = b.value
+        if isinstance(v, relax.Call) and isinstance(v.op, tvm.ir.Op):
+            name = v.op.name
+            if name == "relax.memory.alloc_storage":
+                nbytes = int(v.args[0].values[0])
+                size = self.pool.take(nbytes)
+                self.storages.append((size, None))
+                self.set(b.var, _Obj(size=size))
+                return
+            if name == "relax.memory.alloc_tensor":
+                storage = self.value(v.args[0])
+                if self.storages and self.storages[-1][1] is None and storage is not None \
+                        and storage.size == self.storages[-1][0]:
+                    self.storages[-1] = (storage.size, [int(s) for s in v.args[2].values])
+                self.set(b.var, _Obj(refs=[self.hold(storage)] if storage else []))
+                return
+            if name in ("relax.memory.kill_storage", "relax.memory.kill_tensor",
+                        "relax.vm.kill_object"):
+                self.kill(v.args[0])
+                return
+            if name == "relax.reshape" and v.args[0] in self.regs:  # a view of its input
+                self.set(b.var, _Obj(refs=[self.hold(self.regs[v.args[0]])]))
+                return
+        if isinstance(v, relax.Call) and isinstance(v.op, relax.GlobalVar) and \
+                self.mod is not None and isinstance(self.mod[v.op], relax.Function):
+            # a Relax function of the module (the lifted transform of frozen parameters)
+            args = [self.value(a) or _Obj() for a in v.args]
+            out = _Run(self.pool, self.storages, self.mod).call(self.mod[v.op], args)
+            if out is not None:
+                self.set(b.var, out)
+                self.drop(out)
+            return
+        obj = self.value(v)
+        if obj is not None:
+            self.set(b.var, obj)
+
+    def call(self, func: relax.Function, args: list[_Obj]) -> _Obj | None:
+        for p, a in zip(func.params, args):
+            self.set(p, a)
+        for block in func.body.blocks:
+            for b in block.bindings:
+                self.bind(b)
+        out = self.value(func.body.body)
+        if out is not None:
+            self.hold(out)
+        for var in list(self.regs):
+            self.kill(var)
+        return out
+
+
+def lowered_training_module(model, batch: int, trainable: str = "all", optimizer=None,
+                            winograd=None, budget_plan=None, tg=None
+                            ) -> tuple[tvm.IRModule, object]:
+    """The training module an export compiles (``export.training_library_module``), through
+    the build's Relax passes up to ``KillAfterLastUse`` (:func:`thomas_tune.compile._pipeline`
+    without the kernels' schedules, which allocate nothing): storages planned, their releases
+    placed. ``winograd``: the training convolutions in the Winograd form (as
+    ``compile_graph`` takes them). ``budget_plan``: a
+    :class:`thomas_tune.recompute.RecomputePlan` the step is rewritten with. ``tg``: the
+    training graph of these arguments when it is already built (it is not changed). Returns
+    (module, :class:`thomas_tune.graph.TrainingGraph`). Raises ValueError as
+    :func:`thomas_tune.graph.training_module`."""
+    from . import graph as G
+    from .export import training_library_module
+    from .tasks import fuse
+    tg = tg or G.training_module(model, batch, trainable, optimizer)
+    if budget_plan is not None:
+        from .recompute import apply_plan
+        tg = apply_plan(tg, budget_plan)
+    mod, _ = training_library_module(model, tg)
+    passes = [relax.transform.RewriteDataflowReshape(), relax.transform.ToNonDataflow(),
+              relax.transform.RemovePurityChecking(), relax.transform.CallTIRRewrite(),
+              relax.transform.StaticPlanBlockMemory(), relax.transform.LowerAllocTensor(),
+              relax.transform.KillAfterLastUse()]
+    with tvm.transform.PassContext(opt_level=3):
+        mod = fuse(mod, winograd)
+        mod = tvm.transform.Sequential(passes)(mod)
+    return mod, tg
+
+
+def step_memory(mod: tvm.IRModule, tg, steps: int = 3) -> StepMemory:
+    """Replay ``steps`` calls of the step of ``mod`` (:func:`lowered_training_module`) as a
+    :class:`thomas_tune.runtime.Session` makes them (module docstring); bytes in a
+    :class:`StepMemory`."""
+    from .manifest import TRAIN_STEP, TRAIN_STEP_FROZEN
+    from .models import spec
+    pool, storages = _Pool(), []
+    s = spec(tg.model, tg.batch)
+    for p in s.params + s.states:  # the session's tensors (tvm.runtime.tensor)
+        pool.direct_alloc(4 * int(np.prod(p.shape)))
+    for a in tg.optim_state:
+        pool.direct_alloc(np.asarray(a).nbytes)
+    resident = pool.direct
+    func = mod[TRAIN_STEP]
+    run = _Run(pool, storages, mod)
+    frozen_out = None
+    if TRAIN_STEP_FROZEN in [gv.name_hint for gv in mod.get_global_vars()]:
+        lifted = mod[TRAIN_STEP_FROZEN]
+        frozen_out = run.call(lifted, [_Obj() for _ in lifted.params])
+    images, labels = (_tensor_bytes(func.params[0].ty), _tensor_bytes(func.params[-2].ty))
+    kept: list[_Obj] = []  # the running statistics the session holds from the last step
+    for step in range(steps):
+        pool.direct_alloc(images + labels)  # the batch, uploaded for the call
+        run = _Run(pool, storages if step == 0 else [], mod)
+        out = run.call(func, [_Obj() for _ in func.params])
+        pool.direct -= images + labels
+        # (loss and new states, new parameters, new optimizer state): the session keeps the
+        # new states and lets go of the old ones; the parameters and the optimizer state are
+        # updated in place
+        head = out.refs[0] if out is not None and out.refs else None
+        new = [run.hold(r) for r in head.refs[1:]] if head is not None and head.refs else []
+        if out is not None:
+            run.drop(out)
+        for old in kept:
+            run.drop(old)
+        kept = new
+    del frozen_out
+    sizes = sorted(((n, shape) for n, shape in storages), key=lambda t: -t[0])
+    return StepMemory(resident=resident + images + labels,
+                      planned=sum(n for n, _ in storages), peak=pool.peak,
+                      storages=len(storages), largest_storages=sizes[:8])
+
+
+def compiled_step_memory(model, batch: int, trainable: str = "all", optimizer=None,
+                         winograd=None, budget_plan=None, steps: int = 3,
+                         tg=None) -> StepMemory:
+    """Bytes the compiled training step of ``model`` at ``batch`` holds on a device over
+    ``steps`` steps (module docstring): what ``thomas-tune memory`` reports as the compiled
+    step's peak. Arguments as :func:`lowered_training_module`; raises what it raises."""
+    mod, tg = lowered_training_module(model, batch, trainable, optimizer, winograd, budget_plan,
+                                      tg)
+    return step_memory(mod, tg, steps)
