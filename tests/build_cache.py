@@ -40,8 +40,7 @@ def build_key(model, target, batch: int, infer_batch: int, trainable: str, optim
     from thomas_tune.target import is_cross
     inputs = {"arch": model.arch, "config": model.config(), "target": str(target),
               "cross_cc": os.environ.get("TVM_NDK_CC") if is_cross(target) else None,
-              "batch": batch,
-              "infer_batch": infer_batch, "trainable": trainable,
+              "batch": batch, "infer_batch": infer_batch, "trainable": trainable,
               "optimizer": dataclasses.asdict(optimizer) if optimizer is not None else None,
               "classes": list(classes) if classes else None, "stock_defaults": stock_defaults,
               "cache_features": cache_features}
