@@ -38,6 +38,19 @@ def rng():
     return np.random.default_rng(seed)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _shared_builds(tmp_path_factory):
+    """The folder of the session's shared exports (tests/build_cache.py): under the session's
+    temporary folder, the one both pytest-xdist workers' folders are made in."""
+    import build_cache
+    base = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        base = base.parent  # <session>/popen-gwN: the session's own folder is its parent
+    build_cache.ROOT = str(base / "shared-builds")
+    yield build_cache.ROOT
+    build_cache.ROOT = None
+
+
 @pytest.fixture(scope="session")
 def target():
     """The target of OpenCL device 0 (PoCL in tests and CI) as thomas_tune builds for it."""
@@ -52,23 +65,76 @@ SMALL = {
 }
 
 
-# The test files, costliest first (seconds of one clean-clone run on 2 cores: 221 down to 54),
-# in the order the workers take them: tests/run.sh hands out whole files (--dist loadfile) in
-# collection order (--no-loadscope-reorder), so the long files start first and the short
-# ones, unlisted here, fill the end of both workers instead of one worker finishing a long
-# file alone.
-COSTLIEST_FIRST = ("test_onnx_finetune.py", "test_memory_budget.py", "test_faults.py",
-                   "test_tuning.py",
-                   "test_opencl_tuning.py", "test_opencl_runtime.py", "test_adreno.py",
-                   "test_kernel_check.py", "test_replay.py", "test_models.py", "test_bench.py",
-                   "test_aarch64.py", "test_export_train.py", "test_pretrained.py")
+# How tests/run.sh hands the tests to its two workers (--dist loadgroup, in collection order:
+# --no-loadscope-reorder). A unit of work is a test file (its module-scoped fixtures are made
+# once), or, in the files of SPLIT, one test, or the tests that share one of the fixtures named
+# there. Units are ordered by their cost, the costliest first, so that the long ones start
+# first and the short ones fill the end of both workers, instead of one worker finishing a
+# long unit alone. COST: seconds on 2 cores (docs/journal/suite.md: the slowest tests of
+# CI's runs, the rest of a file estimated from its tests' share), per test file, or per test
+# in the files of SPLIT (the test's name, parameters included); only the order matters, and
+# a unit not listed costs nothing and keeps its place (collection order) after the others.
+SPLIT = {"test_step_check.py": {"right"}, "test_adreno.py": set(), "test_tvm_rpc.py": set()}
+COST: dict[str, float] = {
+    "test_opencl_tuning.py": 450, "test_onnx_finetune.py": 420, "test_faults.py": 400,
+    "test_memory_budget.py": 300, "test_half_storage.py": 30,
+    "test_cost_model_search.py": 380, "test_tuning.py": 320, "test_bench.py": 200,
+    "test_aarch64.py": 200, "test_models.py": 180, "test_kernel_check.py": 160,
+    "test_seed_logs.py": 150, "test_remote_device.py": 150, "test_replay.py": 150,
+    "test_program_cache.py": 140, "test_opencl_runtime.py": 130, "test_lift.py": 130,
+    "test_kinks.py": 150, "test_cache_features.py": 90, "test_export_train.py": 80,
+    "test_pretrained.py": 80, "test_train_step.py": 60, "test_probe.py": 60,
+    # test_tvm_rpc.py, one unit per test
+    "test_tune_export_train_infer_through_tvm_rpc": 256,
+    "test_adreno_export_trains_on_the_aarch64_tvm_rpc": 82,
+    "test_session_bounds_are_those_of_tvm_rpc": 25,
+    # test_adreno.py, one unit per test
+    "test_tuned_records_for_the_adreno_target_compute_the_float64_step": 130,
+    "test_adreno_builds_compute_the_float64_step_on_pocl[adreno540-mobilenet_v2]": 77,
+    "test_adreno_builds_compute_the_float64_step_on_pocl[qcom/adreno-opencl-mobilenet_v2]": 77,
+    "test_adreno_builds_compute_the_float64_step_on_pocl[adreno540-alexnet]": 30,
+    "test_adreno_builds_compute_the_float64_step_on_pocl[qcom/adreno-opencl-alexnet]": 30,
+    # test_step_check.py: the tests of the right build in one unit, each mutant in its own
+    "test_a_build_with_a_wrong_backward_fails[ReLU6 above 6 (no upper clip)-all]": 139,
+    "test_a_build_with_a_wrong_backward_fails[BatchNorm bias x1.01-last:4]": 70,
+    "test_a_build_with_a_wrong_backward_fails[loss, last class x1.1-last:4]": 70,
+    "test_the_right_build_passes_on_fresh_seeds_and_the_inputs_reach_every_path": 110,
+    "test_every_parameters_gradient_off_fails_by_name[1.01x]": 20,
+    "test_every_parameters_gradient_off_fails_by_name[wrong-sign]": 20,
+    "test_the_update_over_rpc_is_the_same_as_here": 20,
+    **{f"test_a_build_with_a_wrong_optimizer_update_fails[{m}]": 45 for m in (
+        "momentum update x1.01 (learning rate)", "momentum update wrong sign",
+        "momentum buffer x1.01", "momentum buffer wrong sign")},
+}
 
 
+def _unit(item) -> str:
+    """The unit of work ``item`` belongs to (see :data:`SPLIT`)."""
+    name = item.path.name
+    if name not in SPLIT:
+        return name
+    shared = sorted(SPLIT[name] & set(item.fixturenames))
+    return f"{name}::{'+'.join(shared) if shared else item.name}"
+
+
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
-    """Order the collected tests by file, :data:`COSTLIEST_FIRST` first (a stable sort: the
-    tests of a file keep their order)."""
-    rank = {name: i for i, name in enumerate(COSTLIEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
+    """Order the collected tests by unit of work, the costliest first (:data:`COST`; a stable
+    sort: the tests of a unit keep their order), and under --dist loadgroup mark each with its
+    unit (an ``xdist_group`` of the unit's name, brackets and ``@`` replaced)."""
+    units = {}
+    for item in items:
+        unit = _unit(item)
+        units[unit] = units.get(unit, 0.0) + COST.get(
+            item.name if item.path.name in SPLIT else item.path.name, 0.0)
+    for item in items:  # a file's cost is counted once per test above: once is enough
+        if item.path.name not in SPLIT:
+            units[item.path.name] = COST.get(item.path.name, 0.0)
+    items.sort(key=lambda item: -units[_unit(item)])
+    if getattr(config.option, "loadgroup", False):
+        for item in items:
+            group = _unit(item).translate(str.maketrans("[]@", "()_"))
+            item.add_marker(pytest.mark.xdist_group(group))
 
 
 #: Set (as .ci/run does) to make every skip of the suite a failure: CI installs every

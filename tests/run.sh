@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The README's test command: the whole suite (real tracker/servers on 127.0.0.1, real kernels),
 # one pytest worker per core (pytest-xdist), each test file on one worker so that its
-# module-scoped exports are built once; the costliest files first (tests/conftest.py).
+# module-scoped fixtures are made once, save the few files split by test; the costliest units
+# first (tests/conftest.py); exports shared across tests and workers (tests/build_cache.py).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 # One thread per worker for the CPU thread pools of the tests' own processes (PyTorch's OpenMP,
@@ -28,7 +29,7 @@ unpack_tvm_rpc() {  # ARCH VARIABLE
 }
 unpack_tvm_rpc x86_64 THOMAS_TUNE_TVM_RPC
 unpack_tvm_rpc aarch64 THOMAS_TUNE_TVM_RPC_AARCH64
-python3 -m pytest -q -p no:cacheprovider -n auto --dist loadfile --no-loadscope-reorder \
+python3 -m pytest -q -p no:cacheprovider -n auto --dist loadgroup --no-loadscope-reorder \
   --durations=10 tests "$@"
 rc=$?
 # pytest's 5 means "no test collected": that is a failure here, not a pass.

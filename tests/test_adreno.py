@@ -31,6 +31,7 @@ from thomas_tune.runtime import Session
 from thomas_tune.step_check import check_export
 from thomas_tune.target import parse_target
 
+from build_cache import export as shared_export  # the session's build of these inputs
 from conftest import SMALL, random_tensors
 from opencl_kernels import NEEDS_OPENCL
 
@@ -58,8 +59,8 @@ def test_adreno_builds_compute_the_float64_step_on_pocl(name, which, tmp_path, r
         pretrained, tensors, _ = load_checkpoint(pretrained_path())
         assert pretrained.num_classes == model.num_classes
     out = str(tmp_path / "export")
-    export(out, model, tensors, target, batch=BATCH, infer_batch=2, trainable="all",
-           progress=lambda *_: None)
+    shared_export(out, model, tensors, target, batch=BATCH, infer_batch=2, trainable="all",
+                  progress=lambda *_: None)
 
     # the training step: loss and every gradient against float64
     checked = check_export(out, seed=int(rng.integers(1 << 30)))
@@ -149,7 +150,8 @@ def test_tuned_records_for_the_adreno_target_compute_the_float64_step(tmp_path, 
     target = parse_target("qcom/adreno-opencl")
     quiet = dict(batch=BATCH, trainable="all", progress=lambda *_: None)
     untuned, tuned = str(tmp_path / "untuned"), str(tmp_path / "tuned")
-    export(untuned, model, tensors, target, **quiet)
+    # the untuned build is the one the test above checks (infer_batch does not change the step)
+    shared_export(untuned, model, tensors, target, infer_batch=2, **quiet)
     manifest = export(tuned, model, tensors, target, log=TuningLog(str(log)), **quiet)
     assert manifest["record_check"]["checked"] >= 1 and not manifest["record_check"]["wrong"]
     seed = int(rng.integers(1 << 30))

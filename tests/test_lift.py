@@ -97,7 +97,7 @@ def test_an_export_lifts_once_per_load(tmp_path, rng):
     function runs before the first step only (its launches are not repeated), and again after
     ``load_tensors``, whose new frozen weights the next step uses (the loss of a fresh session
     made with them)."""
-    from thomas_tune.export import export
+    from build_cache import export  # the session's build of these inputs
     from thomas_tune.runtime import Session
     model = build("alexnet", **SMALL["alexnet"])
     tensors = random_tensors(model, rng)
@@ -133,7 +133,7 @@ def test_inference_lifts_again_after_training_steps(tmp_path, rng):
     layer trainable, whose convolutions' biases are reshaped once): after training steps its
     logits are those of a fresh session loaded with the trained tensors, not of the lifted
     values before the steps."""
-    from thomas_tune.export import export
+    from build_cache import export  # the session's build of these inputs
     from thomas_tune.runtime import Session
     model = build("alexnet", **SMALL["alexnet"])
     m = export(str(tmp_path), model, random_tensors(model, rng), opencl.target_for(0), batch=4,
@@ -158,7 +158,8 @@ def test_frozen_batchnorms_fold_into_their_convolutions_once(tmp_path, rng):
     into it; the step computes no normalisation (no square root) and no fold, the lifting
     function every fold; the export's step on PoCL passes the step check against PyTorch's
     float64 step (loss and every gradient)."""
-    from thomas_tune.export import export, lift_request
+    from build_cache import export  # the session's build of these inputs
+    from thomas_tune.export import lift_request
     from thomas_tune.step_check import check_export
     model = build("mobilenet_v2", **SMALL["mobilenet_v2"])
     tg = G.training_module(model, 8, "last:2")

@@ -63,7 +63,7 @@ def _opencl_and_llvm(tmp_path, target, model, params, batch, trainable):
     sessions (OpenCL first)."""
     from conftest import REFERENCE
 
-    from thomas_tune.export import export
+    from build_cache import export  # the session's build of these inputs
     from thomas_tune.runtime import Session
     quiet = dict(batch=batch, trainable=trainable, progress=lambda *_: None)
     export(str(tmp_path / "cl"), model, params, target, **quiet)

@@ -20,14 +20,13 @@ import time
 import numpy as np
 import pytest
 
-from thomas_tune import rpc
-from thomas_tune.export import export
+from thomas_tune import opencl, rpc
 from thomas_tune.models import build, init_params
 from thomas_tune.programs import ProgramCache, pack, parse
 from thomas_tune.remote import RemoteDevice, connect
 from thomas_tune.runtime import Session
-from thomas_tune.target import parse_target
 
+from build_cache import export  # the session's build of these inputs
 from opencl_kernels import NEEDS_OPENCL
 from test_tvm_rpc import BATCH, MODEL, Server, _build
 
@@ -56,7 +55,7 @@ def test_programs_compiled_once_per_device(tmp_path, rng, monkeypatch):
     model = build("alexnet", **MODEL)
     out = str(tmp_path / "export")
     export(out, model, init_params(model, seed=int(rng.integers(1 << 30))),
-           parse_target("opencl"), batch=BATCH, trainable="all", progress=lambda *_: None)
+           opencl.target_for(0), batch=BATCH, trainable="all", progress=lambda *_: None)
     x = rng.standard_normal((BATCH, 3, 67, 67)).astype("float32")
     y = rng.integers(0, MODEL["num_classes"], BATCH)
     seed = int(rng.integers(1 << 30))

@@ -31,7 +31,6 @@ from tvm import rpc as tvm_rpc
 
 from thomas_tune import rpc
 from thomas_tune.cli import main
-from thomas_tune.export import export
 from thomas_tune.models import build, init_params, load_checkpoint
 from thomas_tune.remote import RemoteDevice, connect
 from thomas_tune.runtime import Session
@@ -40,6 +39,7 @@ from thomas_tune.step_check import (check_export, export_step, manifest_frozen_b
                                     reference_steps)
 from thomas_tune.target import parse_target
 
+from build_cache import export  # the session's build of these inputs
 from opencl_kernels import NEEDS_OPENCL
 
 pytestmark = [NEEDS_OPENCL, pytest.mark.tvm_rpc]
@@ -255,7 +255,8 @@ def test_adreno_export_trains_on_the_aarch64_tvm_rpc(tracker, tmp_path, rng, mon
     try:
         model = build("alexnet", **MODEL)
         tensors = init_params(model, seed=int(rng.integers(1 << 30)))
-        quiet = dict(batch=BATCH, trainable="all", progress=lambda *_: None)
+        # (infer_batch 2: the x86-64 build is then tests/test_adreno.py's, built once)
+        quiet = dict(batch=BATCH, infer_batch=2, trainable="all", progress=lambda *_: None)
         arm, x86 = str(tmp_path / "arm"), str(tmp_path / "x86")
         export(arm, model, tensors, parse_target("qcom/adreno-opencl", "linux-aarch64"), **quiet)
         export(x86, model, tensors, parse_target("qcom/adreno-opencl"), **quiet)
