@@ -184,8 +184,11 @@ def _timed_call(f, args, dev) -> float:
 def _fp16_by_build(sess, dev, target, folder: str) -> tuple[bool, str]:
     """Whether the device builds and runs a kernel with half arithmetic, and how it was told."""
     import tvm
+
+    from thomas_tune.kernel_signature import native_half
     try:
-        path = _link({"half": _half_kernel()}, target, folder, "probe_half.so")
+        with native_half():  # the device's compiler, not half storage, must take it
+            path = _link({"half": _half_kernel()}, target, folder, "probe_half.so")
         sess.upload(path)
         f = sess.load_module(os.path.basename(path))["half"]
         a = tvm.runtime.tensor(np.linspace(-2, 2, 64).astype("float16"), dev)

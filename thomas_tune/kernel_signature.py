@@ -23,6 +23,8 @@ times (:mod:`thomas_tune.logs.codegen` fingerprints ``opencl_source.py``, not th
 
 from __future__ import annotations
 
+import contextlib
+
 import re
 
 #: OpenCL C scalar types of kernel arguments that TVM's OpenCL runtime packs (int32, int64,
@@ -89,7 +91,26 @@ def check_source(source: str) -> str:
 
 def _postproc(code: str, target=None) -> str:
     from . import half_storage, opencl_source
-    return opencl_source._postproc(half_storage.rewrite_half_access(check_source(code)), target)
+    code = check_source(code)
+    if not _NATIVE_HALF[0]:
+        code = half_storage.rewrite_half_access(code)
+    return opencl_source._postproc(code, target)
+
+
+#: while True (:func:`native_half`), :func:`_postproc` leaves half arithmetic as it is
+_NATIVE_HALF = [False]
+
+
+@contextlib.contextmanager
+def native_half():
+    """Within it, OpenCL C is post-processed without the half-storage rewrite: half arithmetic
+    reaches the device's compiler, which builds it only with ``cl_khr_fp16`` (``rpc probe``
+    asks the device so)."""
+    _NATIVE_HALF[0] = True
+    try:
+        yield
+    finally:
+        _NATIVE_HALF[0] = False
 
 
 def register() -> None:
