@@ -24,7 +24,6 @@ times (:mod:`thomas_tune.logs.codegen` fingerprints ``opencl_source.py``, not th
 from __future__ import annotations
 
 import contextlib
-
 import re
 
 #: OpenCL C scalar types of kernel arguments that TVM's OpenCL runtime packs (int32, int64,
