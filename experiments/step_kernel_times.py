@@ -5,7 +5,7 @@
         --log tuning_logs/h100/mobilenet_v2-w1-r224-c1000-b32 [--top 30]
 
 For each kernel of the step that the export builds (``benchmark.kernels.step_kernels`` of
-``export.training_library_module``), the mean run time of its best valid record in ``--log``
+``library_module.training_library_module``), the mean run time of its best valid record in ``--log``
 (ms; the times of the device the log was measured on), times its calls per step; kernels with
 no record are counted and left out. Prints the sum, the share of each kernel family (the name
 without its numeric suffix), and the ``--top`` kernels with their bytes of arguments per call

@@ -159,7 +159,7 @@ def test_frozen_batchnorms_fold_into_their_convolutions_once(tmp_path, rng):
     function every fold; the export's step on PoCL passes the step check against PyTorch's
     float64 step (loss and every gradient)."""
     from build_cache import export  # the session's build of these inputs
-    from thomas_tune.export import lift_request
+    from thomas_tune.library_module import lift_request
     from thomas_tune.step_check import check_export
     model = build("mobilenet_v2", **SMALL["mobilenet_v2"])
     tg = G.training_module(model, 8, "last:2")

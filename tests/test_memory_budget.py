@@ -102,7 +102,8 @@ def test_the_estimate_is_within_ten_percent_of_the_measured_peak(tmp_path):
 def test_a_budget_too_small_is_refused_naming_the_smallest_that_fits():
     """A budget below every plan: BudgetError (a ValueError) whose message names the smallest
     budget in MB (the least peak of all plans); that budget is then accepted."""
-    from thomas_tune.recompute import BudgetError, plan_for_budget
+    from thomas_tune.memory_plan import plan_for_budget
+    from thomas_tune.recompute import BudgetError
     model = build("mobilenet_v1", **V1)
     with pytest.raises(BudgetError) as err:
         plan_for_budget(model, BATCH, "all", None, 10**6)

@@ -35,84 +35,18 @@ import numpy as np
 import tvm
 
 from . import graph as G, lift
-from tvm import relax
-
 from .compile import compile_graph
 from .tasks import frozen_slots
 from .build_plan import BuildPlan, check_plan
 from .record_check import check_in_background, wait_background
-from .dropout import draw_masks_function
-from .manifest import (ADJOINT, FEATURES, FORMAT, MANIFEST,  # noqa: F401
-                       PACK_OPTIMIZER_STATE, PACK_TRAINABLE, PREDICT, TRAIN_STEP,
-                       read_manifest)
+from .library_module import training_library_module
+from .manifest import ADJOINT, FEATURES, FORMAT, MANIFEST, PREDICT, TRAIN_STEP
 from .files import replacing, write_json_atomically
 from .models import save_checkpoint, spec
 from .schedules import STOCK_RULES
 from .target import cross_compiler, describe, export_shared, host_triple
 from .limits import step_buffers
 from .logs import TuningLog
-
-
-def _with_step_functions(mod: tvm.IRModule, trainable_shapes, optim_state,
-                         masks=()) -> tvm.IRModule:
-    """``mod`` plus the two packing functions: each takes tensors (the trainable parameters;
-    the optimizer state) and returns copies of them as one tuple, the optimizer's input form.
-    Copies (``x + 0``), because a tensor argument that arrived over RPC is only borrowed for
-    the call. With ``masks`` ((shape, p) pairs of the graph's dropout masks, in order), also
-    ``draw_masks`` (:func:`thomas_tune.dropout.draw_masks_function`)."""
-    if masks:
-        mod = draw_masks_function(mod, list(masks))
-    mod = mod.clone() if hasattr(mod, "clone") else mod
-    specs = {PACK_TRAINABLE: [(tuple(s), "float32") for s in trainable_shapes],
-             PACK_OPTIMIZER_STATE: [(tuple(a.shape), str(a.dtype)) for a in optim_state]}
-    bb = relax.BlockBuilder(mod)
-    for name, shapes in specs.items():
-        args = [relax.Var(f"t{i}", relax.TensorType(shape, dtype))
-                for i, (shape, dtype) in enumerate(shapes)]
-        with bb.function(name, args):
-            # outside a dataflow block: inside one, the build turns a kernel that copies
-            # (``x + 0`` once simplified) into a view of its input (RewriteDataflowReshape)
-            copies = [bb.emit(relax.op.add(a, relax.const(0, dtype)))
-                      for a, (_, dtype) in zip(args, shapes)]
-            bb.emit_func_output(relax.Tuple(copies))
-    return bb.get()
-
-
-def lift_request(tg: G.TrainingGraph) -> tuple[list[int], list[str]]:
-    """What ``ADJOINT`` of ``tg`` lifts (:mod:`thomas_tune.lift`): the value of its
-    :data:`thomas_tune.lift.ATTR` (the frozen parameters' positions, then those of the
-    running statistics of its BatchNorms in inference form, constant too) and the names of the
-    tensors its lifting function takes, in order. For a graph with frozen parameters."""
-    first = 1 + len(tg.masks)
-    states_at = first + len(tg.frozen) + len(tg.trainable)
-    constant_states = [n for n in tg.states if n.rsplit(".", 1)[0] in tg.frozen_bn]
-    attr = [first, len(tg.frozen), *(states_at + tg.states.index(n) for n in constant_states)]
-    return attr, tg.frozen + constant_states
-
-
-def training_library_module(model, tg: G.TrainingGraph) -> tuple[tvm.IRModule, list[str] | None]:
-    """The Relax module that :func:`export` compiles into ``train.so`` for the training graph
-    ``tg`` of ``model`` (kernel names in the library come from fusing exactly this module), and
-    the names of the tensors ``ADJOINT_FROZEN`` takes (None without frozen parameters): the
-    graph's functions, the packing functions and ``draw_masks``, ``TRAIN_STEP``
-    (``graph.add_train_step``), and what is to be lifted marked (:mod:`thomas_tune.lift`)."""
-    shapes = {p.name: p.shape for p in spec(model).params}
-    train_mod = _with_step_functions(tg.mod, [shapes[n] for n in tg.trainable], tg.optim_state,
-                                     list(tg.masks.values()))
-    # the step in one function, its gradients buffers of the step (graph.add_train_step)
-    train_mod = G.add_train_step(train_mod, 1 + len(tg.masks) + len(tg.frozen),
-                                 len(tg.trainable))
-    # what the step computes from its constant inputs alone (the frozen parameters' Winograd
-    # transforms, the frozen BatchNorms folded into their convolutions) runs once per load
-    lift_inputs = None
-    if tg.frozen:
-        attr, lift_inputs = lift_request(tg)
-        for fn in (ADJOINT, TRAIN_STEP):  # the same parameters in the same places
-            train_mod[fn] = train_mod[fn].with_attr(lift.ATTR, attr)
-    if tg.features:  # the frozen part alone reads constants only, but for the images
-        n = len(tg.frozen) + len(tg.features.frozen_states)
-        train_mod[FEATURES] = train_mod[FEATURES].with_attr(lift.ATTR, [1, n])
-    return train_mod, lift_inputs
 
 
 def log_hash(log: TuningLog | None) -> str | None:
@@ -342,7 +276,7 @@ def _budget_plan(model, batch: int, trainable: str, optimizer, memory_budget: in
         raise ValueError("--memory-budget plans the whole step; the step on cached features "
                          "(--cache-features) keeps only the last layers' tensors: drop one "
                          "of the two")
-    from .recompute import plan_for_budget
+    from .memory_plan import plan_for_budget
     plan, tried = plan_for_budget(model, batch, trainable, optimizer, int(memory_budget),
                                   say=lambda m: progress(f"memory budget: {m}"))
     chosen = tried[-1]
@@ -390,7 +324,7 @@ def export(out_dir: str, model, tensors: dict[str, np.ndarray], target: tvm.targ
     ``record_check``); ``cache_features``: the step split at the frozen part's output is
     compiled too (``train --cache-features``; the manifest's ``features``); ``precision``:
     ``float32`` or ``mixed16`` (:mod:`thomas_tune.half_storage`); ``memory_budget``: bytes the
-    step may hold, recomputing what :func:`thomas_tune.recompute.plan_for_budget` chooses.
+    step may hold, recomputing what :func:`thomas_tune.memory_plan.plan_for_budget` chooses.
     Raises, before compiling anything, ValueError for a bad trainable set, optimizer or
     precision (``mixed16`` with ``cache_features`` or ``memory_budget`` too), for
     ``cache_features`` whose frozen part changes between steps, for a ``log`` no device here

@@ -34,6 +34,8 @@ import numpy as np
 import tvm
 from tvm import relax
 
+from .recompute import LEVELS, BudgetError, RecomputePlan, apply_plan
+
 #: TVM's pooled allocator rounds every request up to this many bytes (``kDefaultPageSize``)
 PAGE = 4096
 
@@ -207,7 +209,7 @@ class _Run:
 def lowered_training_module(model, batch: int, trainable: str = "all", optimizer=None,
                             winograd=None, budget_plan=None, tg=None
                             ) -> tuple[tvm.IRModule, object]:
-    """The training module an export compiles (``export.training_library_module``), through
+    """The training module an export compiles (``library_module.training_library_module``), through
     the build's Relax passes up to ``KillAfterLastUse`` (:func:`thomas_tune.compile._pipeline`
     without the kernels' schedules, which allocate nothing): storages planned, their releases
     placed. ``winograd``: the training convolutions in the Winograd form (as
@@ -217,11 +219,10 @@ def lowered_training_module(model, batch: int, trainable: str = "all", optimizer
     (module, :class:`thomas_tune.graph.TrainingGraph`). Raises ValueError as
     :func:`thomas_tune.graph.training_module`."""
     from . import graph as G
-    from .export import training_library_module
+    from .library_module import training_library_module
     from .tasks import fuse
     tg = tg or G.training_module(model, batch, trainable, optimizer)
     if budget_plan is not None:
-        from .recompute import apply_plan
         tg = apply_plan(tg, budget_plan)
     mod, _ = training_library_module(model, tg)
     passes = [relax.transform.RewriteDataflowReshape(), relax.transform.ToNonDataflow(),
@@ -286,3 +287,36 @@ def compiled_step_memory(model, batch: int, trainable: str = "all", optimizer=No
     mod, tg = lowered_training_module(model, batch, trainable, optimizer, winograd, budget_plan,
                                       tg)
     return step_memory(mod, tg, steps)
+
+
+def plan_for_budget(model, batch: int, trainable: str, optimizer, budget_bytes: int,
+                    winograd=None, say=lambda m: None) -> tuple[RecomputePlan, list[dict]]:
+    """The cheapest plan of :data:`LEVELS` whose compiled step fits ``budget_bytes`` (peak
+    device bytes by :func:`compiled_step_memory`), and the figures of
+    every level tried (level, peak bytes, bytes saved, FLOPs added, tensors recomputed, bytes
+    of forward tensors the backward still reads: ``kept_bytes``). Raises
+    :class:`BudgetError` (a ValueError) when even the last level does not fit; its message
+    names the smallest budget that does, in MB (10^6 bytes)."""
+    from .graph import ADJOINT, training_module
+    from .memory import _liveness_peak
+    tried, base = [], None
+    tg = training_module(model, batch, trainable, optimizer)
+    for level in LEVELS:
+        plan = RecomputePlan(level)
+        planned = apply_plan(tg, plan)
+        mem = compiled_step_memory(model, batch, trainable, optimizer, winograd, tg=planned)
+        base = mem.peak if base is None else base
+        tried.append({"level": level, "peak_bytes": mem.peak, "saved_bytes": base - mem.peak,
+                      "flops_added": plan.flops_added, "recomputed": len(plan.recomputed),
+                      "kept_bytes": _liveness_peak(planned.mod[ADJOINT])[1]})
+        say(f"{level}: {mem.peak / 1e6:.1f} MB")
+        if mem.peak <= budget_bytes:
+            return plan, tried
+    least = min(tried, key=lambda t: t["peak_bytes"])
+    smallest = least["peak_bytes"]
+    raise BudgetError(
+        f"no recomputation plan fits a memory budget of {budget_bytes / 1e6:.1f} MB: the "
+        f"smallest step ({least['level']} recomputation) needs "
+        f"{-(-smallest // 10**5) / 10:.1f} MB; give --memory-budget "
+        f"{-(-smallest // 10**5) / 10:.1f} or more, a smaller --batch, or train fewer layers "
+        "(--trainable last:K)", smallest)

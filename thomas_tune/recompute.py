@@ -21,9 +21,10 @@ What this module recomputes:
   backward reaches it, so longer segments hold more: on MobileNetV2 k = 3 holds the least,
   k = 4 already more than k = 2.
 
-:func:`plan_for_budget` picks the first of these that fits a budget (measured by
-:func:`thomas_tune.memory_plan.compiled_step_memory`, the compiled step's own memory plan)
-and raises :class:`BudgetError` naming the smallest budget any of them fits when none does.
+:func:`thomas_tune.memory_plan.plan_for_budget` picks the first of these that fits a budget
+(measured by :func:`thomas_tune.memory_plan.compiled_step_memory`, the compiled step's own
+memory plan) and raises :class:`BudgetError` naming the smallest budget any of them fits when
+none does.
 """
 
 from __future__ import annotations
@@ -225,37 +226,3 @@ def apply_plan(tg, plan: RecomputePlan):
     mod = tg.mod.clone() if hasattr(tg.mod, "clone") else tvm.IRModule(dict(tg.mod.functions))
     mod[ADJOINT] = func
     return replace(tg, mod=mod)
-
-
-def plan_for_budget(model, batch: int, trainable: str, optimizer, budget_bytes: int,
-                    winograd=None, say=lambda m: None) -> tuple[RecomputePlan, list[dict]]:
-    """The cheapest plan of :data:`LEVELS` whose compiled step fits ``budget_bytes`` (peak
-    device bytes by :func:`thomas_tune.memory_plan.compiled_step_memory`), and the figures of
-    every level tried (level, peak bytes, bytes saved, FLOPs added, tensors recomputed, bytes
-    of forward tensors the backward still reads: ``kept_bytes``). Raises
-    :class:`BudgetError` (a ValueError) when even the last level does not fit; its message
-    names the smallest budget that does, in MB (10^6 bytes)."""
-    from .graph import ADJOINT, training_module
-    from .memory import _liveness_peak
-    from .memory_plan import compiled_step_memory
-    tried, base = [], None
-    tg = training_module(model, batch, trainable, optimizer)
-    for level in LEVELS:
-        plan = RecomputePlan(level)
-        planned = apply_plan(tg, plan)
-        mem = compiled_step_memory(model, batch, trainable, optimizer, winograd, tg=planned)
-        base = mem.peak if base is None else base
-        tried.append({"level": level, "peak_bytes": mem.peak, "saved_bytes": base - mem.peak,
-                      "flops_added": plan.flops_added, "recomputed": len(plan.recomputed),
-                      "kept_bytes": _liveness_peak(planned.mod[ADJOINT])[1]})
-        say(f"{level}: {mem.peak / 1e6:.1f} MB")
-        if mem.peak <= budget_bytes:
-            return plan, tried
-    least = min(tried, key=lambda t: t["peak_bytes"])
-    smallest = least["peak_bytes"]
-    raise BudgetError(
-        f"no recomputation plan fits a memory budget of {budget_bytes / 1e6:.1f} MB: the "
-        f"smallest step ({least['level']} recomputation) needs "
-        f"{-(-smallest // 10**5) / 10:.1f} MB; give --memory-budget "
-        f"{-(-smallest // 10**5) / 10:.1f} or more, a smaller --batch, or train fewer layers "
-        "(--trainable last:K)", smallest)

@@ -143,7 +143,7 @@ def device_memory(export_dir: str, steps: int = 3, seed: int = 0) -> int:
 
 
 def _same_export(out_dir: str, want: dict) -> bool:
-    from ..export import read_manifest
+    from ..manifest import read_manifest
     try:
         m = read_manifest(out_dir)
     except ValueError:

@@ -32,7 +32,7 @@ def exported_training_module(model, tg):
     """The Relax module that :func:`thomas_tune.export.export` compiles into ``train.so`` for
     the training graph ``tg`` (``graph.training_module``): kernel names in the library come from
     fusing exactly this module."""
-    from ..export import training_library_module
+    from ..library_module import training_library_module
     return training_library_module(model, tg)[0]
 
 

@@ -45,7 +45,7 @@ def run_bench(model, tensors, target, exports: dict, cfg: BenchConfig, log_path:
     kernels, start-up and the tuning curve (see the module docstring). Returns the result
     dict that :func:`thomas_tune.benchmark.report.format_report` prints and the ``--json``
     file holds. Raises ValueError for an OpenCL target without an OpenCL device here."""
-    from ..export import read_manifest
+    from ..manifest import read_manifest
     from ..graph import training_module
     from ..runtime import device_for
     first = read_manifest(next(iter(exports.values())))
@@ -135,7 +135,7 @@ def _own_kernels(res: dict, exports: dict, kernels: list, train_mod, model, batc
     then the number of those convolutions and the tuned step's memory estimate (bytes, its
     Winograd transforms counted) go to ``res["step"]``. Returns the kernels by variant and the
     variants whose kernels are their own."""
-    from ..export import read_manifest
+    from ..manifest import read_manifest
     from ..memory_plan import compiled_step_memory
     from ..recompute import RecomputePlan
     own = {variant: list(kernels) for variant in exports}

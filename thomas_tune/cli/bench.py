@@ -46,7 +46,7 @@ def cmd_bench(args) -> int:
     from ..target import parse_target
     work = args.work or tempfile.mkdtemp(prefix="thomas-tune-bench-")
     if args.export:  # one existing export: its model, shapes, target and trainable set
-        from ..export import read_manifest
+        from ..manifest import read_manifest
         from ..graph import OptimizerConfig
         from ..models import load_checkpoint
         m = read_manifest(args.export)

@@ -88,7 +88,7 @@ def cmd_memory(args) -> int:
 def _memory_plan(args, model, mode: str, budget: int) -> int:
     """``memory --memory-budget``: the recomputation plan that fits (what is kept, what is
     recomputed, bytes saved, FLOPs added), or the refusal naming the smallest budget."""
-    from ..recompute import plan_for_budget
+    from ..memory_plan import plan_for_budget
     plan, tried = plan_for_budget(model, args.batch, mode, optimizer_config(args), budget)
     chosen = tried[-1]
     if args.json:
