@@ -230,9 +230,11 @@ def test_train_and_infer_on_the_device_keep_class_names(device, exports, tmp_pat
                  if ln.startswith(tuple(photos))]
         assert len(lines) == 2 and all(ln.split(": ")[1].split()[0] in ("cat", "dog")
                                        for ln in lines), lines
-    # bench on the device: it runs there (times under emulation are not speed: not checked)
+    # bench on the device: the step is checked there against float64 through the library
+    # the timed session loaded, then timed (times under emulation are not speed: not checked)
     assert main(["bench", "--export", arm, *remote, "--checkpoint", ft, "--steps", "2"]) == 0
     row = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert row["device_key"] == KEY and row["batch"] == BATCH
+    assert row["checked"]["ok"] and row["checked"]["line"].startswith("right"), row["checked"]
     assert main(["infer", "--export", x86, "--tracker", f"{addr[0]}:{addr[1]}", *photos]) == 2
     assert "--tracker and --key go together" in capsys.readouterr().err

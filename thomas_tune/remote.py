@@ -80,7 +80,14 @@ class SessionLifetime:
     ``programs`` (:class:`~thomas_tune.programs.SessionPrograms`), ``renewals``,
     ``_longest_call_s``, ``_first_call_s``, ``_calls``, ``_transfer_s``, ``steps``, ``dir``,
     the device handles (``_t``, ``_opt``, ``_tuples``, ``_train_vm``, ``_infer_vm``,
-    ``_get_item``, ``_rpc``, ``device``), and offers ``_load_remote(rpc_session)``."""
+    ``_get_item``, ``_rpc``, ``device``, ``train_library``), and offers
+    ``_load_remote(rpc_session)``."""
+
+    @property
+    def rpc_session(self):
+        """The ``tvm.rpc`` session the libraries are loaded in now (None on this machine); a
+        renewal replaces it."""
+        return getattr(self, "_rpc", None)
 
     def _margin_s(self) -> float:
         """Seconds a session must still have before a call is started in it: two of the
@@ -245,3 +252,11 @@ def check_device(tracker: tuple[str, int], key: str, target: tvm.target.Target,
         raise ValueError(f"the device server of key {key!r} ran a kernel linked for {triple} "
                          "and returned wrong numbers")
     return triple
+
+
+def device_train_library(export_dir: str, rpc_session):
+    """The export's ``train.so`` uploaded to ``rpc_session``'s device server and loaded there
+    (a ``tvm.runtime.Module`` of that session), under its own name: writing over a library the
+    server has loaded (a Session's ``train.so``) ends the server's session process."""
+    rpc_session.upload(os.path.join(export_dir, "train.so"), "step_check_train.so")
+    return rpc_session.load_module("step_check_train.so")

@@ -239,8 +239,8 @@ def dropout_masks(model, batch_size: int, seed: int) -> dict[str, np.ndarray]:
 
 
 def export_step(export_dir: str, x: np.ndarray, y: np.ndarray, device=None, rpc_session=None,
-                cached: bool = False, masks: dict | None = None, tensors: dict | None = None
-                ) -> tuple[float, dict[str, np.ndarray]]:
+                cached: bool = False, masks: dict | None = None, tensors: dict | None = None,
+                train_lib=None) -> tuple[float, dict[str, np.ndarray]]:
     """Loss and gradients (parameter name -> float64 array) of the export's training step on
     ``x`` (float32, the export's batch) and ``y`` (int64), dropout ``masks`` (name -> array of
     the manifest's shape; None: ones, dropout off), from ``tensors`` (name -> array; None: the
@@ -251,7 +251,9 @@ def export_step(export_dir: str, x: np.ndarray, y: np.ndarray, device=None, rpc_
     its tensors read one by one (``ffi.ArrayGetItem``, which every TVM runtime registers).
     ``cached``: the step as ``train --cache-features`` takes it, the export's ``features`` of
     ``x`` then ``train_head_adjoint`` on them (an export made with ``--cache-features``; runs
-    on this machine only)."""
+    on this machine only). ``train_lib``: the export's ``train.so`` already loaded on
+    ``rpc_session``'s server (:func:`thomas_tune.remote.device_train_library`, or a
+    :class:`thomas_tune.runtime.Session`'s own), used instead of loading it again."""
     import tvm
     from tvm.relax import VirtualMachine
 
@@ -264,10 +266,8 @@ def export_step(export_dir: str, x: np.ndarray, y: np.ndarray, device=None, rpc_
     if rpc_session is None:
         lib = tvm.runtime.load_module(os.path.join(export_dir, "train.so"))
     else:
-        # its own name: writing over a library the server has loaded (a Session's train.so)
-        # ends the server's session process
-        rpc_session.upload(os.path.join(export_dir, "train.so"), "step_check_train.so")
-        lib = rpc_session.load_module("step_check_train.so")
+        from .remote import device_train_library
+        lib = train_lib or device_train_library(export_dir, rpc_session)
     vm = VirtualMachine(lib, dev)
     if tensors is None:
         _, tensors, _ = load_checkpoint(os.path.join(export_dir, "params.npz"))
@@ -443,13 +443,15 @@ def following_step(reference: dict, i: int, grads: dict[str, np.ndarray]):
 
 def check_export(export_dir: str, seed: int = 0, frozen_bn: bool | set | None = None,
                  reference: dict | None = None, rpc_session=None,
-                 cached: bool = False, say=None) -> StepCheck:
+                 cached: bool = False, say=None, train_lib=None) -> StepCheck:
     """Check an export's training step against PyTorch float64 following the build's branches
     (see the module docstring) on the :data:`CHECK_BATCHES` batches of ``seed``
     (:func:`reference_steps`), from the export's own parameters, with PyTorch float32's
     errors on the same batches as the yardstick. ``frozen_bn``: the BatchNorms in inference
     form, True for all or a set of names (None: as the export's manifest says);
-    ``rpc_session``: run the export's step on that device server (:func:`export_step`);
+    ``rpc_session``: run the export's step on that device server (:func:`export_step`), its
+    ``train.so`` loaded there once (``train_lib``: already loaded, e.g. by the
+    :class:`thomas_tune.runtime.Session` about to be timed, so the server loads it only once);
     ``reference``: :func:`reference_steps` already computed for this model, parameters and
     seed (several exports of one step share it); ``cached``: check the step on cached
     features (:func:`export_step`). The export's optimizer update is checked too, against
@@ -472,8 +474,11 @@ def check_export(export_dir: str, seed: int = 0, frozen_bn: bool | set | None = 
         say(f"[check] PyTorch's float64 and float32 steps of {CHECK_BATCHES} batches in "
             f"{time.perf_counter() - t0:.1f} s")
     checked = reference["context"][1]
+    if rpc_session is not None and train_lib is None:
+        from .remote import device_train_library
+        train_lib = device_train_library(export_dir, rpc_session)
     ours = [export_step(export_dir, x, y, rpc_session=rpc_session, cached=cached, masks=mk,
-                        tensors=checked)
+                        tensors=checked, train_lib=train_lib)
             for (x, y), mk in zip(reference["batches"], reference["masks"])]
     refs = []
     for i, o in enumerate(ours):
@@ -493,5 +498,6 @@ def check_export(export_dir: str, seed: int = 0, frozen_bn: bool | set | None = 
     check.coverage = reference.get("coverage", {})
     from .update_check import check_update
     (x, y), masks = reference["batches"][0], reference["masks"][0]
-    check.update = check_update(export_dir, seed, rpc_session, (x, y, masks, ours[0][1]))
+    check.update = check_update(export_dir, seed, rpc_session, (x, y, masks, ours[0][1]),
+                                train_lib=train_lib)
     return check

@@ -153,14 +153,15 @@ def random_update_inputs(config: dict, shapes: list[tuple[int, ...]], seed: int)
     return params, grads, state, steps
 
 
-def export_update(export_dir: str, params, grads, state, rpc_session=None):
+def export_update(export_dir: str, params, grads, state, rpc_session=None, train_lib=None):
     """The export's ``optimizer`` function (the update ``Session.train_step`` applies) on
     ``params``, ``grads`` (lists of float32 arrays in the manifest's ``trainable`` order) and
     ``state`` (the optimizer state, its layout): ``(new params, new state)`` as lists of
     numpy arrays. Runs on this machine (the export target's device 0) or, with
     ``rpc_session``, on that device server, where ``train.so`` is uploaded and loaded, the
     inputs packed into tuples there (``pack_trainable``, ``pack_optimizer_state``) and the
-    results read one by one (``ffi.ArrayGetItem``)."""
+    results read one by one (``ffi.ArrayGetItem``); ``train_lib``: ``train.so`` already loaded
+    there (:func:`thomas_tune.remote.device_train_library`)."""
     import tvm
     from tvm.relax import VirtualMachine
 
@@ -170,9 +171,9 @@ def export_update(export_dir: str, params, grads, state, rpc_session=None):
     dev = device_for(m["target"]["kind"], rpc_session)
     if rpc_session is None:
         lib = tvm.runtime.load_module(os.path.join(export_dir, "train.so"))
-    else:  # the name export_step uploads it under (a Session's train.so stays loaded)
-        rpc_session.upload(os.path.join(export_dir, "train.so"), "step_check_train.so")
-        lib = rpc_session.load_module("step_check_train.so")
+    else:
+        from .remote import device_train_library
+        lib = train_lib or device_train_library(export_dir, rpc_session)
     vm = VirtualMachine(lib, dev)
     ts = [[tvm.runtime.tensor(np.array(a, order="C"), dev) for a in group]
           for group in (params, grads, state)]
@@ -326,7 +327,7 @@ def _compare(check: UpdateCheck, names: list[str], inputs: tuple, outputs: tuple
 
 
 def check_update(export_dir: str, seed: int = 0, rpc_session=None,
-                 first_batch: tuple | None = None) -> UpdateCheck:
+                 first_batch: tuple | None = None, train_lib=None) -> UpdateCheck:
     """Check the export's optimizer update against ``torch.optim`` in float64 on the fresh
     inputs of ``seed`` (module docstring), on this machine or on ``rpc_session``'s device
     server (:func:`export_update`). On this machine, an export with ``train_step`` is also
@@ -335,7 +336,8 @@ def check_update(export_dir: str, seed: int = 0, rpc_session=None,
     :func:`thomas_tune.step_check.check_export` draws it, its dropout masks and the gradients
     the export's ``train_adjoint`` gives for it; None: this part is left out) from the
     export's parameters and fresh optimizer state, against ``torch.optim`` on those gradients
-    (outputs named ``train_step <output>``). Raises ValueError for an optimizer the check does
+    (outputs named ``train_step <output>``). ``train_lib``: as :func:`export_update` takes it.
+    Raises ValueError for an optimizer the check does
     not know. Needs torch."""
     from .manifest import read_manifest
     from .models import load_checkpoint
@@ -344,7 +346,8 @@ def check_update(export_dir: str, seed: int = 0, rpc_session=None,
     _, tensors, _ = load_checkpoint(os.path.join(export_dir, "params.npz"))
     inputs = random_update_inputs(config, [tuple(np.shape(tensors[n])) for n in names], seed)
     check = UpdateCheck(dict(config), steps=inputs[3])
-    _compare(check, names, inputs, export_update(export_dir, *inputs[:3], rpc_session))
+    _compare(check, names, inputs, export_update(export_dir, *inputs[:3], rpc_session,
+                                                       train_lib))
     if rpc_session is None and m.get("train_step") and first_batch is not None:
         x, y, masks, grads = first_batch
         step_inputs = ([tensors[n] for n in names], [grads[n] for n in names], *inputs[2:])

@@ -29,7 +29,10 @@
 #           README's four rows at 224 px, batch 32, with the committed logs (records checked on
 #           this device), and 'thomas-tune bench --export' each (its step checked against
 #           PyTorch, then timed beside PyTorch eager), one after another; ROWS picks rows
-#           (default "mnv2-all mnv2-last2 alexnet-all alexnet-last3"), BENCH_ARGS adds options;
+#           (default "mnv2-all mnv2-last2 alexnet-all alexnet-last3"; also mnv2-budget, with
+#           --memory-budget BUDGET, and the --precision mixed16 rows mnv2-mixed16,
+#           mnv2-last2-mixed16, alexnet-all-mixed16), BENCH_ARGS adds options, EXPORT_ONLY=1
+#           exports without benching;
 #           'rows-status' prints progress and returns $TT/rows as $OUT/rows.tgz; the rows wait
 #           for the tuning jobs started before them (so 'start' with WATCH=0 then 'rows' in one
 #           call tunes, then times the rows with the logs just tuned: size TRIALS to the lease)
@@ -227,6 +230,15 @@ rows_job() {
       mnv2-last2) args="--model mobilenet_v2 --trainable last:2" log=mobilenet_v2-w1-r224-c1000-b32 ;;
       alexnet-all) args="--model alexnet --trainable all" log=alexnet-w1-r224-c1000-b32 ;;
       alexnet-last3) args="--model alexnet --trainable last:3" log=alexnet-w1-r224-c1000-b32 ;;
+      # issue 67's rows: a memory budget (BUDGET MB, default 1400) and half-precision storage
+      mnv2-budget) args="--model mobilenet_v2 --trainable all --memory-budget ${BUDGET:-1400}"
+        log=mobilenet_v2-w1-r224-c1000-b32 ;;
+      mnv2-mixed16) args="--model mobilenet_v2 --trainable all --precision mixed16"
+        log=mobilenet_v2-w1-r224-c1000-b32 ;;
+      mnv2-last2-mixed16) args="--model mobilenet_v2 --trainable last:2 --precision mixed16"
+        log=mobilenet_v2-w1-r224-c1000-b32 ;;
+      alexnet-all-mixed16) args="--model alexnet --trainable all --precision mixed16"
+        log=alexnet-w1-r224-c1000-b32 ;;
       *) echo "unknown row $row"; continue ;;
     esac
     committed_log $log
@@ -235,6 +247,7 @@ rows_job() {
     # on this device and keeps a default schedule that is faster than a workload's best record
     [ -s $TT/rows/$row/manifest.json ] || $PY export $args $C --any-codegen --log $TT/logs/$log \
       --out $TT/rows/$row > $TT/rows/$row.export.out 2>&1 || { echo "$row: export failed"; continue; }
+    [ -n "${EXPORT_ONLY:-}" ] && continue
     echo "== $row: bench $(date +%T)"
     $PY bench --export $TT/rows/$row --steps ${STEPS:-20} --kernels 0 --no-startup --quiet \
       ${BENCH_ARGS:-} --json $TT/rows/$row.bench.json > $TT/rows/$row.bench.out 2>&1

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import tempfile
 import time
 
@@ -11,15 +12,42 @@ from .options import (add_model_args, add_remote_args, add_target_arg, load_mode
                       open_session, optimizer_config)
 
 
+def _check_on_device(args, session):
+    """The export's training step run on ``session``'s device server, through the library the
+    session loaded (no second load there), and checked against PyTorch float64
+    (:func:`thomas_tune.step_check.check_export`, from the export's own parameters): the
+    StepCheck, said on stderr; None, said too, where PyTorch is not installed (the times are
+    then of an unchecked build)."""
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        print("[bench] PyTorch is not installed: the export's numbers on the device are not "
+              "checked; its times are of an unchecked build", file=sys.stderr)
+        return None
+    from ..step_check import check_export
+    check = check_export(args.export, seed=args.seed, rpc_session=session.rpc_session,
+                         train_lib=session.train_library)
+    print(f"[bench] numbers on the device against PyTorch float64: {check.line()}",
+          file=sys.stderr)
+    return check
+
+
 def _bench_remote(args) -> int:
-    """``bench --export E --tracker HOST:PORT --key KEY``: time E's training steps and
-    inference on that device server (wall time here, RPC round trips included)."""
+    """``bench --export E --tracker HOST:PORT --key KEY``: check E's training step on that
+    device server against PyTorch float64 (:func:`_check_on_device`; a wrong build is not
+    timed: exit 1), then time its training steps and inference there (wall time here, RPC
+    round trips included)."""
     import numpy as np
     from ..runtime import time_steps
     if not args.export:
         raise ValueError("bench on a device server needs --export (an export for that "
                          "device, e.g. made with --host android-aarch64)")
     session = open_session(args, args.checkpoint, seed=args.seed)
+    checked = _check_on_device(args, session)
+    if checked is not None and not checked.ok:
+        print(f"FAIL: the export's numbers on the device are wrong, not timed: {checked.line()}",
+              file=sys.stderr)
+        return 1
     rng = np.random.default_rng(args.seed)
     x = rng.standard_normal(session.model.input_shape(session.batch)).astype("float32")
     y = rng.integers(0, session.model.num_classes, session.batch)
@@ -31,7 +59,8 @@ def _bench_remote(args) -> int:
     infer_ms = (time.perf_counter() - t0) * 1e3 / args.steps
     print(json.dumps({"export": args.export, "device_key": args.key, "batch": session.batch,
                       "ms_per_training_step": round(ms, 3),
-                      "ms_per_inference": round(infer_ms, 3)}))
+                      "ms_per_inference": round(infer_ms, 3),
+                      "checked": checked.as_dict() if checked is not None else None}))
     return 0
 
 
