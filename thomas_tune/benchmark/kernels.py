@@ -33,7 +33,7 @@ def exported_training_module(model, tg):
     the training graph ``tg`` (``graph.training_module``): kernel names in the library come from
     fusing exactly this module."""
     from ..library_module import training_library_module
-    return training_library_module(model, tg)[0]
+    return training_library_module(tg)[0]
 
 
 def step_kernels(train_mod, winograd=None) -> list[Kernel]:
