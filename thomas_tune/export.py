@@ -8,7 +8,8 @@ An export folder holds::
                    ``train_head_adjoint`` (the trainable layers' step on features)
     params.npz     the model's parameters and states (a models/ checkpoint, with class names)
     manifest.json  model, shapes, target, host triple, trainable/frozen sets, optimizer,
-                   tuning-log hash, class names
+                   tuning-log hash, class names (:class:`thomas_tune.manifest.Manifest`, the
+                   export format)
 
 The libraries are linked for the target's host: this machine, or another architecture through
 the cross compiler of ``TVM_NDK_CC`` (``target.export_shared``); ``host_triple`` in the manifest

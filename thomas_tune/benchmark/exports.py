@@ -177,7 +177,7 @@ def prepare_exports(model, tensors, target, log_path: str | None, work: str, bat
     tg = training_module(model, batch, trainable, optimizer)
     # the graph the export was compiled from: an export of an older graph (other gradients,
     # other fusion) has other kernels, so it is compiled again
-    graph_key = str(tvm_ffi.structural_hash(exported_training_module(model, tg)))
+    graph_key = str(tvm_ffi.structural_hash(exported_training_module(tg)))
     out = {}
     for variant, lg in (("tuned", log), ("default", None), ("stock", None)):
         if variant == "tuned" and lg is None or variant == "stock" and not stock:

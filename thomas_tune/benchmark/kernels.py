@@ -28,7 +28,7 @@ class Kernel:
     mod: object = field(default=None, repr=False)  # the workload (IRModule with "main")
 
 
-def exported_training_module(model, tg):
+def exported_training_module(tg):
     """The Relax module that :func:`thomas_tune.export.export` compiles into ``train.so`` for
     the training graph ``tg`` (``graph.training_module``): kernel names in the library come from
     fusing exactly this module."""

@@ -56,7 +56,7 @@ def run_bench(model, tensors, target, exports: dict, cfg: BenchConfig, log_path:
         raise ValueError("no OpenCL device here; see 'python -c \"import thomas_tune.opencl as o; "
                          "print(o.devices())\"'")
     tg = training_module(model, batch, trainable, optimizer)
-    train_mod = exported_training_module(model, tg)
+    train_mod = exported_training_module(tg)
     from ..memory_plan import compiled_step_memory
     from ..recompute import RecomputePlan
     # the export's own recomputation (export --memory-budget), the same for every variant
