@@ -154,12 +154,12 @@ def _write_libraries(out_dir: str, mods: _GraphModules, target: tvm.target.Targe
                  f"{len(wino['train'])} training convolution(s): their tuned kernels are "
                  "faster than the direct ones")
     slots = {}
-    for which, mod, name in (("infer", mods.infer, "inference"), ("train", mods.train, "train")):
+    for which, mod, file, what in (("infer", mods.infer, "inference.so", "inference"),
+                                   ("train", mods.train, "train.so", "training")):
         t0 = time.perf_counter()
         exe, slots[which] = compile_library(mod, target, database, wino[which], rules)
-        progress(f"compiled {'inference' if which == 'infer' else 'training'} module in "
-                 f"{time.perf_counter() - t0:.1f} s")
-        with replacing(os.path.join(out_dir, f"{name}.so"), executable=True) as p:
+        progress(f"compiled {what} module in {time.perf_counter() - t0:.1f} s")
+        with replacing(os.path.join(out_dir, file), executable=True) as p:
             export_shared(exe, p, target)
     return _Libraries(wino, slots)
 
