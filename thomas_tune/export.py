@@ -320,8 +320,8 @@ def export(out_dir: str, model, tensors: dict[str, np.ndarray], target: tvm.targ
     version = log.version() if log is not None else None
     built, checks = _build_with_log(log, version, target, mods, write, check_records, progress)
     save_checkpoint(os.path.join(out_dir, "params.npz"), model, tensors, classes)
-    np.savez(os.path.join(out_dir, "optim_state.npz"),
-             **{f"s{i}": a for i, a in enumerate(mods.tg.optim_state)})
+    with replacing(os.path.join(out_dir, "optim_state.npz")) as p:
+        np.savez(p, **{f"s{i}": a for i, a in enumerate(mods.tg.optim_state)})
     if budget and built.winograd["train"]:  # the plan was measured without the Winograd form
         budget = _budget_with_winograd(budget, mods.tg, built.winograd["train"], progress)
     manifest = _manifest(mods, built, checks, target, infer_batch=infer_batch, log=log,
