@@ -24,7 +24,6 @@ def _with_packing_functions(mod: tvm.IRModule, trainable_shapes, optim_state) ->
     the optimizer state) and returns copies of them as one tuple, the optimizer's input form.
     Copies (``x + 0``), because a tensor argument that arrived over RPC is only borrowed for
     the call."""
-    mod = mod.clone() if hasattr(mod, "clone") else mod
     specs = {PACK_TRAINABLE: [(tuple(s), "float32") for s in trainable_shapes],
              PACK_OPTIMIZER_STATE: [(tuple(a.shape), str(a.dtype)) for a in optim_state]}
     bb = relax.BlockBuilder(mod)
