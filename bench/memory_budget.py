@@ -22,19 +22,19 @@ import os
 
 def _describe(export_dir: str, side, seed: int) -> dict:
     from thomas_tune.benchmark.exports import export_counters
-    from thomas_tune.manifest import read_manifest
+    from thomas_tune.manifest import Manifest
     from thomas_tune.memory_plan import compiled_step_memory
     from thomas_tune.models import load_checkpoint
     from thomas_tune.optimizers import OptimizerConfig
     from thomas_tune.recompute import RecomputePlan
-    m = read_manifest(export_dir)
+    m = Manifest.read(export_dir)
     model, _, _ = load_checkpoint(os.path.join(export_dir, "params.npz"))
-    opt = m["optimizer"]
+    opt = m.optimizer
     optimizer = OptimizerConfig(**{**opt, "betas": tuple(opt["betas"])})
-    budget = m.get("memory_budget") or {}
+    budget = m.memory_budget or {}
     from thomas_tune.winograd_form import Conv
-    wino = {Conv.from_dict(d) for d in (m.get("winograd") or {}).get("training", [])}
-    estimate = compiled_step_memory(model, m["batch"], m["trainable"], optimizer,
+    wino = {Conv.from_dict(d) for d in (m.winograd or {}).get("training", [])}
+    estimate = compiled_step_memory(model, m.batch, m.trainable, optimizer,
                                     winograd=wino or None,
                                     budget_plan=RecomputePlan(budget.get("level", "none")))
     return {"budget_bytes": budget.get("budget_bytes"), "level": budget.get("level", "none"),

@@ -122,17 +122,17 @@ def _param_rows(arch, right, compare_step):
     error / bound among them."""
     import mutants as M
     from thomas_tune.step_check import export_step, reference_steps, following_step
-    from thomas_tune.manifest import read_manifest
+    from thomas_tune.manifest import Manifest
     from thomas_tune.models import load_checkpoint
-    m = read_manifest(right)
+    m = Manifest.read(right)
     model, tensors, _ = load_checkpoint(os.path.join(right, "params.npz"))
-    ref = reference_steps(model, tensors, m["trainable"], m["batch"], 0)
+    ref = reference_steps(model, tensors, m.trainable, m.batch, 0)
     ours = [export_step(right, x, y, masks=mk) for (x, y), mk in zip(ref["batches"], ref["masks"])]
     follow = [following_step(ref, i, o[1]) for i, o in enumerate(ours)]
     yard = ref["yardstick"]
     for factor in (1.01, -1.0):
         caught, least = 0, None
-        for name in m["trainable"]:
+        for name in m.trainable:
             grads = [M.param_mutant(o[1], name, factor) for o in ours]
             c = compare_step([o[0] for o in ours], grads, [f.loss for f in follow],
                              [f.grads for f in follow], yard.errors, yard.loss_err, ref["sums"])

@@ -45,7 +45,7 @@ def main():
     args = ap.parse_args()
     model, _, _ = load_model(args)
     tg = G.training_module(model, args.batch, args.trainable, optimizer_config(args))
-    kernels = step_kernels(exported_training_module(model, tg))
+    kernels = step_kernels(exported_training_module(tg))
     best = best_ms(args.log)
     timed = [(k, best[k.key]) for k in kernels if k.key in best]
     total = sum(k.calls * ms for k, ms in timed)

@@ -49,8 +49,8 @@ def main() -> int:
         masks = clock("masks", s.draw_masks)
         call = s._step_args(ADJOINT, xd, yd, masks)
         ret, grads = clock("adjoint", lambda: s._train_vm[ADJOINT](*call))
-        loss = ret[0] if m["states"] else ret
-        clock("optimizer", lambda: s._train_vm[OPTIMIZER](s._ordered(m["trainable"]), grads,
+        loss = ret[0] if m.states else ret
+        clock("optimizer", lambda: s._train_vm[OPTIMIZER](s._ordered(m.trainable), grads,
                                                           s._opt))
         clock("loss readback", lambda: float(loss.numpy()))
         clock("step (batch on device)", lambda: s.train_step(xd, yd))

@@ -51,7 +51,7 @@ def main():
     target = parse_target(args.target)
     model, _, _ = load_model(args)
     tg = G.training_module(model, args.batch, args.trainable, optimizer_config(args))
-    kernels = step_kernels(exported_training_module(model, tg))
+    kernels = step_kernels(exported_training_module(tg))
     db = tuned_database(TuningLog(args.log), target)[0] if args.log else None
     dev = tvm.opencl(0)
     rng = np.random.default_rng(0)

@@ -49,10 +49,10 @@ def build_key(model, target, batch: int, infer_batch: int, trainable: str, optim
 
 def export(out_dir: str, model, tensors, target, batch: int = 8, infer_batch: int = 1,
            trainable: str = "all", optimizer=None, classes=None, progress=print,
-           stock_defaults: bool = False, cache_features: bool = False) -> dict:
+           stock_defaults: bool = False, cache_features: bool = False):
     """``thomas_tune.export.export`` without a tuning log (same arguments, same folder), the
     libraries built once per session for these inputs; ``params.npz`` written from
-    ``tensors``. Returns the manifest as ``read_manifest`` reads it."""
+    ``tensors``. Returns the manifest (:meth:`thomas_tune.manifest.Manifest.read`)."""
     from thomas_tune.export import export as build
     from thomas_tune.models import save_checkpoint
 
@@ -84,6 +84,6 @@ def export(out_dir: str, model, tensors, target, batch: int = 8, infer_batch: in
     return _manifest(out_dir)
 
 
-def _manifest(out_dir: str) -> dict:
-    with open(os.path.join(out_dir, MANIFEST)) as f:
-        return json.load(f)
+def _manifest(out_dir: str):
+    from thomas_tune.manifest import Manifest
+    return Manifest.read(out_dir)

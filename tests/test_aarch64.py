@@ -23,7 +23,7 @@ import pytest
 from thomas_tune import rpc
 from thomas_tune.cli import main
 from thomas_tune.export import export
-from thomas_tune.manifest import read_manifest
+from thomas_tune.manifest import Manifest
 from thomas_tune.models import build, init_params, load_checkpoint
 from thomas_tune.remote import check_device, connect
 from thomas_tune.runtime import Session
@@ -165,7 +165,7 @@ def test_tune_measures_trials_on_the_emulated_device(device, cross_env, tmp_path
 def test_cross_export_trains_on_the_emulated_device(device, exports):
     addr, _ = device
     arm, x86 = exports
-    assert read_manifest(arm)["host_triple"] == "aarch64-linux-gnu"
+    assert Manifest.read(arm).host_triple == "aarch64-linux-gnu"
     for name in ("train.so", "inference.so"):
         assert _elf_machine(os.path.join(arm, name)) == 183
         assert _elf_machine(os.path.join(x86, name)) == 62

@@ -153,7 +153,7 @@ def test_tuned_records_for_the_adreno_target_compute_the_float64_step(tmp_path, 
     # the untuned build is the one the test above checks (infer_batch does not change the step)
     shared_export(untuned, model, tensors, target, infer_batch=2, **quiet)
     manifest = export(tuned, model, tensors, target, log=TuningLog(str(log)), **quiet)
-    assert manifest["record_check"]["checked"] >= 1 and not manifest["record_check"]["wrong"]
+    assert manifest.record_check["checked"] >= 1 and not manifest.record_check["wrong"]
     seed = int(rng.integers(1 << 30))
     base = check_export(untuned, seed=seed)
     checked = check_export(tuned, seed=seed)

@@ -144,7 +144,7 @@ def test_kernels_of_the_step_are_those_of_the_export(small_export):
     from thomas_tune.models import load_checkpoint
     model, _, _ = load_checkpoint(small_export + "/params.npz")
     tg = training_module(model, 2, "all")
-    kernels = step_kernels(exported_training_module(model, tg))
+    kernels = step_kernels(exported_training_module(tg))
     assert kernels and all(k.calls >= 1 and k.args for k in kernels)
     assert sum(k.flops * k.calls for k in kernels) > 0
     time_kernels(small_export + "/train.so", kernels, tvm.cpu(), "default", min_ms=1,
@@ -174,7 +174,7 @@ def test_tuning_curve_replays_the_log():
     from thomas_tune.models import build
     from thomas_tune.logs import TuningLog
     model = build("mobilenet_v2", num_classes=10, resolution=64, width=0.35)
-    kernels = step_kernels(exported_training_module(model, training_module(model, 8, "all")))
+    kernels = step_kernels(exported_training_module(training_module(model, 8, "all")))
     rng = np.random.default_rng()
     for k in kernels:  # default-schedule times: random, some slower than any record
         k.ms["default"] = float(rng.choice([1e-4, 10.0]))

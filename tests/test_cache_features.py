@@ -14,7 +14,7 @@ from thomas_tune.data import Dataset
 from thomas_tune.export import export
 from thomas_tune.models import build, init_params
 from thomas_tune.runtime import Session
-from thomas_tune.manifest import read_manifest
+from thomas_tune.manifest import Manifest
 from thomas_tune.models import load_checkpoint
 from thomas_tune.step_check import check_export, manifest_frozen_bn, reference_steps
 from thomas_tune.target import parse_target
@@ -41,9 +41,9 @@ def test_the_cached_path_trains_as_the_full_step_on_the_same_batches_and_masks(e
     seed = int(rng.integers(1000))
     full, cached = Session(exported, seed=seed), Session(exported, seed=seed)
     m = full.manifest
-    assert m["features"]["shape"] == [256, 1, 1]  # features.12's output per image
-    assert m["features"]["head_states"] == [n for n in m["states"] if n.startswith("features.13")]
-    assert "" in m["features_slots"]  # the frozen BatchNorms' folds, computed once per load
+    assert m.features["shape"] == [256, 1, 1]  # features.12's output per image
+    assert m.features["head_states"] == [n for n in m.states if n.startswith("features.13")]
+    assert "" in m.features_slots  # the frozen BatchNorms' folds, computed once per load
     tensors = random_tensors(full.model, rng)
     full.load_tensors(tensors)
     cached.load_tensors(tensors)
@@ -60,13 +60,13 @@ def test_the_cached_path_trains_as_the_full_step_on_the_same_batches_and_masks(e
         b = cached.train_step_features(feats[sel], y[sel])
         assert abs(a - b) <= 1e-6 * abs(a), (i, a, b)
     after_full, after_cached = full.tensors(), cached.tensors()
-    for n in m["trainable"] + m["features"]["head_states"]:
+    for n in m.trainable + m.features["head_states"]:
         ref = after_full[n]
         err = np.max(np.abs(after_cached[n] - ref)) / max(np.max(np.abs(ref)), 1e-30)
         assert err <= 1e-5, (n, err)
         # it trained (BatchNorm scales left out: their step can be below float32's resolution)
         assert ref.ndim < 2 or not np.array_equal(ref, tensors[n]), n
-    for n in m["frozen"] + m["features"]["frozen_states"]:
+    for n in m.frozen + m.features["frozen_states"]:
         np.testing.assert_array_equal(after_cached[n], tensors[n])
     # held-out evaluation is the full predict, whichever path trained
     np.testing.assert_allclose(cached.predict(x[:2]), full.predict(x[:2]), rtol=1e-4,
@@ -149,9 +149,9 @@ def test_the_cached_step_on_opencl_matches_the_full_step_and_float64(tmp_path, t
     # block's input all zero (ReLUs), a dead layer the check cannot judge
     export(out, model, init_params(model, seed=5), target, batch=8,
            trainable="last:2", progress=lambda *_: None, cache_features=True)
-    m = read_manifest(out)
+    m = Manifest.read(out)
     model, tensors, _ = load_checkpoint(os.path.join(out, "params.npz"))
-    reference = reference_steps(model, tensors, m["trainable"], m["batch"],
+    reference = reference_steps(model, tensors, m.trainable, m.batch,
                                 int(rng.integers(1 << 20)), manifest_frozen_bn(m))
     check = check_export(out, reference=reference, cached=True)
     assert check.ok, check.line()

@@ -1,6 +1,5 @@
 """Export, load back, train: the loss goes down, frozen layers stay bit-identical; errors."""
 
-import json
 import os
 
 import numpy as np
@@ -9,6 +8,7 @@ from PIL import Image
 
 from thomas_tune import cli, data
 from thomas_tune.export import export
+from thomas_tune.manifest import Manifest
 from thomas_tune.models import build, init_params, load_checkpoint, save_checkpoint
 from thomas_tune.runtime import Session
 from thomas_tune.target import parse_target
@@ -33,26 +33,25 @@ def test_training_steps_lower_the_loss_and_keep_frozen_layers(exported, rng):
     losses = [s.train_step(x, y) for _ in range(8)]
     after = s.tensors()
     assert losses[-1] < losses[0]
-    assert all(np.array_equal(before[n], after[n]) for n in m["frozen"])
+    assert all(np.array_equal(before[n], after[n]) for n in m.frozen)
     # (BatchNorm scales are left out: at initialisation their gradient can be below float32's
     # resolution at 1.0)
-    assert all(not np.array_equal(before[n], after[n]) for n in m["trainable"]
+    assert all(not np.array_equal(before[n], after[n]) for n in m.trainable
                if "bn." not in n)
     # the default for last:K: frozen layers' BatchNorms in inference form, their running
     # statistics unchanged; the trainable layers' follow the data (train mode, as PyTorch)
-    frozen_bn = set(m["frozen_bn"])
-    assert m["batchnorm"] == "frozen-part" and frozen_bn
-    for n in m["states"]:
+    frozen_bn = set(m.frozen_bn)
+    assert m.batchnorm == "frozen-part" and frozen_bn
+    for n in m.states:
         layer = n.rsplit(".", 1)[0]
         assert np.array_equal(before[n], after[n]) == (layer in frozen_bn), n
     assert s.predict(x[:3]).shape == (3, 10)
 
 
 def test_manifest_and_atomic_checkpoint(exported, tmp_path):
-    with open(os.path.join(exported, "manifest.json")) as f:
-        m = json.load(f)
-    assert m["arch"] == "mobilenet_v1" and m["target"]["kind"] == "llvm"
-    assert m["trainable"] and m["frozen"] and m["tuning_log_sha256"] is None
+    m = Manifest.read(exported)
+    assert m.arch == "mobilenet_v1" and m.target["kind"] == "llvm"
+    assert m.trainable and m.frozen and m.tuning_log_sha256 is None
     model, tensors, _ = load_checkpoint(os.path.join(exported, "params.npz"))
     bad = dict(tensors)
     bad.pop(next(iter(bad)))
@@ -146,9 +145,11 @@ def test_divergence_names_a_rising_loss_a_non_finite_one_and_chance_accuracy():
         TrainReport(0.2, 0.1, 10, losses=[1.0, 2.0, 9.0, float("nan")] + [0.0] * 6), 5, 200)[0]
     # accuracy above chance by more than two standard errors is no sign
     assert divergence(TrainReport(0.5, 0.30, 150, losses=[1.0] * 150), 5, 200) == []
-    manifest = {"optimizer": {"lr": 0.01}, "batchnorm": "frozen", "frozen": []}
+    from types import SimpleNamespace  # the fields of a Manifest that likely_cause reads
+    manifest = SimpleNamespace(optimizer={"lr": 0.01}, batchnorm="frozen", frozen=[])
     assert "0.01" in likely_cause(manifest) and "frozen-bn" in likely_cause(manifest)
-    assert "frozen-bn" not in likely_cause(dict(manifest, batchnorm="train"))
+    manifest.batchnorm = "train"
+    assert "frozen-bn" not in likely_cause(manifest)
 
 
 def test_train_warns_when_the_run_diverges(tmp_path, rng, capsys):

@@ -396,8 +396,8 @@ def test_export_leaves_out_and_replay_refuses_a_wrong_record(tmp_path, target, r
     params = init_params(model, seed=1)
     quiet = dict(batch=BATCH, trainable=TRAINABLE, progress=lambda *_: None)
     checked = export(str(tmp_path / "checked"), model, params, target, log=log, **quiet)
-    assert set(checked["record_check"]["wrong"]) == {key(task)}
-    assert checked["record_check"]["wrong"][key(task)].startswith("wrong result")
+    assert set(checked.record_check["wrong"]) == {key(task)}
+    assert checked.record_check["wrong"][key(task)].startswith("wrong result")
     right = check_export(str(tmp_path / "checked"), seed=int(rng.integers(1 << 30)))
     assert right.ok, right.line()
     report = replay(model, target, log, batch=BATCH, trainable=TRAINABLE, say=lambda *_: None)

@@ -103,7 +103,7 @@ def test_an_export_lifts_once_per_load(tmp_path, rng):
     tensors = random_tensors(model, rng)
     m = export(str(tmp_path), model, tensors, opencl.target_for(0), batch=4, infer_batch=1,
                trainable="last:3", progress=lambda *_: None)
-    assert m["frozen_slots"] and "" in m["frozen_slots"]  # a bias reshaped once
+    assert m.frozen_slots and "" in m.frozen_slots  # a bias reshaped once
     x = rng.standard_normal(model.input_shape(4)).astype("float32")
     y = rng.integers(0, model.num_classes, 4)
     s = Session(str(tmp_path))
@@ -116,7 +116,7 @@ def test_an_export_lifts_once_per_load(tmp_path, rng):
     assert launches[0] > launches[1] == launches[2]
     # new frozen parameters: the lifted values must follow them. A session that never saw the
     # old ones, its dropout seeds drawn as far (three steps), gives the step's loss on them
-    other = {k: (v * rng.uniform(0.5, 1.5, v.shape) if k in m["frozen"] else v).astype("float32")
+    other = {k: (v * rng.uniform(0.5, 1.5, v.shape) if k in m.frozen else v).astype("float32")
              for k, v in tensors.items()}
     fresh = Session(str(tmp_path))
     fresh.load_tensors(other)
@@ -138,7 +138,7 @@ def test_inference_lifts_again_after_training_steps(tmp_path, rng):
     model = build("alexnet", **SMALL["alexnet"])
     m = export(str(tmp_path), model, random_tensors(model, rng), opencl.target_for(0), batch=4,
                infer_batch=1, trainable="all", progress=lambda *_: None)
-    assert m["frozen_slots"] is None and "" in m["predict_slots"]
+    assert m.frozen_slots is None and "" in m.predict_slots
     x = rng.standard_normal(model.input_shape(4)).astype("float32")
     y = rng.integers(0, model.num_classes, 4)
     s = Session(str(tmp_path))

@@ -3,13 +3,13 @@ budget: real OpenCL exports on PoCL (MobileNetV2 0.35@32, 5 classes, batch 8; Al
 w0.1@67; the planner on MobileNetV1 0.25@32), their peak measured by the sidecar in a fresh process
 (``benchmark.device_memory``), the budgeted step checked against PyTorch float64."""
 
-import json
 import os
 
 import pytest
 
 from opencl_kernels import NEEDS_OPENCL as needs_opencl  # the one OpenCL guard
 from thomas_tune.models import build, init_params
+from thomas_tune.manifest import Manifest
 
 V1 = dict(num_classes=5, resolution=32, width=0.25)
 V2 = dict(num_classes=5, resolution=32, width=0.35)
@@ -71,8 +71,7 @@ def test_a_budget_forces_recomputation_measured_under_it_and_the_step_is_right(b
     from thomas_tune.benchmark.exports import device_memory
     from thomas_tune.step_check import check_export
     pytest.importorskip("torch")
-    m = json.load(open(os.path.join(budgeted["dir"], "manifest.json")))
-    b = m["memory_budget"]
+    b = Manifest.read(budgeted["dir"]).memory_budget
     assert b["level"] == "elementwise" and b["recomputed"] and b["flops_added"] > 0
     assert b["budget_bytes"] == budgeted["budget"] < budgeted["full"]
     measured = device_memory(budgeted["dir"])

@@ -87,7 +87,7 @@ def test_exported_mobilenet_matches_llvm(tmp_path, target, rng):
     # channel amplifies rounding (`thomas-tune replay` measures ~1e-2 between llvm float32 and
     # float64 on this model), so single elements may differ by several percent; a wrong kernel
     # moves the whole update by O(1).
-    names = cl.manifest["trainable"]
+    names = cl.manifest.trainable
     da = np.concatenate([(a[n] - params[n]).ravel() for n in names]).astype("float64")
     db = np.concatenate([(b[n] - params[n]).ravel() for n in names]).astype("float64")
     assert np.linalg.norm(db) > 0

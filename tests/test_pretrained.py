@@ -113,7 +113,7 @@ def test_dropout_masks_follow_pytorch_semantics(tmp_path, rng):
     export(str(tmp_path / "e"), model, random_tensors(model, rng), parse_target("llvm"),
            batch=4, trainable="last:1", progress=lambda *_: None)
     s = Session(str(tmp_path / "e"), seed=int(rng.integers(1000)))
-    specs = list(s.manifest["masks"].values())
+    specs = list(s.manifest.masks.values())
     assert len(specs) == 2
     p = specs[0]["p"]
     ref = torch.nn.functional.dropout(torch.ones(200_000, dtype=torch.float64), p,

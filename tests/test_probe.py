@@ -23,6 +23,7 @@ import pytest
 
 from thomas_tune import rpc
 from thomas_tune.cli import main
+from thomas_tune.manifest import Manifest
 from thomas_tune.limits import (COMPILE_FLOOR_S, DeviceLimitError, check_export,
                                 library_kernels, local_bytes, runner_bounds)
 from thomas_tune.rpc.probe import PROFILE_FILE, SPEC_ALLOC_SOURCE, read_profile
@@ -169,8 +170,8 @@ def test_export_over_the_largest_allocation_refused_before_the_first_step(
     out = big_batch_export
     # within the probed device's limits: no error
     assert isinstance(check_export(out, read_profile(str(profile_path)), "export"), list)
-    manifest = json.loads(open(os.path.join(out, "manifest.json")).read())
-    assert manifest["buffers"]["peak_bytes"] > 0 and manifest["buffers"]["tensors"]
+    manifest = Manifest.read(out)
+    assert manifest.buffers["peak_bytes"] > 0 and manifest.buffers["tensors"]
     batch_bytes = 4 * 32 * 3 * 67 * 67
     with np.load(os.path.join(out, "params.npz")) as z:
         largest_weight = max(z[n].nbytes for n in z.files if not n.startswith("__"))

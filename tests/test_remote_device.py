@@ -281,8 +281,9 @@ def test_gpu_host_code_is_generated_unoptimised():
 
 def test_remote_steps_are_the_local_ones_either_way(farm, small_export, rng):
     # train_step over RPC runs the export's one-function step, its parameters updated in place
-    # in the tuple the device's VM owns; the two-call step (its manifest's train_step left out)
-    # and a local session give the same numbers from the same seed
+    # in the tuple the device's VM owns; the two-call step
+    # (Session.one_function_step off) and a local session give the same numbers from the same
+    # seed
     addr, _, _ = farm
     x = rng.standard_normal((BATCH, 3, 67, 67)).astype("float32")
     y = rng.integers(0, MODEL["num_classes"], BATCH)
@@ -291,9 +292,7 @@ def test_remote_steps_are_the_local_ones_either_way(farm, small_export, rng):
     for remote, one_function in ((True, True), (True, False), (False, True)):
         with Session(small_export, seed=seed,
                      remote=RemoteDevice(addr, KEY, 600) if remote else None) as s:
-            assert s.manifest.get("train_step")
-            if not one_function:
-                s.manifest = {k: v for k, v in s.manifest.items() if k != "train_step"}
+            s.one_function_step = one_function
             before = s.tensors()
             runs.append(([s.train_step(x, y) for _ in range(3)], s.tensors()))
             # the steps updated the parameters where the session keeps them

@@ -62,19 +62,19 @@ def test_every_parameters_gradient_off_fails_by_name(right, factor):
     judged on the sum of their terms, are the only ones left, fewer than a quarter."""
     import os
 
-    from thomas_tune.manifest import read_manifest
+    from thomas_tune.manifest import Manifest
     from thomas_tune.models import load_checkpoint
     from thomas_tune.step_check import (cancelled_biases, compare_step, export_step,
                                         following_step, reference_steps)
-    m = read_manifest(right)
+    m = Manifest.read(right)
     model, tensors, _ = load_checkpoint(os.path.join(right, "params.npz"))
-    ref = reference_steps(model, tensors, m["trainable"], m["batch"], 3)
+    ref = reference_steps(model, tensors, m.trainable, m.batch, 3)
     ours = [export_step(right, x, y, masks=mk) for (x, y), mk in zip(ref["batches"], ref["masks"])]
     follow = [following_step(ref, i, o[1]) for i, o in enumerate(ours)]
     yard = ref["yardstick"]
     zero = cancelled_biases(ref)  # zero in exact arithmetic: a factor on them cannot show
-    assert all(n.endswith(".bias") for n in zero) and len(zero) < len(m["trainable"]) / 4
-    for name in sorted(set(m["trainable"]) - set(zero)):
+    assert all(n.endswith(".bias") for n in zero) and len(zero) < len(m.trainable) / 4
+    for name in sorted(set(m.trainable) - set(zero)):
         c = compare_step([o[0] for o in ours], [M.param_mutant(o[1], name, factor) for o in ours],
                          [f.loss for f in follow], [f.grads for f in follow], yard.errors,
                          yard.loss_err, ref["sums"])
@@ -145,11 +145,11 @@ def test_the_update_over_rpc_is_the_same_as_here(right):
         server.terminate()
     import os
 
-    from thomas_tune.manifest import read_manifest
+    from thomas_tune.manifest import Manifest
     from thomas_tune.models import load_checkpoint
     from thomas_tune.step_check import batch, dropout_masks, export_step
     model, tensors, _ = load_checkpoint(os.path.join(right, "params.npz"))
-    n = read_manifest(right)["batch"]
+    n = Manifest.read(right).batch
     (x, y), masks = batch(model, n, 5), dropout_masks(model, n, 5)
     first = (x, y, masks, export_step(right, x, y, masks=masks, tensors=tensors)[1])
     # the optimizer's outputs, then train_step's

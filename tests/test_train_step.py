@@ -37,7 +37,7 @@ def test_the_step_function_calls_the_kernels_of_both():
 def test_one_function_steps_are_the_two_call_steps(tmp_path, rng):
     """An AlexNet ``last:3`` export on PoCL (dropout masks, lifted frozen inputs, momentum SGD):
     three steps of ``train_step`` and three of ``train_adjoint`` then ``optimizer`` (the same
-    export, its manifest's ``train_step`` left out) from the same seed give the same losses,
+    export, :attr:`Session.one_function_step` off) from the same seed give the same losses,
     parameters and optimizer state bit for bit, with the same launches per step."""
     from build_cache import export  # the session's build of these inputs
     from thomas_tune.runtime import Session
@@ -45,14 +45,13 @@ def test_one_function_steps_are_the_two_call_steps(tmp_path, rng):
     tensors = random_tensors(model, rng)
     m = export(str(tmp_path), model, tensors, opencl.target_for(0), batch=4,
                infer_batch=1, trainable="last:3", progress=lambda *_: None)
-    assert m["train_step"]["frozen_slots"] == m["frozen_slots"] and m["frozen_slots"]
+    assert m.train_step_slots == m.frozen_slots and m.frozen_slots
     data = [(rng.standard_normal(model.input_shape(4)).astype("float32"),
              rng.integers(0, model.num_classes, 4)) for _ in range(3)]
 
     def steps(one_function: bool):
         s = Session(str(tmp_path), seed=7)
-        if not one_function:
-            s.manifest = {k: v for k, v in s.manifest.items() if k != "train_step"}
+        s.one_function_step = one_function
         losses, launches = [], []
         for x, y in data:
             before = opencl.stats()["launches"]
@@ -74,24 +73,18 @@ def test_one_function_steps_are_the_two_call_steps(tmp_path, rng):
 def test_one_function_steps_hold_less_device_memory(tmp_path, rng):
     """MobileNetV2 ``last:2`` on PoCL, measured as ``bench`` measures it
     (``benchmark.device_memory``: a fresh process, three steps): the export's peak of device
-    memory is below that of a copy whose manifest leaves ``train_step`` out (the two-call step)
+    memory is below that of the same export stepped in two calls (``one_function=False``)
     by at least half the gradients' bytes (the trainable parameters', float32), which the
     one-function step keeps in storage the step's dead tensors free instead of as outputs."""
-    import json
-    import shutil
-
     from thomas_tune.benchmark.exports import device_memory
     from build_cache import export  # the session's build of these inputs
-    from thomas_tune.manifest import MANIFEST
     model = build("mobilenet_v2", **SMALL["mobilenet_v2"])
     tensors = random_tensors(model, rng)
     one = str(tmp_path / "one")
     # (batch 8: the build of tests/test_lift.py's folded-BatchNorm export)
     m = export(one, model, tensors, opencl.target_for(0), batch=8, infer_batch=1,
                trainable="last:2", progress=lambda *_: None)
-    two = shutil.copytree(one, str(tmp_path / "two"))
-    with open(f"{two}/{MANIFEST}", "w") as f:
-        json.dump({k: v for k, v in m.items() if k != "train_step"}, f)
-    peaks = {"one-function": device_memory(one), "two-call": device_memory(two)}
-    grad_bytes = 4 * sum(tensors[n].size for n in m["trainable"])
+    peaks = {"one-function": device_memory(one),
+             "two-call": device_memory(one, one_function=False)}
+    grad_bytes = 4 * sum(tensors[n].size for n in m.trainable)
     assert peaks["one-function"] <= peaks["two-call"] - grad_bytes // 2, (peaks, grad_bytes)

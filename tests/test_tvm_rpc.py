@@ -34,7 +34,7 @@ from thomas_tune.cli import main
 from thomas_tune.models import build, init_params, load_checkpoint
 from thomas_tune.remote import RemoteDevice, connect
 from thomas_tune.runtime import Session
-from thomas_tune.manifest import read_manifest
+from thomas_tune.manifest import Manifest
 from thomas_tune.step_check import (check_export, export_step, manifest_frozen_bn,
                                     reference_steps)
 from thomas_tune.target import parse_target
@@ -189,8 +189,8 @@ def test_tune_export_train_infer_through_tvm_rpc(tracker, tmp_path, rng, capsys)
         measured = [r for r in records if min(r[1][1]) < 1e9]
         assert len(records) == 4 and len(measured) == 4 - len(errors) >= 1, (records, errors)
         assert main(["export", *small, "--log", str(log), "--out", str(out)]) == 0
-        manifest = json.loads((out / "manifest.json").read_text())
-        assert manifest["record_check"]["checked"] >= 1 and not manifest["record_check"]["wrong"]
+        manifest = Manifest.read(str(out))
+        assert manifest.record_check["checked"] >= 1 and not manifest.record_check["wrong"]
         capsys.readouterr()
 
         # a training run through tvm_rpc renewed across sessions of 120 s (a session's first
@@ -265,8 +265,8 @@ def test_adreno_export_trains_on_the_aarch64_tvm_rpc(tracker, tmp_path, rng, mon
         # the step's loss and every gradient on the device against PyTorch in float64
         seed = int(rng.integers(1 << 30))
         sess = connect(tracker, key, session_timeout_s=1200)
-        m = read_manifest(arm)
-        ref = reference_steps(model, tensors, m["trainable"], BATCH, seed, manifest_frozen_bn(m))
+        m = Manifest.read(arm)
+        ref = reference_steps(model, tensors, m.trainable, BATCH, seed, manifest_frozen_bn(m))
         checked = check_export(arm, seed=seed, rpc_session=sess, reference=ref)
         print(checked.line())
         assert checked.ok, checked.line()

@@ -14,14 +14,18 @@ from tvm.s_tir import meta_schedule as ms
 from .loss import one_group_kernels
 from .schedules import default_schedules, tir_pipeline
 from .target import codegen_target, is_gpu
-from .tasks import choose_winograd, fuse
+from .tasks import choose_winograd, fuse, lifted_slots
 
 
 def _pipeline(target: tvm.target.Target, database: ms.Database | None, winograd=None,
-              rule_classes=None):
+              rule_classes=None, slots: dict | None = None):
+    """The build's Relax passes; ``slots``, where given, receives the frozen slots of the
+    fused module's lifted functions (:func:`thomas_tune.tasks.lifted_slots`)."""
     @tvm.transform.module_pass(opt_level=0, name="ThomasTuneBuild")
     def pipeline(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
         mod = fuse(mod, winograd)
+        if slots is not None:
+            slots.update(lifted_slots(mod))
         if is_gpu(target):  # the loss in one work-group, before any record could apply
             mod = one_group_kernels(mod, target)
         if database is not None:
@@ -190,7 +194,19 @@ def compile_graph(mod: tvm.IRModule, target: tvm.target.Target,
     kernels lowered by :func:`thomas_tune.schedules.tir_pipeline` (on GPUs, long sums in two
     levels).
     """
+    return compile_library(mod, target, database, winograd, rule_classes)[0]
+
+
+def compile_library(mod: tvm.IRModule, target: tvm.target.Target,
+                    database: ms.Database | None = None, winograd=None, rule_classes=None
+                    ) -> tuple[relax.VMExecutable, dict[str, list[str] | None]]:
+    """:func:`compile_graph`, and the frozen slots of each function of ``mod`` that asks for
+    lifting, as built (:func:`thomas_tune.tasks.frozen_slots`, read from this build's own
+    fusion; what an export's manifest keeps)."""
+    slots: dict[str, list[str] | None] = {}
     with tvm.transform.PassContext(opt_level=3):
-        return tvm.compile(mod, codegen_target(target),
-                           relax_pipeline=_pipeline(target, database, winograd, rule_classes),
-                           tir_pipeline=tir_pipeline(target))
+        exe = tvm.compile(mod, codegen_target(target),
+                          relax_pipeline=_pipeline(target, database, winograd, rule_classes,
+                                                   slots),
+                          tir_pipeline=tir_pipeline(target))
+    return exe, slots

@@ -172,8 +172,8 @@ def pytorch_step(session, tensors: dict, optimizer, seed: int):
     if torch_device() is None:
         return None, "PyTorch not installed here (pip install torch torchvision for its time)"
     m = session.manifest
-    side = torch_step(session.model, tensors, m["trainable"], optimizer, session.batch,
-                      session.batch, seed, frozen_bn=set(m["frozen_bn"]))
+    side = torch_step(session.model, tensors, m.trainable, optimizer, session.batch,
+                      session.batch, seed, frozen_bn=set(m.frozen_bn))
     torch, dev = side["torch"], side["dev"]
     where = (torch.cuda.get_device_name(dev) if dev.type == "cuda"
              else f"CPU, {torch.get_num_threads()} thread(s)")

@@ -8,7 +8,8 @@ An export folder holds::
                    ``train_head_adjoint`` (the trainable layers' step on features)
     params.npz     the model's parameters and states (a models/ checkpoint, with class names)
     manifest.json  model, shapes, target, host triple, trainable/frozen sets, optimizer,
-                   tuning-log hash, class names
+                   tuning-log hash, class names (:class:`thomas_tune.manifest.Manifest`, the
+                   export format)
 
 The libraries are linked for the target's host: this machine, or another architecture through
 the cross compiler of ``TVM_NDK_CC`` (``target.export_shared``); ``host_triple`` in the manifest
@@ -35,13 +36,12 @@ import numpy as np
 import tvm
 
 from . import graph as G, lift
-from .compile import compile_graph
-from .tasks import frozen_slots
+from .compile import compile_library
 from .build_plan import BuildPlan, check_plan
 from .record_check import check_in_background, wait_background
 from .library_module import training_library_module
-from .manifest import ADJOINT, FEATURES, FORMAT, MANIFEST, PREDICT, TRAIN_STEP
-from .files import replacing, write_json_atomically
+from .manifest import ADJOINT, FEATURES, PREDICT, TRAIN_STEP, Manifest
+from .files import replacing
 from .models import save_checkpoint, spec
 from .schedules import STOCK_RULES
 from .target import cross_compiler, describe, export_shared, host_triple
@@ -93,8 +93,9 @@ def _graph_modules(model, batch: int, infer_batch: int, trainable: str,
     train, infer_mod = half_storage.apply_precision(precision, tg.mod, infer_mod, batch,
                                                     infer_batch)
     tg = dataclasses.replace(tg, mod=train)
-    train_mod, lift_inputs = training_library_module(model, tg)
-    n_constant = len(spec(model).params) + len(spec(model).states)
+    train_mod, lift_inputs = training_library_module(tg)
+    s = spec(model)
+    n_constant = len(s.params) + len(s.states)
     infer_mod[PREDICT] = infer_mod[PREDICT].with_attr(lift.ATTR, [1, n_constant])
     return _GraphModules(tg, train_mod, lift_inputs, infer_mod)
 
@@ -130,43 +131,50 @@ def _refuse_unchecked_log(target: tvm.target.Target, log: TuningLog | None,
                              "then says so)") from None
 
 
+class _Libraries(NamedTuple):
+    """What a build of both libraries chose: ``winograd`` the convolutions in the Winograd
+    form (``{"infer": set, "train": set}`` of :class:`thomas_tune.winograd_form.Conv`) and
+    ``slots`` the frozen slots of each library's lifted functions as built
+    (``{"infer": {name: slots}, "train": {name: slots}}``,
+    :func:`thomas_tune.compile.compile_library`)."""
+
+    winograd: dict
+    slots: dict
+
+
 def _write_libraries(out_dir: str, mods: _GraphModules, target: tvm.target.Target, rules,
-                     progress, plan: BuildPlan | None) -> dict:
+                     progress, plan: BuildPlan | None) -> _Libraries:
     """Compile both modules of ``mods`` with ``plan``'s schedules and Winograd choice (None:
     default schedules, ``rules`` for them, None for thomas_tune's) and write ``inference.so``
-    and ``train.so`` into ``out_dir``, linked for the target's host. Returns the Winograd
-    choice they were built with (``{"infer": set, "train": set}`` of
-    :class:`thomas_tune.winograd_form.Conv`)."""
+    and ``train.so`` into ``out_dir``, linked for the target's host."""
     database = plan.database if plan else None
     wino = plan.winograd if plan else {"infer": set(), "train": set()}
     if wino["infer"] or wino["train"]:
         progress(f"Winograd form for {len(wino['infer'])} inference and "
                  f"{len(wino['train'])} training convolution(s): their tuned kernels are "
                  "faster than the direct ones")
-    t0 = time.perf_counter()
-    infer_exe = compile_graph(mods.infer, target, database, wino["infer"], rules)
-    progress(f"compiled inference module in {time.perf_counter() - t0:.1f} s")
-    t0 = time.perf_counter()
-    train_exe = compile_graph(mods.train, target, database, wino["train"], rules)
-    progress(f"compiled training module in {time.perf_counter() - t0:.1f} s")
-    with replacing(os.path.join(out_dir, "inference.so"), executable=True) as p:
-        export_shared(infer_exe, p, target)
-    with replacing(os.path.join(out_dir, "train.so"), executable=True) as p:
-        export_shared(train_exe, p, target)
-    return wino
+    slots = {}
+    for which, mod, file, what in (("infer", mods.infer, "inference.so", "inference"),
+                                   ("train", mods.train, "train.so", "training")):
+        t0 = time.perf_counter()
+        exe, slots[which] = compile_library(mod, target, database, wino[which], rules)
+        progress(f"compiled {what} module in {time.perf_counter() - t0:.1f} s")
+        with replacing(os.path.join(out_dir, file), executable=True) as p:
+            export_shared(exe, p, target)
+    return _Libraries(wino, slots)
 
 
 def _build_with_log(log: TuningLog | None, version, target: tvm.target.Target,
                     mods: _GraphModules, write, check_records: bool, progress
-                    ) -> tuple[dict, dict]:
+                    ) -> tuple[_Libraries, dict]:
     """Write the libraries (``write(plan)``, :func:`_write_libraries`) with the records of
     ``log`` (of code-generation ``version``, :meth:`thomas_tune.logs.TuningLog.version`) that
     pass the record check, or with default schedules without a log. The build's plan
     (:class:`thomas_tune.build_plan.BuildPlan`) is made once; its records are checked in child
     processes while this one compiles with all of them, and a wrong one (rare) means
     compiling again with the plan made without it (:func:`thomas_tune.build_plan.check_plan`).
-    Returns the Winograd choice and the manifest's ``record_check`` (``checked``, ``wrong``,
-    ``unchecked``)."""
+    Returns what the build chose (:class:`_Libraries`) and the manifest's ``record_check``
+    (``checked``, ``wrong``, ``unchecked``)."""
     if version is not None and version.status != "current":
         progress(f"tuning log {log.path}: its records were measured with {version.line()}; "
                  "their times are used as they are ('thomas-tune export' refuses such a log "
@@ -177,12 +185,12 @@ def _build_with_log(log: TuningLog | None, version, target: tvm.target.Target,
     if not check_records:
         checked, checks = plan, {"checked": None, "wrong": {},
                                  "unchecked": "--no-check: the records were applied unchecked"}
-        wino = write(plan)
+        built = write(plan)
     else:
         t0 = time.perf_counter()
         background = check_in_background(plan.tasks, plan.database, target)
         try:
-            wino = write(plan)
+            built = write(plan)
         except BaseException:
             wait_background(background, kill=True)
             raise
@@ -191,77 +199,44 @@ def _build_with_log(log: TuningLog | None, version, target: tvm.target.Target,
     if checked.slower:
         progress(f"{checked.slower} workload(s) keep their default schedule: their best "
                  "tuning record is slower on the device")
-    return (wino if checked is plan else write(checked)), checks
+    return (built if checked is plan else write(checked)), checks
 
 
-def _build_manifest(model, target: tvm.target.Target, mods: _GraphModules, wino: dict,
-                    checks: dict, *, batch: int, infer_batch: int, log: TuningLog | None,
-                    version, classes: list[str] | None, device: dict | None,
-                    stock_defaults: bool, precision: str, memory_budget) -> dict:
-    """The export's ``manifest.json`` (:data:`thomas_tune.manifest.FORMAT`) as a dict: the
-    model and its shapes, the target and host triple, the trainable and frozen sets and the
-    lifted slots of each step function, the optimizer, the tuning log (path, SHA-256, its
-    code-generation version), the record check (``checks``), the Winograd choice (``wino``),
-    class names, the device limits, the step's largest buffers (bytes), the precision and
-    the memory budget's plan."""
-    tg, lift_inputs = mods.tg, mods.lift_inputs
-    wino_infer, wino_train = wino["infer"], wino["train"]
+def _manifest(mods: _GraphModules, built: _Libraries, checks: dict, target: tvm.target.Target,
+              *, infer_batch: int, log: TuningLog | None, version, classes: list[str] | None,
+              device: dict | None, stock_defaults: bool, precision: str, memory_budget
+              ) -> Manifest:
+    """The export's manifest (:class:`thomas_tune.manifest.Manifest`): the model of ``mods.tg``
+    and its shapes, the target and host triple, the trainable and frozen sets and the lifted
+    slots of each step function as ``built``, the optimizer, the tuning log (path, SHA-256,
+    its code-generation ``version``), the record check (``checks``), the Winograd choice,
+    class names, the device limits, the step's largest buffers, the precision and the memory
+    budget's plan."""
+    tg, model = mods.tg, mods.tg.model
     s = spec(model)
-    train_slots = frozen_slots(mods.train, wino_train)
+    train_slots, wino = built.slots["train"], built.winograd
     step_slots = train_slots.get(ADJOINT)
-    train_step_slots = train_slots.get(TRAIN_STEP)
-    return {
-        "format": FORMAT,
-        "arch": model.arch,
-        "config": model.config(),
-        "input_shape": list(model.input_shape(infer_batch)),
-        "batch": batch,
-        "infer_batch": infer_batch,
-        "target": json.loads(str(target)),
-        "target_name": describe(target),
-        "host_triple": host_triple(target),
-        "params": [p.name for p in s.params],
-        "states": [p.name for p in s.states],
-        "trainable": tg.trainable,
-        "frozen": tg.frozen,
-        # per frozen slot of the step, the frozen parameter it takes or "" for the next value
-        # of ADJOINT_FROZEN (tasks.frozen_slots), or None: the step takes the frozen parameters
-        "frozen_slots": step_slots,
-        # the tensors ADJOINT_FROZEN takes, in order (the frozen parameters, then the running
-        # statistics of the BatchNorms in inference form)
-        "frozen_lift_inputs": lift_inputs if step_slots else None,
-        # the step in one function (TRAIN_STEP, graph.add_train_step), which Session.train_step
-        # runs: its frozen slots as frozen_slots' (TRAIN_STEP_FROZEN takes frozen_lift_inputs)
-        "train_step": {"frozen_slots": train_step_slots},
-        # the same for the inference module's predict: in the place of the parameters and
-        # states, each one itself or "" for the next value of PREDICT_FROZEN
-        "predict_slots": frozen_slots(mods.infer, wino_infer).get(PREDICT),
-        # and for the features function (--cache-features): frozen parameters, frozen states
-        "features_slots": train_slots.get(FEATURES),
-        # the BatchNorm mode of the step, and the BatchNorms it runs in inference form
-        "batchnorm": tg.batchnorm,
-        "frozen_bn": sorted(tg.frozen_bn),
-        "masks": {k: {"shape": list(v[0]), "p": v[1]} for k, v in tg.masks.items()},  # in order
-        # the step split at the frozen part's output (train --cache-features), or None
-        "features": tg.features.as_dict() if tg.features else None,
-        "optimizer": dataclasses.asdict(tg.optimizer),
-        "tuning_log": log.path if log is not None else None,
-        "tuning_log_sha256": log_hash(log),
-        # the code-generation version of the log's times (logs.codegen), or None without one
-        "tuning_log_codegen": None if version is None else {
+    return Manifest(
+        arch=model.arch, config=model.config(), input_shape=list(model.input_shape(infer_batch)),
+        batch=tg.batch, infer_batch=infer_batch, target=json.loads(str(target)),
+        target_name=describe(target), host_triple=host_triple(target),
+        params=[p.name for p in s.params], states=[p.name for p in s.states],
+        trainable=tg.trainable, frozen=tg.frozen, frozen_slots=step_slots,
+        frozen_lift_inputs=mods.lift_inputs if step_slots else None,
+        train_step_slots=train_slots.get(TRAIN_STEP),
+        predict_slots=built.slots["infer"].get(PREDICT), features_slots=train_slots.get(FEATURES),
+        batchnorm=tg.batchnorm, frozen_bn=sorted(tg.frozen_bn),
+        masks={k: {"shape": list(v[0]), "p": v[1]} for k, v in tg.masks.items()},
+        features=tg.features.as_dict() if tg.features else None,
+        optimizer=dataclasses.asdict(tg.optimizer),
+        tuning_log=log.path if log is not None else None, tuning_log_sha256=log_hash(log),
+        tuning_log_codegen=None if version is None else {
             "status": version.status, "id": (version.stamp or {}).get("id")},
-        "default_rules": "stock" if stock_defaults else "thomas_tune",
-        "record_check": checks,
-        # the convolutions built in the Winograd form (winograd.Conv.from_dict reads them)
-        "winograd": {"inference": [dataclasses.asdict(c) for c in sorted(wino_infer, key=repr)],
-                     "training": [dataclasses.asdict(c) for c in sorted(wino_train, key=repr)]},
-        "classes": list(classes) if classes else None,
-        "device": device,  # the limits read from the device server, or None
-        # the step's largest tensors and its peak, checked against a device profile
-        "buffers": step_buffers(tg.mod[ADJOINT]),
-        "precision": precision,
-        "memory_budget": memory_budget,
-    }
+        default_rules="stock" if stock_defaults else "thomas_tune", record_check=checks,
+        winograd={"inference": [dataclasses.asdict(c) for c in sorted(wino["infer"], key=repr)],
+                  "training": [dataclasses.asdict(c) for c in sorted(wino["train"], key=repr)]},
+        classes=list(classes) if classes else None, device=device,
+        buffers=step_buffers(tg.mod[ADJOINT]), precision=precision, memory_budget=memory_budget)
 
 
 def _budget_plan(model, batch: int, trainable: str, optimizer, memory_budget: int | None,
@@ -312,8 +287,8 @@ def export(out_dir: str, model, tensors: dict[str, np.ndarray], target: tvm.targ
            classes: list[str] | None = None, progress=print, device: dict | None = None,
            stock_defaults: bool = False, check_records: bool = True,
            cache_features: bool = False, precision: str = "float32",
-           memory_budget: int | None = None) -> dict:
-    """Compile and write the export folder (see the module docstring); returns the manifest.
+           memory_budget: int | None = None) -> Manifest:
+    """Compile and write the export folder (see the module docstring); returns its manifest.
 
     ``tensors``: parameters and states (float32, shapes of ``models.spec``); ``batch``: images
     per training step; ``classes``: class names; ``device``: the device limits the target was
@@ -343,15 +318,15 @@ def export(out_dir: str, model, tensors: dict[str, np.ndarray], target: tvm.targ
     write = functools.partial(_write_libraries, out_dir, mods, target,
                               STOCK_RULES if stock_defaults else None, progress)
     version = log.version() if log is not None else None
-    wino, checks = _build_with_log(log, version, target, mods, write, check_records, progress)
+    built, checks = _build_with_log(log, version, target, mods, write, check_records, progress)
     save_checkpoint(os.path.join(out_dir, "params.npz"), model, tensors, classes)
-    np.savez(os.path.join(out_dir, "optim_state.npz"),
-             **{f"s{i}": a for i, a in enumerate(mods.tg.optim_state)})
-    if budget and wino["train"]:  # the plan was measured without the Winograd form
-        budget = _budget_with_winograd(budget, mods.tg, wino["train"], progress)
-    manifest = _build_manifest(model, target, mods, wino, checks, batch=batch,
-                               infer_batch=infer_batch, log=log, version=version,
-                               classes=classes, device=device, stock_defaults=stock_defaults,
-                               precision=precision, memory_budget=budget)
-    write_json_atomically(os.path.join(out_dir, MANIFEST), manifest)
+    with replacing(os.path.join(out_dir, "optim_state.npz")) as p:
+        np.savez(p, **{f"s{i}": a for i, a in enumerate(mods.tg.optim_state)})
+    if budget and built.winograd["train"]:  # the plan was measured without the Winograd form
+        budget = _budget_with_winograd(budget, mods.tg, built.winograd["train"], progress)
+    manifest = _manifest(mods, built, checks, target, infer_batch=infer_batch, log=log,
+                         version=version, classes=classes, device=device,
+                         stock_defaults=stock_defaults, precision=precision,
+                         memory_budget=budget)
+    manifest.write(out_dir)  # last: a folder with a manifest is complete
     return manifest

@@ -50,6 +50,7 @@ from tvm.relax.training import SetupTrainer
 
 from . import gradients  # noqa: F401  (registers the missing gradients)
 from . import multi_tensor as MT
+from .lift import ATTR as LIFT
 from .loss import CrossEntropyLoss, batch_sums
 from .manifest import (ADJOINT, FEATURES, HEAD_ADJOINT, OPTIMIZER,  # the exported functions'
                        PREDICT, TRAIN_STEP)  # names
@@ -367,11 +368,13 @@ def add_train_step(mod: tvm.IRModule, trainable_at: int, n_trainable: int) -> tv
     backward pass (the frozen part's activations, the Winograd form's tiles). A step then holds
     up to the trainable parameters' bytes less at its peak. ``ADJOINT`` stays for the checks
     that read the gradients (``step_check``). The optimizer updates the parameters in place as
-    it does alone."""
+    it does alone. ``TRAIN_STEP`` takes ``ADJOINT``'s parameters in the same places, so it
+    carries ``ADJOINT``'s lifting mark (:data:`thomas_tune.lift.ATTR`) where it has one."""
     adj, opt = mod[ADJOINT], mod[OPTIMIZER]
     bb = relax.BlockBuilder(mod)
     # private copies (no global symbol), which InlinePrivateFunctions inlines and drops
-    adj_gv = bb.add_func(adj.without_attr("global_symbol"), f"{TRAIN_STEP}_adjoint")
+    adj_gv = bb.add_func(adj.without_attr("global_symbol").without_attr(LIFT),
+                         f"{TRAIN_STEP}_adjoint")
     opt_gv = bb.add_func(opt.without_attr("global_symbol"), f"{TRAIN_STEP}_optimizer")
     params = [relax.Var(p.name, p.ty) for p in adj.params]
     state = relax.Var("optimizer_state", opt.params[2].ty)
@@ -382,7 +385,10 @@ def add_train_step(mod: tvm.IRModule, trainable_at: int, n_trainable: int) -> tv
         new = bb.emit(relax.Call(opt_gv, [trained, grads, state]))
         bb.emit_func_output(relax.Tuple([first, relax.TupleGetItem(new, 0),
                                          relax.TupleGetItem(new, 1)]))
-    return relax.transform.InlinePrivateFunctions()(bb.get())
+    out = relax.transform.InlinePrivateFunctions()(bb.get())
+    if adj.attrs and LIFT in adj.attrs:
+        out[TRAIN_STEP] = out[TRAIN_STEP].with_attr(LIFT, adj.attrs[LIFT])
+    return out
 
 
 def training_module(model, batch: int, trainable: str | list[str] = "all",

@@ -15,20 +15,15 @@ from tvm import relax
 
 from . import graph as G, lift
 from .dropout import draw_masks_function
-from .manifest import ADJOINT, FEATURES, PACK_OPTIMIZER_STATE, PACK_TRAINABLE, TRAIN_STEP
+from .manifest import ADJOINT, FEATURES, PACK_OPTIMIZER_STATE, PACK_TRAINABLE
 from .models import spec
 
 
-def _with_step_functions(mod: tvm.IRModule, trainable_shapes, optim_state,
-                         masks=()) -> tvm.IRModule:
+def _with_packing_functions(mod: tvm.IRModule, trainable_shapes, optim_state) -> tvm.IRModule:
     """``mod`` plus the two packing functions: each takes tensors (the trainable parameters;
     the optimizer state) and returns copies of them as one tuple, the optimizer's input form.
     Copies (``x + 0``), because a tensor argument that arrived over RPC is only borrowed for
-    the call. With ``masks`` ((shape, p) pairs of the graph's dropout masks, in order), also
-    ``draw_masks`` (:func:`thomas_tune.dropout.draw_masks_function`)."""
-    if masks:
-        mod = draw_masks_function(mod, list(masks))
-    mod = mod.clone() if hasattr(mod, "clone") else mod
+    the call."""
     specs = {PACK_TRAINABLE: [(tuple(s), "float32") for s in trainable_shapes],
              PACK_OPTIMIZER_STATE: [(tuple(a.shape), str(a.dtype)) for a in optim_state]}
     bb = relax.BlockBuilder(mod)
@@ -44,6 +39,19 @@ def _with_step_functions(mod: tvm.IRModule, trainable_shapes, optim_state,
     return bb.get()
 
 
+def _marked_for_lifting(tg: G.TrainingGraph) -> tvm.IRModule:
+    """``tg.mod`` with what ``ADJOINT`` and ``FEATURES`` compute from their constant inputs
+    alone (the frozen parameters' Winograd transforms, the frozen BatchNorms folded into their
+    convolutions) marked for lifting (:data:`thomas_tune.lift.ATTR`): it runs once per load."""
+    mod = tg.mod.clone()  # tg's own module stays as it is
+    if tg.frozen:
+        mod[ADJOINT] = mod[ADJOINT].with_attr(lift.ATTR, lift_request(tg)[0])
+    if tg.features:  # the frozen part alone reads constants only, but for the images
+        n = len(tg.frozen) + len(tg.features.frozen_states)
+        mod[FEATURES] = mod[FEATURES].with_attr(lift.ATTR, [1, n])
+    return mod
+
+
 def lift_request(tg: G.TrainingGraph) -> tuple[list[int], list[str]]:
     """What ``ADJOINT`` of ``tg`` lifts (:mod:`thomas_tune.lift`): the value of its
     :data:`thomas_tune.lift.ATTR` (the frozen parameters' positions, then those of the
@@ -56,26 +64,21 @@ def lift_request(tg: G.TrainingGraph) -> tuple[list[int], list[str]]:
     return attr, tg.frozen + constant_states
 
 
-def training_library_module(model, tg: G.TrainingGraph) -> tuple[tvm.IRModule, list[str] | None]:
-    """The Relax module that :func:`export` compiles into ``train.so`` for the training graph
-    ``tg`` of ``model`` (kernel names in the library come from fusing exactly this module), and
-    the names of the tensors ``ADJOINT_FROZEN`` takes (None without frozen parameters): the
-    graph's functions, the packing functions and ``draw_masks``, ``TRAIN_STEP``
-    (``graph.add_train_step``), and what is to be lifted marked (:mod:`thomas_tune.lift`)."""
-    shapes = {p.name: p.shape for p in spec(model).params}
-    train_mod = _with_step_functions(tg.mod, [shapes[n] for n in tg.trainable], tg.optim_state,
-                                     list(tg.masks.values()))
+def training_library_module(tg: G.TrainingGraph) -> tuple[tvm.IRModule, list[str] | None]:
+    """The Relax module that :func:`thomas_tune.export.export` compiles into ``train.so`` for
+    the training graph ``tg`` (kernel names in the library come from fusing exactly this
+    module), and the names of the tensors ``ADJOINT_FROZEN`` takes (None without frozen
+    parameters): the graph's functions with what is to be lifted marked
+    (:mod:`thomas_tune.lift`), the packing functions, ``TRAIN_STEP`` (``graph.add_train_step``,
+    marked as ``ADJOINT`` is) and, for a model with dropout, ``draw_masks``
+    (:func:`thomas_tune.dropout.draw_masks_function`)."""
+    shapes = {p.name: p.shape for p in spec(tg.model).params}
+    lift_inputs = lift_request(tg)[1] if tg.frozen else None
+    train_mod = _with_packing_functions(_marked_for_lifting(tg),
+                                        [shapes[n] for n in tg.trainable], tg.optim_state)
     # the step in one function, its gradients buffers of the step (graph.add_train_step)
     train_mod = G.add_train_step(train_mod, 1 + len(tg.masks) + len(tg.frozen),
                                  len(tg.trainable))
-    # what the step computes from its constant inputs alone (the frozen parameters' Winograd
-    # transforms, the frozen BatchNorms folded into their convolutions) runs once per load
-    lift_inputs = None
-    if tg.frozen:
-        attr, lift_inputs = lift_request(tg)
-        for fn in (ADJOINT, TRAIN_STEP):  # the same parameters in the same places
-            train_mod[fn] = train_mod[fn].with_attr(lift.ATTR, attr)
-    if tg.features:  # the frozen part alone reads constants only, but for the images
-        n = len(tg.frozen) + len(tg.features.frozen_states)
-        train_mod[FEATURES] = train_mod[FEATURES].with_attr(lift.ATTR, [1, n])
+    if tg.masks:
+        train_mod = draw_masks_function(train_mod, list(tg.masks.values()))
     return train_mod, lift_inputs

@@ -33,7 +33,7 @@ import re
 
 import numpy as np
 
-from .manifest import read_manifest
+from .manifest import Manifest
 
 MIB = 1 << 20
 _LOCAL_ARRAY = re.compile(r"__local\s+(\w+)\s+(\w+)\s*\[(\d+)\]")
@@ -126,7 +126,7 @@ def local_bytes(source: str) -> int:
     return total
 
 
-def export_tensors(export_dir: str, manifest: dict, mode: str) -> list[dict]:
+def export_tensors(export_dir: str, manifest: Manifest, mode: str) -> list[dict]:
     """The tensors of an export a run of ``mode`` (``train`` or ``infer``) allocates, each
     ``{"name", "shape", "bytes", "batch"}`` (``batch``: the batch it grows with, or None)."""
     tensors = []
@@ -135,8 +135,8 @@ def export_tensors(export_dir: str, manifest: dict, mode: str) -> list[dict]:
             if not name.startswith("__"):
                 tensors.append({"name": name, "shape": list(z[name].shape),
                                 "bytes": int(z[name].nbytes), "batch": None})
-    shape = list(manifest["input_shape"])
-    b = manifest["batch"] if mode == "train" else manifest["infer_batch"]
+    shape = list(manifest.input_shape)
+    b = manifest.batch if mode == "train" else manifest.infer_batch
     tensors.append({"name": f"the input batch ({mode})", "shape": [b, *shape[1:]],
                     "bytes": 4 * int(np.prod([b, *shape[1:]])), "batch": b})
     if mode == "train":
@@ -147,11 +147,11 @@ def export_tensors(export_dir: str, manifest: dict, mode: str) -> list[dict]:
                     tensors.append({"name": f"optimizer state {name}",
                                     "shape": list(z[name].shape),
                                     "bytes": int(z[name].nbytes), "batch": None})
-        for t in (manifest.get("buffers") or {}).get("tensors", []):
-            grows = bool(t["shape"]) and t["shape"][0] == manifest["batch"]
+        for t in manifest.buffers.get("tensors", []):
+            grows = bool(t["shape"]) and t["shape"][0] == manifest.batch
             tensors.append({"name": f"step tensor {t['name']} ({t['op']})",
                             "shape": t["shape"], "bytes": int(t["bytes"]),
-                            "batch": manifest["batch"] if grows else None})
+                            "batch": manifest.batch if grows else None})
     return tensors
 
 
@@ -176,7 +176,7 @@ def check_export(export_dir: str, profile: dict, mode: str = "train") -> list[st
     tensors). Raises :class:`DeviceLimitError` naming the first tensor over the largest
     allocation, the resident tensors over the global memory, a kernel over the local memory,
     or the target's work-group size over the device's, each with the fix."""
-    manifest = read_manifest(export_dir)
+    manifest = Manifest.read(export_dir)
     props, sources = profile["properties"], profile.get("sources", {})
     where = f"the device {props.get('device_name', '?')!r} (profile of key {profile.get('key')!r})"
     modes = ("train", "infer") if mode == "export" else (mode,)
@@ -200,12 +200,8 @@ def check_export(export_dir: str, profile: dict, mode: str = "train") -> list[st
                 f"the {m} run needs at least {_mib(resident)} at once (parameters, states, "
                 f"optimizer state, input batch, the step's largest tensor), more than the "
                 f"global memory of {where}, {_mib(memory)}: {_fix(big, memory)}")
-        peak = (manifest.get("buffers") or {}).get("peak_bytes")
-        if m == "train" and peak is None:
-            warnings.append("the export's manifest lists no step tensors (exported before "
-                            "they were recorded): only parameters, optimizer state and the "
-                            "input batch were checked; export again to check the step's")
-        elif m == "train" and peak > memory:
+        peak = manifest.buffers["peak_bytes"]
+        if m == "train" and peak > memory:
             warnings.append(f"the training step's peak, at most {_mib(peak)} (liveness over "
                             f"its tensors, an upper bound), is over the global memory of "
                             f"{where}, {_mib(memory)}: if the step fails to allocate, "
@@ -215,7 +211,7 @@ def check_export(export_dir: str, profile: dict, mode: str = "train") -> list[st
 
 
 def _check_kernels(export_dir, manifest, modes, props, where) -> None:
-    threads = (manifest.get("target") or {}).get("max_threads_per_block")
+    threads = manifest.target.get("max_threads_per_block")
     wg = int(props["max_work_group_size"])
     if threads is not None and int(threads) > wg:
         raise DeviceLimitError(

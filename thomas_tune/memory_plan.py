@@ -224,7 +224,7 @@ def lowered_training_module(model, batch: int, trainable: str = "all", optimizer
     tg = tg or G.training_module(model, batch, trainable, optimizer)
     if budget_plan is not None:
         tg = apply_plan(tg, budget_plan)
-    mod, _ = training_library_module(model, tg)
+    mod, _ = training_library_module(tg)
     passes = [relax.transform.RewriteDataflowReshape(), relax.transform.ToNonDataflow(),
               relax.transform.RemovePurityChecking(), relax.transform.CallTIRRewrite(),
               relax.transform.StaticPlanBlockMemory(), relax.transform.LowerAllocTensor(),

@@ -35,7 +35,7 @@ from tvm.runtime.vm import VirtualMachine
 from .manifest import (ADJOINT, ADJOINT_FROZEN, DRAW_MASKS, FEATURES, FEATURES_FROZEN,
                        HEAD_ADJOINT, OPTIMIZER, PACK_OPTIMIZER_STATE, PACK_TRAINABLE, PREDICT,
                        TRAIN_STEP, TRAIN_STEP_FROZEN,
-                       PREDICT_FROZEN, lifted_values, read_manifest, slot_arguments)
+                       PREDICT_FROZEN, Manifest, lifted_values, slot_arguments)
 from .models import load_checkpoint, save_checkpoint
 from .programs import SessionPrograms
 from .remote import RemoteDevice, SessionLifetime, first_line
@@ -73,11 +73,11 @@ class Session(SessionLifetime):
     def __init__(self, export_dir: str, device=None, rpc_session=None, seed: int = 0,
                  remote: RemoteDevice | None = None):
         self.dir = export_dir
-        self.manifest = m = read_manifest(export_dir)
+        self.manifest = m = Manifest.read(export_dir)
         self.model, tensors, self.classes = load_checkpoint(os.path.join(export_dir, "params.npz"))
-        self.classes = self.classes or m.get("classes")
+        self.classes = self.classes or m.classes
         self._remote_device = remote
-        self.programs = SessionPrograms(triple=m.get("host_triple"))  # OpenCL binaries
+        self.programs = SessionPrograms(triple=m.host_triple)  # OpenCL binaries
         self.renewals: list[dict] = []
         self._longest_call_s = 0.0  # the longest call that was not its session's first
         self._first_call_s = 0.0  # the last session's first call (OpenCL programs built there)
@@ -86,7 +86,7 @@ class Session(SessionLifetime):
         t0 = time.perf_counter()
         if remote is not None:
             rpc_session = remote.open()
-        triple = m.get("host_triple")
+        triple = m.host_triple
         self.remote = rpc_session is not None
         if not self.remote and triple and host_arch(triple) != machine_arch():
             raise ValueError(f"{export_dir} was linked for {triple} (the export's host), and "
@@ -98,16 +98,20 @@ class Session(SessionLifetime):
         if rpc_session is not None:
             self._load_remote(rpc_session)
         else:
-            self.device = device or device_for(m["target"]["kind"])
+            self.device = device or device_for(m.target["kind"])
             self._train_vm = VirtualMachine(
                 tvm.runtime.load_module(os.path.join(export_dir, "train.so")), self.device)
             self._infer_vm = VirtualMachine(
                 tvm.runtime.load_module(os.path.join(export_dir, "inference.so")), self.device)
-        self.batch, self.infer_batch = m["batch"], m["infer_batch"]
+        self.batch, self.infer_batch = m.batch, m.infer_batch
         self._t = {k: tvm.runtime.tensor(v, self.device) for k, v in tensors.items()}
         self._opt = self._initial_optimizer_state()
         self._rng = np.random.default_rng(seed)  # one dropout seed per training step
         self.steps = 0
+        #: True: :meth:`train_step` runs the step and the update in one call (``train_step``,
+        #: ``graph.add_train_step``); False: ``train_adjoint`` then ``optimizer``, the two-call
+        #: form the one-function step is checked against (the same numbers bit for bit)
+        self.one_function_step = True
         self._transfer_s = time.perf_counter() - t0
         if remote is not None:
             self._check_room()
@@ -115,9 +119,9 @@ class Session(SessionLifetime):
     def _load_remote(self, rpc_session) -> None:
         """Upload the two libraries to ``rpc_session``'s server and load them there."""
         m, export_dir = self.manifest, self.dir
-        triple = m.get("host_triple")
+        triple = m.host_triple
         self._rpc = rpc_session
-        self.device = self._explicit_device or device_for(m["target"]["kind"], rpc_session)
+        self.device = self._explicit_device or device_for(m.target["kind"], rpc_session)
         vms = {}
         for name in ("inference.so", "train.so"):
             rpc_session.upload(os.path.join(export_dir, name))
@@ -176,14 +180,14 @@ class Session(SessionLifetime):
         ``masks``), as device tensors; [] for a model without dropout. ``seed``: uint32 array
         of shape (2,); None draws it from the session's seeded generator, as
         :meth:`train_step` does each step."""
-        if not self.manifest["masks"]:
+        if not self.manifest.masks:
             return []
         if seed is None:
             seed = self._rng.integers(0, 2 ** 32, size=2, dtype=np.uint32)
         seed = tvm.runtime.tensor(np.asarray(seed, dtype=np.uint32).reshape(2), self.device)
         out = self._train_vm[DRAW_MASKS](seed)
         if self.remote:
-            return [self._get_item(out, i) for i in range(len(self.manifest["masks"]))]
+            return [self._get_item(out, i) for i in range(len(self.manifest.masks))]
         return list(out)
 
     def _step_args(self, fn: str, first, y, masks: list) -> list:
@@ -193,7 +197,7 @@ class Session(SessionLifetime):
         updates (:meth:`_step_states`), labels (device tensors)."""
         m = self.manifest
         frozen = self._frozen_slots(fn) if fn in (ADJOINT, TRAIN_STEP) else []
-        return [first, *masks, *frozen, *self._ordered(m["trainable"]),
+        return [first, *masks, *frozen, *self._ordered(m.trainable),
                 *self._ordered(self._step_states(fn)), y]
 
     def _frozen_slots(self, fn: str) -> list:
@@ -203,11 +207,11 @@ class Session(SessionLifetime):
         the next value of ``fn``'s ``*_frozen`` function, which runs once after each load of
         the parameters."""
         m = self.manifest
-        slots = m["train_step"]["frozen_slots"] if fn == TRAIN_STEP else m.get("frozen_slots")
+        slots = m.train_step_slots if fn == TRAIN_STEP else m.frozen_slots
         if not slots:
-            return self._ordered(m["frozen"])
+            return self._ordered(m.frozen)
         lifted = TRAIN_STEP_FROZEN if fn == TRAIN_STEP else ADJOINT_FROZEN
-        return self._slot_args(self._train_vm, lifted, slots, m["frozen_lift_inputs"], key=None)
+        return self._slot_args(self._train_vm, lifted, slots, m.frozen_lift_inputs, key=None)
 
     def _slot_args(self, vm, frozen_fn: str, slots: list[str], names: list[str], key) -> list:
         """Per slot, the tensor ``slots`` names or the next value of ``vm``'s ``frozen_fn`` on
@@ -224,7 +228,7 @@ class Session(SessionLifetime):
         """The states (running statistics) the step function ``fn`` takes and returns: all
         of them (``ADJOINT``), or the trainable layers' (``HEAD_ADJOINT``)."""
         if fn in (ADJOINT, TRAIN_STEP):
-            return self.manifest["states"]
+            return self.manifest.states
         return self.feature_split()["head_states"]
 
     def sync(self) -> None:
@@ -277,9 +281,9 @@ class Session(SessionLifetime):
             if self._renew_due():
                 self.renew()
             m, vm = self.manifest, getattr(self, which)
-            names = m["params"] + m["states"]
-            if which == "_infer_vm" and m.get("predict_slots"):  # lifted (thomas_tune.lift)
-                params = self._slot_args(vm, PREDICT_FROZEN, m["predict_slots"], names,
+            names = m.params + m.states
+            if which == "_infer_vm" and m.predict_slots:  # lifted (thomas_tune.lift)
+                params = self._slot_args(vm, PREDICT_FROZEN, m.predict_slots, names,
                                          key=self.steps)
             else:
                 params = self._ordered(names)
@@ -332,14 +336,14 @@ class Session(SessionLifetime):
             self.renew()
         if not (isinstance(x, tvm.runtime.Tensor) and isinstance(y, tvm.runtime.Tensor)):
             x, y = self.upload(x, y)
-        # the step and the update in one call where the export has it (graph.add_train_step)
-        return self._step(TRAIN_STEP if self.manifest.get("train_step") else ADJOINT, x, y)
+        # the step and the update in one call (graph.add_train_step), or two
+        return self._step(TRAIN_STEP if self.one_function_step else ADJOINT, x, y)
 
     def feature_split(self) -> dict:
         """The manifest's ``features`` (``shape`` of one image's features, ``frozen_states``,
         ``head_states``) of an export made with ``--cache-features``. Raises ValueError for
         another export, saying how to make one."""
-        split = self.manifest.get("features")
+        split = self.manifest.features
         if not split:
             raise ValueError(f"{self.dir} was exported without --cache-features (it has no "
                              "features function): export it again with --cache-features and "
@@ -364,8 +368,8 @@ class Session(SessionLifetime):
             self._check_x(chunk, self.batch)
             if self._renew_due():
                 self.renew()
-            vm, names = self._train_vm, self.manifest["frozen"] + split["frozen_states"]
-            slots = self.manifest.get("features_slots")
+            vm, names = self._train_vm, self.manifest.frozen + split["frozen_states"]
+            slots = self.manifest.features_slots
             args = (self._slot_args(vm, FEATURES_FROZEN, slots, names, key=None) if slots
                     else self._ordered(names))
             out[i:i + n] = self._timed(lambda: vm[FEATURES](
@@ -407,13 +411,13 @@ class Session(SessionLifetime):
             ret, new_params, self._opt = self._train_vm[fn](*args, self._opt)
         else:
             ret, grads = self._train_vm[fn](*args)
-            new_params, self._opt = self._train_vm[OPTIMIZER](self._ordered(m["trainable"]),
+            new_params, self._opt = self._train_vm[OPTIMIZER](self._ordered(m.trainable),
                                                               grads, self._opt)
         loss = ret[0] if states else ret
         if states:
             for name, value in zip(states, list(ret)[1:]):
                 self._t[name] = value
-        for name, value in zip(m["trainable"], new_params):
+        for name, value in zip(m.trainable, new_params):
             self._t[name] = value
         self.steps += 1
         return float(loss.numpy())
@@ -425,9 +429,9 @@ class Session(SessionLifetime):
             # the trainable parameters and the optimizer state as tuples the device's VM owns
             # (a tensor argument that arrived over RPC is only borrowed for the call); the
             # updates write into them in place
-            self._tuples["params"] = vm[PACK_TRAINABLE](*self._ordered(m["trainable"]))
+            self._tuples["params"] = vm[PACK_TRAINABLE](*self._ordered(m.trainable))
             self._tuples["opt"] = vm[PACK_OPTIMIZER_STATE](*self._opt)
-            for i, name in enumerate(m["trainable"]):
+            for i, name in enumerate(m.trainable):
                 self._t[name] = get(self._tuples["params"], i)
         args = self._step_args(fn, first, y, masks)
         if fn == TRAIN_STEP:  # the update writes into the session's tuple of parameters
@@ -437,7 +441,7 @@ class Session(SessionLifetime):
             out = vm[fn](*args)
             res = vm[OPTIMIZER](self._tuples["params"], get(out, 1), self._tuples["opt"])
             self._tuples.update(params=get(res, 0), opt=get(res, 1))
-            for i, name in enumerate(m["trainable"]):
+            for i, name in enumerate(m.trainable):
                 self._t[name] = get(self._tuples["params"], i)
         if states:
             head = get(out, 0)

@@ -258,11 +258,11 @@ def export_step(export_dir: str, x: np.ndarray, y: np.ndarray, device=None, rpc_
     from tvm.relax import VirtualMachine
 
     from .manifest import (ADJOINT, ADJOINT_FROZEN, FEATURES, FEATURES_FROZEN, HEAD_ADJOINT,
-                           lifted_values, read_manifest, slot_arguments)
+                           lifted_values, Manifest, slot_arguments)
     from .models import load_checkpoint
     from .runtime import device_for
-    m = read_manifest(export_dir)
-    dev = device or device_for(m["target"]["kind"], rpc_session)
+    m = Manifest.read(export_dir)
+    dev = device or device_for(m.target["kind"], rpc_session)
     if rpc_session is None:
         lib = tvm.runtime.load_module(os.path.join(export_dir, "train.so"))
     else:
@@ -277,41 +277,41 @@ def export_step(export_dir: str, x: np.ndarray, y: np.ndarray, device=None, rpc_
 
     get = rpc_session.get_function("ffi.ArrayGetItem") if rpc_session is not None else None
     masks = [t(np.asarray((masks or {}).get(k, np.ones(v["shape"])), "float32"))
-             for k, v in m["masks"].items()]
+             for k, v in m.masks.items()]
     if cached:
-        if rpc_session is not None or not m.get("features"):
+        if rpc_session is not None or not m.features:
             raise ValueError("export_step(cached=True) runs an export made with "
                              "--cache-features on this machine")
-        split = m["features"]
-        constants = [t(tensors[n]) for n in (*m["frozen"], *split["frozen_states"])]
-        slots = m.get("features_slots")
+        split = m.features
+        constants = [t(tensors[n]) for n in (*m.frozen, *split["frozen_states"])]
+        slots = m.features_slots
         if slots:  # what reads constants only, lifted out (thomas_tune.lift)
             constants = slot_arguments(slots, lambda s: t(tensors[s]), lifted_values(
                 vm[FEATURES_FROZEN](*constants), slots))
         feats = vm[FEATURES](t(x), *constants)
         states = split["head_states"]
-        out = vm[HEAD_ADJOINT](feats, *masks, *(t(tensors[n]) for n in (*m["trainable"],
+        out = vm[HEAD_ADJOINT](feats, *masks, *(t(tensors[n]) for n in (*m.trainable,
                                                                       *states)),
                                t(y.astype("int64")))
     else:
-        states = m["states"]
-        frozen = [t(tensors[n]) for n in m["frozen"]]
-        slots = m.get("frozen_slots")
+        states = m.states
+        frozen = [t(tensors[n]) for n in m.frozen]
+        slots = m.frozen_slots
         if slots:  # the frozen parameters' transforms lifted out of the step
-            out = vm[ADJOINT_FROZEN](*(t(tensors[n]) for n in m["frozen_lift_inputs"]))
+            out = vm[ADJOINT_FROZEN](*(t(tensors[n]) for n in m.frozen_lift_inputs))
             frozen = slot_arguments(slots, lambda s: t(tensors[s]),
                                     lifted_values(out, slots, get))
-        ordered = [t(tensors[n]) for n in (*m["trainable"], *m["states"])]
+        ordered = [t(tensors[n]) for n in (*m.trainable, *m.states)]
         out = vm[ADJOINT](t(x), *masks, *frozen, *ordered, t(y.astype("int64")))
     if rpc_session is None:
         ret, grads = out
         loss = ret[0] if states else ret
     else:
         ret, handle = get(out, 0), get(out, 1)
-        loss = get(ret, 0) if m["states"] else ret
-        grads = [get(handle, i) for i in range(len(m["trainable"]))]
+        loss = get(ret, 0) if m.states else ret
+        grads = [get(handle, i) for i in range(len(m.trainable))]
     return (float(loss.numpy()),
-            {n: g.numpy().astype("float64") for n, g in zip(m["trainable"], grads)})
+            {n: g.numpy().astype("float64") for n, g in zip(m.trainable, grads)})
 
 
 def compare_step(loss: float | list[float], grads, loss_ref, grads_ref,
@@ -347,12 +347,10 @@ def compare_step(loss: float | list[float], grads, loss_ref, grads_ref,
                      dead, yard, yardstick_loss_err)
 
 
-def manifest_frozen_bn(m: dict) -> bool | set:
-    """The BatchNorms an export's step runs in inference form, from its manifest: the names of
-    ``frozen_bn``; in a manifest without them, True when its ``batchnorm`` is ``frozen``."""
-    if "frozen_bn" in m:
-        return set(m["frozen_bn"])
-    return m.get("batchnorm", "train") == "frozen"
+def manifest_frozen_bn(m) -> set:
+    """The BatchNorms an export's step runs in inference form, from its manifest
+    (:class:`thomas_tune.manifest.Manifest`): the names of its ``frozen_bn``."""
+    return set(m.frozen_bn)
 
 
 def _coverage(kinks, into: dict) -> None:
@@ -461,16 +459,16 @@ def check_export(export_dir: str, seed: int = 0, frozen_bn: bool | set | None = 
     torch."""
     import time
 
-    from .manifest import read_manifest
+    from .manifest import Manifest
     from .models import load_checkpoint
-    m = read_manifest(export_dir)
+    m = Manifest.read(export_dir)
     if frozen_bn is None:
         frozen_bn = manifest_frozen_bn(m)
     say = say or (lambda _line: None)
     t0 = time.perf_counter()
     if reference is None:
         model, tensors, _ = load_checkpoint(os.path.join(export_dir, "params.npz"))
-        reference = reference_steps(model, tensors, m["trainable"], m["batch"], seed, frozen_bn)
+        reference = reference_steps(model, tensors, m.trainable, m.batch, seed, frozen_bn)
         say(f"[check] PyTorch's float64 and float32 steps of {CHECK_BATCHES} batches in "
             f"{time.perf_counter() - t0:.1f} s")
     checked = reference["context"][1]

@@ -17,7 +17,7 @@ from tvm import relax
 from tvm.s_tir import meta_schedule as ms
 from tvm.s_tir.analysis import estimate_tir_flops
 
-from .lift import ATTR, SLOTS, lift_frozen
+from .lift import SLOTS, lift_frozen
 from .pooling import LEGALIZE
 
 
@@ -72,11 +72,17 @@ def frozen_slots(mod: tvm.IRModule, winograd=None) -> dict[str, list[str] | None
     the next output of its ``NAME_frozen``; None where nothing is lifted (the built function
     then takes its inputs as they are). What the runtime needs to call the built functions
     (the manifest keeps it); one fusion of ``mod`` for all of them."""
-    fused = fuse(mod, winograd)
+    return lifted_slots(fuse(mod, winograd))
+
+
+def lifted_slots(fused: tvm.IRModule) -> dict[str, list[str] | None]:
+    """:func:`frozen_slots` read from a module :func:`fuse` made: the functions that
+    :func:`thomas_tune.lift.lift_frozen` split carry their slots
+    (:data:`thomas_tune.lift.SLOTS`)."""
     out = {}
-    for gv, f in mod.functions.items():
-        if isinstance(f, relax.Function) and f.attrs and ATTR in f.attrs:
-            slots = [str(s) for s in fused[gv.name_hint].attrs[SLOTS]]
+    for gv, f in fused.functions.items():
+        if isinstance(f, relax.Function) and f.attrs and SLOTS in f.attrs:
+            slots = [str(s) for s in f.attrs[SLOTS]]
             out[gv.name_hint] = slots if "" in slots else None
     return out
 

@@ -110,12 +110,13 @@ def divergence(report: TrainReport, classes: int, held_out: int) -> list[str]:
     return out
 
 
-def likely_cause(manifest: dict) -> str:
-    """The likely cause of a diverged run of the export of ``manifest``, and what to try."""
-    opt = manifest.get("optimizer") or {}
-    lr = opt.get("lr")
-    frozen_bn = manifest.get("batchnorm") == "frozen"
-    all_layers = not manifest.get("frozen")
+def likely_cause(manifest) -> str:
+    """The likely cause of a diverged run of the export of ``manifest`` (a
+    :class:`thomas_tune.manifest.Manifest`: its optimizer, BatchNorm mode and frozen set), and
+    what to try."""
+    lr = manifest.optimizer.get("lr")
+    frozen_bn = manifest.batchnorm == "frozen"
+    all_layers = not manifest.frozen
     cause = (f"a learning rate ({lr:g}) too high for this network and trainable set: try half "
              f"of it, or fewer trainable layers (--trainable last:K)" if lr is not None else
              "a learning rate too high for this network and trainable set")

@@ -165,10 +165,10 @@ def export_update(export_dir: str, params, grads, state, rpc_session=None, train
     import tvm
     from tvm.relax import VirtualMachine
 
-    from .manifest import OPTIMIZER, PACK_OPTIMIZER_STATE, PACK_TRAINABLE, read_manifest
+    from .manifest import OPTIMIZER, PACK_OPTIMIZER_STATE, PACK_TRAINABLE, Manifest
     from .runtime import device_for
-    m = read_manifest(export_dir)
-    dev = device_for(m["target"]["kind"], rpc_session)
+    m = Manifest.read(export_dir)
+    dev = device_for(m.target["kind"], rpc_session)
     if rpc_session is None:
         lib = tvm.runtime.load_module(os.path.join(export_dir, "train.so"))
     else:
@@ -272,24 +272,24 @@ def export_train_step(export_dir: str, x, y, masks: dict, tensors: dict, state):
     import tvm
     from tvm.relax import VirtualMachine
 
-    from .manifest import (TRAIN_STEP, TRAIN_STEP_FROZEN, lifted_values, read_manifest,
+    from .manifest import (TRAIN_STEP, TRAIN_STEP_FROZEN, lifted_values, Manifest,
                            slot_arguments)
     from .runtime import device_for
-    m = read_manifest(export_dir)
-    dev = device_for(m["target"]["kind"])
+    m = Manifest.read(export_dir)
+    dev = device_for(m.target["kind"])
     vm = VirtualMachine(tvm.runtime.load_module(os.path.join(export_dir, "train.so")), dev)
 
     def t(a):
         return tvm.runtime.tensor(np.array(a, order="C"), dev)
 
-    slots = m["train_step"].get("frozen_slots")
-    frozen = [t(tensors[n]) for n in m["frozen"]]
+    slots = m.train_step_slots
+    frozen = [t(tensors[n]) for n in m.frozen]
     if slots:  # the frozen parameters' transforms lifted out of the step (thomas_tune.lift)
-        lifted = vm[TRAIN_STEP_FROZEN](*(t(tensors[n]) for n in m["frozen_lift_inputs"]))
+        lifted = vm[TRAIN_STEP_FROZEN](*(t(tensors[n]) for n in m.frozen_lift_inputs))
         frozen = slot_arguments(slots, lambda n: t(tensors[n]), lifted_values(lifted, slots))
     args = [t(x), *(t(np.asarray(masks.get(k, np.ones(v["shape"])), "float32"))
-                    for k, v in m["masks"].items()),
-            *frozen, *(t(tensors[n]) for n in (*m["trainable"], *m["states"])),
+                    for k, v in m.masks.items()),
+            *frozen, *(t(tensors[n]) for n in (*m.trainable, *m.states)),
             t(np.asarray(y, "int64"))]
     _, new_params, new_state = vm[TRAIN_STEP](*args, [t(a) for a in state])
     return [a.numpy() for a in new_params], [a.numpy() for a in new_state]
@@ -337,18 +337,17 @@ def check_update(export_dir: str, seed: int = 0, rpc_session=None,
     the export's ``train_adjoint`` gives for it; None: this part is left out) from the
     export's parameters and fresh optimizer state, against ``torch.optim`` on those gradients
     (outputs named ``train_step <output>``). ``train_lib``: as :func:`export_update` takes it.
-    Raises ValueError for an optimizer the check does
-    not know. Needs torch."""
-    from .manifest import read_manifest
+    Raises ValueError for an optimizer the check does not know. Needs torch."""
+    from .manifest import Manifest
     from .models import load_checkpoint
-    m = read_manifest(export_dir)
-    config, names = m["optimizer"], m["trainable"]
+    m = Manifest.read(export_dir)
+    config, names = m.optimizer, m.trainable
     _, tensors, _ = load_checkpoint(os.path.join(export_dir, "params.npz"))
     inputs = random_update_inputs(config, [tuple(np.shape(tensors[n])) for n in names], seed)
     check = UpdateCheck(dict(config), steps=inputs[3])
     _compare(check, names, inputs, export_update(export_dir, *inputs[:3], rpc_session,
-                                                       train_lib))
-    if rpc_session is None and m.get("train_step") and first_batch is not None:
+                                                   train_lib))
+    if rpc_session is None and first_batch is not None:
         x, y, masks, grads = first_batch
         step_inputs = ([tensors[n] for n in names], [grads[n] for n in names], *inputs[2:])
         _compare(check, names, step_inputs,

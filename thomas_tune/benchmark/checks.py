@@ -10,7 +10,7 @@ def bench_reference(exports: dict, seed: int) -> dict | None:
     bench is checked against. None without PyTorch or without an export."""
     import os
 
-    from ..manifest import read_manifest
+    from ..manifest import Manifest
     from ..models import load_checkpoint
     from ..step_check import manifest_frozen_bn, reference_steps
     try:
@@ -20,9 +20,9 @@ def bench_reference(exports: dict, seed: int) -> dict | None:
     if not exports:
         return None
     first = next(iter(exports.values()))
-    m = read_manifest(first)
+    m = Manifest.read(first)
     model, tensors, _ = load_checkpoint(os.path.join(first, "params.npz"))
-    return reference_steps(model, tensors, m["trainable"], m["batch"], seed,
+    return reference_steps(model, tensors, m.trainable, m.batch, seed,
                            manifest_frozen_bn(m))
 
 
@@ -104,10 +104,10 @@ def torch_float32_check(export_dir: str, seed: int):
     the rounding floors alone)."""
     import os
 
-    from ..manifest import read_manifest
+    from ..manifest import Manifest
     from ..models import load_checkpoint
     from ..step_check import manifest_frozen_bn, reference_steps
-    m = read_manifest(export_dir)
+    m = Manifest.read(export_dir)
     model, tensors, _ = load_checkpoint(os.path.join(export_dir, "params.npz"))
-    return reference_steps(model, tensors, m["trainable"], m["batch"], seed,
+    return reference_steps(model, tensors, m.trainable, m.batch, seed,
                            manifest_frozen_bn(m))["yardstick"]

@@ -32,7 +32,7 @@ loss = s.train_step(x, y)
 s.sync()
 t3 = time.time()
 stats = {}
-if s.manifest["target"]["kind"] == "opencl":
+if s.manifest.target["kind"] == "opencl":
     from thomas_tune import opencl
     stats = opencl.stats()
 print(json.dumps({"import_s": t1 - t0, "load_s": t2 - t1, "first_step_s": t3 - t2, "end": t3,
@@ -114,6 +114,7 @@ import numpy as np
 from thomas_tune import opencl
 from thomas_tune.runtime import Session
 s = Session(sys.argv[1], seed=int(sys.argv[2]))
+s.one_function_step = sys.argv[4] == "1"
 rng = np.random.default_rng(int(sys.argv[2]))
 for _ in range(int(sys.argv[3])):
     x = rng.standard_normal(s.model.input_shape(s.batch)).astype("float32")
@@ -123,17 +124,21 @@ print(json.dumps(opencl.stats()))
 """
 
 
-def device_memory(export_dir: str, steps: int = 3, seed: int = 0) -> int:
+def device_memory(export_dir: str, steps: int = 3, seed: int = 0,
+                  one_function: bool = True) -> int:
     """The most bytes allocated on the OpenCL device by a fresh process that opens a
     :class:`~thomas_tune.runtime.Session` on the export and runs ``steps`` training steps:
     the parameters, BatchNorm statistics and optimizer state, the step's buffers, and what
     the runtime's memory pools keep (counted by the sidecar, :func:`thomas_tune.opencl.stats`).
     A fresh process, because the runtime's pools outlive a session and serve the next one.
+    ``one_function``: the steps as the export runs them (``train_step``); False: as two calls
+    (:attr:`~thomas_tune.runtime.Session.one_function_step`).
     Raises RuntimeError when the probe fails (its last output line in the message)."""
     import json
     import subprocess
     import sys
-    p = subprocess.run([sys.executable, "-c", _MEMORY_PROBE, export_dir, str(seed), str(steps)],
+    p = subprocess.run([sys.executable, "-c", _MEMORY_PROBE, export_dir, str(seed), str(steps),
+                        str(int(one_function))],
                        capture_output=True, text=True)
     lines = p.stdout.strip().splitlines()
     if p.returncode != 0 or not lines:
@@ -143,12 +148,12 @@ def device_memory(export_dir: str, steps: int = 3, seed: int = 0) -> int:
 
 
 def _same_export(out_dir: str, want: dict) -> bool:
-    from ..manifest import read_manifest
+    from ..manifest import Manifest
     try:
-        m = read_manifest(out_dir)
+        m = Manifest.read(out_dir)
     except ValueError:
         return False
-    return all(m.get(k) == v for k, v in want.items())
+    return all(getattr(m, k) == v for k, v in want.items())
 
 
 def prepare_exports(model, tensors, target, log_path: str | None, work: str, batch: int,
@@ -172,7 +177,7 @@ def prepare_exports(model, tensors, target, log_path: str | None, work: str, bat
     tg = training_module(model, batch, trainable, optimizer)
     # the graph the export was compiled from: an export of an older graph (other gradients,
     # other fusion) has other kernels, so it is compiled again
-    graph_key = str(tvm_ffi.structural_hash(exported_training_module(model, tg)))
+    graph_key = str(tvm_ffi.structural_hash(exported_training_module(tg)))
     out = {}
     for variant, lg in (("tuned", log), ("default", None), ("stock", None)):
         if variant == "tuned" and lg is None or variant == "stock" and not stock:

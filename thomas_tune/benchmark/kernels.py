@@ -28,12 +28,12 @@ class Kernel:
     mod: object = field(default=None, repr=False)  # the workload (IRModule with "main")
 
 
-def exported_training_module(model, tg):
+def exported_training_module(tg):
     """The Relax module that :func:`thomas_tune.export.export` compiles into ``train.so`` for
     the training graph ``tg`` (``graph.training_module``): kernel names in the library come from
     fusing exactly this module."""
     from ..library_module import training_library_module
-    return training_library_module(model, tg)[0]
+    return training_library_module(tg)[0]
 
 
 def step_kernels(train_mod, winograd=None) -> list[Kernel]:

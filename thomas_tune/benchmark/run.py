@@ -45,22 +45,22 @@ def run_bench(model, tensors, target, exports: dict, cfg: BenchConfig, log_path:
     kernels, start-up and the tuning curve (see the module docstring). Returns the result
     dict that :func:`thomas_tune.benchmark.report.format_report` prints and the ``--json``
     file holds. Raises ValueError for an OpenCL target without an OpenCL device here."""
-    from ..manifest import read_manifest
+    from ..manifest import Manifest
     from ..graph import training_module
     from ..runtime import device_for
-    first = read_manifest(next(iter(exports.values())))
-    batch, infer_batch = first["batch"], first["infer_batch"]
+    first = Manifest.read(next(iter(exports.values())))
+    batch, infer_batch = first.batch, first.infer_batch
     kind = target.kind.name
     dev = device_for(kind)
     if kind == "opencl" and not dev.exist:
         raise ValueError("no OpenCL device here; see 'python -c \"import thomas_tune.opencl as o; "
                          "print(o.devices())\"'")
     tg = training_module(model, batch, trainable, optimizer)
-    train_mod = exported_training_module(model, tg)
+    train_mod = exported_training_module(tg)
     from ..memory_plan import compiled_step_memory
     from ..recompute import RecomputePlan
     # the export's own recomputation (export --memory-budget), the same for every variant
-    level = (first.get("memory_budget") or {}).get("level", "none")
+    level = (first.memory_budget or {}).get("level", "none")
     estimate = compiled_step_memory(model, batch, trainable, optimizer,
                                     budget_plan=RecomputePlan(level))
     res = {"model": {"arch": model.arch, **model.config()}, "batch": batch,
@@ -135,14 +135,14 @@ def _own_kernels(res: dict, exports: dict, kernels: list, train_mod, model, batc
     then the number of those convolutions and the tuned step's memory estimate (bytes, its
     Winograd transforms counted) go to ``res["step"]``. Returns the kernels by variant and the
     variants whose kernels are their own."""
-    from ..manifest import read_manifest
+    from ..manifest import Manifest
     from ..memory_plan import compiled_step_memory
     from ..recompute import RecomputePlan
     own = {variant: list(kernels) for variant in exports}
     separate = set()
     if "tuned" in exports:
         from ..winograd_form import Conv
-        built = read_manifest(exports["tuned"]).get("winograd") or {}
+        built = Manifest.read(exports["tuned"]).winograd or {}
         chosen = {Conv.from_dict(d) for d in built.get("training", [])}
         if chosen:
             own["tuned"] = step_kernels(train_mod, chosen)

@@ -37,7 +37,7 @@ class ExportSide:
         from ..runtime import Session
         self.session = s = Session(export_dir, seed=seed)
         self.rng = np.random.default_rng(seed)
-        self.opencl = s.manifest["target"]["kind"] == "opencl" and not s.remote
+        self.opencl = s.manifest.target["kind"] == "opencl" and not s.remote
         self.batch, self.infer_batch = s.batch, s.infer_batch
 
     def _images(self, n):

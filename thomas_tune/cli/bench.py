@@ -75,18 +75,18 @@ def cmd_bench(args) -> int:
     from ..target import parse_target
     work = args.work or tempfile.mkdtemp(prefix="thomas-tune-bench-")
     if args.export:  # one existing export: its model, shapes, target and trainable set
-        from ..manifest import read_manifest
+        from ..manifest import Manifest
         from ..graph import OptimizerConfig
         from ..models import load_checkpoint
-        m = read_manifest(args.export)
+        m = Manifest.read(args.export)
         model, tensors, _ = load_checkpoint(os.path.join(args.export, "params.npz"))
-        target = parse_target(m["target"])
-        trainable = m["trainable"]
-        opt = m["optimizer"]
+        target = parse_target(m.target)
+        trainable = m.trainable
+        opt = m.optimizer
         optimizer = OptimizerConfig(**{**opt, "betas": tuple(opt["betas"])})
-        log = args.log or (m["tuning_log"] if m["tuning_log"] and
-                           os.path.isdir(m["tuning_log"]) else None)
-        exports = {"tuned" if m["tuning_log"] else "default": args.export}
+        log = args.log or (m.tuning_log if m.tuning_log and
+                           os.path.isdir(m.tuning_log) else None)
+        exports = {"tuned" if m.tuning_log else "default": args.export}
     else:
         model, tensors, _ = load_model(args)
         target = parse_target(args.target)

@@ -59,18 +59,18 @@ def _check_against_profile(args) -> None:
 def cmd_export(args) -> int:
     manifest = export_model(args, args.out)
     _check_against_profile(args)
-    print(f"exported {manifest['arch']} to {args.out}: {len(manifest['trainable'])} trainable, "
-          f"{len(manifest['frozen'])} frozen parameters; tuning log "
-          f"{manifest['tuning_log'] or 'none'} (sha256 {str(manifest['tuning_log_sha256'])[:12]})")
-    budget = manifest.get("memory_budget")
+    print(f"exported {manifest.arch} to {args.out}: {len(manifest.trainable)} trainable, "
+          f"{len(manifest.frozen)} frozen parameters; tuning log "
+          f"{manifest.tuning_log or 'none'} (sha256 {str(manifest.tuning_log_sha256)[:12]})")
+    budget = manifest.memory_budget
     if budget:
         print(f"memory budget {budget['budget_bytes'] / 1e6:.1f} MB: {budget['level']} "
               f"recomputation, estimated peak {budget['estimated_peak_bytes'] / 1e6:.1f} MB")
-    checks = manifest["record_check"]
-    if manifest["tuning_log"] and checks["unchecked"]:
+    checks = manifest.record_check
+    if manifest.tuning_log and checks["unchecked"]:
         print(f"its tuning records are UNCHECKED: {checks['unchecked']}")
-    if manifest["features"]:
-        shape = "x".join(map(str, manifest["features"]["shape"]))
+    if manifest.features:
+        shape = "x".join(map(str, manifest.features["shape"]))
         print(f"with the step on cached features (train --cache-features): {shape} float32 "
               "per image")
     return 0

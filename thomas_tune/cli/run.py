@@ -20,7 +20,7 @@ def _export_for_train(args) -> str:
     out = args.out or tempfile.mkdtemp(prefix="thomas-tune-train-")
     manifest = export_model(args, out)
     mode = "from scratch" if args.from_scratch else f"trainable {args.trainable}"
-    print(f"compiled {manifest['arch']} ({mode}) into {out}", flush=True)
+    print(f"compiled {manifest.arch} ({mode}) into {out}", flush=True)
     return out
 
 
@@ -35,8 +35,7 @@ def _warn_identity_batchnorms(session) -> None:
     if not fused:
         return
     m = session.manifest
-    advice = fused_import_warning(m.get("batchnorm", "train"), not m.get("frozen"),
-                                  (m.get("optimizer") or {}).get("lr"))
+    advice = fused_import_warning(m.batchnorm, not m.frozen, m.optimizer.get("lr"))
     if advice:
         print(f"warning: {len(fused)} BatchNorm layers are the identity of a fused ONNX "
               f"import: {advice}", file=sys.stderr)
@@ -62,7 +61,7 @@ def cmd_train(args) -> int:
     _warn_identity_batchnorms(session)
     train, test = data.split(args.test_fraction, seed=args.seed)
     print(f"data {data.source}: {len(train.y)} training / {len(test.y)} held-out images, "
-          f"{len(data.classes)} classes; {len(session.manifest['trainable'])} trainable "
+          f"{len(data.classes)} classes; {len(session.manifest.trainable)} trainable "
           f"parameters", flush=True)
     r = fine_tune(session, train, test, args.steps, seed=args.seed,
                   show_progress=not args.quiet, cache_features=args.cache_features)
