@@ -188,9 +188,12 @@ def compile_graph(mod: tvm.IRModule, target: tvm.target.Target,
     The schedules are chosen for ``target``; the code is generated for
     :func:`thomas_tune.target.codegen_target` (a GPU target's host code unoptimised), its
     kernels lowered by :func:`thomas_tune.schedules.tir_pipeline` (on GPUs, long sums in two
-    levels).
+    levels). A module with autocast float16's arithmetic (``--precision autocast16``) is built
+    in the native form: its OpenCL C keeps ``half`` arithmetic and the ``cl_khr_fp16`` pragma
+    (:func:`thomas_tune.half_arith.native_for`).
     """
-    with tvm.transform.PassContext(opt_level=3):
+    from .half_arith import native_for
+    with native_for(mod), tvm.transform.PassContext(opt_level=3):
         return tvm.compile(mod, codegen_target(target),
                            relax_pipeline=_pipeline(target, database, winograd, rule_classes),
                            tir_pipeline=tir_pipeline(target))
