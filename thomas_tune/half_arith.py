@@ -121,6 +121,25 @@ def require_fp16(precision: str, target: tvm.target.Target, limits: dict | None 
     return why
 
 
+def refuse_without_fp16(precision: str, target: tvm.target.Target, limits: dict | None,
+                        profile: dict | None, log, check_records: bool, say=print) -> None:
+    """An export's check of ``precision`` before any work: for :data:`AUTOCAST16`,
+    :func:`require_fp16` (ValueError without ``cl_khr_fp16``), and ValueError for a tuning
+    ``log`` whose records would be checked (``check_records``): the check runs them on this
+    machine's device, and a device without the extension cannot build them (the fix:
+    ``--no-check``). The evidence goes to ``say``. Nothing for another precision."""
+    why = require_fp16(precision, target, limits, profile)
+    if why is None:
+        return
+    if log is not None and check_records and target.kind.name == "opencl":
+        raise ValueError(f"--precision {AUTOCAST16}: the records of {log.path} would be checked "
+                         f"on this machine's OpenCL device, which cannot build half arithmetic "
+                         f"without {EXTENSION}; give --no-check to apply them unchecked (the "
+                         "manifest's record_check says so), or export with --precision mixed16")
+    say(f"--precision {AUTOCAST16}: the device reports {EXTENSION} ({why}); its OpenCL C "
+        "keeps half arithmetic, which a device without the extension cannot build")
+
+
 class _Autocast(_Rounder):
     """:func:`autocast_function`'s state: :class:`_Rounder`'s float16 twins (``half``: value
     -> its float16 var, read back as float32 before each float32 use), made here also for the
@@ -240,6 +259,22 @@ def autocast_module(mod: tvm.IRModule, batches: dict[str, int]) -> tvm.IRModule:
         gv = out.get_global_var(name)
         out[gv] = autocast_function(out[gv], batch)
     return out
+
+
+def apply_precision(precision: str, train_mod: tvm.IRModule, infer_mod: tvm.IRModule,
+                    batch: int, infer_batch: int) -> tuple[tvm.IRModule, tvm.IRModule]:
+    """The training module (its ``train_adjoint`` and ``predict`` at ``batch`` images) and the
+    inference module (``predict`` at ``infer_batch``) of a graph built at ``precision``:
+    :func:`autocast_module` for :data:`AUTOCAST16`, else
+    :func:`thomas_tune.half_storage.apply_precision` (float32, mixed16). Raises ValueError
+    for an unknown precision."""
+    from . import half_storage
+    from .manifest import ADJOINT, PREDICT
+    if half_storage.check_precision(precision) != AUTOCAST16:
+        return half_storage.apply_precision(precision, train_mod, infer_mod, batch,
+                                            infer_batch)
+    return (autocast_module(train_mod, {ADJOINT: batch, PREDICT: batch}),
+            autocast_module(infer_mod, {PREDICT: infer_batch}))
 
 
 def is_autocast(mod: tvm.IRModule) -> bool:

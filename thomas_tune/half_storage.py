@@ -310,15 +310,14 @@ def apply_precision(precision: str, train_mod: tvm.IRModule, infer_mod: tvm.IRMo
     """The training module (its ``train_adjoint`` and ``predict`` at ``batch`` images) and the
     inference module (``predict`` at ``infer_batch``) of a graph built at ``precision``
     (:data:`PRECISIONS`): as they are for float32, their layer outputs stored as float16
-    (:func:`round_stored`) for mixed16, with autocast float16's arithmetic
-    (:func:`thomas_tune.half_arith.autocast_module`) for autocast16. Raises ValueError for
-    another precision."""
+    (:func:`round_stored`) for mixed16 (autocast16's are
+    :func:`thomas_tune.half_arith.apply_precision`'s). Raises ValueError for another
+    precision."""
     from .manifest import ADJOINT, PREDICT
     if check_precision(precision) == "float32":
         return train_mod, infer_mod
-    if precision == "autocast16":
-        from .half_arith import autocast_module
-        return (autocast_module(train_mod, {ADJOINT: batch, PREDICT: batch}),
-                autocast_module(infer_mod, {PREDICT: infer_batch}))
+    if precision != "mixed16":
+        raise ValueError(f"precision {precision!r} is built by thomas_tune.half_arith."
+                         "apply_precision")
     return (round_module(train_mod, {ADJOINT: batch, PREDICT: batch}),
             round_module(infer_mod, {PREDICT: infer_batch}))
