@@ -1,0 +1,318 @@
+"""Native half arithmetic (``--precision autocast16``, thomas_tune.half_arith).
+
+No device here runs it: PoCL reports no ``cl_khr_fp16``. What is checked instead:
+
+* the choice: the precision is accepted only where the device reports ``cl_khr_fp16`` (a
+  device profile, a server's extension list, the target's device family), refused otherwise
+  with the extension and ``--precision mixed16`` named, both ways;
+* the build: an Adreno export at autocast16 keeps half arithmetic and the ``cl_khr_fp16``
+  pragma in its OpenCL C (the native form), the same target at mixed16 gets the
+  ``vload_half`` / ``vstore_half`` form, and a target without the extension is refused before
+  anything compiles;
+* the source: every kernel of the native form compiles with clang (OpenCL C 2.0 for SPIR,
+  ``cl_khr_fp16`` defined), into LLVM IR with float16 additions, and fails with the extension
+  undefined; PoCL's compiler refuses it;
+* the numbers, on llvm (the CPU computes float16 arithmetic as LLVM's ``half``, each
+  operation rounded): a graph of two convolutions, a bias, a ReLU and a residual add, each
+  result against a float64 PyTorch reference computed from the build's own inputs, rounded to
+  float16 where autocast rounds.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+
+import numpy as np
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+A540 = os.path.join(ROOT, "targets", "adreno540_opencl.json")
+N, C, H = 2, 8, 10
+
+
+def _profile(extensions: str | None = None, fp16: bool | None = None) -> dict:
+    props = {"device_name": "a device"}
+    if extensions is not None:
+        props["extensions"] = extensions
+    if fp16 is not None:
+        props["fp16"] = fp16
+    return {"key": "k", "properties": props, "sources": {"fp16": "a kernel with half "
+                                                                  "arithmetic built"}}
+
+
+def test_the_precision_is_taken_only_where_the_device_reports_cl_khr_fp16():
+    from thomas_tune.half_arith import fp16_evidence, require_fp16
+    from thomas_tune.target import parse_target
+
+    adreno, generic = parse_target(A540), parse_target('{"kind": "opencl"}')
+    assert fp16_evidence(adreno)[0] and fp16_evidence(parse_target("qcom/adreno-opencl"))[0]
+    assert not fp16_evidence(generic)[0]
+    # a profile decides, either way
+    assert not fp16_evidence(adreno, profile=_profile("cl_khr_icd cl_khr_fp64"))[0]
+    assert fp16_evidence(generic, profile=_profile("cl_khr_icd cl_khr_fp16"))[0]
+    assert not fp16_evidence(adreno, profile=_profile(fp16=False))[0]
+    assert fp16_evidence(generic, profile=_profile(fp16=True))[0]
+    # so does a server's extension list (opencl:remote from thomas_tune's server)
+    assert fp16_evidence(generic, limits={"opencl": {"extensions": "cl_khr_fp16"}})[0]
+    assert not fp16_evidence(adreno, limits={"opencl": {"extensions": "cl_khr_fp64"}})[0]
+    assert not fp16_evidence(parse_target('{"kind": "cuda"}'))[0]
+    assert require_fp16("autocast16", adreno) is not None
+    assert require_fp16("mixed16", generic) is None
+    for target, kw in ((generic, {}), (adreno, {"profile": _profile("cl_khr_icd")})):
+        with pytest.raises(ValueError, match="cl_khr_fp16.*--precision mixed16"):
+            require_fp16("autocast16", target, **kw)
+
+
+def test_export_refuses_autocast16_for_a_device_without_the_extension(tmp_path, target):
+    """PoCL's target (``opencl:0``, device family generic): refused before anything is
+    compiled, naming the extension and the fix; the same with PoCL's own profile."""
+    from thomas_tune.export import export
+    from thomas_tune.models import build, init_params
+    from conftest import SMALL
+
+    model = build("alexnet", **SMALL["alexnet"])
+    out = tmp_path / "export"
+    with pytest.raises(ValueError, match="cl_khr_fp16.*use --precision mixed16"):
+        export(str(out), model, init_params(model), target, batch=4, precision="autocast16",
+               progress=lambda *_: None)
+    assert not out.exists() or not os.listdir(out)
+    # an Adreno target with a profile of a device without the extension: refused too
+    from thomas_tune.target import parse_target
+    with pytest.raises(ValueError, match="lacks cl_khr_fp16"):
+        export(str(out), model, init_params(model), parse_target(A540), batch=4,
+               precision="autocast16", device_profile=_profile("cl_khr_icd"),
+               progress=lambda *_: None)
+
+
+@pytest.fixture(scope="module")
+def adreno_exports(tmp_path_factory):
+    """Small AlexNet exported for the Adreno 540 target (this machine's host, no tuning log)
+    at autocast16 and at mixed16: {precision: (folder, manifest, kernels by library)}."""
+    from thomas_tune.export import export
+    from thomas_tune.limits import library_kernels
+    from thomas_tune.models import build, init_params
+    from thomas_tune.target import parse_target
+    from conftest import SMALL
+
+    model = build("alexnet", **SMALL["alexnet"])
+    said: list[str] = []
+    out = {}
+    for precision in ("autocast16", "mixed16"):
+        folder = str(tmp_path_factory.mktemp(precision))
+        manifest = export(folder, model, init_params(model), parse_target(A540), batch=4,
+                          infer_batch=2, precision=precision, progress=said.append)
+        kernels = {lib: library_kernels(os.path.join(folder, lib))
+                   for lib in ("train.so", "inference.so")}
+        out[precision] = (folder, manifest, kernels)
+    assert any("reports cl_khr_fp16" in line and "'adreno'" in line for line in said), said
+    return out
+
+
+_HALF_ARITH = re.compile(r"\(half\)\(|max\(\(half\)|\bhalf \w+ = ")
+
+
+def test_the_adreno_build_takes_the_native_form_only_at_autocast16(adreno_exports):
+    _, manifest, kernels = adreno_exports["autocast16"]
+    assert manifest["precision"] == "autocast16"
+    for lib, found in kernels.items():
+        source = "".join(found.values())
+        assert "vload_half" not in source and "vstore_half" not in source, lib
+        assert "__global half* restrict" in source and _HALF_ARITH.search(source), lib
+        # the code generator's pragma block, with its #error for a device without it
+        assert "#error \"Half precision floating point not supported" in source, lib
+    _, manifest, kernels = adreno_exports["mixed16"]
+    assert manifest["precision"] == "mixed16"
+    source = "".join(kernels["train.so"].values())
+    assert "vload_half" in source and "vstore_half" in source
+    # float16 pointers declared, never loaded from or stored to, and no half arithmetic
+    assert "#error" not in source and not _HALF_ARITH.search(source)
+
+
+def _clang() -> str | None:
+    """clang, or the newest versioned clang-N on PATH."""
+    if shutil.which("clang"):
+        return shutil.which("clang")
+    found = sorted((int(m.group(1)), p) for d in os.environ.get("PATH", "").split(os.pathsep)
+                   if os.path.isdir(d) for p in os.listdir(d)
+                   if (m := re.fullmatch(r"clang-(\d+)", p)))
+    return shutil.which(found[-1][1]) if found else None
+
+
+def _clang_cl(source: str, tmp_path, fp16: bool) -> subprocess.CompletedProcess:
+    """``source`` compiled by clang as OpenCL C 2.0 for SPIR (LLVM IR out, printed), with
+    ``cl_khr_fp16`` defined or undefined."""
+    path = tmp_path / "kernels.cl"
+    path.write_text(source)
+    ext = "+cl_khr_fp16" if fp16 else "-cl_khr_fp16"
+    return subprocess.run([_clang(), "-x", "cl", "-cl-std=CL2.0", "-Xclang", f"-cl-ext={ext}",
+                           "-target", "spir64", "-S", "-emit-llvm", "-o", "-", str(path)],
+                          capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.skipif(_clang() is None, reason="no clang on PATH (apt-get install clang)")
+def test_native_source_compiles_with_cl_khr_fp16_in_clang(adreno_exports, tmp_path):
+    """Every kernel of both libraries, as one OpenCL C file: with ``cl_khr_fp16`` clang
+    compiles it, its LLVM IR adding float16 values; without, it refuses it."""
+    _, _, kernels = adreno_exports["autocast16"]
+    for lib, found in kernels.items():
+        source = "\n".join(found.values())
+        done = _clang_cl(source, tmp_path, fp16=True)
+        assert done.returncode == 0, (lib, done.stderr[-2000:])
+        assert re.search(r"= fadd (?:fast )?half ", done.stdout), lib
+        refused = _clang_cl(source, tmp_path, fp16=False)
+        assert refused.returncode != 0 and "Half precision floating point not supported" in \
+            refused.stderr, lib
+    version = subprocess.run([_clang(), "--version"], capture_output=True, text=True)
+    print(f"{_clang()}: {version.stdout.splitlines()[0]}")
+
+
+def test_pocl_refuses_half_arithmetic(adreno_exports):
+    """This machine's OpenCL device (PoCL) has no ``cl_khr_fp16``: its compiler refuses a
+    kernel of the native form (and builds the same kernel's mixed16 form)."""
+    cl = pytest.importorskip("pyopencl")
+    devs = [d for p in cl.get_platforms() for d in p.get_devices()]
+    if not devs:
+        pytest.skip("no OpenCL device")
+    dev = devs[0]
+    assert "cl_khr_fp16" not in dev.extensions.split()
+    ctx = cl.Context([dev])
+    _, _, native = adreno_exports["autocast16"]
+    name, source = next((n, s) for n, s in native["inference.so"].items()
+                        if n.startswith("fused_conv2d"))
+    with pytest.raises(cl.RuntimeError) as err:
+        cl.Program(ctx, source).build()
+    print(f"{dev.platform.name} {dev.name}, {name}: {str(err.value).splitlines()[0]}")
+    assert "Half precision floating point not supported" in str(err.value) or \
+        "cl_khr_fp16" in str(err.value)
+    _, _, mixed = adreno_exports["mixed16"]
+    name, source = next((n, s) for n, s in mixed["train.so"].items() if "vload_half" in s)
+    cl.Program(ctx, source).build()
+
+
+# ---- the numbers on llvm ---------------------------------------------------------------------
+
+def _graph():
+    """``f(x, w1, b1, w2) -> (z, r, c, a)``: ``z = conv(x, w1) + b1``, ``r = relu(z)``,
+    ``c = conv(r, w2)``, ``a = c + r``."""
+    from tvm import relax
+    from tvm.relax.op import add, nn
+
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((N, C, H, H), "float32"))
+    w1 = relax.Var("w1", relax.TensorType((C, C, 3, 3), "float32"))
+    b1 = relax.Var("b1", relax.TensorType((1, C, 1, 1), "float32"))
+    w2 = relax.Var("w2", relax.TensorType((C, C, 3, 3), "float32"))
+    with bb.function("f", [x, w1, b1, w2]):
+        with bb.dataflow():
+            z = bb.emit(add(nn.conv2d(x, w1, padding=1), b1))
+            r = bb.emit(nn.relu(z))
+            c = bb.emit(nn.conv2d(r, w2, padding=1))
+            a = bb.emit(add(c, r))
+            out = bb.emit_output(relax.Tuple([z, r, c, a]))
+        bb.emit_func_output(out)
+    return bb.get()
+
+
+def _run_llvm(tmp_path):
+    """:func:`_graph` with autocast16's arithmetic built for llvm, run on fresh inputs:
+    (x, w1, b1, w2, z, r, c, a) as float64."""
+    import tvm
+    from tvm.relax import VirtualMachine
+
+    from thomas_tune.compile import compile_graph
+    from thomas_tune.half_arith import autocast_module
+    from thomas_tune.target import export_shared, parse_target
+
+    mod = autocast_module(_graph(), {"f": N})
+    target = parse_target("llvm")
+    path = str(tmp_path / "f.so")
+    export_shared(compile_graph(mod, target), path, target)
+    vm = VirtualMachine(tvm.runtime.load_module(path), tvm.cpu())
+    rng = np.random.default_rng()
+    ins = [rng.standard_normal((N, C, H, H)), 0.3 * rng.standard_normal((C, C, 3, 3)),
+           rng.standard_normal((1, C, 1, 1)), 0.3 * rng.standard_normal((C, C, 3, 3))]
+    ins = [a.astype("float32") for a in ins]
+    outs = vm["f"](*[tvm.runtime.tensor(a) for a in ins])
+    return [a.astype("float64") for a in ins] + [o.numpy().astype("float64") for o in outs]
+
+
+def _half(a):
+    return a.astype(np.float16).astype(np.float64)
+
+
+def _conv64(x, w):
+    import torch
+    return torch.nn.functional.conv2d(torch.tensor(x), torch.tensor(w), padding=1).numpy()
+
+
+def _ulp16(a):
+    """The spacing of float16 at ``a`` (its subnormal spacing near 0)."""
+    return np.maximum(np.spacing(np.abs(a).astype(np.float16)).astype(np.float64), 2.0 ** -24)
+
+
+#: each convolution result may be one float16 step from the float64 one rounded: the build
+#: sums in float32 (72 products here), whose error can carry a value over a midpoint between
+#: two float16 neighbours; on at most this share of the values
+MIDPOINT_SHARE = 0.02
+
+
+def _errors(x, w1, b1, w2, z, r, c, a) -> dict:
+    """Per result, the largest distance from the reference in float16 steps, and the share
+    of values not equal to it; each reference is the float64 operation on the build's own
+    inputs (the previous results), its operands and result rounded to float16 as autocast
+    rounds them."""
+    conv1 = _half(_conv64(_half(x), _half(w1)))
+    # z: the convolution's one step, carried through the bias's addition, and that rounding
+    refs = {"z": (z, _half(conv1 + _half(b1)), _ulp16(conv1) + _ulp16(conv1 + b1)),
+            "r": (r, np.maximum(z, 0), None), "c": (c, _half(_conv64(r, _half(w2))), None),
+            "a": (a, _half(c + r), None)}
+    return {k: (float(np.max(np.abs(got - ref) / (_ulp16(ref) if step is None else step))),
+                float(np.mean(got != ref)))
+            for k, (got, ref, step) in refs.items()}
+
+
+def _check(errors: dict) -> None:
+    assert errors["r"] == (0.0, 0.0) and errors["a"] == (0.0, 0.0), errors
+    for k in ("z", "c"):  # one rounding of the convolution, then (z) the bias added in half
+        assert errors[k][0] <= 1.0 and errors[k][1] <= MIDPOINT_SHARE, (k, errors)
+
+
+def test_half_arithmetic_on_llvm_rounds_where_autocast_does(tmp_path):
+    run = _run_llvm(tmp_path)
+    errors = _errors(*run)
+    print(f"autocast16 on llvm, (largest error in float16 steps, share off): {errors}")
+    _check(errors)
+    x, w1, b1, w2, z, r, c, a = run
+    # the results are float16 values, and the convolution's operands were rounded: the same
+    # convolution of the float32 operands is farther than its one rounding
+    assert all(np.array_equal(v, _half(v)) for v in (z, r, c, a))
+
+
+def test_a_build_without_half_arithmetic_fails(tmp_path, monkeypatch):
+    """With no product computed in float16 (so nothing is), the results are float32's: the
+    exact checks of the element-wise results fail."""
+    from thomas_tune import half_arith
+    monkeypatch.setattr(half_arith, "PRODUCTS", frozenset())
+    errors = _errors(*_run_llvm(tmp_path))
+    with pytest.raises(AssertionError):
+        _check(errors)
+
+
+def test_autocast16_kernels_are_workloads_of_their_own():
+    """The autocast16 graph's convolution kernels (float16 operands) are workloads neither
+    the float32 nor the mixed16 graph has: a tuning log keeps them apart."""
+    from thomas_tune import half_storage
+    from thomas_tune.half_arith import autocast_module
+    from thomas_tune.target import parse_target
+    from thomas_tune.tasks import extract, key
+
+    target = parse_target(A540)
+    others = {key(t) for mod in (_graph(), half_storage.round_module(_graph(), {"f": N}))
+              for t in extract({"g": mod}, target)}
+    tasks = extract({"g": autocast_module(_graph(), {"f": N})}, target)
+    convs = [t for t in tasks if "conv2d" in t.name]
+    assert convs and all("float16" in t.mod.script() for t in convs)
+    assert not {key(t) for t in convs} & others
