@@ -316,3 +316,15 @@ def test_autocast16_kernels_are_workloads_of_their_own():
     convs = [t for t in tasks if "conv2d" in t.name]
     assert convs and all("float16" in t.mod.script() for t in convs)
     assert not {key(t) for t in convs} & others
+
+
+def test_tune_refuses_autocast16_for_a_device_without_the_extension(capsys):
+    """``tune --precision autocast16`` for a generic OpenCL target: refused before any
+    server is asked (the tracker's port has none), naming the extension and the fix."""
+    from thomas_tune.cli import main
+    assert main(["tune", "--model", "alexnet", "--width", "0.1", "--resolution", "67",
+                 "--classes", "5", "--batch", "4", "--target", '{"kind": "opencl"}',
+                 "--tracker", "127.0.0.1:19251", "--key", "none", "--wait", "1",
+                 "--precision", "autocast16"]) != 0
+    err = capsys.readouterr().err
+    assert "cl_khr_fp16" in err and "--precision mixed16" in err, err
