@@ -426,3 +426,21 @@ def test_a_network_without_half_arithmetic_is_not_autocast(rng, monkeypatch):
     monkeypatch.setattr(half_arith, "autocast_function", lambda func, batch: func)
     ours, theirs = _logits_errors("alexnet", rng, batches=1)
     assert not theirs / AUTOCAST_FACTOR <= ours, (ours, theirs)
+
+
+def test_an_autocast16_export_is_refused_by_a_profile_without_the_extension(adreno_exports):
+    """``train`` / ``infer`` check an export against the device profile before the first
+    step: an autocast16 export and a device without ``cl_khr_fp16`` fail there, naming the
+    extension and the fix, instead of at the first program build; with the extension, or a
+    mixed16 export, the check passes."""
+    from thomas_tune.limits import DeviceLimitError, check_export
+    big = {"max_alloc_bytes": 1 << 34, "global_memory_bytes": 1 << 36,
+           "max_work_group_size": 1024, "local_memory_bytes": 1 << 16}
+
+    def profile(extensions):
+        return {"key": "k", "properties": {"device_name": "d", "extensions": extensions, **big}}
+    native, mixed = adreno_exports["autocast16"][0], adreno_exports["mixed16"][0]
+    with pytest.raises(DeviceLimitError, match="cl_khr_fp16.*--precision mixed16"):
+        check_export(native, profile("cl_khr_icd cl_khr_fp64"), "train")
+    check_export(native, profile("cl_khr_icd cl_khr_fp16"), "export")
+    check_export(mixed, profile("cl_khr_icd cl_khr_fp64"), "export")
