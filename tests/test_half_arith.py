@@ -511,3 +511,28 @@ def test_a_step_without_half_arithmetic_is_not_autocast(tmp_path, monkeypatch):
     monkeypatch.setattr(half_arith, "autocast_function", lambda func, batch: func)
     _, ours, theirs = _step_errors("alexnet", tmp_path, seeds=(0,))
     assert ours[0] < theirs[0] / AUTOCAST_FACTOR, (ours, theirs)
+
+
+def test_export_verb_reads_the_extension_from_the_device_profile(tmp_path, capsys):
+    """``thomas-tune export --precision autocast16`` for the Adreno target with
+    ``--device-profile`` of a device whose extension list lacks ``cl_khr_fp16``: refused
+    before anything is compiled (the profile wins over the target's device family)."""
+    import json
+
+    from thomas_tune.cli import main
+    from thomas_tune.rpc.probe import PROFILE_FORMAT
+    profile = {"format": PROFILE_FORMAT, "key": "no-fp16",
+               "properties": {"device_name": "d", "extensions": "cl_khr_icd cl_khr_fp64",
+                              "max_work_group_size": 256, "local_memory_bytes": 32768,
+                              "global_memory_bytes": 1 << 32, "max_alloc_bytes": 1 << 30},
+               "measured": {"launch_us": 10.0, "copy_gb_s": 10.0, "fma_gflop_s": 100.0,
+                            "compile_s": 0.1}}
+    path = tmp_path / "device_profile.json"
+    path.write_text(json.dumps(profile))
+    out = tmp_path / "export"
+    assert main(["export", "--model", "alexnet", "--width", "0.1", "--resolution", "67",
+                 "--classes", "5", "--batch", "4", "--target", A540, "--out", str(out),
+                 "--precision", "autocast16", "--device-profile", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "no-fp16" in err and "lacks cl_khr_fp16" in err and "--precision mixed16" in err, err
+    assert not (out / "train.so").exists()
