@@ -48,9 +48,9 @@ from .half_storage import _is_layer_output, _Rounder
 AUTOCAST16 = "autocast16"
 #: the OpenCL extension whose report the native form needs
 EXTENSION = "cl_khr_fp16"
-#: OpenCL target ``device`` families whose drivers report ``cl_khr_fp16``: every Adreno
-#: OpenCL driver (Adreno 3xx onwards; the Adreno 540 of ``targets/adreno540_opencl.json``
-#: computes float16 at twice its float32 rate). A device profile overrides this either way
+#: OpenCL target ``device`` families whose drivers report ``cl_khr_fp16``: Adreno's (the
+#: Adreno 540 of ``targets/adreno540_opencl.json`` reports it and computes float16 at twice
+#: its float32 rate). A device profile or a server's extension list overrides this either way
 #: (:func:`fp16_evidence`)
 FP16_DEVICE_FAMILIES = ("adreno",)
 #: Relax operators computed with float16 operands and float32 accumulation
@@ -59,7 +59,7 @@ PRODUCTS = frozenset({"relax.nn.conv2d", "relax.matmul"})
 IN_INPUT_DTYPE = frozenset({"relax.add", "relax.nn.relu", "relax.clip", "relax.nn.max_pool2d",
                             "relax.reshape", "relax.permute_dims"})
 #: the attribute :func:`autocast_function` sets on a function: :func:`native_for` reads it
-MODULE_ATTR = "thomas_tune.half_arithmetic"
+MARK_ATTR = "thomas_tune.half_arithmetic"
 
 
 def _extension_list(text) -> list[str]:
@@ -230,7 +230,7 @@ class _Autocast(_Rounder):
 def autocast_function(func: relax.Function, batch: int) -> relax.Function:
     """``func`` (a step's adjoint or a ``predict`` function, its gradient already built; its
     images ``batch`` per call) with autocast float16's arithmetic (module docstring), marked
-    with :data:`MODULE_ATTR`. The function's results (loss, gradients, logits) are float32.
+    with :data:`MARK_ATTR`. The function's results (loss, gradients, logits) are float32.
     A function with no product is returned as it is."""
     r = _Autocast(batch, func.params)
     blocks, forward = [], True
@@ -247,12 +247,12 @@ def autocast_function(func: relax.Function, batch: int) -> relax.Function:
         blocks.append(relax.BindingBlock(tail))
     out = relax.Function(func.params, relax.SeqExpr(blocks, body), func.ret_ty, func.is_pure,
                          func.attrs)
-    return r.bb.normalize(out).with_attr(MODULE_ATTR, True)
+    return r.bb.normalize(out).with_attr(MARK_ATTR, True)
 
 
 def autocast_module(mod: tvm.IRModule, batches: dict[str, int]) -> tvm.IRModule:
     """``mod`` with :func:`autocast_function` applied to each function named in ``batches``
-    (name -> its batch size); each rewritten function is marked (:data:`MODULE_ATTR`) to be
+    (name -> its batch size); each rewritten function is marked (:data:`MARK_ATTR`) to be
     built in the native form."""
     out = mod.clone() if hasattr(mod, "clone") else tvm.IRModule(mod.functions, attrs=mod.attrs)
     for name, batch in batches.items():
@@ -280,7 +280,7 @@ def apply_precision(precision: str, train_mod: tvm.IRModule, infer_mod: tvm.IRMo
 def is_autocast(mod: tvm.IRModule) -> bool:
     """Whether a function of ``mod`` was made by :func:`autocast_function` (its mark is kept
     where the function is copied into another module, as the training library's is)."""
-    return any(isinstance(f, relax.Function) and f.attrs is not None and MODULE_ATTR in f.attrs
+    return any(isinstance(f, relax.Function) and f.attrs is not None and MARK_ATTR in f.attrs
                for f in mod.functions.values())
 
 
