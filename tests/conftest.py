@@ -77,7 +77,7 @@ SMALL = {
 SPLIT = {"test_step_check.py": {"right"}, "test_adreno.py": set(), "test_tvm_rpc.py": set()}
 COST: dict[str, float] = {
     "test_opencl_tuning.py": 450, "test_onnx_finetune.py": 420, "test_faults.py": 400,
-    "test_memory_budget.py": 300, "test_half_storage.py": 30,
+    "test_memory_budget.py": 300, "test_half_storage.py": 30, "test_half_arith.py": 300,
     "test_cost_model_search.py": 380, "test_tuning.py": 320, "test_bench.py": 200,
     "test_aarch64.py": 200, "test_models.py": 180, "test_kernel_check.py": 160,
     "test_seed_logs.py": 150, "test_remote_device.py": 150, "test_replay.py": 150,

@@ -192,7 +192,9 @@ def compile_graph(mod: tvm.IRModule, target: tvm.target.Target,
     The schedules are chosen for ``target``; the code is generated for
     :func:`thomas_tune.target.codegen_target` (a GPU target's host code unoptimised), its
     kernels lowered by :func:`thomas_tune.schedules.tir_pipeline` (on GPUs, long sums in two
-    levels).
+    levels). A module with autocast float16's arithmetic (``--precision autocast16``) is built
+    in the native form: its OpenCL C keeps ``half`` arithmetic and the ``cl_khr_fp16`` pragma
+    (:func:`thomas_tune.half_arith.native_for`).
     """
     return compile_library(mod, target, database, winograd, rule_classes)[0]
 
@@ -203,8 +205,9 @@ def compile_library(mod: tvm.IRModule, target: tvm.target.Target,
     """:func:`compile_graph`, and the frozen slots of each function of ``mod`` that asks for
     lifting, as built (:func:`thomas_tune.tasks.frozen_slots`, read from this build's own
     fusion; what an export's manifest keeps)."""
+    from .half_arith import native_for
     slots: dict[str, list[str] | None] = {}
-    with tvm.transform.PassContext(opt_level=3):
+    with native_for(mod), tvm.transform.PassContext(opt_level=3):
         exe = tvm.compile(mod, codegen_target(target),
                           relax_pipeline=_pipeline(target, database, winograd, rule_classes,
                                                    slots),

@@ -84,14 +84,14 @@ def _graph_modules(model, batch: int, infer_batch: int, trainable: str,
     ValueError for a bad trainable set or optimizer, and for ``cache_features`` with a
     trainable set whose frozen part is not the same at every step
     (:func:`thomas_tune.graph.training_module`)."""
-    from . import half_storage
+    from . import half_arith
     tg = G.training_module(model, batch, trainable, optimizer, features=cache_features)
     if recompute is not None:  # a memory budget's plan (thomas_tune.recompute)
         from .recompute import apply_plan
         tg = apply_plan(tg, recompute)
     infer_mod = G.inference_module(model, infer_batch)
-    train, infer_mod = half_storage.apply_precision(precision, tg.mod, infer_mod, batch,
-                                                    infer_batch)
+    train, infer_mod = half_arith.apply_precision(precision, tg.mod, infer_mod, batch,
+                                                  infer_batch)
     tg = dataclasses.replace(tg, mod=train)
     train_mod, lift_inputs = training_library_module(tg)
     s = spec(model)
@@ -140,6 +140,19 @@ class _Libraries(NamedTuple):
 
     winograd: dict
     slots: dict
+
+
+def _refuse_before_work(target: tvm.target.Target, log: TuningLog | None, check_records: bool,
+                        precision: str, cache_features: bool, memory_budget, device,
+                        device_profile, progress) -> None:
+    """Every refusal :func:`export` makes before any work, as ValueError:
+    :func:`_refuse_float32_only`, a half-arithmetic precision for a device without
+    ``cl_khr_fp16`` (:func:`thomas_tune.half_arith.refuse_without_fp16`) and
+    :func:`_refuse_unchecked_log`."""
+    from .half_arith import refuse_without_fp16
+    _refuse_float32_only(precision, cache_features, memory_budget)
+    refuse_without_fp16(precision, target, device, device_profile, log, check_records, progress)
+    _refuse_unchecked_log(target, log, check_records)
 
 
 def _write_libraries(out_dir: str, mods: _GraphModules, target: tvm.target.Target, rules,
@@ -287,7 +300,7 @@ def export(out_dir: str, model, tensors: dict[str, np.ndarray], target: tvm.targ
            classes: list[str] | None = None, progress=print, device: dict | None = None,
            stock_defaults: bool = False, check_records: bool = True,
            cache_features: bool = False, precision: str = "float32",
-           memory_budget: int | None = None) -> Manifest:
+           memory_budget: int | None = None, device_profile: dict | None = None) -> Manifest:
     """Compile and write the export folder (see the module docstring); returns its manifest.
 
     ``tensors``: parameters and states (float32, shapes of ``models.spec``); ``batch``: images
@@ -298,18 +311,21 @@ def export(out_dir: str, model, tensors: dict[str, np.ndarray], target: tvm.targ
     wrong one left out (:func:`thomas_tune.build_plan.check_plan`; the manifest's
     ``record_check``); ``cache_features``: the step split at the frozen part's output is
     compiled too (``train --cache-features``; the manifest's ``features``); ``precision``:
-    ``float32`` or ``mixed16`` (:mod:`thomas_tune.half_storage`); ``memory_budget``: bytes the
+    ``float32``, ``mixed16`` (:mod:`thomas_tune.half_storage`) or ``autocast16``
+    (:mod:`thomas_tune.half_arith`: only where ``device_profile``, ``device`` or the target
+    says the device reports ``cl_khr_fp16``); ``memory_budget``: bytes the
     step may hold, recomputing what :func:`thomas_tune.memory_plan.plan_for_budget` chooses.
     Raises, before compiling anything, ValueError for a bad trainable set, optimizer or
-    precision (``mixed16`` with ``cache_features`` or ``memory_budget`` too), for
-    ``cache_features`` whose frozen part changes between steps, for a ``log`` no device here
+    precision (``mixed16`` or ``autocast16`` with ``cache_features`` or ``memory_budget``
+    too; ``autocast16`` for a device without ``cl_khr_fp16``), for ``cache_features`` whose
+    frozen part changes between steps, for a ``log`` no device here
     can check while ``check_records`` is True, for a foreign host without a cross compiler,
     and :class:`thomas_tune.recompute.BudgetError` (naming the smallest budget that fits).
     A log of another code-generation version is used with a message (the manifest's
     ``tuning_log_codegen``); the ``export`` verb refuses it.
     """
-    _refuse_float32_only(precision, cache_features, memory_budget)
-    _refuse_unchecked_log(target, log, check_records)
+    _refuse_before_work(target, log, check_records, precision, cache_features, memory_budget,
+                        device, device_profile, progress)
     plan, budget = _budget_plan(model, batch, trainable, optimizer, memory_budget,
                                 cache_features, progress)
     os.makedirs(out_dir, exist_ok=True)

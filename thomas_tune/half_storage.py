@@ -39,8 +39,9 @@ import re
 import tvm
 from tvm import relax
 
-#: the precisions an export takes: float32 throughout, or float16 storage of the layer outputs
-PRECISIONS = ("float32", "mixed16")
+#: the precisions an export takes: float32 throughout, float16 storage of the layer outputs, or
+#: autocast float16's arithmetic on a device with cl_khr_fp16 (:mod:`thomas_tune.half_arith`)
+PRECISIONS = ("float32", "mixed16", "autocast16")
 #: Relax operators whose result is a stored layer output (module docstring; and ``multiply`` by
 #: a function input, a dropout mask). An inference-form BatchNorm's output (an ``add``) is stored
 #: before its activation: rounding commutes with ReLU and ReLU6 (0 and 6 are float16 values)
@@ -55,7 +56,9 @@ def check_precision(precision: str) -> str:
     """``precision`` when it is one of :data:`PRECISIONS`; ValueError naming them otherwise."""
     if precision not in PRECISIONS:
         raise ValueError(f"precision {precision!r}: use one of {', '.join(PRECISIONS)} "
-                         "(mixed16: activations stored as float16, arithmetic in float32)")
+                         "(mixed16: activations stored as float16, arithmetic in float32; "
+                         "autocast16: convolutions and matrix products on float16 operands, "
+                         "for devices with cl_khr_fp16)")
     return precision
 
 
@@ -307,9 +310,14 @@ def apply_precision(precision: str, train_mod: tvm.IRModule, infer_mod: tvm.IRMo
     """The training module (its ``train_adjoint`` and ``predict`` at ``batch`` images) and the
     inference module (``predict`` at ``infer_batch``) of a graph built at ``precision``
     (:data:`PRECISIONS`): as they are for float32, their layer outputs stored as float16
-    (:func:`round_stored`) for mixed16. Raises ValueError for another precision."""
+    (:func:`round_stored`) for mixed16 (autocast16's are
+    :func:`thomas_tune.half_arith.apply_precision`'s). Raises ValueError for another
+    precision."""
     from .manifest import ADJOINT, PREDICT
     if check_precision(precision) == "float32":
         return train_mod, infer_mod
+    if precision != "mixed16":
+        raise ValueError(f"precision {precision!r} is built by thomas_tune.half_arith."
+                         "apply_precision")
     return (round_module(train_mod, {ADJOINT: batch, PREDICT: batch}),
             round_module(infer_mod, {PREDICT: infer_batch}))

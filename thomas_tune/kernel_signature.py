@@ -24,6 +24,7 @@ times (:mod:`thomas_tune.logs.codegen` fingerprints ``opencl_source.py``, not th
 from __future__ import annotations
 
 import contextlib
+import os
 import re
 
 #: OpenCL C scalar types of kernel arguments that TVM's OpenCL runtime packs (int32, int64,
@@ -91,13 +92,16 @@ def check_source(source: str) -> str:
 def _postproc(code: str, target=None) -> str:
     from . import half_storage, opencl_source
     code = check_source(code)
-    if not _NATIVE_HALF[0]:
+    if not (_NATIVE_HALF[0] or os.environ.get(NATIVE_HALF_ENV) == "1"):
         code = half_storage.rewrite_half_access(code)
     return opencl_source._postproc(code, target)
 
 
 #: while True (:func:`native_half`), :func:`_postproc` leaves half arithmetic as it is
 _NATIVE_HALF = [False]
+#: the same for a whole process and the processes it starts (``tune --precision autocast16``,
+#: whose candidates are built in builder processes) while this variable is "1"
+NATIVE_HALF_ENV = "THOMAS_TUNE_NATIVE_HALF"
 
 
 @contextlib.contextmanager

@@ -173,12 +173,14 @@ def check_export(export_dir: str, profile: dict, mode: str = "train") -> list[st
     for a run of ``mode`` (``train``: the training step's tensors and ``train.so``'s kernels,
     ``infer``: the inference module's, ``export``: both). Returns warnings (lines: the step's
     peak, an upper bound, over the global memory; an export whose manifest lists no step
-    tensors). Raises :class:`DeviceLimitError` naming the first tensor over the largest
+    tensors). Raises :class:`DeviceLimitError` for an autocast16 export and a device without
+    ``cl_khr_fp16``, naming the first tensor over the largest
     allocation, the resident tensors over the global memory, a kernel over the local memory,
     or the target's work-group size over the device's, each with the fix."""
     manifest = Manifest.read(export_dir)
     props, sources = profile["properties"], profile.get("sources", {})
     where = f"the device {props.get('device_name', '?')!r} (profile of key {profile.get('key')!r})"
+    _check_half_arithmetic(manifest, props, where)
     modes = ("train", "infer") if mode == "export" else (mode,)
     warnings = []
     alloc, memory = int(props["max_alloc_bytes"]), int(props["global_memory_bytes"])
@@ -208,6 +210,26 @@ def check_export(export_dir: str, profile: dict, mode: str = "train") -> list[st
                             "export with a smaller batch")
     _check_kernels(export_dir, manifest, modes, props, where)
     return warnings
+
+
+def _check_half_arithmetic(manifest: dict, props: dict, where: str) -> None:
+    """DeviceLimitError for an export of ``--precision autocast16`` (half arithmetic) and a
+    device whose profile says it has no ``cl_khr_fp16`` (its extension list, else its
+    ``fp16``): its OpenCL programs would fail to build there. Nothing where the profile does
+    not say."""
+    if manifest.get("precision") != "autocast16":
+        return
+    if "extensions" in props:
+        has = "cl_khr_fp16" in str(props["extensions"]).split()
+    elif "fp16" in props:
+        has = bool(props["fp16"])
+    else:
+        return
+    if not has:
+        raise DeviceLimitError(
+            f"the export computes in float16 (--precision autocast16), which OpenCL C allows "
+            f"only with cl_khr_fp16, and {where} does not report it: export again with "
+            "--precision mixed16 (float16 storage, core OpenCL on every device)")
 
 
 def _check_kernels(export_dir, manifest, modes, props, where) -> None:

@@ -30,12 +30,25 @@ def export_model(args, out: str) -> dict:
                                     getattr(args, "key", None), args.log,
                                     wait_s=getattr(args, "wait", 60))
     return export(out, model, tensors, target, batch=args.batch,
+                  device_profile=_profile_for_precision(args),
                   infer_batch=args.infer_batch, trainable=args.trainable,
                   optimizer=optimizer_config(args), log=log, classes=classes, device=device,
                   cache_features=getattr(args, "cache_features", False),
                   check_records=not getattr(args, "no_check", False),
                   precision=getattr(args, "precision", "float32"),
                   memory_budget=budget_bytes(getattr(args, "memory_budget", None)))
+
+
+def _profile_for_precision(args) -> dict | None:
+    """The device profile that says whether the device reports cl_khr_fp16 (``--precision
+    autocast16``): ``--device-profile``, or ``--log``'s device_profile.json; None for another
+    precision or without one."""
+    if getattr(args, "precision", "float32") != "autocast16":
+        return None
+    from ..limits import find_profile
+    from ..rpc.probe import read_profile
+    path = getattr(args, "device_profile", None) or find_profile(args.log)
+    return read_profile(path) if path else None
 
 
 def _check_against_profile(args) -> None:

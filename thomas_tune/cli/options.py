@@ -156,16 +156,22 @@ def optimizer_config(args):
 
 
 def add_precision_arg(p) -> None:
-    p.add_argument("--precision", default="float32", choices=["float32", "mixed16"],
+    p.add_argument("--precision", default="float32",
+                   choices=["float32", "mixed16", "autocast16"],
                    help="float32 (default), or mixed16: the activations the step keeps between "
                    "kernels stored as float16 and read back as float32, arithmetic, weights, "
-                   "gradients, optimizer state and BatchNorm statistics in float32 (its "
-                   "kernels are workloads of their own)")
+                   "gradients, optimizer state and BatchNorm statistics in float32; or "
+                   "autocast16 (PyTorch's autocast float16, only for a device that reports "
+                   "cl_khr_fp16: the target's device family or --device-profile says so): "
+                   "convolutions and matrix products on float16 operands accumulating in "
+                   "float32, element-wise layers in float16, BatchNorm statistics, loss, "
+                   "gradients and weights in float32 (each precision's kernels are workloads "
+                   "of their own)")
 
 
 def model_graphs(args, model):
     from .. import graph as G
-    from ..half_storage import apply_precision
+    from ..half_arith import apply_precision
     train = G.training_module(model, args.batch, args.trainable, optimizer_config(args),
                               features=getattr(args, "cache_features", False)).mod
     train, infer = apply_precision(getattr(args, "precision", "float32"), train,

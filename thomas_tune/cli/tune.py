@@ -130,6 +130,24 @@ def _choose_tasks(args, everything: list, pool: list, target, runner, log) -> tu
     return tasks, measure_defaults(tasks, target, runner, log, builder_workers=args.build_workers)
 
 
+def _native_half_for_tuning(args, target, device) -> None:
+    """For ``--precision autocast16``: refused unless the device reports cl_khr_fp16
+    (:func:`thomas_tune.half_arith.require_fp16`, from ``--device-profile``, the server's
+    extension list or the target), else every kernel of this process and the builders it
+    starts is built in the native form (:data:`thomas_tune.kernel_signature.NATIVE_HALF_ENV`)."""
+    if getattr(args, "precision", "float32") != "autocast16":
+        return
+    from ..half_arith import require_fp16
+    from ..kernel_signature import NATIVE_HALF_ENV
+    from ..limits import find_profile
+    from ..rpc.probe import read_profile
+    path = getattr(args, "device_profile", None) or find_profile(args.log)
+    why = require_fp16("autocast16", target, device, read_profile(path) if path else None)
+    print(f"--precision autocast16: the device reports cl_khr_fp16 ({why}); candidates are "
+          "built with half arithmetic", flush=True)
+    os.environ[NATIVE_HALF_ENV] = "1"
+
+
 def cmd_tune(args) -> int:
     from .. import rpc
     from ..tasks import extract, summary
@@ -141,6 +159,7 @@ def cmd_tune(args) -> int:
     target, device = resolve_target(args.target, args.host, rpc.parse_address(args.tracker),
                                     args.key, wait_s=args.wait)  # opencl:remote: the server's
     cross_compiler(target)  # a missing or wrong cross compiler fails before any work
+    _native_half_for_tuning(args, target, device)
     pattern = _match_pattern(args)
     tracker = rpc.parse_address(args.tracker)
     rpc.wait_for_key(tracker, args.key, timeout=args.wait)
