@@ -313,17 +313,15 @@ def export(out_dir: str, model, tensors: dict[str, np.ndarray], target: tvm.targ
     compiled too (``train --cache-features``; the manifest's ``features``); ``precision``:
     ``float32``, ``mixed16`` (:mod:`thomas_tune.half_storage`) or ``autocast16``
     (:mod:`thomas_tune.half_arith`: only where ``device_profile``, ``device`` or the target
-    says the device reports ``cl_khr_fp16``); ``memory_budget``: bytes the
-    step may hold, recomputing what :func:`thomas_tune.memory_plan.plan_for_budget` chooses.
-    Raises, before compiling anything, ValueError for a bad trainable set, optimizer or
-    precision (``mixed16`` or ``autocast16`` with ``cache_features`` or ``memory_budget``
-    too; ``autocast16`` for a device without ``cl_khr_fp16``), for ``cache_features`` whose
-    frozen part changes between steps, for a ``log`` no device here
-    can check while ``check_records`` is True, for a foreign host without a cross compiler,
-    and :class:`thomas_tune.recompute.BudgetError` (naming the smallest budget that fits).
-    A log of another code-generation version is used with a message (the manifest's
-    ``tuning_log_codegen``); the ``export`` verb refuses it.
-    """
+    says the device reports ``cl_khr_fp16``); ``memory_budget``: bytes the step may hold,
+    recomputing what :func:`thomas_tune.memory_plan.plan_for_budget` chooses. Raises, before
+    compiling anything, ValueError for a bad trainable set, optimizer or precision (a half one
+    with ``cache_features`` or ``memory_budget``; ``autocast16`` for a device without
+    ``cl_khr_fp16``), for ``cache_features`` whose frozen part changes between steps, for a
+    ``log`` no device here can check while ``check_records`` is True, for a foreign host
+    without a cross compiler, and :class:`thomas_tune.recompute.BudgetError` (naming the
+    smallest budget that fits). A log of another code-generation version is used with a
+    message (the manifest's ``tuning_log_codegen``); the ``export`` verb refuses it."""
     _refuse_before_work(target, log, check_records, precision, cache_features, memory_budget,
                         device, device_profile, progress)
     plan, budget = _budget_plan(model, batch, trainable, optimizer, memory_budget,
