@@ -53,7 +53,7 @@ def main() -> None:
             x, y = batch(model, b, seed)
 
             def torch_step(dtype):
-                loss, _, params, names = torch_forward(model, tensors, manifest["trainable"],
+                loss, _, params, names = torch_forward(model, tensors, manifest.trainable,
                                                        x, y, dtype=dtype)
                 grads = torch.autograd.grad(loss, params)
                 return float(loss.detach()), {n: g.detach().double().numpy()

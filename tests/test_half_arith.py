@@ -116,7 +116,7 @@ _HALF_ARITH = re.compile(r"\(half\)\(|max\(\(half\)|\bhalf \w+ = ")
 
 def test_the_adreno_build_takes_the_native_form_only_at_autocast16(adreno_exports):
     _, manifest, kernels = adreno_exports["autocast16"]
-    assert manifest["precision"] == "autocast16"
+    assert manifest.precision == "autocast16"
     for lib, found in kernels.items():
         source = "".join(found.values())
         assert "vload_half" not in source and "vstore_half" not in source, lib
@@ -124,7 +124,7 @@ def test_the_adreno_build_takes_the_native_form_only_at_autocast16(adreno_export
         # the code generator's pragma block, with its #error for a device without it
         assert "#error \"Half precision floating point not supported" in source, lib
     _, manifest, kernels = adreno_exports["mixed16"]
-    assert manifest["precision"] == "mixed16"
+    assert manifest.precision == "mixed16"
     source = "".join(kernels["train.so"].values())
     assert "vload_half" in source and "vstore_half" in source
     # float16 pointers declared, never loaded from or stored to, and no half arithmetic
@@ -166,7 +166,7 @@ def mobilenet_native(tmp_path_factory):
     folder = str(tmp_path_factory.mktemp("mobilenet_v2"))
     manifest = export(folder, model, init_params(model), parse_target(A540), batch=4,
                       infer_batch=2, precision="autocast16", progress=lambda *_: None)
-    assert manifest["precision"] == "autocast16"
+    assert manifest.precision == "autocast16"
     return {lib: library_kernels(os.path.join(folder, lib)) for lib in ("train.so",
                                                                        "inference.so")}
 
@@ -466,10 +466,10 @@ def _step_errors(name: str, tmp_path, seeds=(0, 1, 2)) -> tuple[list, list, list
     out = str(tmp_path / "export")
     manifest = export(out, model, tensors, parse_target("llvm"), batch=8,
                       precision="autocast16", progress=lambda *_: None)
-    assert manifest["precision"] == "autocast16"
+    assert manifest.precision == "autocast16"
 
     def torch_grads(dtype):
-        loss, _, params, names = torch_forward(model, tensors, manifest["trainable"], x, y,
+        loss, _, params, names = torch_forward(model, tensors, manifest.trainable, x, y,
                                                dtype=dtype)
         grads = torch.autograd.grad(loss, params)
         return float(loss.detach()), {n: g.detach().double().numpy()

@@ -42,7 +42,7 @@ import contextlib
 import tvm
 from tvm import relax
 
-from .half_storage import _is_layer_output, _Rounder
+from .half_storage import _Rounder, map_functions, rewritten
 
 #: the precision name (``export --precision``): autocast float16
 AUTOCAST16 = "autocast16"
@@ -210,21 +210,10 @@ class _Autocast(_Rounder):
         self.half[b.var] = h
         return True
 
-    def block(self, block, forward: bool):
-        dataflow = isinstance(block, relax.DataflowBlock)
-        out = []
-        for b in block.bindings:
-            if "_adjoint" in b.var.name:
-                forward = False
-            if forward and self.half_form(b, dataflow, out):
-                continue
-            value = self.reads(b.value, dataflow, out)
-            out.append(relax.VarBinding(b.var, value) if value is not b.value else b)
-            if forward and _is_layer_output(b.value, b.var.ty, self.batch, self.params):
-                h = self._var(b.var, "float16", dataflow)
-                out.append(relax.VarBinding(h, self.cast(b.var, "float16")))
-                self.half[b.var] = h
-        return (relax.DataflowBlock(out) if dataflow else relax.BindingBlock(out)), forward
+    def before_result(self, func: relax.Function) -> None:
+        """A parameter returned as it is stays the float32 master value."""
+        self.half = {s: h for s, h in self.half.items()
+                     if not any(s.same_as(p) for p in func.params)}
 
 
 def autocast_function(func: relax.Function, batch: int) -> relax.Function:
@@ -232,33 +221,15 @@ def autocast_function(func: relax.Function, batch: int) -> relax.Function:
     images ``batch`` per call) with autocast float16's arithmetic (module docstring), marked
     with :data:`MARK_ATTR`. The function's results (loss, gradients, logits) are float32.
     A function with no product is returned as it is."""
-    r = _Autocast(batch, func.params)
-    blocks, forward = [], True
-    for block in func.body.blocks:
-        new, forward = r.block(block, forward)
-        blocks.append(new)
-    if not r.half:
-        return func
-    for p in func.params:  # a parameter returned as it is stays the float32 master value
-        r.half = {s: h for s, h in r.half.items() if not s.same_as(p)}
-    tail: list = []
-    body = r.reads(func.body.body, False, tail)
-    if tail:
-        blocks.append(relax.BindingBlock(tail))
-    out = relax.Function(func.params, relax.SeqExpr(blocks, body), func.ret_ty, func.is_pure,
-                         func.attrs)
-    return r.bb.normalize(out).with_attr(MARK_ATTR, True)
+    out = rewritten(func, _Autocast(batch, func.params))
+    return func if out is None else out.with_attr(MARK_ATTR, True)
 
 
 def autocast_module(mod: tvm.IRModule, batches: dict[str, int]) -> tvm.IRModule:
     """``mod`` with :func:`autocast_function` applied to each function named in ``batches``
     (name -> its batch size); each rewritten function is marked (:data:`MARK_ATTR`) to be
     built in the native form."""
-    out = mod.clone() if hasattr(mod, "clone") else tvm.IRModule(mod.functions, attrs=mod.attrs)
-    for name, batch in batches.items():
-        gv = out.get_global_var(name)
-        out[gv] = autocast_function(out[gv], batch)
-    return out
+    return map_functions(mod, batches, lambda func, batch: autocast_function(func, batch))
 
 
 def apply_precision(precision: str, train_mod: tvm.IRModule, infer_mod: tvm.IRModule,

@@ -142,6 +142,15 @@ class _Rounder:
                 table[v] = c
         return _Replace(table).visit_expr(expr) if table else expr
 
+    def half_form(self, b, dataflow: bool, out: list) -> bool:
+        """A forward binding ``b`` computed in float16 instead, its bindings appended to
+        ``out``: True when done. Here never: storage only, arithmetic stays float32
+        (:class:`thomas_tune.half_arith._Autocast` computes some ops in float16)."""
+        return False
+
+    def before_result(self, func: relax.Function) -> None:
+        """Called once the blocks of ``func`` are rewritten, before its result is read back."""
+
     def block(self, block, forward: bool):
         """``block`` rewritten (module docstring); ``forward``: still in the forward pass."""
         dataflow = isinstance(block, relax.DataflowBlock)
@@ -149,6 +158,8 @@ class _Rounder:
         for b in block.bindings:
             if "_adjoint" in b.var.name:
                 forward = False
+            if forward and self.half_form(b, dataflow, out):
+                continue
             value = self.reads(b.value, dataflow, out)
             out.append(relax.VarBinding(b.var, value) if value is not b.value else b)
             if forward and _is_layer_output(b.value, b.var.ty, self.batch, self.params):
@@ -158,18 +169,16 @@ class _Rounder:
         return (relax.DataflowBlock(out) if dataflow else relax.BindingBlock(out)), forward
 
 
-def round_stored(func: relax.Function, batch: int) -> relax.Function:
-    """``func`` (a step's adjoint or a ``predict`` function, its gradient already built) with
-    its layer outputs stored as float16 and read back as float32 (module docstring); ``batch``
-    is its batch size (the first axis of the tensors that are activations). A function with no
-    layer output is returned as it is."""
-    r = _Rounder(batch, func.params)
+def rewritten(func: relax.Function, r: _Rounder) -> relax.Function | None:
+    """``func`` rewritten block by block by ``r`` (a :class:`_Rounder` made for it), its result
+    read back as float32; None when ``r`` stored nothing in half."""
     blocks, forward = [], True
     for block in func.body.blocks:
         new, forward = r.block(block, forward)
         blocks.append(new)
     if not r.half:
-        return func
+        return None
+    r.before_result(func)
     tail: list = []
     body = r.reads(func.body.body, False, tail)
     if tail:
@@ -179,14 +188,28 @@ def round_stored(func: relax.Function, batch: int) -> relax.Function:
     return r.bb.normalize(out)
 
 
-def round_module(mod: tvm.IRModule, batches: dict[str, int]) -> tvm.IRModule:
-    """``mod`` with :func:`round_stored` applied to each function named in ``batches``
-    (function name -> its batch size); other functions as they are."""
+def round_stored(func: relax.Function, batch: int) -> relax.Function:
+    """``func`` (a step's adjoint or a ``predict`` function, its gradient already built) with
+    its layer outputs stored as float16 and read back as float32 (module docstring); ``batch``
+    is its batch size (the first axis of the tensors that are activations). A function with no
+    layer output is returned as it is."""
+    return rewritten(func, _Rounder(batch, func.params)) or func
+
+
+def map_functions(mod: tvm.IRModule, batches: dict[str, int], rewrite) -> tvm.IRModule:
+    """A copy of ``mod`` with ``rewrite(func, batch)`` applied to each function named in
+    ``batches`` (function name -> its batch size); other functions as they are."""
     out = mod.clone() if hasattr(mod, "clone") else tvm.IRModule(mod.functions, attrs=mod.attrs)
     for name, batch in batches.items():
         gv = out.get_global_var(name)
-        out[gv] = round_stored(out[gv], batch)
+        out[gv] = rewrite(out[gv], batch)
     return out
+
+
+def round_module(mod: tvm.IRModule, batches: dict[str, int]) -> tvm.IRModule:
+    """``mod`` with :func:`round_stored` applied to each function named in ``batches``
+    (function name -> its batch size); other functions as they are."""
+    return map_functions(mod, batches, round_stored)
 
 
 # ---- OpenCL C: float16 memory through vload_half / vstore_half ------------------------------

@@ -212,12 +212,12 @@ def check_export(export_dir: str, profile: dict, mode: str = "train") -> list[st
     return warnings
 
 
-def _check_half_arithmetic(manifest: dict, props: dict, where: str) -> None:
+def _check_half_arithmetic(manifest: Manifest, props: dict, where: str) -> None:
     """DeviceLimitError for an export of ``--precision autocast16`` (half arithmetic) and a
     device whose profile says it has no ``cl_khr_fp16`` (its extension list, else its
     ``fp16``): its OpenCL programs would fail to build there. Nothing where the profile does
     not say."""
-    if manifest.get("precision") != "autocast16":
+    if manifest.precision != "autocast16":
         return
     if "extensions" in props:
         has = "cl_khr_fp16" in str(props["extensions"]).split()
