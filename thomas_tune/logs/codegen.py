@@ -23,8 +23,10 @@ another Python (the GPU machine's 3.12) keeps its version here. The version's ``
 
 The stamp is ``codegen.json`` in the log folder (:data:`STAMP`): the version that *every*
 record of the folder was measured with. It is written when a run starts measuring into a
-folder with no records (``tune``, ``remeasure --restamp``); a folder without it (every log
-made before stamps, or by another tool) is of *unknown* version. The device's own OpenCL
+folder with no records (``tune``, ``remeasure --restamp``), or rewritten for a new version
+whose kernels are byte-identical to the stamped one's for every record (``log carry``,
+:mod:`.carry`); a folder without it (every log made before stamps, or by another tool) is of
+*unknown* version. The device's own OpenCL
 compiler (its driver and ``THOMAS_TUNE_OPENCL_OPTIONS``) belongs to the device, not to the
 stamp; the default-schedule times of ``default_latency.json`` carry their own check
 (:func:`thomas_tune.tuning.defaults.defaults_stamp` and one key per timed kernel).
