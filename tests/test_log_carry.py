@@ -64,6 +64,7 @@ def test_identical_kernels_carry_the_log(tmp_path, capsys):
     assert stamp["id"] == codegen.current()["id"]
     old_id = _old_version()["id"]
     assert stamp["how"] == f"carried: 3 records' kernels identical to version {old_id}"
+    assert stamp["carried_from"]["id"] == old_id and stamp["carried_from"]["how"] == "tune"
     assert TuningLog(log).version().status == "current"
 
 

@@ -23,8 +23,8 @@ Python imports). :func:`carry` then compares them with the digests under this in
 when every record's and default schedule's digest is the same (byte-identical kernels), the
 digests of the old version were made by the version the log is stamped with and cover exactly
 the log's records, is the log restamped with this installation's version (``"how"``: ``carried:
-N records' kernels identical to version OLD``). Otherwise nothing is written and
-:class:`CarryRefused` names the records that differ.
+N records' kernels identical to version OLD``; the old stamp kept as ``"carried_from"``).
+Otherwise nothing is written and :class:`CarryRefused` names the records that differ.
 """
 
 from __future__ import annotations
@@ -277,7 +277,7 @@ def carry(log_path: str, old: Digests, new: Digests | None = None, progress=None
             f"--log {log_path} ...')")
     errors = sum(1 for k in keys if new.records[k].startswith("error:"))
     write_stamp(log_path, f"carried: {len(keys)} records' kernels identical to version "
-                          f"{stamped}")
+                          f"{stamped}", carried_from=version.stamp)
     return CarryReport(stamped, now["id"], len(keys), len(default_keys), errors)
 
 

@@ -139,12 +139,17 @@ def read_version(path: str) -> LogVersion:
     return LogVersion("other", stamp, differs)
 
 
-def write_stamp(path: str, how: str, stamp: dict | None = None) -> None:
+def write_stamp(path: str, how: str, stamp: dict | None = None,
+                carried_from: dict | None = None) -> None:
     """Stamp the log folder ``path`` (atomically) with ``stamp`` (default: :func:`current`);
-    ``how`` says what measured its records (kept in the stamp for people)."""
+    ``how`` says what measured its records (kept in the stamp for people); ``carried_from``:
+    the stamp it replaces, for a log carried over to this version (:mod:`.carry`), kept in it
+    as ``"carried_from"`` (what measured the records, and when)."""
     body = dict(stamp or current())
     body = {"id": body["id"], "components": body["components"], "how": how,
             "stamped": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    if carried_from is not None:
+        body["carried_from"] = carried_from
     os.makedirs(path, exist_ok=True)
     write_atomically(os.path.join(path, STAMP), json.dumps(body, indent=1) + "\n")
 
