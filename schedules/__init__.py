@@ -10,7 +10,8 @@ so cross-thread reductions use plain workgroup barriers).
 One rule family per module: :mod:`.space` (the design space per target), :mod:`.tiling`,
 :mod:`.padding`, :mod:`.split_reduction`, :mod:`.matmul_tiles`, :mod:`.skinny`, :mod:`.unroll`,
 :mod:`.transfer` (schedules moved between twin kernels), :mod:`.defaults` (default schedules of
-untuned kernels), :mod:`.winograd`, :mod:`.accumulate` (long sums in two levels, after
+untuned kernels: the rules in :mod:`.default_rules`, kept by :mod:`.schedule_cache`; the CPU
+passes in :mod:`.cpu_splits`), :mod:`.winograd`, :mod:`.accumulate` (long sums in two levels, after
 scheduling); :mod:`.traces`, :mod:`.blocks` and :mod:`.intrinsics` hold
 what they share. This package re-exports their public names.
 """
@@ -18,11 +19,11 @@ what they share. This package re-exports their public names.
 from .accumulate import (CHAIN, MAX_ACCUMULATORS, TwoLevelSums, tir_pipeline,
                          two_level_sums)
 from .blocks import contraction, padding_block, strided_read, tuple_reduction
-from .defaults import (GPU_RULES, STOCK_RULES, LeadingLoops, LongGeneralReduction, LongReduction,
-                       LongRowReduction, ReductionEpilogue, WideMatmul, default_gpu_schedules,
-                       default_schedules,
-                       dlight_target, reduction_shape, shared_bytes, split_long_loops,
-                       split_long_sums)
+from .cpu_splits import LONG_LOOP, split_long_loops, split_long_sums
+from .default_rules import (GPU_RULES, STOCK_RULES, LeadingLoops, LongGeneralReduction,
+                            LongReduction, LongRowReduction, ReductionEpilogue, WideMatmul,
+                            reduction_shape)
+from .defaults import default_gpu_schedules, default_schedules, dlight_target, shared_bytes
 from .intrinsics import load_tensor_intrinsics
 from .padding import (KEEP_PADDING, PaddingInFill, pad_in_fill, pads_a_contraction,
                       with_padding_in_fill)
@@ -36,7 +37,7 @@ from .unroll import UNROLL_STEPS, sampled_unroll, unroll_steps, with_unroll, wit
 from .winograd import WinogradTransform
 
 __all__ = [
-    "CHAIN", "MAX_ACCUMULATORS", "TwoLevelSums", "tir_pipeline", "two_level_sums",
+    "CHAIN", "LONG_LOOP", "MAX_ACCUMULATORS", "TwoLevelSums", "tir_pipeline", "two_level_sums",
     "GPU_RULES", "KEEP_PADDING", "SPLIT_MAX_OUTPUTS", "SPLIT_MIN_TERMS", "SPLIT_PARTIALS",
     "STOCK_RULES", "UNROLL_STEPS", "LeadingLoops", "LongGeneralReduction", "LongReduction",
     "LongRowReduction", "PaddingInFill", "ReductionEpilogue", "SplitReduction", "Tiling",

@@ -78,8 +78,31 @@ def transferred(trace_json, donor: tvm.IRModule, mod: tvm.IRModule):
     donor_sch = tvm.s_tir.Schedule(donor)
     theirs = {donor_sch.get(b).name_hint for b in _blocks(donor_sch)}
     sch = tvm.s_tir.Schedule(mod)
-    ours = _blocks(sch)
-    names = [sch.get(b).name_hint for b in ours]
+    names = [sch.get(b).name_hint for b in _blocks(sch)]
+    kept = _kept(insts, names)
+    if kept is None:
+        return None
+    keep, func, gone = kept
+    extra = [n for n in names if n not in theirs]
+    placements = _placements(sch, extra)
+    if placements is None or not extra and not gone:
+        return None  # no contraction; or the same blocks: the donor's trace as it is
+    used = {v for ins in insts for v in ins[3]}
+    for order, first in placements:
+        out = _with_inlines(insts, decisions, keep, order, first, func, used)
+        try:
+            tvm.s_tir.schedule.Trace.apply_json_to_schedule(out, tvm.s_tir.Schedule(mod))
+        except Exception:  # TVM's ScheduleError: a step that needs the donor's structure
+            continue
+        return out
+    return None
+
+
+def _kept(insts: list, names: list[str]) -> tuple[list[int], str, bool] | None:
+    """(positions of the instructions of a donor's trace ``insts`` kept for a kernel whose
+    blocks are ``names``, the function its block lookups name, whether the donor has blocks
+    the kernel lacks); None when the trace does more than inline such a block. Dropped: the
+    lookups and inlines of the blocks the kernel lacks, and lookups of blocks nothing uses."""
     gone = set()  # trace variables of the donor's blocks that mod lacks
     func = "main"
     for ins in insts:
@@ -100,47 +123,54 @@ def transferred(trace_json, donor: tvm.IRModule, mod: tvm.IRModule):
                 return None  # the donor schedules that block: nothing to map it to
             continue
         keep.append(i)
+    return keep, func, bool(gone)
+
+
+def _placements(sch: tvm.s_tir.Schedule, extra: list[str]) -> list | None:
+    """The two placements of the inlines of the blocks ``extra`` (those only the kernel of
+    ``sch`` has), each ``([(instruction kind, block name), ...], before the donor's steps)``;
+    None when the kernel has no single contraction.
+
+    First, before the donor's steps: the blocks after the contraction into their producers,
+    the blocks that only feed those into their consumers (a ReLU after a bias add). Else after
+    them, as multi-level tiling fuses an epilogue: the epilogue's tail into its producers, last
+    first; the blocks that read the contraction's result into their consumers; the blocks that
+    only feed the epilogue (BatchNorm's scale from its statistics) into theirs; then what is
+    left into the block that writes the result back (the donor's own epilogue, or its copy out
+    of registers)."""
     anchor = _anchor(sch)
     if anchor is None:
         return None
+    ours = _blocks(sch)
+    names = [sch.get(b).name_hint for b in ours]
     after = set(_reach(sch, anchor, sch.get_consumers))  # downstream of the contraction
     direct = {sch.get(c).name_hint for c in sch.get_consumers(anchor)}
     block = {sch.get(b).name_hint: b for b in ours}
     producers = {n: {sch.get(p).name_hint for p in sch.get_producers(block[n])} for n in names}
-    extra = [n for n in names if n not in theirs]
-    if not extra and not gone:
-        return None  # the same blocks: the donor's trace as it is, nothing to transfer
-    # two placements of the inlines, tried in turn. First, before the donor's steps: the
-    # blocks after the contraction into their producers, the blocks that only feed those into
-    # their consumers (a ReLU after a bias add). Else after them, as multi-level tiling fuses
-    # an epilogue: the epilogue's tail into its producers, last first; the blocks that read
-    # the contraction's result into their consumers; the blocks that only feed the epilogue
-    # (BatchNorm's scale from its statistics) into theirs; then what is left into the block
-    # that writes the result back (the donor's own epilogue, or its copy out of registers)
     feeders = [("ComputeInline", n) for n in reversed(extra) if n not in after]
     tail = [n for n in reversed(extra) if n in after and n not in direct
             and not producers[n] & direct]
     readers = [n for n in reversed(extra) if n in direct and sch.get_consumers(block[n])]
-    placements = [
+    return [
         ([("ReverseComputeInline", n) for n in extra if n in after] + feeders, True),
         ([("ReverseComputeInline", n) for n in tail] + [("ComputeInline", n) for n in readers]
          + feeders + [("ReverseComputeInline", n) for n in extra
                       if n in after and n not in tail and n not in readers], False)]
-    used = {v for ins in insts for v in ins[3]}
-    for order, first in placements:
-        steps = []
-        for kind, name in order:
-            var = next(f"b{i}t" for i in range(len(used) + 1) if f"b{i}t" not in used)
-            used.add(var)
-            steps += [["GetSBlock", [], [name, func], [var]], [kind, [var], [], []]]
-        ahead = len(steps) if first else 0
-        where = {old: ahead + new for new, old in enumerate(keep)}
-        kept = [insts[i] for i in keep]
-        out = [steps + kept if first else kept + steps,
-               [[where[int(i)], d] for i, d in decisions if int(i) in where]]
-        try:
-            tvm.s_tir.schedule.Trace.apply_json_to_schedule(out, tvm.s_tir.Schedule(mod))
-        except Exception:  # TVM's ScheduleError: a step that needs the donor's structure
-            continue
-        return out
-    return None
+
+
+def _with_inlines(insts: list, decisions: list, keep: list[int], order: list, first: bool,
+                  func: str, used: set) -> list:
+    """The trace JSON ``[instructions, decisions]`` of the kept instructions ``keep`` of
+    ``insts`` with the inlines ``order`` (:func:`_placements`) before them (``first``) or
+    after; the decisions follow their instructions. New block variables ``b<i>t`` are taken
+    from those not in ``used`` (which gets them)."""
+    steps = []
+    for kind, name in order:
+        var = next(f"b{i}t" for i in range(len(used) + 1) if f"b{i}t" not in used)
+        used.add(var)
+        steps += [["GetSBlock", [], [name, func], [var]], [kind, [var], [], []]]
+    ahead = len(steps) if first else 0
+    where = {old: ahead + new for new, old in enumerate(keep)}
+    kept = [insts[i] for i in keep]
+    return [steps + kept if first else kept + steps,
+            [[where[int(i)], d] for i, d in decisions if int(i) in where]]

@@ -118,7 +118,7 @@ def test_a_long_update_loop_builds_for_a_cpu_within_bounded_memory(tmp_path, rng
     import subprocess
     import sys
 
-    from thomas_tune.schedules.defaults import LONG_LOOP
+    from thomas_tune.schedules import LONG_LOOP
 
     script = tmp_path / "build_update.py"
     script.write_text(_BUILD_UPDATE)

@@ -5,9 +5,7 @@ re-measure, its stamps and hashes, exports, checkpoints, the built OpenCL runtim
 through :func:`replacing`, so a reader, or a run killed meanwhile, sees the old file or the new
 one, never half of one. The rename is atomic because the temporary file sits in the same folder
 (POSIX ``rename(2)``). Files that grow by appended lines (MetaSchedule's records, failed
-trials) are not rewritten. One writer keeps its own: the disk cache of default schedules in
-``schedules/defaults.py``, since any change of code under ``schedules/`` makes a new
-code-generation version of every stamped tuning log (:mod:`thomas_tune.logs.codegen`).
+trials) are not rewritten.
 """
 
 from __future__ import annotations

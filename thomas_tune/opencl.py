@@ -33,7 +33,11 @@ class OpenCLUnavailable(RuntimeError):
     """The sidecar cannot be built or loaded here; the message says what is missing."""
 
 
-def _cache_dir() -> str:
+def cache_dir() -> str:
+    """The project's cache folder, made when missing: ``$THOMAS_TUNE_CACHE``, else
+    ``$XDG_CACHE_HOME/thomas_tune``, else ``~/.cache/thomas_tune``. The sidecar lives here, and
+    every other cache of thomas_tune (default schedules, unpacked logs, device peaks) keeps a
+    folder in it."""
     base = os.environ.get("THOMAS_TUNE_CACHE") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "thomas_tune")
     os.makedirs(base, exist_ok=True)
@@ -44,7 +48,7 @@ def library_path() -> str:
     """Where the sidecar for this source and this TVM lives (built or not)."""
     with open(SOURCE, "rb") as f:
         key = hashlib.sha256(f.read() + tvm.__version__.encode()).hexdigest()[:16]
-    return os.path.join(_cache_dir(), f"libtvm_runtime_opencl-{key}.so")
+    return os.path.join(cache_dir(), f"libtvm_runtime_opencl-{key}.so")
 
 
 def _find_opencl_lib() -> str | None:

@@ -14,11 +14,6 @@ from ..files import write_json_atomically
 PEAKS_FILE = "peaks.json"
 
 
-def _cache_dir() -> str:
-    from ..opencl import _cache_dir as base
-    return base()
-
-
 def device_description(target_kind: str, device) -> str:
     """A stable name of the device a target runs on: OpenCL device name and driver version, or
     the CPU model and thread count for ``llvm``. Used as the key of the peak cache."""
@@ -193,7 +188,8 @@ def measure_peaks(target, dev, refresh: bool = False, min_ms: float = 20.0) -> d
     """
     kind = target.kind.name
     key = device_description(kind, dev)
-    path = os.path.join(_cache_dir(), PEAKS_FILE)
+    from ..opencl import cache_dir  # the project's cache folder
+    path = os.path.join(cache_dir(), PEAKS_FILE)
     cache = {}
     if os.path.exists(path):
         try:

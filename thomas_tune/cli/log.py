@@ -1,5 +1,6 @@
-"""``thomas-tune log show|check|merge``: look into tuning logs, check one against a model, merge
-the logs of several devices or runs.
+"""``thomas-tune log show|check|merge|digests|carry|...``: look into tuning logs, check one
+against a model, merge the logs of several devices or runs, carry one over to a new code
+generation that makes the same kernels.
 
 * ``show LOG``: records per workload (failed trials counted apart), the best time of each, the
   targets measured, the failed trials' reasons by count (``trial_errors.jsonl``), and any line
@@ -13,6 +14,12 @@ the logs of several devices or runs.
   (:mod:`thomas_tune.logs.codegen`) is checked too: records of another version are flagged
   (exit status 1), a log of unknown version is reported as such.
 * ``merge SRC... --out DEST``: every distinct record of the sources, once, in ``DEST``.
+* ``digests LOG... --out-dir DIR``: the kernel digests of the logs' records under this
+  installation's code generation (:mod:`thomas_tune.logs.carry`), one file per log.
+* ``carry LOG --from-digests FILE``: the log restamped with this installation's code-generation
+  version when every record's kernel (and its workload's default schedule) is byte-identical to
+  the one its stamped version made (``FILE``: the digests made under that version's code, with
+  ``tools/kernel_digests.py``); refused, writing nothing, otherwise (exit status 1).
 * ``train-cost-model LOG... --out DIR``: MetaSchedule's XGBoost cost model trained on the logs'
   records (:mod:`thomas_tune.tuning.pretrained`), saved in ``DIR`` for ``tune --cost-model``.
 """
@@ -200,6 +207,38 @@ def cmd_unpack(args) -> int:
     return 0
 
 
+def cmd_digests(args) -> int:
+    """Write the kernel digests of each log's records into ``--out-dir``."""
+    from ..logs.carry import compute_digests, digests_name, write_digests
+    os.makedirs(args.out_dir, exist_ok=True)
+    for path in args.logs:
+        read_log(path)  # a clear error for a folder that holds no tuning log, before any work
+        digests = compute_digests(path)
+        out = os.path.join(args.out_dir, digests_name(path))
+        write_digests(digests, out)
+        print(f"{path}: {len(digests.records)} records, {len(digests.defaults)} default "
+              f"schedules digested under code generation {digests.codegen['id']} in "
+              f"{digests.seconds:.0f} s -> {out}")
+    return 0
+
+
+def cmd_carry(args) -> int:
+    """Restamp a log when its kernels are the same under this code generation; 1 if refused."""
+    from ..logs.carry import CarryRefused, carry, read_digests
+    read_log(args.log)
+    try:
+        old = read_digests(args.from_digests)
+        new = read_digests(args.digests) if args.digests else None
+        report = carry(args.log, old, new)
+    except CarryRefused as err:
+        print(f"refused: {err}")
+        return 1
+    print(f"carried {args.log} from code generation {report.old} to {report.new}: "
+          f"{report.records} records' kernels ({report.errors} failing to build under both) "
+          f"and {report.defaults} default schedules identical")
+    return 0
+
+
 def cmd_train_cost_model(args) -> int:
     """Train the cost model on the logs' records and save it in ``--out``
     (:func:`thomas_tune.tuning.pretrained.train_cost_model`)."""
@@ -217,7 +256,7 @@ def cmd_train_cost_model(args) -> int:
 
 
 def add_parser(sub) -> None:
-    """Add the ``log`` verb and its ``show``/``check``/``merge`` sub-verbs to ``sub``."""
+    """Add the ``log`` verb and its sub-verbs to ``sub``."""
     s = sub.add_parser("log", help="show a tuning log, check it against a model, merge, pack "
                        "and unpack logs")
     lsub = s.add_subparsers(dest="log_verb", required=True)
@@ -248,6 +287,21 @@ def add_parser(sub) -> None:
     t = lsub.add_parser("unpack", help="undo 'log pack', to tune into a log again")
     t.add_argument("logs", nargs="+", help="tuning-log folders")
     t.set_defaults(fn=cmd_unpack)
+    t = lsub.add_parser("digests", help="the kernel digests of logs' records under this "
+                        "installation's code generation (for 'log carry')")
+    t.add_argument("logs", nargs="+", help="tuning-log folders")
+    t.add_argument("--out-dir", required=True, help="folder of the digests files")
+    t.set_defaults(fn=cmd_digests)
+    t = lsub.add_parser("carry", help="restamp a log with this code generation when its "
+                        "kernels are byte-identical under it")
+    t.add_argument("log", help="tuning-log folder (stamped with the old version)")
+    t.add_argument("--from-digests", required=True, metavar="FILE",
+                   help="the log's kernel digests made under its stamped version's code "
+                        "(tools/kernel_digests.py in a checkout of that version)")
+    t.add_argument("--digests", metavar="FILE",
+                   help="the digests under this installation ('log digests'); made here when "
+                        "left out")
+    t.set_defaults(fn=cmd_carry)
     t = lsub.add_parser("train-cost-model", help="train the XGBoost cost model on logs' "
                         "records; 'tune' starts from it (--cost-model)")
     t.add_argument("logs", nargs="+", help="tuning-log folders")

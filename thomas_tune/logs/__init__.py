@@ -33,7 +33,8 @@ Every log folder is stamped with the code-generation version its times belong to
 (``codegen.json``, :mod:`.codegen`): a log of another or an unknown version is not tuned into,
 re-measured in part or exported from until its records are measured again.
 
-Modules: :mod:`.codegen` (the version stamp), :mod:`.tuning_log` (the folder, its lock, its
+Modules: :mod:`.codegen` (the version stamp), :mod:`.carry` (a log carried over to a new
+version whose kernels are the same), :mod:`.tuning_log` (the folder, its lock, its
 check, packing), :mod:`.database` (MetaSchedule's view of it), :mod:`.errors` (failed trials),
 :mod:`.reading` (show, summarize, merge).
 """

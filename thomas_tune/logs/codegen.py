@@ -23,8 +23,10 @@ another Python (the GPU machine's 3.12) keeps its version here. The version's ``
 
 The stamp is ``codegen.json`` in the log folder (:data:`STAMP`): the version that *every*
 record of the folder was measured with. It is written when a run starts measuring into a
-folder with no records (``tune``, ``remeasure --restamp``); a folder without it (every log
-made before stamps, or by another tool) is of *unknown* version. The device's own OpenCL
+folder with no records (``tune``, ``remeasure --restamp``), or rewritten for a new version
+whose kernels are byte-identical to the stamped one's for every record (``log carry``,
+:mod:`.carry`); a folder without it (every log made before stamps, or by another tool) is of
+*unknown* version. The device's own OpenCL
 compiler (its driver and ``THOMAS_TUNE_OPENCL_OPTIONS``) belongs to the device, not to the
 stamp; the default-schedule times of ``default_latency.json`` carry their own check
 (:func:`thomas_tune.tuning.defaults.defaults_stamp` and one key per timed kernel).
@@ -137,12 +139,17 @@ def read_version(path: str) -> LogVersion:
     return LogVersion("other", stamp, differs)
 
 
-def write_stamp(path: str, how: str, stamp: dict | None = None) -> None:
+def write_stamp(path: str, how: str, stamp: dict | None = None,
+                carried_from: dict | None = None) -> None:
     """Stamp the log folder ``path`` (atomically) with ``stamp`` (default: :func:`current`);
-    ``how`` says what measured its records (kept in the stamp for people)."""
+    ``how`` says what measured its records (kept in the stamp for people); ``carried_from``:
+    the stamp it replaces, for a log carried over to this version (:mod:`.carry`), kept in it
+    as ``"carried_from"`` (what measured the records, and when)."""
     body = dict(stamp or current())
     body = {"id": body["id"], "components": body["components"], "how": how,
             "stamped": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    if carried_from is not None:
+        body["carried_from"] = carried_from
     os.makedirs(path, exist_ok=True)
     write_atomically(os.path.join(path, STAMP), json.dumps(body, indent=1) + "\n")
 

@@ -148,8 +148,8 @@ def _unpacked_copy(path: str) -> str:
         if os.path.exists(packed):
             with open(packed, "rb") as f:
                 h.update(name.encode() + f.read())
-    from ..opencl import _cache_dir  # the project's cache folder (THOMAS_TUNE_CACHE)
-    dest = os.path.join(_cache_dir(), "logs", h.hexdigest()[:24])
+    from ..opencl import cache_dir  # the project's cache folder (THOMAS_TUNE_CACHE)
+    dest = os.path.join(cache_dir(), "logs", h.hexdigest()[:24])
     if os.path.isdir(dest):
         return dest
     os.makedirs(os.path.dirname(dest), exist_ok=True)
