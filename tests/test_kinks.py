@@ -64,7 +64,7 @@ def _made_up_build(arch, seed, rng, noise, monkeypatch):
         flipped += int(sel.sum())
     # each parameter's scale as the check takes it (a bias before a training-form BatchNorm,
     # whose gradient cancels, on the sum of its terms: step_check.following_step)
-    sums = kinks.bias_sums(loss, g)
+    sums = kinks.term_sums(loss, g)
     scales = {n: max(float(b.abs().max()), CANCELLED * float(np.max(sums.get(n, 0.0))))
               for n, b in zip(names, base)}
     grads = torch.autograd.grad(loss, params)

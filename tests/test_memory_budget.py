@@ -27,9 +27,7 @@ def _export(out, model, **kw):
 @pytest.fixture(scope="module")
 def budgeted(tmp_path_factory):
     """MobileNetV2 0.35@32, batch 8 (test_step_check's network, whose check holds on fresh
-    seeds; on MobileNetV1 0.25@32 the float64 check fails some seeds by a BatchNorm weight, the
-    budgeted build's gradients bit for bit those of the plain build) with a budget between the
-    step's peak with recomputation and without."""
+    seeds) with a budget between the step's peak with recomputation and without."""
     from thomas_tune.memory_plan import compiled_step_memory
     from thomas_tune.recompute import RecomputePlan
     model = build("mobilenet_v2", **V2)

@@ -59,12 +59,13 @@ def test_every_parameters_gradient_off_fails_by_name(right, factor):
     """Each trainable parameter's gradient in the right build's outputs times 1.01 or -1 (a
     reduction kernel writing it wrong): the check fails that parameter and no other; the
     biases whose gradient is zero in exact arithmetic (before a training-form BatchNorm),
-    judged on the sum of their terms, are the only ones left, fewer than a quarter."""
+    and the BatchNorm weights whose gradient the next BatchNorm cancels, judged on the sum of
+    their terms, are the only ones left, fewer than a quarter."""
     import os
 
     from thomas_tune.manifest import Manifest
     from thomas_tune.models import load_checkpoint
-    from thomas_tune.step_check import (cancelled_biases, compare_step, export_step,
+    from thomas_tune.step_check import (cancelled_gradients, compare_step, export_step,
                                         following_step, reference_steps)
     m = Manifest.read(right)
     model, tensors, _ = load_checkpoint(os.path.join(right, "params.npz"))
@@ -72,13 +73,39 @@ def test_every_parameters_gradient_off_fails_by_name(right, factor):
     ours = [export_step(right, x, y, masks=mk) for (x, y), mk in zip(ref["batches"], ref["masks"])]
     follow = [following_step(ref, i, o[1]) for i, o in enumerate(ours)]
     yard = ref["yardstick"]
-    zero = cancelled_biases(ref)  # zero in exact arithmetic: a factor on them cannot show
-    assert all(n.endswith(".bias") for n in zero) and len(zero) < len(m.trainable) / 4
+    zero = cancelled_gradients(ref)  # zero in exact arithmetic: a factor on them cannot show
+    assert all(n.endswith(".bias") or tensors[n].ndim == 1 for n in zero)  # BatchNorm weights
+    assert len(zero) < len(m.trainable) / 4
     for name in sorted(set(m.trainable) - set(zero)):
         c = compare_step([o[0] for o in ours], [M.param_mutant(o[1], name, factor) for o in ours],
                          [f.loss for f in follow], [f.grads for f in follow], yard.errors,
                          yard.loss_err, ref["sums"])
         assert c.failing == [name], (name, c.line())
+
+
+def test_a_batchnorm_weight_the_next_batchnorm_cancels_is_judged_on_its_terms():
+    """MobileNetV1 0.25@32 with fresh parameters (BatchNorm biases 0), batch 8: the first
+    BatchNorm's weight scales what the ReLU and the depthwise convolution pass on to the next
+    BatchNorm, which undoes it, so its gradient cancels to about 1e-5 of its terms (zero but for
+    that BatchNorm's epsilon). Judged on its own size, PyTorch float32 was 2e-3..5e-3 off there
+    and a right llvm build failed seeds 0 and 6 (docs/journal/precision.md); judged on the sum
+    of its terms, as a cancelled bias is, every gradient's float32 error is under the rounding
+    floor, and the weight's gradient with the wrong sign still fails, by name."""
+    from thomas_tune.models import build, init_params, spec
+    from thomas_tune.step_check import (ROUNDING, cancelled_gradients, compare_step,
+                                        reference_steps)
+    model = build("mobilenet_v1", num_classes=5, resolution=32, width=0.25)
+    names = [p.name for p in spec(model).params]
+    ref = reference_steps(model, init_params(model, seed=7), names, 8, 0)
+    name = "features.0.bn.weight"
+    assert name in cancelled_gradients(ref)
+    yard = ref["yardstick"]
+    assert max(yard.errors.values()) < ROUNDING, yard.line()
+    f64 = ref["float64"]
+    c = compare_step([f[0] for f in f64], [M.param_mutant(f[1], name, -1.0) for f in f64],
+                     [f[0] for f in f64], [f[1] for f in f64], yard.errors, yard.loss_err,
+                     ref["sums"])
+    assert c.failing == [name], c.line()
 
 
 @pytest.mark.parametrize("mutant,trainable", [

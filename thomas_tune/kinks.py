@@ -151,13 +151,15 @@ def _pool_windows(x, kernel, stride, padding):
 class KinkGraph(TorchGraph):
     """:class:`TorchGraph` whose ReLU, ReLU6 and max pools record their inputs and take their
     decisions from :attr:`kinks` (float64's own unless changed), and which keeps, per bias
-    (``<layer>.bias``), the tensor it is added into (:attr:`bias_outputs`, for the bias's
-    natural scale, :func:`bias_sums`)."""
+    (``<layer>.bias``), the tensor it is added into (:attr:`bias_outputs`), and per BatchNorm
+    weight (``<layer>.weight``) the normalised input it multiplies (:attr:`bn_normalised`,
+    detached), for the natural scales of their gradients (:func:`term_sums`)."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.kinks: list[Kink] = []
         self.bias_outputs: dict[str, object] = {}
+        self.bn_normalised: dict[str, object] = {}
         self._masked, self._pool = _functions()
         self._made = (args, kwargs)
         #: (model, input batch) of the forward pass run on it, for :meth:`tangents`
@@ -204,6 +206,13 @@ class KinkGraph(TorchGraph):
     def batch_norm(self, name, x, eps=1e-5, momentum=0.1, act=None):
         y = super().batch_norm(name, x, eps, momentum, None)
         self.bias_outputs[f"{name}.bias"] = y
+        # x-hat, the weight's factor: the batch's statistics in the training form, the
+        # running ones in the inference form (no running statistic updated here)
+        training = self.bn_training and name not in self.frozen_bn
+        self.bn_normalised[f"{name}.weight"] = self.F.batch_norm(
+            x.detach(), None if training else self.s[f"{name}.running_mean"],
+            None if training else self.s[f"{name}.running_var"], None, None, training, 0.0,
+            eps)
         out = self._activate(y, act)
         if act is not None:
             self.kinks[-1].layer = name
@@ -248,14 +257,28 @@ class _Replay(KinkGraph):
         return self._pool.apply(x, k, kernel, stride, padding)
 
 
-def bias_sums(loss, graph: KinkGraph) -> dict[str, np.ndarray]:
-    """Per bias, the sum over (N, H, W) of |the gradient of the tensor it is added into| per
-    channel: the sum of absolute terms of the bias's gradient, its natural scale (float64)."""
+def term_sums(loss, graph: KinkGraph) -> dict[str, np.ndarray]:
+    """The sums of absolute terms of the gradients that are sums over (N, H, W) of one
+    product per position, per channel (float64): per bias, of |the gradient of the tensor it
+    is added into|; per BatchNorm weight, of |that gradient x the normalised input x-hat|
+    (the weight's gradient is the sum of their products). A gradient's natural scale where it
+    cancels: a bias before a training-form BatchNorm, and the weight of a BatchNorm whose
+    output reaches the next training-form BatchNorm through a ReLU (its bias 0) and a
+    depthwise convolution, channel by channel, which the weight scales alike (MobileNetV1's
+    first BatchNorm and its pointwise ones with fresh parameters): zero in exact arithmetic
+    but for the next BatchNorm's epsilon."""
     import torch
     names = [n for n, t in graph.bias_outputs.items() if t.requires_grad]
     outs = torch.autograd.grad(loss, [graph.bias_outputs[n] for n in names], retain_graph=True)
-    return {n: g.abs().sum(dim=[d for d in range(g.dim()) if d != 1]).detach().cpu().numpy()
-            for n, g in zip(names, outs)}
+    out = {}
+    for n, g in zip(names, outs):
+        dims = [d for d in range(g.dim()) if d != 1]
+        out[n] = g.abs().sum(dim=dims).detach().cpu().numpy()
+        weight = n[:-len("bias")] + "weight"
+        if weight in graph.bn_normalised and graph.p[weight].requires_grad:
+            terms = (g * graph.bn_normalised[weight]).abs()
+            out[weight] = terms.sum(dim=dims).detach().cpu().numpy()
+    return out
 
 
 @dataclass

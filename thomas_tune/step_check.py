@@ -13,9 +13,11 @@ float64's own. The two steps then differ by rounding only, on every batch, so **
 counts**: a parameter's error is the largest over the batches, the loss's likewise.
 
 The error of a parameter (:func:`gradient_errors`) is ``max |g - g_ref| / scale`` on its own
-scale, ``scale = max |g_ref|``; only a bias whose gradient cancels to below
-:data:`CANCELLED` of the sum of its absolute terms (a bias followed by a training-form
-BatchNorm: zero in exact arithmetic) is judged against :data:`CANCELLED` x that sum, the size
+scale, ``scale = max |g_ref|``; only a bias or BatchNorm weight whose gradient cancels to
+below :data:`CANCELLED` of the sum of its absolute terms (a bias followed by a training-form
+BatchNorm; a BatchNorm weight that the next training-form BatchNorm undoes, through a ReLU and
+a depthwise convolution: zero in exact arithmetic but for that BatchNorm's epsilon,
+:func:`thomas_tune.kinks.term_sums`) is judged against :data:`CANCELLED` x that sum, the size
 of float32's rounding of such a sum, not of the step's largest gradient. Its bound
 (:func:`bounds`) is :data:`FACTOR` x PyTorch float32's error on the same batches (measured
 against float64 following PyTorch float32's own branches), at least :data:`FACTOR` x
@@ -60,11 +62,14 @@ ROUNDING = 5e-4
 CAP = 1e-2
 #: the smallest yardstick of the loss's relative error
 LOSS_ROUNDING = 2e-6
-#: a bias whose largest gradient is below this share of its largest sum of absolute terms
-#: (per channel, sum over batch and positions of |output gradient|) is judged on that share of
-#: the sum: the gradient cancels (zero in exact arithmetic), and float32's rounding of a sum of
-#: M terms is about u sqrt(M) of the absolute sum (Higham, Accuracy and Stability of Numerical
-#: Algorithms, 2002, section 4.2), under 1e-5 for M <= 1e4
+#: a bias or BatchNorm weight whose largest gradient is below this share of its largest sum of
+#: absolute terms (per channel, sum over batch and positions of |output gradient|, times
+#: |x-hat| for a BatchNorm weight; :func:`thomas_tune.kinks.term_sums`) is judged on that
+#: share of the sum: the gradient cancels (zero in exact arithmetic), and float32's rounding of
+#: a sum of M terms is about u sqrt(M) of the absolute sum (Higham, Accuracy and Stability of
+#: Numerical Algorithms, 2002, section 4.2), under 1e-5 for M <= 1e4; MobileNetV1 0.25@32's
+#: first BatchNorm weight (fresh parameters, batch 8) has a gradient 1.5e-5 of its sum, and
+#: PyTorch float32 is 1.7e-3 to 5.0e-3 of it from float64 (docs/journal/precision.md)
 CANCELLED = 1e-3
 #: a weight whose largest reference gradient is at most this share of the step's largest is dead
 DEAD = 1e-12
@@ -77,11 +82,12 @@ MIN_BN_VALUES = 8
 def gradient_errors(grads: dict[str, np.ndarray], grads_ref: dict[str, np.ndarray],
                     sums: dict[str, np.ndarray] | None = None) -> dict[str, float]:
     """Per parameter (name -> error, float; inf where not finite), ``max |g - g_ref| /
-    scale`` with ``scale = max |g_ref|``, or for a bias whose gradient cancels,
-    :data:`CANCELLED` x its largest sum of absolute terms (module docstring). ``grads`` and
-    ``grads_ref``: name -> array (any float dtype, same shapes); ``sums``: bias name -> its
-    sum of absolute terms per channel (:func:`thomas_tune.kinks.bias_sums`). Raises
-    ValueError when the two name different parameters."""
+    scale`` with ``scale = max |g_ref|``, or for a bias or BatchNorm weight whose gradient
+    cancels, :data:`CANCELLED` x its largest sum of absolute terms (module docstring).
+    ``grads`` and ``grads_ref``: name -> array (any float dtype, same shapes); ``sums``: bias
+    or BatchNorm weight name -> its sum of absolute terms per channel
+    (:func:`thomas_tune.kinks.term_sums`). Raises ValueError when the two name different
+    parameters."""
     if set(grads) != set(grads_ref):
         raise ValueError(f"the build's trainable parameters {sorted(set(grads) ^ set(grads_ref))} "
                          "are not the reference's: compare builds of the same trainable set")
@@ -320,10 +326,11 @@ def compare_step(loss: float | list[float], grads, loss_ref, grads_ref,
     """The :class:`StepCheck` of a step against its reference, on one batch or several.
 
     ``loss``/``loss_ref``: floats, or lists of one per batch; ``grads``/``grads_ref``: name ->
-    array, or lists of such dicts, one per batch; ``sums``: per batch, bias name -> its sums
-    of absolute terms (:func:`gradient_errors`), or None. Per parameter the error is the
-    largest over the batches, the loss error likewise. ``yardstick``: PyTorch float32's errors
-    on the same batches (name -> error), ``yardstick_loss_err`` its loss error: a parameter
+    array, or lists of such dicts, one per batch; ``sums``: per batch, bias or BatchNorm
+    weight name -> its sums of absolute terms (:func:`gradient_errors`), or None. Per
+    parameter the error is the largest over the batches, the loss error likewise.
+    ``yardstick``: PyTorch float32's errors on the same batches (name -> error),
+    ``yardstick_loss_err`` its loss error: a parameter
     may be off by :data:`FACTOR` x max(its yardstick, :data:`ROUNDING`), never more than
     :data:`CAP`; the loss by :data:`FACTOR` x max(the loss yardstick, :data:`LOSS_ROUNDING`);
     None: the rounding floors alone. Raises ValueError when the steps name different
@@ -370,10 +377,10 @@ def reference_steps(model, tensors: dict[str, np.ndarray], trainable: list[str],
     """The check batches of ``seed`` (:func:`batch` and :func:`dropout_masks` of ``seed``,
     ``seed + 1``, ...) and PyTorch's steps on them: ``{"batches": [(x, y)...], "masks":
     [masks...], "float64": [(loss, grads)...] (float64's own decisions), "float32": [(loss,
-    grads)...], "sums": [bias sums...], "rounding": [per kink layer, the largest float32 -
-    float64 difference of its input...], "yardstick": PyTorch float32's StepCheck against
-    float64 following float32's branches, "few_bn_values": (layer, values) of a
-    training-form BatchNorm over fewer than :data:`MIN_BN_VALUES` values per channel, or None,
+    grads)...], "sums": [sums of absolute terms...], "rounding": [per kink layer, the
+    largest float32 - float64 difference of its input...], "yardstick": PyTorch float32's
+    StepCheck against float64 following float32's branches, "few_bn_values": (layer, values)
+    of a training-form BatchNorm over fewer than :data:`MIN_BN_VALUES` values per channel, or None,
     "coverage": per ReLU6 the inputs above 6 and per pool the windows with an exact tie,
     "context": what :func:`following_step` needs}``. Needs torch."""
     import torch
@@ -391,8 +398,8 @@ def reference_steps(model, tensors: dict[str, np.ndarray], trainable: list[str],
                                                  dtype="float32", masks=m)
         counts.update(g.bn_values)
         _coverage(g.kinks, cover)
-        from .kinks import bias_sums
-        sums.append({n: v for n, v in bias_sums(loss, g).items() if n in names})
+        from .kinks import term_sums
+        sums.append({n: v for n, v in term_sums(loss, g).items() if n in names})
         f64.append((float(loss.detach()),
                     _numpy(names, torch.autograd.grad(loss, params, retain_graph=True))))
         f32.append((float(loss32.detach()), _numpy(names, torch.autograd.grad(loss32, params32))))
@@ -409,10 +416,11 @@ def reference_steps(model, tensors: dict[str, np.ndarray], trainable: list[str],
             "context": (model, tensors, list(trainable), frozen_bn)}
 
 
-def cancelled_biases(reference: dict) -> list[str]:
-    """The biases whose float64 gradient cancels below :data:`CANCELLED` of its sum of
-    absolute terms on every check batch of ``reference`` (:func:`reference_steps`): zero in
-    exact arithmetic (a bias before a training-form BatchNorm), so no factor on it shows."""
+def cancelled_gradients(reference: dict) -> list[str]:
+    """The biases and BatchNorm weights whose float64 gradient cancels below
+    :data:`CANCELLED` of its sum of absolute terms on every check batch of ``reference``
+    (:func:`reference_steps`): zero in exact arithmetic (module docstring), so no factor on it
+    shows."""
     out = set.intersection(*(
         {n for n, v in sums.items()
          if float(np.max(np.abs(f[1][n]))) < CANCELLED * float(np.max(v))}
