@@ -84,14 +84,15 @@ def _graph_modules(model, batch: int, infer_batch: int, trainable: str,
     ValueError for a bad trainable set or optimizer, and for ``cache_features`` with a
     trainable set whose frozen part is not the same at every step
     (:func:`thomas_tune.graph.training_module`)."""
-    from . import half_arith
+    from . import half_storage
+    from .half_arith import rewrite_for
     tg = G.training_module(model, batch, trainable, optimizer, features=cache_features)
     if recompute is not None:  # a memory budget's plan (thomas_tune.recompute)
         from .recompute import apply_plan
         tg = apply_plan(tg, recompute)
     infer_mod = G.inference_module(model, infer_batch)
-    train, infer_mod = half_arith.apply_precision(precision, tg.mod, infer_mod, batch,
-                                                  infer_batch)
+    train, infer_mod = half_storage.apply_precision(precision, tg.mod, infer_mod, batch,
+                                                    infer_batch, rewrite_for(precision))
     tg = dataclasses.replace(tg, mod=train)
     train_mod, lift_inputs = training_library_module(tg)
     s = spec(model)

@@ -232,20 +232,25 @@ def autocast_module(mod: tvm.IRModule, batches: dict[str, int]) -> tvm.IRModule:
     return map_functions(mod, batches, lambda func, batch: autocast_function(func, batch))
 
 
+def rewrite_for(precision: str):
+    """The function rewrite :func:`thomas_tune.half_storage.apply_precision` takes for
+    ``precision``: :func:`autocast_function` for :data:`AUTOCAST16`, else None (its own).
+    Raises ValueError for an unknown precision."""
+    from .half_storage import check_precision
+    if check_precision(precision) != AUTOCAST16:
+        return None
+    return lambda func, batch: autocast_function(func, batch)
+
+
 def apply_precision(precision: str, train_mod: tvm.IRModule, infer_mod: tvm.IRModule,
                     batch: int, infer_batch: int) -> tuple[tvm.IRModule, tvm.IRModule]:
     """The training module (its ``train_adjoint`` and ``predict`` at ``batch`` images) and the
-    inference module (``predict`` at ``infer_batch``) of a graph built at ``precision``:
-    :func:`autocast_module` for :data:`AUTOCAST16`, else
-    :func:`thomas_tune.half_storage.apply_precision` (float32, mixed16). Raises ValueError
-    for an unknown precision."""
+    inference module (``predict`` at ``infer_batch``) of a graph built at ``precision``
+    (:func:`thomas_tune.half_storage.apply_precision` with :func:`rewrite_for`'s rewrite).
+    Raises ValueError for an unknown precision."""
     from . import half_storage
-    from .manifest import ADJOINT, PREDICT
-    if half_storage.check_precision(precision) != AUTOCAST16:
-        return half_storage.apply_precision(precision, train_mod, infer_mod, batch,
-                                            infer_batch)
-    return (autocast_module(train_mod, {ADJOINT: batch, PREDICT: batch}),
-            autocast_module(infer_mod, {PREDICT: infer_batch}))
+    return half_storage.apply_precision(precision, train_mod, infer_mod, batch, infer_batch,
+                                        rewrite=rewrite_for(precision))
 
 
 def is_autocast(mod: tvm.IRModule) -> bool:

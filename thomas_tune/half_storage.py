@@ -329,18 +329,23 @@ def rewrite_half_access(source: str) -> str:
 
 
 def apply_precision(precision: str, train_mod: tvm.IRModule, infer_mod: tvm.IRModule,
-                    batch: int, infer_batch: int) -> tuple[tvm.IRModule, tvm.IRModule]:
+                    batch: int, infer_batch: int, rewrite=None
+                    ) -> tuple[tvm.IRModule, tvm.IRModule]:
     """The training module (its ``train_adjoint`` and ``predict`` at ``batch`` images) and the
     inference module (``predict`` at ``infer_batch``) of a graph built at ``precision``
-    (:data:`PRECISIONS`): as they are for float32, their layer outputs stored as float16
-    (:func:`round_stored`) for mixed16 (autocast16's are
-    :func:`thomas_tune.half_arith.apply_precision`'s). Raises ValueError for another
-    precision."""
+    (:data:`PRECISIONS`): as they are for float32, else each of those functions rewritten by
+    ``rewrite(func, batch)``: for mixed16 by default :func:`round_stored` (layer outputs
+    stored as float16); autocast16's rewrite is
+    :func:`thomas_tune.half_arith.autocast_function`, which
+    :func:`thomas_tune.half_arith.apply_precision` passes. Raises ValueError for another
+    precision, and for autocast16 without its rewrite."""
     from .manifest import ADJOINT, PREDICT
     if check_precision(precision) == "float32":
         return train_mod, infer_mod
-    if precision != "mixed16":
-        raise ValueError(f"precision {precision!r} is built by thomas_tune.half_arith."
-                         "apply_precision")
-    return (round_module(train_mod, {ADJOINT: batch, PREDICT: batch}),
-            round_module(infer_mod, {PREDICT: infer_batch}))
+    if rewrite is None:
+        if precision != "mixed16":
+            raise ValueError(f"precision {precision!r} is built by thomas_tune.half_arith."
+                             "apply_precision")
+        rewrite = round_stored
+    return (map_functions(train_mod, {ADJOINT: batch, PREDICT: batch}, rewrite),
+            map_functions(infer_mod, {PREDICT: infer_batch}, rewrite))
