@@ -8,7 +8,7 @@ import signal
 import sys
 import tempfile
 
-from . import bench, device, export, log, model, run, tune
+from . import bench, device, export, log, model, remeasure, run, tune
 from .stop import STOP, terminate
 
 #: the command's description in ``thomas-tune --help``
@@ -29,7 +29,7 @@ def parser() -> argparse.ArgumentParser:
     tune.add_tasks(sub)
     device.add_rpc(sub)
     tune.add_tune(sub)
-    tune.add_remeasure(sub)
+    remeasure.add_remeasure(sub)
     export.add_export(sub)
     export.add_replay(sub)
     run.add_train_infer(sub)
