@@ -189,8 +189,8 @@ class SessionLifetime:
         self.programs.release()
         # (a remote device keeps its session alive: client.py sets dev._rpc_sess)
         self._train_vm = self._infer_vm = self._get_item = self._rpc = self.device = None
+        self.train_library = None  # the loaded train.so holds its session too
         gc.collect()
-
 
 
 def connect(tracker: tuple[str, int], key: str, timeout: float = 60.0,

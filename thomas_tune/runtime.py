@@ -95,6 +95,7 @@ class Session(SessionLifetime):
                              "machine (without --host)")
         self._explicit_device = device
         self._tuples = {}
+        self.train_library = None  # the loaded train.so on a device server (_load_remote)
         if rpc_session is not None:
             self._load_remote(rpc_session)
         else:
