@@ -43,6 +43,7 @@ import tvm
 from tvm import relax
 
 from .half_storage import _Rounder, map_functions, rewritten
+from .limits import profile_reports_fp16
 
 #: the precision name (``export --precision``): autocast float16
 AUTOCAST16 = "autocast16"
@@ -83,11 +84,11 @@ def fp16_evidence(target: tvm.target.Target, limits: dict | None = None,
     if profile is not None:
         props, sources = profile.get("properties", {}), profile.get("sources", {})
         where = f"the device profile of key {profile.get('key')!r}"
-        if "extensions" in props:
-            has = EXTENSION in _extension_list(props["extensions"])
+        has = profile_reports_fp16(props)
+        if has is not None and "extensions" in props:
             return has, f"{where}: its extension list {'has' if has else 'lacks'} {EXTENSION}"
-        if "fp16" in props:
-            return bool(props["fp16"]), f"{where}: {sources.get('fp16', 'fp16')}"
+        if has is not None:
+            return has, f"{where}: {sources.get('fp16', 'fp16')}"
     info = (limits or {}).get("opencl")
     if isinstance(info, dict) and "extensions" in info:
         has = EXTENSION in _extension_list(info["extensions"])

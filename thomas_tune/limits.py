@@ -212,20 +212,22 @@ def check_export(export_dir: str, profile: dict, mode: str = "train") -> list[st
     return warnings
 
 
+def profile_reports_fp16(props: dict) -> bool | None:
+    """Whether a device profile's ``properties`` (``thomas-tune rpc probe``) say the device
+    reports ``cl_khr_fp16``: its extension list, else its ``fp16`` (found by building a half
+    kernel); None where the profile says neither."""
+    if "extensions" in props:
+        return "cl_khr_fp16" in str(props["extensions"] or "").split()
+    if "fp16" in props:
+        return bool(props["fp16"])
+    return None
+
+
 def _check_half_arithmetic(manifest: Manifest, props: dict, where: str) -> None:
     """DeviceLimitError for an export of ``--precision autocast16`` (half arithmetic) and a
-    device whose profile says it has no ``cl_khr_fp16`` (its extension list, else its
-    ``fp16``): its OpenCL programs would fail to build there. Nothing where the profile does
-    not say."""
-    if manifest.precision != "autocast16":
-        return
-    if "extensions" in props:
-        has = "cl_khr_fp16" in str(props["extensions"]).split()
-    elif "fp16" in props:
-        has = bool(props["fp16"])
-    else:
-        return
-    if not has:
+    device whose profile says it has no ``cl_khr_fp16`` (:func:`profile_reports_fp16`): its
+    OpenCL programs would fail to build there. Nothing where the profile does not say."""
+    if manifest.precision == "autocast16" and profile_reports_fp16(props) is False:
         raise DeviceLimitError(
             f"the export computes in float16 (--precision autocast16), which OpenCL C allows "
             f"only with cl_khr_fp16, and {where} does not report it: export again with "
