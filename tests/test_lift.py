@@ -12,7 +12,7 @@ from thomas_tune import lift, opencl
 from thomas_tune.compile import compile_graph
 from thomas_tune.manifest import ADJOINT_FROZEN
 from thomas_tune.models import build
-from thomas_tune.tasks import callees, frozen_slots, fuse
+from thomas_tune.tasks import callees, fuse, lifted_slots
 
 from conftest import SMALL, random_tensors
 from opencl_kernels import NEEDS_OPENCL as needs_opencl  # the one OpenCL guard
@@ -45,7 +45,7 @@ def test_winograd_weight_transforms_leave_the_step():
     assert sum(step.values()) == sum(whole.values()) - n_wino
     assert {k: n for k, n in whole.items() if k.startswith("fused_")} == \
         {k: n for k, n in step.items() if k.startswith("fused_")}
-    slots = frozen_slots(_marked(G.training_module(model, 2, "last:3")), "all")[G.ADJOINT]
+    slots = lifted_slots(fuse(_marked(G.training_module(model, 2, "last:3")), "all"))[G.ADJOINT]
     assert slots[:5] == ["features.0.weight", "features.3.bias", "features.6.bias",
                          "features.8.bias", "features.10.bias"]
     assert slots[5:] == [""] * 5
@@ -69,7 +69,8 @@ def test_split_step_gives_the_whole_steps_numbers(rng):
     whole = relax.VirtualMachine(compile_graph(tg.mod, target, None, "all"), dev)
     split = relax.VirtualMachine(compile_graph(_marked(G.training_module(model, batch, "last:3")),
                                                target, None, "all"), dev)
-    slots = frozen_slots(_marked(G.training_module(model, batch, "last:3")), "all")[G.ADJOINT]
+    slots = lifted_slots(fuse(_marked(G.training_module(model, batch, "last:3")), "all"))[
+        G.ADJOINT]
 
     def t(a, dtype="float32"):
         return tvm.runtime.tensor(np.asarray(a, dtype=dtype), dev)

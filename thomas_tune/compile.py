@@ -203,7 +203,7 @@ def compile_library(mod: tvm.IRModule, target: tvm.target.Target,
                     database: ms.Database | None = None, winograd=None, rule_classes=None
                     ) -> tuple[relax.VMExecutable, dict[str, list[str] | None]]:
     """:func:`compile_graph`, and the frozen slots of each function of ``mod`` that asks for
-    lifting, as built (:func:`thomas_tune.tasks.frozen_slots`, read from this build's own
+    lifting, as built (:func:`thomas_tune.tasks.lifted_slots`, read from this build's own
     fusion; what an export's manifest keeps)."""
     from .half_arith import native_for
     slots: dict[str, list[str] | None] = {}

@@ -19,7 +19,7 @@ BatchNorms in inference form, which the step also returns as they are).
 fusion) then leaves two functions:
 
 * ``NAME`` itself, its frozen parameters replaced in place (from ``first`` on) by its frozen
-  slots (:data:`SLOTS`; :func:`thomas_tune.tasks.frozen_slots` reads them from a build): a
+  slots (:data:`SLOTS`; :func:`thomas_tune.tasks.lifted_slots` reads them from a build): a
   frozen parameter the step reads as it is takes that parameter, every other slot the next
   output of ``NAME_frozen``; the extra inputs in their places; the other parameters
   unchanged;

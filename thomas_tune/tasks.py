@@ -65,20 +65,13 @@ def fuse(mod: tvm.IRModule, winograd=None) -> tvm.IRModule:
         return relax.transform.RewriteDataflowReshape()(mod)
 
 
-def frozen_slots(mod: tvm.IRModule, winograd=None) -> dict[str, list[str] | None]:
-    """The frozen slots of each function of ``mod`` that asks for lifting
-    (:data:`thomas_tune.lift.ATTR`), once ``mod`` is built with ``winograd`` (as :func:`fuse`
-    takes it), by function name: per slot, the constant input it takes as it is, or "" for
-    the next output of its ``NAME_frozen``; None where nothing is lifted (the built function
-    then takes its inputs as they are). What the runtime needs to call the built functions
-    (the manifest keeps it); one fusion of ``mod`` for all of them."""
-    return lifted_slots(fuse(mod, winograd))
-
-
 def lifted_slots(fused: tvm.IRModule) -> dict[str, list[str] | None]:
-    """:func:`frozen_slots` read from a module :func:`fuse` made: the functions that
-    :func:`thomas_tune.lift.lift_frozen` split carry their slots
-    (:data:`thomas_tune.lift.SLOTS`)."""
+    """The frozen slots of each function of a module :func:`fuse` made that was split for
+    lifting (:func:`thomas_tune.lift.lift_frozen`, which sets :data:`thomas_tune.lift.SLOTS`),
+    by function name: per slot, the constant input it takes as it is, or "" for the next
+    output of its ``NAME_frozen``; None where nothing is lifted (the built function then takes
+    its inputs as they are). What the runtime needs to call the built functions (the manifest
+    keeps it)."""
     out = {}
     for gv, f in fused.functions.items():
         if isinstance(f, relax.Function) and f.attrs and SLOTS in f.attrs:
