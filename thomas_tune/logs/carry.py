@@ -47,13 +47,17 @@ class CarryRefused(ValueError):
     digests file of another version or of other records) and what to do instead."""
 
 
-def record_key(workload_json, body: list) -> str:
-    """The key of a record in a digests file: sha256 (24 hex digits) of its workload's JSON,
-    its trace and its target (``body[0]``, ``body[2]``), written canonically. Its run times
-    are left out: a re-measured record keeps its key."""
-    target = body[2] if len(body) > 2 else None
-    text = json.dumps([workload_json, body[0], target], sort_keys=True, separators=(",", ":"))
+def _key(*parts) -> str:
+    """sha256 (24 hex digits) of ``parts`` written as canonical JSON."""
+    text = json.dumps(list(parts), sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(text.encode()).hexdigest()[:24]
+
+
+def record_key(workload_json, body: list) -> str:
+    """The key of a record in a digests file: :func:`_key` of its workload's JSON, its trace
+    and its target (``body[0]``, ``body[2]``). Its run times are left out: a re-measured
+    record keeps its key."""
+    return _key(workload_json, body[0], body[2] if len(body) > 2 else None)
 
 
 #: a buffer's address in the name of an LLVM type-based alias-analysis node
@@ -91,10 +95,9 @@ def _failure(err: Exception) -> str:
 
 
 def default_key(workload_json, target_json) -> str:
-    """The key of a workload's default schedule for a target in a digests file: sha256 (24 hex
-    digits) of both, written canonically."""
-    text = json.dumps([workload_json, target_json], sort_keys=True, separators=(",", ":"))
-    return hashlib.sha256(text.encode()).hexdigest()[:24]
+    """The key of a workload's default schedule for a target in a digests file: :func:`_key`
+    of both."""
+    return _key(workload_json, target_json)
 
 
 def kernel_digest(workload, body: list) -> str:
@@ -201,8 +204,8 @@ def read_digests(path: str) -> Digests:
                        dict(body["defaults"]), float(body.get("seconds", 0.0)))
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
         raise CarryRefused(f"{path!r} is not a kernel-digests file ({err}); write one with "
-                           "'thomas-tune log digests LOG --out FILE' (or tools/kernel_digests.py "
-                           "under the old code)") from err
+                           "'thomas-tune log digests LOG --out-dir DIR' (or "
+                           "tools/kernel_digests.py under the old code)") from err
 
 
 @dataclass
