@@ -162,8 +162,9 @@ class Manifest:
     """The step's largest tensors and its peak (``thomas_tune.limits.step_buffers``):
     ``{"tensors": [{"name", "op", "shape", "bytes"}, ...], "peak_bytes": bytes}``."""
     precision: str
-    """Where the layer outputs are stored: ``float32`` or ``mixed16``
-    (``thomas_tune.half_storage``)."""
+    """The step's precision: ``float32``, ``mixed16`` (layer outputs stored as float16,
+    ``thomas_tune.half_storage``) or ``autocast16`` (float16 arithmetic where autocast has
+    it, ``thomas_tune.half_arith``)."""
     memory_budget: dict | None
     """The memory budget's plan (``budget_bytes``, ``level``, ``estimated_peak_bytes``,
     ``saved_bytes``, ``flops_added``, ``recomputed``: names; bytes and FLOPs); None without a
