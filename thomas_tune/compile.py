@@ -13,6 +13,7 @@ from tvm.s_tir import meta_schedule as ms
 
 from .loss import one_group_kernels
 from .schedules import default_schedules, tir_pipeline
+from .storage_merge import merge_storages
 from .target import codegen_target, is_gpu
 from .tasks import choose_winograd, fuse, lifted_slots
 
@@ -41,7 +42,8 @@ def _pipeline(target: tvm.target.Target, database: ms.Database | None, winograd=
         mod = default_schedules(mod, target, rule_classes)
         passes = [relax.transform.RewriteDataflowReshape(), relax.transform.ToNonDataflow(),
                   relax.transform.RemovePurityChecking(), relax.transform.CallTIRRewrite(),
-                  relax.transform.StaticPlanBlockMemory(), relax.transform.LowerAllocTensor(),
+                  relax.transform.StaticPlanBlockMemory(), merge_storages,
+                  relax.transform.LowerAllocTensor(),
                   relax.transform.KillAfterLastUse(), relax.transform.LowerRuntimeBuiltin(),
                   relax.transform.ComputePrimValue(), relax.transform.VMShapeLower(),
                   relax.transform.AttachGlobalSymbol()]

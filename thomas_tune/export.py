@@ -102,16 +102,17 @@ def _graph_modules(model, batch: int, infer_batch: int, trainable: str,
 
 
 def _refuse_float32_only(precision: str, cache_features: bool, memory_budget) -> None:
-    """ValueError for a ``precision`` :mod:`thomas_tune.half_storage` does not know, and for
-    ``mixed16`` with ``cache_features`` or a ``memory_budget`` (both built and planned in
-    float32 only), before any work."""
+    """ValueError for a ``precision`` :mod:`thomas_tune.half_storage` does not know, for a
+    half precision with ``cache_features`` (built in float32 only) and for ``autocast16``
+    with a ``memory_budget`` (planned in float32 and mixed16 only), before any work."""
     from .half_storage import check_precision
     if check_precision(precision) == "float32":
         return
-    for given, option in ((cache_features, "--cache-features"),
-                          (memory_budget, "--memory-budget")):
+    for given, option, only in ((cache_features, "--cache-features", "float32"),
+                                (memory_budget and precision != "mixed16", "--memory-budget",
+                                 "float32 and mixed16")):
         if given:
-            raise ValueError(f"{option} is built in float32 only: drop --precision "
+            raise ValueError(f"{option} is built in {only} only: drop --precision "
                              f"{precision} or {option}")
 
 
@@ -254,8 +255,10 @@ def _manifest(mods: _GraphModules, built: _Libraries, checks: dict, target: tvm.
 
 
 def _budget_plan(model, batch: int, trainable: str, optimizer, memory_budget: int | None,
-                 cache_features: bool, progress) -> tuple[object, dict | None]:
-    """The recomputation plan of ``memory_budget`` bytes (None: no budget) and the manifest's
+                 cache_features: bool, progress, precision: str = "float32"
+                 ) -> tuple[object, dict | None]:
+    """The recomputation plan of ``memory_budget`` bytes (None: no budget) for the step at
+    ``precision`` and the manifest's
     ``memory_budget`` record (the budget, the level chosen, the estimated peak, bytes saved,
     FLOPs added, tensors recomputed). Raises ValueError with ``cache_features``, and
     :class:`thomas_tune.recompute.BudgetError` when no plan fits."""
@@ -267,7 +270,8 @@ def _budget_plan(model, batch: int, trainable: str, optimizer, memory_budget: in
                          "of the two")
     from .memory_plan import plan_for_budget
     plan, tried = plan_for_budget(model, batch, trainable, optimizer, int(memory_budget),
-                                  say=lambda m: progress(f"memory budget: {m}"))
+                                  say=lambda m: progress(f"memory budget: {m}"),
+                                  precision=precision)
     chosen = tried[-1]
     progress(f"memory budget {memory_budget / 1e6:.1f} MB: {plan.level} recomputation "
              f"({len(plan.recomputed)} tensors made again in the backward, "
@@ -283,7 +287,8 @@ def _budget_plan(model, batch: int, trainable: str, optimizer, memory_budget: in
 def _budget_with_winograd(budget: dict, tg: G.TrainingGraph, wino: set, progress) -> dict:
     """The manifest's ``memory_budget`` with the estimated peak of the step as built, its
     training convolutions ``wino`` in the Winograd form (their transforms hold more), and a
-    message when that is over the budget (the build is kept: its record times chose it)."""
+    message when that is over the budget (the build is kept: its record times chose it).
+    ``tg``: the step's graph as compiled (its plan and precision already applied)."""
     from .memory_plan import compiled_step_memory
     peak = compiled_step_memory(tg.model, tg.batch, tg.trainable, tg.optimizer,
                                 winograd=wino, tg=tg).peak
@@ -317,7 +322,7 @@ def export(out_dir: str, model, tensors: dict[str, np.ndarray], target: tvm.targ
     says the device reports ``cl_khr_fp16``); ``memory_budget``: bytes the step may hold,
     recomputing what :func:`thomas_tune.memory_plan.plan_for_budget` chooses. Raises, before
     compiling anything, ValueError for a bad trainable set, optimizer or precision (a half one
-    with ``cache_features`` or ``memory_budget``; ``autocast16`` for a device without
+    with ``cache_features``, ``autocast16`` with ``memory_budget`` or for a device without
     ``cl_khr_fp16``), for ``cache_features`` whose frozen part changes between steps, for a
     ``log`` no device here can check while ``check_records`` is True, for a foreign host
     without a cross compiler, and :class:`thomas_tune.recompute.BudgetError` (naming the
@@ -326,7 +331,7 @@ def export(out_dir: str, model, tensors: dict[str, np.ndarray], target: tvm.targ
     _refuse_before_work(target, log, check_records, precision, cache_features, memory_budget,
                         device, device_profile, progress)
     plan, budget = _budget_plan(model, batch, trainable, optimizer, memory_budget,
-                                cache_features, progress)
+                                cache_features, progress, precision)
     os.makedirs(out_dir, exist_ok=True)
     mods = _graph_modules(model, batch, infer_batch, trainable, optimizer, cache_features,
                           precision, plan)

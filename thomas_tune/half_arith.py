@@ -146,6 +146,9 @@ class _Autocast(_Rounder):
     -> its float16 var, read back as float32 before each float32 use), made here also for the
     operands of the products (weights, the input images)."""
 
+    #: the products read float16 operands of their own (:meth:`_half_of`)
+    direct_half_reads = False
+
     def _half_of(self, x: relax.Expr, dataflow: bool, out: list):
         """``x``'s float16 form: its twin, or ``x`` rounded now (a binding appended to
         ``out``; a variable's twin is kept, so later float32 uses read the rounded value)."""

@@ -47,6 +47,15 @@ PRECISIONS = ("float32", "mixed16", "autocast16")
 #: before its activation: rounding commutes with ReLU and ReLU6 (0 and 6 are float16 values)
 STORED_OPS = frozenset({"relax.nn.conv2d", "relax.add", "relax.nn.max_pool2d",
                         "relax.nn.avg_pool2d", "relax.nn.adaptive_avg_pool2d"})
+#: activations stored again after their input was: the output of one of these, applied to a
+#: stored layer output, is stored as float16 too (its values are float16 values already, as
+#: rounding commutes with it), so that the stored tensor a convolution reads is the activation,
+#: not a float32 one made from the stored BatchNorm output before it
+ACTIVATION_OPS = frozenset({"relax.clip", "relax.nn.relu"})
+#: convolutions that read a stored layer output as their data in float16 directly (each element
+#: converted to float32 as it is loaded, the arithmetic in float32), not a float32 copy made by
+#: a kernel of its own before them
+HALF_INPUT_OPS = frozenset({"relax.nn.conv2d"})
 #: kernels (``call_tir`` of these PrimFunc names, any suffix) whose result is a layer output:
 #: a training-form BatchNorm with its activation (:mod:`models.batchnorm`)
 STORED_KERNELS = ("bn_act",)
@@ -62,9 +71,10 @@ def check_precision(precision: str) -> str:
     return precision
 
 
-def _is_layer_output(value: relax.Expr, ty, batch: int, params) -> bool:
+def _is_layer_output(value: relax.Expr, ty, batch: int, params, stored=()) -> bool:
     """Whether a binding's ``value`` (of type ``ty``) is a layer output of the forward pass
-    (``params``: the function's parameters)."""
+    (``params``: the function's parameters; ``stored``: the values stored so far, whose
+    activation (:data:`ACTIVATION_OPS`) is stored too)."""
     if not isinstance(value, relax.Call) or not isinstance(ty, relax.TensorType):
         return False
     if ty.dtype != "float32" or ty.ndim < 2 or ty.shape is None:
@@ -78,6 +88,9 @@ def _is_layer_output(value: relax.Expr, ty, batch: int, params) -> bool:
                    for a in value.args)
     if name in STORED_OPS:
         return True
+    if name in ACTIVATION_OPS:
+        return isinstance(value.args[0], relax.Var) and any(
+            value.args[0].same_as(s) for s in stored)
     if name in ("relax.call_tir", "relax.call_tir_with_grad"):
         callee = value.args[0]
         return isinstance(callee, tvm.ir.GlobalVar) and any(
@@ -114,6 +127,10 @@ class _Rounder:
     """The state of :func:`round_stored` over one function: the float16 twin of each stored
     value, and a counter for new names."""
 
+    #: convolutions read their stored data in float16 (:data:`HALF_INPUT_OPS`) and
+    #: activations of stored values are stored (:data:`ACTIVATION_OPS`)
+    direct_half_reads = True
+
     def __init__(self, batch: int, params):
         self.batch = batch
         self.params = list(params)
@@ -132,7 +149,11 @@ class _Rounder:
 
     def reads(self, expr, dataflow: bool, out: list) -> relax.Expr:
         """``expr`` reading the float32 casts of the stored values it uses, whose bindings are
-        appended to ``out``."""
+        appended to ``out``; a convolution of :data:`HALF_INPUT_OPS` whose data is a stored
+        value reads its float16 twin directly, its result float32."""
+        conv = self._half_input(expr, dataflow, out)
+        if conv is not None:
+            return conv
         table = {}
         for v in _free_vars(expr):
             h = next((h for s, h in self.half.items() if s.same_as(v)), None)
@@ -141,6 +162,22 @@ class _Rounder:
                 out.append(relax.VarBinding(c, self.cast(h, "float32")))
                 table[v] = c
         return _Replace(table).visit_expr(expr) if table else expr
+
+    def _half_input(self, expr, dataflow: bool, out: list) -> relax.Expr | None:
+        """``expr`` as a convolution reading its stored data in float16 (:meth:`reads`), or
+        None where it is not such a convolution."""
+        if not (self.direct_half_reads and isinstance(expr, relax.Call)
+                and isinstance(expr.op, tvm.ir.Op) and expr.op.name in HALF_INPUT_OPS
+                and isinstance(expr.args[0], relax.Var)):
+            return None
+        h = next((h for s, h in self.half.items() if s.same_as(expr.args[0])), None)
+        if h is None:
+            return None
+        a = expr.attrs
+        weight = self.reads(expr.args[1], dataflow, out)
+        return self.bb.normalize(relax.op.nn.conv2d(
+            h, weight, a.strides, a.padding, a.dilation, a.groups, a.data_layout,
+            a.kernel_layout, a.out_layout, "float32"))
 
     def half_form(self, b, dataflow: bool, out: list) -> bool:
         """A forward binding ``b`` computed in float16 instead, its bindings appended to
@@ -162,7 +199,8 @@ class _Rounder:
                 continue
             value = self.reads(b.value, dataflow, out)
             out.append(relax.VarBinding(b.var, value) if value is not b.value else b)
-            if forward and _is_layer_output(b.value, b.var.ty, self.batch, self.params):
+            if forward and _is_layer_output(b.value, b.var.ty, self.batch, self.params,
+                                            self.half if self.direct_half_reads else ()):
                 h = self._var(b.var, "float16", dataflow)
                 out.append(relax.VarBinding(h, self.cast(b.var, "float16")))
                 self.half[b.var] = h
@@ -289,6 +327,31 @@ def _accesses(kernel: str, ptrs: set[str]) -> str:
             pos = end + 1
 
 
+_LOCAL_HALF_ARRAY = re.compile(r"__local half (\w+)\[(\d+)\];")
+_LOCAL_HALF_PTR = re.compile(r"__local half\*")
+_HALF_SCALAR = re.compile(r"(?<![\w*])half (\w+);")
+_HALF_LITERAL = re.compile(r"\(half\)(-?[0-9][0-9.]*(?:e[+-]?[0-9]+)?f?)")
+
+
+def _half_locals(body: str) -> tuple[str, set[str]]:
+    """A kernel ``body`` whose float16 values in work-group and private memory are held so
+    that OpenCL C without ``cl_khr_fp16`` compiles them: a ``__local half`` array becomes a
+    ``__local ushort`` array of the same bytes, read and written through a ``__local half*``
+    of the same name (returned, for :func:`_accesses` to rewrite like a buffer); a private
+    ``half`` scalar a ``float`` (it holds float16 values only: what it is given is a load of
+    float16 memory or a literal rounded to float16 here)."""
+    names = set()
+
+    def local(m):
+        names.add(m.group(1))
+        return (f"__local ushort {m.group(1)}_bits[{m.group(2)}]; __local half* "
+                f"{m.group(1)} = (__local half*){m.group(1)}_bits;")
+    body = _LOCAL_HALF_ARRAY.sub(local, body)
+    body = _HALF_SCALAR.sub(r"float \1;", body)
+    body = _HALF_LITERAL.sub(lambda m: f"{ROUND_HALF}({m.group(1)})", body)
+    return body, names
+
+
 def rewrite_half_access(source: str) -> str:
     """``source`` (OpenCL C as TVM writes it) with its float16 buffers read and written through
     ``vload_half`` / ``vstore_half`` and every other float16 value held in a float (module
@@ -307,11 +370,13 @@ def rewrite_half_access(source: str) -> str:
         body_at = kernel.find("{")
         head = kernel[:body_at] if body_at >= 0 else kernel
         ptrs = set(_HALF_PTR.findall(head))
-        if body_at < 0 or not (ptrs or "convert_half" in kernel):
+        if body_at < 0 or not (ptrs or _HALF_WORD.search(kernel[body_at:])):
             continue
-        body = _accesses(kernel[body_at:], ptrs) if ptrs else kernel[body_at:]
+        body, local = _half_locals(kernel[body_at:])
+        ptrs |= local
+        body = _accesses(body, ptrs) if ptrs else body
         body = _calls(body, "convert_half", lambda e: f"{ROUND_HALF}({e})")
-        left = [w for w in _HALF_WORD.findall(body)]
+        left = [w for w in _HALF_WORD.findall(_LOCAL_HALF_PTR.sub("", body))]
         if left:
             name = head.split("(")[0].split()[-1]
             raise HalfAccessError(f"OpenCL kernel {name}: float16 used as {left[0]!r}, which "
@@ -339,13 +404,33 @@ def apply_precision(precision: str, train_mod: tvm.IRModule, infer_mod: tvm.IRMo
     :func:`thomas_tune.half_arith.autocast_function`, which
     :func:`thomas_tune.half_arith.apply_precision` passes. Raises ValueError for another
     precision, and for autocast16 without its rewrite."""
-    from .manifest import ADJOINT, PREDICT
+    from .manifest import PREDICT
     if check_precision(precision) == "float32":
         return train_mod, infer_mod
-    if rewrite is None:
-        if precision != "mixed16":
-            raise ValueError(f"precision {precision!r} is built by thomas_tune.half_arith."
-                             "apply_precision")
-        rewrite = round_stored
-    return (map_functions(train_mod, {ADJOINT: batch, PREDICT: batch}, rewrite),
+    rewrite = _rewrite(precision, rewrite)
+    return (training_precision(precision, train_mod, batch, rewrite),
             map_functions(infer_mod, {PREDICT: infer_batch}, rewrite))
+
+
+def _rewrite(precision: str, rewrite):
+    """``rewrite``, or :func:`round_stored` for mixed16 when it is None; ValueError for
+    another precision without its rewrite."""
+    if rewrite is not None:
+        return rewrite
+    if precision != "mixed16":
+        raise ValueError(f"precision {precision!r} is built by thomas_tune.half_arith."
+                         "apply_precision")
+    return round_stored
+
+
+def training_precision(precision: str, train_mod: tvm.IRModule, batch: int, rewrite=None
+                       ) -> tvm.IRModule:
+    """The training module of :func:`apply_precision` alone (its ``train_adjoint`` and
+    ``predict`` at ``batch`` images rewritten for ``precision``; as it is for float32): what
+    an export compiles into ``train.so``, and what :mod:`thomas_tune.memory_plan` plans the
+    step's memory of. Raises ValueError as :func:`apply_precision`."""
+    from .manifest import ADJOINT, PREDICT
+    if check_precision(precision) == "float32":
+        return train_mod
+    return map_functions(train_mod, {ADJOINT: batch, PREDICT: batch},
+                         _rewrite(precision, rewrite))

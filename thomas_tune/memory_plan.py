@@ -35,6 +35,7 @@ import tvm
 from tvm import relax
 
 from .recompute import LEVELS, BudgetError, RecomputePlan, apply_plan
+from .storage_merge import merge_storages
 
 #: TVM's pooled allocator rounds every request up to this many bytes (``kDefaultPageSize``)
 PAGE = 4096
@@ -206,28 +207,51 @@ class _Run:
         return out
 
 
+def step_graph(tg, batch: int, budget_plan=None, precision: str = "float32"):
+    """The training graph ``tg`` (:class:`thomas_tune.graph.TrainingGraph`, not changed) as
+    an export builds its step: rewritten with ``budget_plan`` (a
+    :class:`thomas_tune.recompute.RecomputePlan`, None: none), then its functions at
+    ``batch`` images rewritten for ``precision`` (:data:`thomas_tune.half_storage.PRECISIONS`;
+    :func:`thomas_tune.half_storage.training_precision`): the graph
+    :func:`thomas_tune.export.export` compiles. Raises ValueError for an unknown
+    precision."""
+    import dataclasses
+
+    from .half_arith import rewrite_for
+    from .half_storage import training_precision
+    if budget_plan is not None:
+        tg = apply_plan(tg, budget_plan)
+    if precision != "float32":
+        tg = dataclasses.replace(tg, mod=training_precision(precision, tg.mod, batch,
+                                                            rewrite_for(precision)))
+    return tg
+
+
 def lowered_training_module(model, batch: int, trainable: str = "all", optimizer=None,
-                            winograd=None, budget_plan=None, tg=None
-                            ) -> tuple[tvm.IRModule, object]:
+                            winograd=None, budget_plan=None, tg=None,
+                            precision: str = "float32") -> tuple[tvm.IRModule, object]:
     """The training module an export compiles (``library_module.training_library_module``), through
     the build's Relax passes up to ``KillAfterLastUse`` (:func:`thomas_tune.compile._pipeline`
     without the kernels' schedules, which allocate nothing): storages planned, their releases
     placed. ``winograd``: the training convolutions in the Winograd form (as
     ``compile_graph`` takes them). ``budget_plan``: a
     :class:`thomas_tune.recompute.RecomputePlan` the step is rewritten with. ``tg``: the
-    training graph of these arguments when it is already built (it is not changed). Returns
-    (module, :class:`thomas_tune.graph.TrainingGraph`). Raises ValueError as
-    :func:`thomas_tune.graph.training_module`."""
+    training graph of these arguments when it is already built (it is not changed; at
+    float32, without a plan applied). ``precision``: the step at that precision
+    (:func:`step_graph`: layer outputs stored as float16 for ``mixed16``). Returns (module,
+    the :class:`thomas_tune.graph.TrainingGraph` compiled, plan and precision applied).
+    Raises ValueError as :func:`thomas_tune.graph.training_module`, and for an unknown
+    precision."""
     from . import graph as G
     from .library_module import training_library_module
     from .tasks import fuse
-    tg = tg or G.training_module(model, batch, trainable, optimizer)
-    if budget_plan is not None:
-        tg = apply_plan(tg, budget_plan)
+    tg = step_graph(tg or G.training_module(model, batch, trainable, optimizer), batch,
+                    budget_plan, precision)
     mod, _ = training_library_module(tg)
     passes = [relax.transform.RewriteDataflowReshape(), relax.transform.ToNonDataflow(),
               relax.transform.RemovePurityChecking(), relax.transform.CallTIRRewrite(),
-              relax.transform.StaticPlanBlockMemory(), relax.transform.LowerAllocTensor(),
+              relax.transform.StaticPlanBlockMemory(), merge_storages,
+              relax.transform.LowerAllocTensor(),
               relax.transform.KillAfterLastUse()]
     with tvm.transform.PassContext(opt_level=3):
         mod = fuse(mod, winograd)
@@ -280,19 +304,20 @@ def step_memory(mod: tvm.IRModule, tg, steps: int = 3) -> StepMemory:
 
 def compiled_step_memory(model, batch: int, trainable: str = "all", optimizer=None,
                          winograd=None, budget_plan=None, steps: int = 3,
-                         tg=None) -> StepMemory:
+                         tg=None, precision: str = "float32") -> StepMemory:
     """Bytes the compiled training step of ``model`` at ``batch`` holds on a device over
     ``steps`` steps (module docstring): what ``thomas-tune memory`` reports as the compiled
     step's peak. Arguments as :func:`lowered_training_module`; raises what it raises."""
     mod, tg = lowered_training_module(model, batch, trainable, optimizer, winograd, budget_plan,
-                                      tg)
+                                      tg, precision)
     return step_memory(mod, tg, steps)
 
 
 def plan_for_budget(model, batch: int, trainable: str, optimizer, budget_bytes: int,
-                    winograd=None, say=lambda m: None) -> tuple[RecomputePlan, list[dict]]:
-    """The cheapest plan of :data:`LEVELS` whose compiled step fits ``budget_bytes`` (peak
-    device bytes by :func:`compiled_step_memory`), and the figures of
+                    winograd=None, say=lambda m: None, precision: str = "float32"
+                    ) -> tuple[RecomputePlan, list[dict]]:
+    """The cheapest plan of :data:`LEVELS` whose compiled step at ``precision`` fits
+    ``budget_bytes`` (peak device bytes by :func:`compiled_step_memory`), and the figures of
     every level tried (level, peak bytes, bytes saved, FLOPs added, tensors recomputed, bytes
     of forward tensors the backward still reads: ``kept_bytes``). Raises
     :class:`BudgetError` (a ValueError) when even the last level does not fit; its message
@@ -303,8 +328,9 @@ def plan_for_budget(model, batch: int, trainable: str, optimizer, budget_bytes: 
     tg = training_module(model, batch, trainable, optimizer)
     for level in LEVELS:
         plan = RecomputePlan(level)
-        planned = apply_plan(tg, plan)
-        mem = compiled_step_memory(model, batch, trainable, optimizer, winograd, tg=planned)
+        mod, planned = lowered_training_module(model, batch, trainable, optimizer, winograd,
+                                               plan, tg, precision)
+        mem = step_memory(mod, planned)
         base = mem.peak if base is None else base
         tried.append({"level": level, "peak_bytes": mem.peak, "saved_bytes": base - mem.peak,
                       "flops_added": plan.flops_added, "recomputed": len(plan.recomputed),

@@ -5,7 +5,8 @@ from __future__ import annotations
 import json
 import re
 
-from .options import add_memory_budget_arg, add_model_args, load_model, optimizer_config
+from .options import (add_memory_budget_arg, add_model_args, add_precision_arg, load_model,
+                      optimizer_config)
 
 
 def cmd_import_onnx(args) -> int:
@@ -65,17 +66,18 @@ def cmd_memory(args) -> int:
     rows = []
     for mode in modes:
         m = training_memory(model, args.batch, mode, optimizer_config(args),
-                            features=args.cache_features).as_dict()
+                            features=args.cache_features, precision=args.precision).as_dict()
         # the compiled step's own plan (memory_plan); the step on cached features has none
         m["compiled_peak"] = None if args.cache_features else compiled_step_memory(
-            model, args.batch, mode, optimizer_config(args)).peak
-        rows.append({"trainable": mode, **m})
+            model, args.batch, mode, optimizer_config(args), precision=args.precision).peak
+        rows.append({"trainable": mode, "precision": args.precision, **m})
     if args.json:
         print(json.dumps(rows, indent=1))
         return 0
     keys = ["parameters", "gradients", "optimizer_state", "activations_kept", "peak",
             "compiled_peak"]
-    print(f"{model.arch} w{model.width:g} r{model.resolution} batch {args.batch}, MiB; peak: "
+    print(f"{model.arch} w{model.width:g} r{model.resolution} batch {args.batch}, "
+          f"{args.precision}, MiB; peak: "
           "the training graph's tensors by liveness; compiled_peak: what the compiled step "
           "holds on the device")
     print(f"{'trainable':>10}" + "".join(f"{k:>18}" for k in keys))
@@ -89,14 +91,16 @@ def _memory_plan(args, model, mode: str, budget: int) -> int:
     """``memory --memory-budget``: the recomputation plan that fits (what is kept, what is
     recomputed, bytes saved, FLOPs added), or the refusal naming the smallest budget."""
     from ..memory_plan import plan_for_budget
-    plan, tried = plan_for_budget(model, args.batch, mode, optimizer_config(args), budget)
+    plan, tried = plan_for_budget(model, args.batch, mode, optimizer_config(args), budget,
+                                  precision=args.precision)
     chosen = tried[-1]
     if args.json:
-        print(json.dumps({"trainable": mode, "budget_bytes": budget, "tried": tried,
+        print(json.dumps({"trainable": mode, "precision": args.precision,
+                          "budget_bytes": budget, "tried": tried,
                           "plan": plan.as_dict()}, indent=1))
         return 0
     print(f"{model.arch} w{model.width:g} r{model.resolution} batch {args.batch}, trainable "
-          f"{mode}: memory budget {budget / 1e6:.1f} MB")
+          f"{mode}, {args.precision}: memory budget {budget / 1e6:.1f} MB")
     for t in tried:
         print(f"  {t['level']:>12} recomputation: peak {t['peak_bytes'] / 1e6:.2f} MB, "
               f"{t['saved_bytes'] / 1e6:.2f} MB saved, {t['flops_added'] / 1e9:.4f} GFLOP "
@@ -146,4 +150,5 @@ def add_memory(sub) -> None:
                         "features, the frozen parameters resident); last:K modes only")
     add_memory_budget_arg(s, "report the plan that fits: what is kept, what is recomputed, "
                           "bytes saved, FLOPs added")
+    add_precision_arg(s)
     s.set_defaults(fn=cmd_memory)
