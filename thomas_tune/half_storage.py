@@ -370,7 +370,8 @@ def rewrite_half_access(source: str) -> str:
         body_at = kernel.find("{")
         head = kernel[:body_at] if body_at >= 0 else kernel
         ptrs = set(_HALF_PTR.findall(head))
-        if body_at < 0 or not (ptrs or _HALF_WORD.search(kernel[body_at:])):
+        if body_at < 0 or not (ptrs or "convert_half" in kernel
+                               or _HALF_WORD.search(kernel[body_at:])):
             continue
         body, local = _half_locals(kernel[body_at:])
         ptrs |= local
