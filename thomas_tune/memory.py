@@ -108,7 +108,7 @@ def _liveness_peak(func: relax.Function) -> tuple[int, int]:
 def training_memory(model, batch: int, trainable: str = "all",
                     optimizer: G.OptimizerConfig | None = None,
                     features: bool = False, winograd=None,
-                    precision: str = "float32") -> TrainingMemory:
+                    precision: str = "float32", rewrite=None) -> TrainingMemory:
     """Bytes a training step of ``model`` needs; see the module docstring.
     ``features``: the step on cached features (``train --cache-features``). ``winograd``: the
     convolutions a build computes in the Winograd form (a set of
@@ -117,7 +117,9 @@ def training_memory(model, batch: int, trainable: str = "all",
     (a 5x5 convolution's transformed input is 9x its size, a 3x3's 2.25x) are counted too.
     ``precision``: the step's tensors at that precision
     (:func:`thomas_tune.half_storage.training_precision`: with ``mixed16`` the layer outputs
-    are float16, 2 bytes an element; parameters, gradients and optimizer state stay float32).
+    are float16, 2 bytes an element; parameters, gradients and optimizer state stay float32);
+    ``rewrite``: the precision's function rewrite where it is not mixed16's
+    (:func:`thomas_tune.half_arith.rewrite_for`).
 
     Raises ValueError for a bad ``trainable`` value (as :func:`graph.training_module`), and
     with ``features`` for a trainable set that cannot cache them (its message names the fix),
@@ -131,9 +133,8 @@ def training_memory(model, batch: int, trainable: str = "all",
     tg = G.training_module(model, batch, trainable, optimizer, features=features)
     mod = tg.mod
     if precision != "float32":
-        from .half_arith import rewrite_for
         from .half_storage import training_precision
-        mod = training_precision(precision, mod, batch, rewrite_for(precision))
+        mod = training_precision(precision, mod, batch, rewrite)
     if winograd:
         from . import winograd_form as W
         chosen = set(winograd)

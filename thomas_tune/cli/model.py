@@ -52,6 +52,7 @@ def cmd_import_onnx(args) -> int:
 
 
 def cmd_memory(args) -> int:
+    from ..half_arith import rewrite_for
     from ..memory import training_memory
     from ..memory_plan import compiled_step_memory
     from .options import budget_bytes
@@ -66,7 +67,8 @@ def cmd_memory(args) -> int:
     rows = []
     for mode in modes:
         m = training_memory(model, args.batch, mode, optimizer_config(args),
-                            features=args.cache_features, precision=args.precision).as_dict()
+                            features=args.cache_features, precision=args.precision,
+                            rewrite=rewrite_for(args.precision)).as_dict()
         # the compiled step's own plan (memory_plan); the step on cached features has none
         m["compiled_peak"] = None if args.cache_features else compiled_step_memory(
             model, args.batch, mode, optimizer_config(args), precision=args.precision).peak
