@@ -3,11 +3,13 @@
     python bench/memory_budget.py PLAIN_EXPORT BUDGET_EXPORT [--steps 30] [--check]
         [--out bench/results/memory_budget.json]
 
-Both exports (``thomas-tune export``, the second with ``--memory-budget MB``) are timed side by
+Both exports (``thomas-tune export``, the second with ``--memory-budget MB``, or at another
+``--precision``: the first is "plain", the second "budget" in the output) are timed side by
 side (``benchmark.timing.time_interleaved``: interleaved rounds, medians with interquartile
 ranges, OpenCL's device timer where there is one); for each: the device's peak in a fresh
 process (``benchmark.device_memory``), the compiled step's estimate
-(``memory_plan.compiled_step_memory`` with the export's recomputation), the bytes its kernels
+(``memory_plan.compiled_step_memory`` with the export's recomputation and precision), the
+bytes its kernels
 are given per step and its launches (``benchmark.exports.export_counters``). With ``--check``
 every export's loss and gradients are checked against PyTorch float64
 (``step_check.check_export``). Prints one line per export and writes the JSON.
@@ -34,10 +36,13 @@ def _describe(export_dir: str, side, seed: int) -> dict:
     budget = m.memory_budget or {}
     from thomas_tune.winograd_form import Conv
     wino = {Conv.from_dict(d) for d in (m.winograd or {}).get("training", [])}
+    precision = m.precision or "float32"
     estimate = compiled_step_memory(model, m.batch, m.trainable, optimizer,
                                     winograd=wino or None,
-                                    budget_plan=RecomputePlan(budget.get("level", "none")))
-    return {"budget_bytes": budget.get("budget_bytes"), "level": budget.get("level", "none"),
+                                    budget_plan=RecomputePlan(budget.get("level", "none")),
+                                    precision=precision)
+    return {"precision": precision, "budget_bytes": budget.get("budget_bytes"),
+            "level": budget.get("level", "none"),
             "flops_added": budget.get("flops_added", 0), "estimate_bytes": estimate.peak,
             **export_counters(side, export_dir, seed)}
 
@@ -68,7 +73,8 @@ def main() -> None:
         print(f"{n:>6}: {ms:.2f} ms/step, peak {r['device_peak_bytes'] / 1e6:.1f} MB measured "
               f"({r['estimate_bytes'] / 1e6:.1f} estimated), "
               f"{'-' if args is None else format(args / 1e6, '.1f')} MB/step, "
-              f"{r['level']} recomputation" + (f"; {r['check']['line']}" if a.check else ""))
+              f"{r['precision']}, {r['level']} recomputation"
+              + (f"; {r['check']['line']}" if a.check else ""))
     ratio = (res["budget"]["train_device_ms"] or res["budget"]["train_ms"]) / (
         res["plain"]["train_device_ms"] or res["plain"]["train_ms"])
     print(f"budgeted step time: {ratio:.2f}x the plain step's")
