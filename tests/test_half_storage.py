@@ -147,6 +147,28 @@ def test_float32_source_is_left_as_it_is():
     assert tvm is not None
 
 
+def test_work_group_tiles_private_values_and_lone_roundings_are_rewritten():
+    """A convolution's ``__local half`` tile of its float16 input becomes ``__local ushort``
+    of the same size, read and written through ``vload_half`` / ``vstore_half`` on a
+    ``__local half*``; its private ``half`` values floats (a literal rounded to float16); a
+    kernel that rounds with ``convert_half`` but has no float16 buffer gets the rounding helper.
+    (The PoCL builds above compile and check such kernels' values.)"""
+    from thomas_tune.half_storage import ROUND_HALF, rewrite_half_access
+    tile = ("__kernel void k(__global float* restrict o, __global half* restrict x) {\n"
+            "  __local half t[64];\n  half v;\n  v = (half)0.000000e+00f;\n"
+            "  if (1) { v = x[get_local_id(0)]; }\n  t[get_local_id(0)] = v;\n"
+            "  o[0] = ((float)t[3]);\n}\n")
+    out = rewrite_half_access(tile)
+    assert "__local ushort t_bits[64];" in out and "__local half* t = (__local half*)t_bits;" in out
+    assert "vstore_half(v, get_local_id(0), t)" in out and "vload_half(3, t)" in out
+    assert "vload_half(get_local_id(0), x)" in out and "float v;" in out
+    assert f"v = {ROUND_HALF}(0.000000e+00f);" in out
+    lone = ("__kernel void r(__global float* restrict o, __global float* restrict x) {\n"
+            "  o[0] = ((float)convert_half(x[0]));\n}\n")
+    out = rewrite_half_access(tile + lone)  # one source, as TVM writes a module's kernels
+    assert f"{ROUND_HALF}(x[0])" in out and "convert_half" not in out
+
+
 def _step_graph():
     """``g(x, w1, w2) -> (loss, y, c, a)`` with :func:`_graph`'s layers and ``loss = sum(a
     * a)``, and its adjoint ``g_adjoint`` (gradients of ``w1`` and ``w2``) built by Relax,
