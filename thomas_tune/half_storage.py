@@ -52,9 +52,11 @@ STORED_OPS = frozenset({"relax.nn.conv2d", "relax.add", "relax.nn.max_pool2d",
 #: rounding commutes with it), so that the stored tensor a convolution reads is the activation,
 #: not a float32 one made from the stored BatchNorm output before it
 ACTIVATION_OPS = frozenset({"relax.clip", "relax.nn.relu"})
-#: convolutions that read a stored layer output as their data in float16 directly (each element
-#: converted to float32 as it is loaded, the arithmetic in float32), not a float32 copy made by
-#: a kernel of its own before them
+#: convolutions of the forward pass that read a stored layer output as their data in float16
+#: directly (each element converted to float32 as it is loaded, the arithmetic in float32), not
+#: a float32 copy made by a kernel of its own before them. Those of the backward (the weight
+#: gradients) read the copy, which lives only until they ran: their kernels stay the float32
+#: step's, so its tuning records apply to them
 HALF_INPUT_OPS = frozenset({"relax.nn.conv2d"})
 #: kernels (``call_tir`` of these PrimFunc names, any suffix) whose result is a layer output:
 #: a training-form BatchNorm with its activation (:mod:`models.batchnorm`)
@@ -130,6 +132,8 @@ class _Rounder:
     #: convolutions read their stored data in float16 (:data:`HALF_INPUT_OPS`) and
     #: activations of stored values are stored (:data:`ACTIVATION_OPS`)
     direct_half_reads = True
+    #: whether :meth:`block` is rewriting the forward pass (:meth:`reads` of a convolution)
+    in_forward = False
 
     def __init__(self, batch: int, params):
         self.batch = batch
@@ -149,9 +153,9 @@ class _Rounder:
 
     def reads(self, expr, dataflow: bool, out: list) -> relax.Expr:
         """``expr`` reading the float32 casts of the stored values it uses, whose bindings are
-        appended to ``out``; a convolution of :data:`HALF_INPUT_OPS` whose data is a stored
-        value reads its float16 twin directly, its result float32."""
-        conv = self._half_input(expr, dataflow, out)
+        appended to ``out``; in the forward pass, a convolution of :data:`HALF_INPUT_OPS`
+        whose data is a stored value reads its float16 twin directly, its result float32."""
+        conv = self._half_input(expr, dataflow, out) if self.in_forward else None
         if conv is not None:
             return conv
         table = {}
@@ -197,6 +201,7 @@ class _Rounder:
                 forward = False
             if forward and self.half_form(b, dataflow, out):
                 continue
+            self.in_forward = forward
             value = self.reads(b.value, dataflow, out)
             out.append(relax.VarBinding(b.var, value) if value is not b.value else b)
             if forward and _is_layer_output(b.value, b.var.ty, self.batch, self.params,
