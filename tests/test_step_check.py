@@ -4,7 +4,10 @@ passes on fresh seeds; each parameter's gradient 1% off or with the wrong sign f
 that parameter; builds whose BatchNorm bias gradient is 1% off, whose ReLU6 backward lacks its
 upper clip, or whose loss gradient is wrong for one class only fail; so do builds whose
 momentum SGD update is 1% off or of the wrong sign (checked against torch.optim, on this
-machine and on a device server). The full table, every kind
+machine and on a device server). The builds with a wrong loss gradient or update are of a
+small AlexNet (w0.1@67), the one with a wrong BatchNorm bias gradient of MobileNetV1 0.25@32:
+their builds take a fifth and half of MobileNetV2's, and those kernels are the same in every
+network. The full table, every kind
 of gradient on MobileNetV2 and AlexNet: ``bench/mutants.py`` (docs/journal/precision.md)."""
 
 import pytest
@@ -13,16 +16,18 @@ import mutants as M
 
 torch = pytest.importorskip("torch")
 
-CONFIG = dict(num_classes=5, resolution=32, width=0.35)
+CONFIG = {"mobilenet_v2": dict(num_classes=5, resolution=32, width=0.35),
+          "mobilenet_v1": dict(num_classes=5, resolution=32, width=0.25),
+          "alexnet": dict(num_classes=5, resolution=67, width=0.1)}
 
 
-def _export(tmp_path, name, trainable, mutant=None):
+def _export(tmp_path, name, trainable, mutant=None, arch="mobilenet_v2"):
     import contextlib
 
     from thomas_tune.export import export
     from thomas_tune.models import build, init_params
     from thomas_tune.target import parse_target
-    model = build("mobilenet_v2", **CONFIG)
+    model = build(arch, **CONFIG[arch])
     out = str(tmp_path / name)
     with mutant if mutant is not None else contextlib.nullcontext():
         export(out, model, init_params(model, seed=11), parse_target("llvm"), batch=8,
@@ -108,23 +113,25 @@ def test_a_batchnorm_weight_the_next_batchnorm_cancels_is_judged_on_its_terms():
     assert c.failing == [name], c.line()
 
 
-@pytest.mark.parametrize("mutant,trainable", [
-    ("BatchNorm bias x1.01", "last:4"),
-    ("ReLU6 above 6 (no upper clip)", "all"),
-    ("loss, last class x1.1", "last:4"),
+@pytest.mark.parametrize("mutant,trainable,arch", [
+    ("BatchNorm bias x1.01", "last:4", "mobilenet_v1"),
+    ("ReLU6 above 6 (no upper clip)", "all", "mobilenet_v2"),
+    ("loss, last class x1.1", "last:3", "alexnet"),
 ])
-def test_a_build_with_a_wrong_backward_fails(tmp_path, mutant, trainable):
+def test_a_build_with_a_wrong_backward_fails(tmp_path, mutant, trainable, arch):
     """Builds the check let pass before it followed the build's branches, judged each
     parameter on its own scale and counted every batch: the last BatchNorm's bias gradient 1%
-    off, ReLU6's backward without its upper clip (every BatchNorm's), the loss gradient 10%
-    off for the samples of the last class only. The forward pass is untouched: the loss
-    agrees."""
+    off (MobileNetV1 0.25@32, whose BatchNorm kernels are MobileNetV2's and whose build takes
+    half as long), ReLU6's backward without its upper clip (every BatchNorm's), the loss
+    gradient 10% off for the samples of the last class only (the loss's own kernel, the same
+    in every network: a small AlexNet's, whose build takes a fifth of MobileNetV2's). The
+    forward pass is untouched: the loss agrees."""
     from thomas_tune.step_check import check_export
     if mutant in M.DEPENDENT_MUTANTS:
         ctx = M.DEPENDENT_MUTANTS[mutant]()
     else:
         ctx = M.DATA_MUTANTS[mutant.rsplit(" x", 1)[0]](1.01)
-    out = _export(tmp_path, "mutant", trainable, ctx)
+    out = _export(tmp_path, "mutant", trainable, ctx, arch=arch)
     check = check_export(out, seed=0)
     print(check.line())
     assert not check.ok and check.failing, check.line()
@@ -137,9 +144,10 @@ def test_a_build_with_a_wrong_optimizer_update_fails(tmp_path, mutant):
     rate 1% off; the new momentum buffer 1% too large; either with the wrong sign) and whose
     gradients are right: the check fails them on the update (against ``torch.optim`` in
     float64, :mod:`thomas_tune.update_check`), by at least 100 times its bound in float32
-    ulps, naming every parameter; the loss and the gradients pass."""
+    ulps, naming every parameter; the loss and the gradients pass. A small AlexNet's last
+    layer: the update's kernels are those of any network's trainable set."""
     from thomas_tune.step_check import check_export
-    out = _export(tmp_path, "mutant", "last:1", M.UPDATE_MUTANTS[mutant]())
+    out = _export(tmp_path, "mutant", "last:1", M.UPDATE_MUTANTS[mutant](), arch="alexnet")
     check = check_export(out, seed=0)
     print(check.line())
     update = check.update

@@ -25,12 +25,16 @@ def follow_float32(loss64, graph: KinkGraph, graph32: KinkGraph, params: list,
 
 def torch_forward(model, tensors: dict[str, np.ndarray], trainable: list[str], x: np.ndarray,
                   y: np.ndarray, frozen_bn: bool | set = False, device: str | None = None,
-                  dtype: str = "float64", masks: dict | None = None):
+                  dtype: str = "float64", masks: dict | None = None,
+                  precision: str = "float32"):
     """The step's forward pass in PyTorch (``dtype``, BatchNorm in training form but where
     ``frozen_bn`` says, dropout ``masks`` name -> array or None for ones) on a
     :class:`KinkGraph`: returns (loss tensor, the graph, the trainable
     tensors, their names). ``device``: a torch device (default: CUDA when available, else
-    the CPU). Needs torch."""
+    the CPU). ``precision``: the build's (``float32``; ``mixed16``: layer outputs rounded to
+    float16 where that step stores them, :mod:`thomas_tune.half_reference`). Raises
+    ValueError for a precision with no reference (``autocast16``'s float16 arithmetic).
+    Needs torch."""
     import torch
     import torch.nn.functional as F
 
@@ -46,7 +50,12 @@ def torch_forward(model, tensors: dict[str, np.ndarray], trainable: list[str], x
               for q in s.states}
     tm = {name: torch.tensor(np.asarray((masks or {}).get(name, np.ones(shape)), dtype),
                              device=dev) for name, (shape, _) in s.masks.items()}
-    g = KinkGraph(params, states, tm, training=True, frozen_bn=frozen_bn)
+    if precision not in ("float32", "mixed16"):
+        raise ValueError(f"precision {precision!r}: the step check has a reference of float32 "
+                         "and mixed16 builds only (autocast16 computes in float16, which no "
+                         "device here runs); check such a build's float32 or mixed16 twin")
+    g = KinkGraph(params, states, tm, training=True, frozen_bn=frozen_bn,
+                  half=precision == "mixed16")
     g.source = (model, torch.tensor(np.asarray(x, dtype), device=dev))
     logits = model.forward(g, g.source[1])
     loss = F.cross_entropy(logits, torch.tensor(np.asarray(y, "int64"), device=dev))

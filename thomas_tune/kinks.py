@@ -46,6 +46,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .flip_exact import Flip, changed, distance, follow_exact, restore
+from . import half_reference as H
 from .flip_solve import POLISH, follow_bulk
 from .reference import TorchGraph
 
@@ -155,13 +156,21 @@ class KinkGraph(TorchGraph):
     weight (``<layer>.weight``) the normalised input it multiplies (:attr:`bn_normalised`,
     detached), for the natural scales of their gradients (:func:`term_sums`)."""
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, half: bool = False, trainable=None, **kwargs):
         super().__init__(*args, **kwargs)
+        #: layer outputs rounded to float16 where a mixed16 step stores them
+        #: (:mod:`thomas_tune.half_reference`); ``trainable``: the names of the trainable
+        #: parameters (default: those that require a gradient)
+        self.half = half
+        self.trainable = set(trainable if trainable is not None else
+                             (n for n, t in self.p.items() if t.requires_grad))
         self.kinks: list[Kink] = []
         self.bias_outputs: dict[str, object] = {}
         self.bn_normalised: dict[str, object] = {}
         self._masked, self._pool = _functions()
-        self._made = (args, kwargs)
+        self._made = (args, dict(kwargs, half=half, trainable=self.trainable))
+        self._last_conv = None  # (output, input, name, stride, padding, groups), half only
+        self._pending = None  # a frozen convolution's output, not yet rounded (conv2d)
         #: (model, input batch) of the forward pass run on it, for :meth:`tangents`
         self.source = None
 
@@ -193,22 +202,67 @@ class KinkGraph(TorchGraph):
         return out
 
     def conv2d(self, name, x, out_channels, kernel, stride=1, padding=0, groups=1, bias=False):
-        y = super().conv2d(name, x, out_channels, kernel, stride, padding, groups, bias)
+        x = self._settle(x)
+        if self.half:
+            # a frozen convolution without bias is folded with the frozen BatchNorm after it
+            # (the build's first, unfolded convolution is dead code, never stored): its
+            # output is rounded when something other than that BatchNorm reads it
+            pending = not bias and f"{name}.weight" not in self.trainable
+            y = H.conv2d(self, name, x, stride, padding, groups, bias, rounded=not pending)
+            self._last_conv = None if bias else (y, x, name, stride, padding, groups)
+            self._pending = y if pending else None
+        else:
+            y = super().conv2d(name, x, out_channels, kernel, stride, padding, groups, bias)
         if bias:
             self.bias_outputs[f"{name}.bias"] = y
         return y
 
     def linear(self, name, x, out_features):
-        y = super().linear(name, x, out_features)
+        y = self._stored(super().linear(name, self._settle(x), out_features))
         self.bias_outputs[f"{name}.bias"] = y
         return y
 
+    def add(self, a, b):
+        return self._stored(super().add(self._settle(a), self._settle(b)))
+
+    def adaptive_avg_pool2d(self, x, output_size):
+        x = self._settle(x)
+        y = super().adaptive_avg_pool2d(x, output_size)
+        return x if y.shape == x.shape else self._stored(y)  # the identity: no kernel, no store
+
+    def dropout(self, name, x, p):
+        x = self._settle(x)
+        y = super().dropout(name, x, p)
+        return y if y is x else self._stored(y)
+
+    def _stored(self, y):
+        """``y`` as a mixed16 step stores it (rounded to float16) when :attr:`half`."""
+        return H.round_half(y) if self.half else y
+
+    def _settle(self, x):
+        """``x`` as a layer reads it: a frozen convolution's output not folded (see
+        :meth:`conv2d`) rounded now."""
+        if self.half and self._pending is not None and x is self._pending:
+            return H.round_half(x)
+        return x
+
+    def flatten(self, x):
+        return super().flatten(self._settle(x))
+
     def batch_norm(self, name, x, eps=1e-5, momentum=0.1, act=None):
-        y = super().batch_norm(name, x, eps, momentum, None)
+        training = self.bn_training and name not in self.frozen_bn
+        if self.half and not training:  # stored before its activation, folded where built so
+            conv = self._last_conv
+            folds = (conv is not None and conv[0] is x
+                     and f"{conv[2]}.weight" not in self.trainable)
+            y = H.inference_batch_norm(self, name, x if folds else self._settle(x), eps,
+                                       conv if folds else None)
+        else:
+            x = self._settle(x)
+            y = super().batch_norm(name, x, eps, momentum, None)
         self.bias_outputs[f"{name}.bias"] = y
         # x-hat, the weight's factor: the batch's statistics in the training form, the
         # running ones in the inference form (no running statistic updated here)
-        training = self.bn_training and name not in self.frozen_bn
         self.bn_normalised[f"{name}.weight"] = self.F.batch_norm(
             x.detach(), None if training else self.s[f"{name}.running_mean"],
             None if training else self.s[f"{name}.running_var"], None, None, training, 0.0,
@@ -216,9 +270,11 @@ class KinkGraph(TorchGraph):
         out = self._activate(y, act)
         if act is not None:
             self.kinks[-1].layer = name
-        return out
+        # the training form's one kernel stores its activation's output
+        return self._stored(out) if training else out
 
     def _masked_kink(self, x, kind, hi):
+        x = self._settle(x)
         d = (x > 0) if hi is None else (x > 0) & (x < hi)
         k = Kink(kind, x, d.to(x.dtype))
         self.kinks.append(k)
@@ -231,10 +287,12 @@ class KinkGraph(TorchGraph):
         return self._masked_kink(x, "relu6", 6.0)
 
     def max_pool2d(self, x, kernel, stride, padding=0):
+        x = self._settle(x)
         first, alt, gap = _pool_windows(x, kernel, stride, padding)
         k = Kink("pool", x, first, alt, gap)
         self.kinks.append(k)
-        return self._pool.apply(x, k, kernel, stride, padding)
+        # (the build stores it: the largest of float16 values, so rounding leaves it as it is)
+        return self._stored(self._pool.apply(x, k, kernel, stride, padding))
 
 
 class _Replay(KinkGraph):
@@ -246,15 +304,17 @@ class _Replay(KinkGraph):
         self._given = iter(given)
 
     def _masked_kink(self, x, kind, hi):
+        x = self._settle(x)
         k = Kink(kind, x, next(self._given).decision)
         self.kinks.append(k)
         return self._masked.apply(x, k, hi)
 
     def max_pool2d(self, x, kernel, stride, padding=0):
+        x = self._settle(x)
         g = next(self._given)
         k = Kink("pool", x, g.decision, g.alt)
         self.kinks.append(k)
-        return self._pool.apply(x, k, kernel, stride, padding)
+        return self._stored(self._pool.apply(x, k, kernel, stride, padding))
 
 
 def term_sums(loss, graph: KinkGraph) -> dict[str, np.ndarray]:

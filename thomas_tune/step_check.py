@@ -35,6 +35,15 @@ ReLU6 the inputs above 6, per pool the windows with a tie). A weight whose refer
 is zero on the check batches (a dead layer) cannot show an error: the check fails and names it
 (:attr:`StepCheck.dead`), as it does a training-form BatchNorm over fewer than
 :data:`MIN_BN_VALUES` values per channel (:attr:`StepCheck.few_bn_values`).
+
+A half-storage build (``--precision mixed16``) is checked against float64 rounding its layer
+outputs to float16 where the build stores them (:mod:`thomas_tune.half_reference`), with
+PyTorch float32 rounded the same way as the yardstick. Rounding decisions that differ between
+two such steps (a value within float32's error of a midpoint between two float16 values) are
+not followed, and they grow layer by layer to float16's own size, so the bounds are those of
+PyTorch's half-storage step: where its error is over :data:`CAP` / :data:`FACTOR` the check
+cannot tell a right build from one 1% off, and it says so (:attr:`StepCheck.unverifiable`,
+the build not passed) instead of judging.
 """
 
 from __future__ import annotations
@@ -153,6 +162,9 @@ class StepCheck:
     few_bn_values: tuple[str, int] | None = None
     flips: list[int] = field(default_factory=list)
     unresolved: int = 0
+    #: a mixed16 build's parameters whose bound PyTorch's own half-storage step already
+    #: exceeds (its error x FACTOR above CAP): not checkable on these batches (check_export)
+    unverifiable: list[str] = field(default_factory=list)
     coverage: dict = field(default_factory=dict)
     #: the optimizer update against torch.optim (thomas_tune.update_check.UpdateCheck), or None
     update: object = None
@@ -160,7 +172,8 @@ class StepCheck:
     @property
     def ok(self) -> bool:
         return (self.loss_err <= self.loss_bound and not self.failing and not self.dead
-                and self.few_bn_values is None and (self.update is None or self.update.ok))
+                and self.few_bn_values is None and not self.unverifiable
+                and (self.update is None or self.update.ok))
 
     @property
     def worst(self) -> tuple[str, float]:
@@ -192,6 +205,14 @@ class StepCheck:
             parts.append(f"not checkable: BatchNorm {layer} normalises {k} values per channel "
                          f"(batch x height x width), under the {MIN_BN_VALUES} the bounds hold "
                          "for; check at a larger batch or resolution")
+        if self.unverifiable:
+            parts.append(
+                f"not checkable: on {len(self.unverifiable)} parameter(s) PyTorch's own step "
+                f"with the same float16 storage is already over {CAP / FACTOR:.1e} from its "
+                f"float64 step ({', '.join(self.unverifiable[:4])}"
+                f"{' ...' if len(self.unverifiable) > 4 else ''}): half storage's rounding, "
+                "amplified by BatchNorms over few values, hides a 1% error there; check the "
+                "float32 build of the same records, or at a larger batch or resolution")
         if self.unresolved:
             parts.append(f"{self.unresolved} kink elements within rounding of their kink were "
                          "past the ones the reference follows: a failure may be one of them")
@@ -216,7 +237,8 @@ class StepCheck:
                 "torch_float32_errors": self.yardstick,
                 "torch_float32_loss_err": self.yardstick_loss_err,
                 "few_bn_values": self.few_bn_values, "flips": self.flips,
-                "unresolved": self.unresolved, "coverage": self.coverage,
+                "unresolved": self.unresolved, "unverifiable": self.unverifiable,
+                "coverage": self.coverage,
                 "update": self.update.as_dict() if self.update is not None else None}
 
 
@@ -298,7 +320,7 @@ def _coverage(kinks, into: dict) -> None:
 
 def reference_steps(model, tensors: dict[str, np.ndarray], trainable: list[str], batch_size: int,
                     seed: int, frozen_bn: bool | set = False,
-                    batches: int = CHECK_BATCHES) -> dict:
+                    batches: int = CHECK_BATCHES, precision: str = "float32") -> dict:
     """The check batches of ``seed`` (:func:`batch` and :func:`dropout_masks` of ``seed``,
     ``seed + 1``, ...) and PyTorch's steps on them: ``{"batches": [(x, y)...], "masks":
     [masks...], "float64": [(loss, grads)...] (float64's own decisions), "float32": [(loss,
@@ -307,7 +329,11 @@ def reference_steps(model, tensors: dict[str, np.ndarray], trainable: list[str],
     StepCheck against float64 following float32's branches, "few_bn_values": (layer, values)
     of a training-form BatchNorm over fewer than :data:`MIN_BN_VALUES` values per channel, or None,
     "coverage": per ReLU6 the inputs above 6 and per pool the windows with an exact tie,
-    "context": what :func:`following_step` needs}``. Needs torch."""
+    "context": what :func:`following_step` needs, "precision": ``precision``}``. With
+    ``precision`` mixed16 both PyTorch steps round the layer outputs to float16 where that
+    build stores them (:mod:`thomas_tune.half_reference`): the reference of a mixed16 build,
+    and PyTorch float32 rounded the same as its yardstick. Raises ValueError for another
+    precision (:func:`thomas_tune.kink_step.torch_forward`). Needs torch."""
     import torch
 
     from .kink_step import follow_float32
@@ -318,9 +344,9 @@ def reference_steps(model, tensors: dict[str, np.ndarray], trainable: list[str],
     f64, f32, own32, sums, rounding = [], [], [], [], []
     for (x, y), m in zip(xs, ms):
         loss, g, params, names = torch_forward(model, tensors, trainable, x, y, frozen_bn,
-                                               masks=m)
+                                               masks=m, precision=precision)
         loss32, g32, params32, _ = torch_forward(model, tensors, trainable, x, y, frozen_bn,
-                                                 dtype="float32", masks=m)
+                                                 dtype="float32", masks=m, precision=precision)
         counts.update(g.bn_values)
         _coverage(g.kinks, cover)
         from .kinks import term_sums
@@ -338,7 +364,7 @@ def reference_steps(model, tensors: dict[str, np.ndarray], trainable: list[str],
     yard.few_bn_values, yard.coverage = few, cover
     return {"batches": xs, "masks": ms, "float64": f64, "float32": f32, "sums": sums,
             "rounding": rounding, "yardstick": yard, "few_bn_values": few, "coverage": cover,
-            "context": (model, tensors, list(trainable), frozen_bn)}
+            "context": (model, tensors, list(trainable), frozen_bn), "precision": precision}
 
 
 def cancelled_gradients(reference: dict) -> list[str]:
@@ -361,7 +387,8 @@ def following_step(reference: dict, i: int, grads: dict[str, np.ndarray]):
     model, tensors, trainable, frozen_bn = reference["context"]
     x, y = reference["batches"][i]
     loss, g, params, names = torch_forward(model, tensors, trainable, x, y, frozen_bn,
-                                           masks=reference["masks"][i])
+                                           masks=reference["masks"][i],
+                                           precision=reference.get("precision", "float32"))
     ref = reference["float64"][i][1]
     floors = reference["sums"][i]
     scales = {n: max(float(np.max(np.abs(ref[n]))) if ref[n].size else 0.0,
@@ -376,15 +403,18 @@ def check_export(export_dir: str, seed: int = 0, frozen_bn: bool | set | None = 
                  reference: dict | None = None, rpc_session=None,
                  cached: bool = False, say=None, train_lib=None) -> StepCheck:
     """Check an export's training step against PyTorch float64 following the build's branches
-    (see the module docstring) on the :data:`CHECK_BATCHES` batches of ``seed``
+    (see the module docstring), at the build's precision (its manifest's: a mixed16 build
+    against float64 rounding where it stores float16, :mod:`thomas_tune.half_reference`),
+    on the :data:`CHECK_BATCHES` batches of ``seed``
     (:func:`reference_steps`), from the export's own parameters, with PyTorch float32's
     errors on the same batches as the yardstick. ``frozen_bn``: the BatchNorms in inference
     form, True for all or a set of names (None: as the export's manifest says);
     ``rpc_session``: run the export's step on that device server (:func:`export_step`), its
     ``train.so`` loaded there once (``train_lib``: already loaded, e.g. by the
     :class:`thomas_tune.runtime.Session` about to be timed, so the server loads it only once);
-    ``reference``: :func:`reference_steps` already computed for this model, parameters and
-    seed (several exports of one step share it); ``cached``: check the step on cached
+    ``reference``: :func:`reference_steps` already computed for this model, parameters,
+    seed and precision (several exports of one step share it; one of another precision is
+    made again); ``cached``: check the step on cached
     features (:func:`export_step`). The export's optimizer update is checked too, against
     ``torch.optim`` on fresh values of ``seed`` (:mod:`thomas_tune.update_check`, the
     result's ``update``). ``say``: a callable given a line per stage with its wall time in s
@@ -399,9 +429,11 @@ def check_export(export_dir: str, seed: int = 0, frozen_bn: bool | set | None = 
         frozen_bn = manifest_frozen_bn(m)
     say = say or (lambda _line: None)
     t0 = time.perf_counter()
-    if reference is None:
+    # (a reference made for another precision, e.g. a bench's float32 side, is not this one's)
+    if reference is None or reference.get("precision", "float32") != m.precision:
         model, tensors, _ = load_checkpoint(os.path.join(export_dir, "params.npz"))
-        reference = reference_steps(model, tensors, m.trainable, m.batch, seed, frozen_bn)
+        reference = reference_steps(model, tensors, m.trainable, m.batch, seed, frozen_bn,
+                                    precision=m.precision)
         say(f"[check] PyTorch's float64 and float32 steps of {CHECK_BATCHES} batches in "
             f"{time.perf_counter() - t0:.1f} s")
     checked = reference["context"][1]
@@ -427,6 +459,8 @@ def check_export(export_dir: str, seed: int = 0, frozen_bn: bool | set | None = 
     check.flips = [len(r.flips) for r in refs]
     check.unresolved = sum(r.unresolved for r in refs)
     check.coverage = reference.get("coverage", {})
+    if m.precision != "float32":  # (float32's bounds are capped; module docstring)
+        check.unverifiable = sorted(n for n, e in yard.errors.items() if FACTOR * e > CAP)
     from .update_check import check_update
     (x, y), masks = reference["batches"][0], reference["masks"][0]
     check.update = check_update(export_dir, seed, rpc_session, (x, y, masks, ours[0][1]),
