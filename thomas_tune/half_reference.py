@@ -21,6 +21,9 @@ compares with the build):
   computed again with the BatchNorm folded into its weight (``w * gamma / sqrt(var + eps)``,
   shift ``beta - mean * gamma / sqrt(var + eps)``: the convolution's output and the sum with
   the shift, each stored; PyTorch's ``fuse_conv_bn_eval`` states the same fold);
+* the ReLU or ReLU6 of a stored value (a frozen BatchNorm's, a convolution's or a linear
+  layer's with its bias): stored again, the same float16 values, as rounding commutes with
+  them (so that the next convolution reads a stored tensor);
 * a residual sum, a linear layer's output (its bias added), an average pooling that is not
   the identity, a dropout's output;
 * not a max pooling's output (the largest of float16 values is one) nor a flatten.

@@ -270,8 +270,14 @@ class KinkGraph(TorchGraph):
         out = self._activate(y, act)
         if act is not None:
             self.kinks[-1].layer = name
-        # the training form's one kernel stores its activation's output
-        return self._stored(out) if training else out
+        # the training form's one kernel stores its activation's output; the inference form's
+        # activation reads the stored output, and its own output is stored again (the same
+        # float16 values: rounding commutes with ReLU and ReLU6)
+        return self._stored(out) if training or act is not None else out
+
+    def _activate(self, x, act):
+        """``x`` after ``act`` (None, ``"relu"`` or ``"relu6"``), not stored (a BatchNorm's)."""
+        return x if act is None else self._masked_kink(x, act, None if act == "relu" else 6.0)
 
     def _masked_kink(self, x, kind, hi):
         x = self._settle(x)
@@ -281,10 +287,13 @@ class KinkGraph(TorchGraph):
         return self._masked.apply(x, k, hi)
 
     def relu(self, x):
-        return self._masked_kink(x, "relu", None)
+        """A layer's ReLU: it reads a stored output (a convolution's or a linear layer's with
+        its bias), and a mixed16 step stores its output again (the same float16 values)."""
+        return self._stored(self._masked_kink(x, "relu", None))
 
     def relu6(self, x):
-        return self._masked_kink(x, "relu6", 6.0)
+        """A layer's ReLU6, stored as :meth:`relu`'s output is."""
+        return self._stored(self._masked_kink(x, "relu6", 6.0))
 
     def max_pool2d(self, x, kernel, stride, padding=0):
         x = self._settle(x)
