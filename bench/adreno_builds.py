@@ -36,7 +36,7 @@ def check_build(name: str, size: dict, target_text: str, batch: int, seed: int) 
     import torch
     import tvm
 
-    from thomas_tune.export import export
+    from thomas_tune.compiler.export import export
     from thomas_tune.models import build, init_params
     from thomas_tune.reference import torch_module
     from thomas_tune.runtime import Session

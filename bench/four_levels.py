@@ -86,8 +86,8 @@ def _data(classes, limit, seed):
 
 
 def _export(folder, model, tensors, trainable, tuned):
-    from thomas_tune.export import export
-    from thomas_tune.optimizers import OptimizerConfig
+    from thomas_tune.compiler.export import export
+    from thomas_tune.training_graph.optimizers import OptimizerConfig
     from thomas_tune.target import parse_target
     from thomas_tune.logs import TuningLog
     if not os.path.exists(os.path.join(folder, "manifest.json")):
@@ -179,8 +179,8 @@ class TorchFineTune:
     """PyTorch float32 training of ``tensors`` with the recipe of the exports (momentum SGD,
     ``OPT``), the trainable set ``trainable`` (the rest frozen; BatchNorm in training form
     except where ``frozen_bn`` says: True for every one, or a set of BatchNorm names), and
-    the dropout masks a :class:`Session` of ``seed`` draws (``thomas_tune.dropout.mask_numpy``,
-    bit for bit). ``dtype``: float32, or float64
+    the dropout masks a :class:`Session` of ``seed`` draws
+    (``thomas_tune.training_graph.dropout.mask_numpy``, bit for bit). ``dtype``: float32, or float64
     to measure what rounding alone changes in a fine-tune."""
 
     def __init__(self, model, tensors, trainable, seed, lr=None, frozen_bn=False,
@@ -202,7 +202,7 @@ class TorchFineTune:
         self._rng = np.random.default_rng(seed)
 
     def step(self, x, y):
-        from thomas_tune.dropout import mask_numpy
+        from thomas_tune.training_graph.dropout import mask_numpy
         from thomas_tune.reference import TorchGraph
         torch = self.torch
         masks = {}
@@ -254,8 +254,8 @@ def imported_main(args):
     import warnings
 
     import torch
-    from thomas_tune.graph import (OptimizerConfig, frozen_batchnorms, parse_trainable,
-                                   select_trainable)
+    from thomas_tune.training_graph.graph import (OptimizerConfig, frozen_batchnorms,
+                                                  parse_trainable, select_trainable)
     from thomas_tune.models import replace_head
     from thomas_tune.models.calibration import calibrate_batchnorms
     from thomas_tune.models.onnx_import import import_onnx
@@ -304,7 +304,7 @@ def imported_main(args):
                                model, fresh, tr, False) for tr in levels.values()}
         lr0_dir = os.path.join(work, f"{tag}-lr0")
         if not os.path.exists(os.path.join(lr0_dir, "manifest.json")):
-            from thomas_tune.export import export
+            from thomas_tune.compiler.export import export
             from thomas_tune.target import parse_target
             export(lr0_dir, model, fresh, parse_target("llvm"), batch=BATCH, trainable="last:1",
                    optimizer=OptimizerConfig(lr=0.0, momentum=OPT["momentum"]),
@@ -417,8 +417,8 @@ def cache_main(args):
     folder = os.path.join(work, f"last{args.last}-cache-tuned")
     t0 = time.perf_counter()
     if not os.path.exists(os.path.join(folder, "manifest.json")):
-        from thomas_tune.export import export
-        from thomas_tune.optimizers import OptimizerConfig
+        from thomas_tune.compiler.export import export
+        from thomas_tune.training_graph.optimizers import OptimizerConfig
         from thomas_tune.logs import TuningLog
         from thomas_tune.target import parse_target
         export(folder, model5, ft_init, parse_target("llvm"), batch=BATCH, trainable=trainable,

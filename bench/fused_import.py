@@ -84,8 +84,8 @@ def _pretrained(work, width, seed, pre_train, pretrain_steps):
 def _export(work, model, tensors, trainable, lr):
     """The untuned llvm export of ``trainable`` at learning rate ``lr`` (made once per
     ``work`` folder): its folder."""
-    from thomas_tune.export import export
-    from thomas_tune.optimizers import OptimizerConfig
+    from thomas_tune.compiler.export import export
+    from thomas_tune.training_graph.optimizers import OptimizerConfig
     from thomas_tune.target import parse_target
     folder = os.path.join(work, f"export-{trainable.replace(':', '').replace(',', '-')}-lr{lr:g}")
     if not os.path.exists(os.path.join(folder, "manifest.json")):
@@ -113,7 +113,8 @@ def _ours(export_dir, tensors, train, test, steps, seed) -> dict:
 
 
 def _pytorch(model, tensors, trainable, train, test, steps, seed, lr) -> dict:
-    from thomas_tune.graph import frozen_batchnorms, parse_trainable, select_trainable
+    from thomas_tune.training_graph.graph import (frozen_batchnorms, parse_trainable,
+                                                  select_trainable)
     from thomas_tune.train import TrainReport
     names = select_trainable(model, trainable)
     frozen = frozen_batchnorms(model, names, parse_trainable(trainable)[1])

@@ -27,14 +27,14 @@ def _describe(export_dir: str, side, seed: int) -> dict:
     from thomas_tune.manifest import Manifest
     from thomas_tune.memory_plan import compiled_step_memory
     from thomas_tune.models import load_checkpoint
-    from thomas_tune.optimizers import OptimizerConfig
+    from thomas_tune.training_graph.optimizers import OptimizerConfig
     from thomas_tune.recompute import RecomputePlan
     m = Manifest.read(export_dir)
     model, _, _ = load_checkpoint(os.path.join(export_dir, "params.npz"))
     opt = m.optimizer
     optimizer = OptimizerConfig(**{**opt, "betas": tuple(opt["betas"])})
     budget = m.memory_budget or {}
-    from thomas_tune.winograd_form import Conv
+    from thomas_tune.training_graph.winograd_form import Conv
     wino = {Conv.from_dict(d) for d in (m.winograd or {}).get("training", [])}
     precision = m.precision or "float32"
     estimate = compiled_step_memory(model, m.batch, m.trainable, optimizer,

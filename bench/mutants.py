@@ -39,7 +39,7 @@ def build(arch, config, target, out, seed=11, mutant=None):
     or None) to ``out``; returns ``out``."""
     import contextlib
 
-    from thomas_tune.export import export
+    from thomas_tune.compiler.export import export
     from thomas_tune.models import build as build_model, init_params
     from thomas_tune.target import parse_target
     model = build_model(arch, **config)

@@ -34,8 +34,8 @@ def main() -> None:
     p.add_argument("--out", default="bench/results/precision_accuracy.json")
     a = p.parse_args()
     from thomas_tune.demo import FINE_TUNE_DIGITS, digits, pretrained_path
-    from thomas_tune.export import export
-    from thomas_tune.graph import OptimizerConfig
+    from thomas_tune.compiler.export import export
+    from thomas_tune.training_graph.graph import OptimizerConfig
     from thomas_tune.models import load_checkpoint, replace_head
     from thomas_tune.runtime import Session
     from thomas_tune.target import parse_target

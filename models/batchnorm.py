@@ -175,7 +175,7 @@ class Running(NamedTuple):
 
 def running_exprs(count: int, momentum: float, dtype: str) -> dict[str, str]:
     """The new running statistics of a BatchNorm over ``count`` values per channel (M), as
-    element-wise update expressions in TVMScript (for ``thomas_tune.multi_tensor``'s
+    element-wise update expressions in TVMScript (for ``thomas_tune.training_graph.multi_tensor``'s
     ``update_kernel``, one element per channel): inputs ``rm``, ``rv`` (the running mean and
     variance), ``mean``, ``m2`` (the batch's, :func:`bn_stats`); outputs ``rm_new = (1 -
     momentum) * rm + momentum * mean`` and ``rv_new = (1 - momentum) * rv + momentum * m2 /
@@ -240,7 +240,7 @@ def bn_fold(w: te.Tensor, gamma: te.Tensor, beta: te.Tensor, mean: te.Tensor, va
     ``w`` (O, I/groups, kh, kw) and the BatchNorm's four (O,) tensors -> (``w * s[o]``, ``beta
     - mean * s``) with ``s = gamma / sqrt(var + eps)``, so that ``conv(x, w') + shift`` is
     ``gamma * (conv(x, w) - mean) / sqrt(var + eps) + beta``. One kernel (two outputs); with
-    frozen weights and statistics, computed once per load (``thomas_tune.lift``)."""
+    frozen weights and statistics, computed once per load (``thomas_tune.training_graph.lift``)."""
     dt = w.dtype
     one, e = tirx.const(1.0, dt), tirx.const(eps, dt)
 

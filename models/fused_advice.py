@@ -47,9 +47,9 @@ def fused_import_warning(batchnorm: str, all_layers: bool, lr: float | None) -> 
     import (no ``--calibrate``), or None when the step is the advised one.
 
     ``batchnorm``: the export's BatchNorm mode (``frozen-part``, ``train`` or ``frozen``:
-    :mod:`thomas_tune.graph`); ``all_layers``: whether every parameter trains; ``lr``: the
-    export's learning rate (None: unknown). The cases and figures are the module docstring's.
-    Raises ValueError for another mode.
+    :mod:`thomas_tune.training_graph.graph`); ``all_layers``: whether every parameter trains;
+    ``lr``: the export's learning rate (None: unknown). The cases and figures are the module
+    docstring's. Raises ValueError for another mode.
     """
     if batchnorm not in ("frozen-part", "train", "frozen"):
         raise ValueError(f"BatchNorm mode {batchnorm!r}: use frozen-part, train or frozen")

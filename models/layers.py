@@ -206,7 +206,7 @@ class Graph(Records):
     def _batch_norm_train(self, name, x, gamma, beta, mean, var, eps, momentum, act):
         """The training form (:mod:`models.batchnorm`): the statistics and ``act(normalised)``,
         whose gradient is registered under :data:`models.batchnorm.GRADIENT` (by
-        ``thomas_tune.gradients``); what the new running statistics need is kept in
+        ``thomas_tune.training_graph.gradients``); what the new running statistics need is kept in
         :attr:`running` (the training graph computes them all together,
         :func:`models.batchnorm.running_exprs`)."""
         from . import batchnorm as B

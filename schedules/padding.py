@@ -55,8 +55,8 @@ class PaddingInFill(ms.schedule_rule.PyScheduleRule):
     the innermost loop, each read a load of its own behind a branch: the best AlexNet record
     for the weight gradient of ``conv2`` on the H100 (OpenCL, 1.41 ms, 16% of the FP32 peak)
     compiles to 972 FMA, 1,015 shared-memory loads and 786 branches (PTX; the same counts from
-    NVIDIA's driver and from clang's NVPTX backend, ``experiments/ptx_mix.py``), and an SM issues
-    shared loads at a quarter of its FMA rate (32 banks of 4 bytes per clock against 128 FP32
+    NVIDIA's driver and from clang's NVPTX backend, ``bench/experiments/ptx_mix.py``), and an SM
+    issues shared loads at a quarter of its FMA rate (32 banks of 4 bytes per clock against 128 FP32
     lanes; NVIDIA's CUDA C++ Programming Guide and H100 whitepaper).
 
     Here the padding block is not inlined before tiling (annotation :data:`KEEP_PADDING`), so

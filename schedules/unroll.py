@@ -7,7 +7,7 @@ from .traces import before_postproc, plain_json
 
 #: The maximum numbers of unrolled steps the search chooses among for a GPU kernel
 #: (MetaSchedule's ``ParallelizeVectorizeUnroll``; loops are unrolled explicitly in the OpenCL C
-#: source). On the H100 (``experiments/compile_cost.py``, 48 AlexNet records,
+#: source). On the H100 (``bench/experiments/compile_cost.py``, 48 AlexNet records,
 #: ``bench/results/h100_alexnet_compile_cost.json``), limiting them to 64 cut TVM's build 3.2x
 #: and NVIDIA's compile 3.5x per candidate, and made kernels 1.11x slower in the geometric mean
 #: (1.20x for each workload's best record).

@@ -1,5 +1,5 @@
-"""Schedules of the Winograd transforms (``thomas_tune/winograd_form.py``): the filter, input and
-output transforms around the batched matmul.
+"""Schedules of the Winograd transforms (``thomas_tune/training_graph/winograd_form.py``): the
+filter, input and output transforms around the batched matmul.
 
 Each transform computes, per (channel, tile) or (channel pair), a small block of values: the
 ``alpha x alpha`` transformed tile of an input tile or a filter, or the ``m x m`` outputs of

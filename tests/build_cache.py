@@ -6,15 +6,15 @@ depend on the model (architecture and configuration), the target (host included)
 cross compiler (``TVM_NDK_CC``), the batch sizes, the trainable set, the optimizer, the default
 rules, ``cache_features`` and the class names, never on the tensors: ``params.npz`` alone holds
 them, and it is written fresh from each caller's tensors. So a test that draws fresh random
-weights still runs them, and the build it runs is the one ``thomas_tune.export.export`` makes
-for its inputs (built once in this session by whichever test asked first).
+weights still runs them, and the build it runs is the one ``thomas_tune.compiler.export.export``
+makes for its inputs (built once in this session by whichever test asked first).
 
 The builds live under the session's temporary folder (shared by the pytest-xdist workers,
 ``tests/conftest.py`` sets :data:`ROOT`), one folder per key, made under a file lock so that
 two workers asking for one build wait for one compile. Exports with a tuning log are not
 shared (their record check is part of what such a test checks), nor is anything built under a
 mutant (``tests/mutants.py`` changes the build without changing these inputs): call
-``thomas_tune.export.export`` itself there.
+``thomas_tune.compiler.export.export`` itself there.
 """
 
 from __future__ import annotations
@@ -50,10 +50,10 @@ def build_key(model, target, batch: int, infer_batch: int, trainable: str, optim
 def export(out_dir: str, model, tensors, target, batch: int = 8, infer_batch: int = 1,
            trainable: str = "all", optimizer=None, classes=None, progress=print,
            stock_defaults: bool = False, cache_features: bool = False):
-    """``thomas_tune.export.export`` without a tuning log (same arguments, same folder), the
-    libraries built once per session for these inputs; ``params.npz`` written from
+    """``thomas_tune.compiler.export.export`` without a tuning log (same arguments, same folder),
+    the libraries built once per session for these inputs; ``params.npz`` written from
     ``tensors``. Returns the manifest (:meth:`thomas_tune.manifest.Manifest.read`)."""
-    from thomas_tune.export import export as build
+    from thomas_tune.compiler.export import export as build
     from thomas_tune.models import save_checkpoint
 
     kw = dict(batch=batch, infer_batch=infer_batch, trainable=trainable, optimizer=optimizer,

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from thomas_tune.reference import TorchGraph, torch_module  # noqa: F401 (re-exported)
-from thomas_tune.compile import reference_target
+from thomas_tune.compiler.compile import reference_target
 from thomas_tune.target import parse_target
 
 # llvm builds whose numbers are a reference and whose speed does not matter (LLVM opt-level 0)

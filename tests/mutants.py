@@ -14,7 +14,8 @@ layer of that kind (the backward pass meets it first), so the error flows into e
 trainable layer before it; ``which=None``: every call.
 
 The update's mutants (:data:`UPDATE_MUTANTS`, :func:`optimizer_update`) change the expressions
-of the optimizer's multi-tensor kernels (:mod:`thomas_tune.multi_tensor`) the build compiles.
+of the optimizer's multi-tensor kernels (:mod:`thomas_tune.training_graph.multi_tensor`) the build
+compiles.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from tvm import relax
 from tvm.relax import op as R
 from tvm.relax.op.base import register_gradient
 
-from thomas_tune import gradients, loss as L
+from thomas_tune.training_graph import gradients, loss as L
 from thomas_tune.models import batchnorm as B
 
 _LEVEL = itertools.count(100)  # each registration above the last one
@@ -230,12 +231,12 @@ def param_mutant(grads: dict[str, np.ndarray], name: str, factor: float) -> dict
 
 @contextlib.contextmanager
 def optimizer_update(output: str, factor: float, optimizer: str = "momentum_sgd"):
-    """``optimizer``'s update kernels (:mod:`thomas_tune.multi_tensor`) built wrong: ``output``
-    ``p_new`` with its step ``p_new - p`` times ``factor`` (1.01: the learning rate 1% too
-    large; -1: the update's sign wrong), or a state output (``v_new``: momentum SGD's new
+    """``optimizer``'s update kernels (:mod:`thomas_tune.training_graph.multi_tensor`) built wrong:
+    ``output`` ``p_new`` with its step ``p_new - p`` times ``factor`` (1.01: the learning rate 1%
+    too large; -1: the update's sign wrong), or a state output (``v_new``: momentum SGD's new
     momentum buffer, Adam's second moment; ``m_new``: Adam's first moment) times
     ``factor``; the expressions after it read the wrong value."""
-    from thomas_tune import multi_tensor as MT
+    from thomas_tune.training_graph import multi_tensor as MT
     attr = f"{optimizer}_exprs"
     original = getattr(MT, attr)
 

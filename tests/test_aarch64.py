@@ -22,7 +22,7 @@ import pytest
 
 from thomas_tune import rpc
 from thomas_tune.cli import main
-from thomas_tune.export import export
+from thomas_tune.compiler.export import export
 from thomas_tune.manifest import Manifest
 from thomas_tune.models import build, init_params, load_checkpoint
 from thomas_tune.remote import check_device, connect

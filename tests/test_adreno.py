@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 import tvm
 
-from thomas_tune.export import export
+from thomas_tune.compiler.export import export
 from thomas_tune.models import build
 from thomas_tune.runtime import Session
 from thomas_tune.step_check import check_export
@@ -87,7 +87,7 @@ def test_dlight_adreno_configuration_is_kept_out_of_default_schedules(rng):
     import tvm_ffi
     from tvm.s_tir import dlight as dl
 
-    from thomas_tune import graph as G
+    from thomas_tune.training_graph import graph as G
     from thomas_tune import kernel_check as kc
     from thomas_tune import kernel_reference as kr
     from thomas_tune.measure.builder import build_candidate

@@ -124,7 +124,7 @@ def test_opencl_sidecar_runs_under_runtime_only_tvm(kernel_library, tmp_path, rn
 @pytest.fixture(scope="module")
 def small_export(tmp_path_factory):
     """A small AlexNet (width 0.1, 67x67, 5 classes, batch 2) exported with default schedules."""
-    from thomas_tune.export import export
+    from thomas_tune.compiler.export import export
     from thomas_tune.models import build, init_params
     from thomas_tune.target import parse_target
     model = build("alexnet", num_classes=5, resolution=67, width=0.1)
@@ -140,7 +140,7 @@ def test_kernels_of_the_step_are_those_of_the_export(small_export):
     import tvm
     from thomas_tune.benchmark import exported_training_module, step_kernels, time_export, \
         time_kernels
-    from thomas_tune.graph import training_module
+    from thomas_tune.training_graph.graph import training_module
     from thomas_tune.models import load_checkpoint
     model, _, _ = load_checkpoint(small_export + "/params.npz")
     tg = training_module(model, 2, "all")
@@ -170,7 +170,7 @@ def test_tuning_curve_replays_the_log():
     MetaSchedule's database, not the curve's own parser)."""
     from thomas_tune.benchmark import exported_training_module, mark_tuned, step_kernels, \
         tuning_curve
-    from thomas_tune.graph import training_module
+    from thomas_tune.training_graph.graph import training_module
     from thomas_tune.models import build
     from thomas_tune.logs import TuningLog
     model = build("mobilenet_v2", num_classes=10, resolution=64, width=0.35)
@@ -251,7 +251,7 @@ def frozen_features_export(tmp_path_factory):
     after the kernel that reads its result, where the adaptive average pool widens 2x2 to 6x6):
     the bench's check rejects that side, rightly, so the test that times it trains the
     classifier."""
-    from thomas_tune.export import export
+    from thomas_tune.compiler.export import export
     from thomas_tune.models import build, init_params
     from thomas_tune.target import parse_target
     model = build("alexnet", num_classes=5, resolution=67, width=0.1)

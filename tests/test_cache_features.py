@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 from thomas_tune import cli
-from thomas_tune import graph as G
+from thomas_tune.training_graph import graph as G
 from thomas_tune.data import Dataset
-from thomas_tune.export import export
+from thomas_tune.compiler.export import export
 from thomas_tune.models import build, init_params
 from thomas_tune.runtime import Session
 from thomas_tune.manifest import Manifest

@@ -30,7 +30,7 @@ def _lines(path):
 def tuned(tmp_path_factory):
     """One small task of MobileNetV2 tuned on PoCL for 16 trials (evolutionary search only),
     its log and its ``--stats`` report."""
-    from thomas_tune import graph as G
+    from thomas_tune.training_graph import graph as G
     from thomas_tune import opencl
     from thomas_tune.logs import TuningLog
     from thomas_tune.models import build

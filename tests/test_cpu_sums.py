@@ -46,7 +46,7 @@ def test_a_forward_convolution_is_as_close_to_float64_as_pytorchs(rng):
     import torch
     from tvm import relax
 
-    from thomas_tune.compile import compile_graph
+    from thomas_tune.compiler.compile import compile_graph
 
     n, ci, h, co, k = 2, 64, 27, 64, 5
     bb = relax.BlockBuilder()
@@ -79,7 +79,7 @@ def test_a_forward_convolution_is_as_close_to_float64_as_pytorchs(rng):
 
 _BUILD_UPDATE = r"""
 import sys, numpy as np, tvm
-from thomas_tune.multi_tensor import update_kernel
+from thomas_tune.training_graph.multi_tensor import update_kernel
 from thomas_tune.schedules import split_long_loops
 n, limit = int(sys.argv[1]), int(sys.argv[2])
 func = update_kernel([(n,)] * 40, ("p", "g", "v"),

@@ -18,7 +18,7 @@ def test_long_reduction_schedule(target, rng):
     """Weight-gradient kernels (few outputs, long sums) get LongReduction's default schedule
     (threads split each sum) and match numpy in float64: a depthwise layer's weight gradient
     (stride 2, padding 1) and a 1x1 convolution's with an injective epilogue."""
-    from thomas_tune.gradients import depthwise_weight_grad_te
+    from thomas_tune.training_graph.gradients import depthwise_weight_grad_te
     from thomas_tune.schedules import LongReduction
 
     n, c, h = 8, 8, 46

@@ -7,7 +7,7 @@ import pytest
 from PIL import Image
 
 from thomas_tune import cli, data
-from thomas_tune.export import export
+from thomas_tune.compiler.export import export
 from thomas_tune.manifest import Manifest
 from thomas_tune.models import build, init_params, load_checkpoint, save_checkpoint
 from thomas_tune.runtime import Session

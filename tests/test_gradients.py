@@ -6,7 +6,7 @@ import tvm
 from tvm import relax
 from tvm.relax import op as R
 
-from thomas_tune import gradients
+from thomas_tune.training_graph import gradients
 from thomas_tune.target import parse_target
 
 
@@ -125,7 +125,7 @@ def test_adaptive_avg_pool2d(rng, in_hw, out_hw):
 
 @pytest.mark.quick
 def test_adaptive_pool_matrix_matches_numpy_mean():
-    from thomas_tune.gradients import adaptive_pool_matrix
+    from thomas_tune.training_graph.gradients import adaptive_pool_matrix
     p = adaptive_pool_matrix(7, 3)
     x = np.arange(7.0)
     np.testing.assert_allclose(p @ x, [x[0:3].mean(), x[2:5].mean(), x[4:7].mean()])

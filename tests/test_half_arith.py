@@ -69,7 +69,7 @@ def test_the_precision_is_taken_only_where_the_device_reports_cl_khr_fp16():
 def test_export_refuses_autocast16_for_a_device_without_the_extension(tmp_path, target):
     """PoCL's target (``opencl:0``, device family generic): refused before anything is
     compiled, naming the extension and the fix; the same with PoCL's own profile."""
-    from thomas_tune.export import export
+    from thomas_tune.compiler.export import export
     from thomas_tune.models import build, init_params
     from conftest import SMALL
 
@@ -91,7 +91,7 @@ def test_export_refuses_autocast16_for_a_device_without_the_extension(tmp_path, 
 def adreno_exports(tmp_path_factory):
     """Small AlexNet exported for the Adreno 540 target (this machine's host, no tuning log)
     at autocast16 and at mixed16: {precision: (folder, manifest, kernels by library)}."""
-    from thomas_tune.export import export
+    from thomas_tune.compiler.export import export
     from thomas_tune.limits import library_kernels
     from thomas_tune.models import build, init_params
     from thomas_tune.target import parse_target
@@ -156,7 +156,7 @@ def _clang_cl(source: str, tmp_path, fp16: bool) -> subprocess.CompletedProcess:
 def mobilenet_native(tmp_path_factory):
     """Small MobileNetV2 (training BatchNorms, depthwise convolutions, residual adds) exported
     at autocast16 for the Adreno 540 target: its kernels by library."""
-    from thomas_tune.export import export
+    from thomas_tune.compiler.export import export
     from thomas_tune.limits import library_kernels
     from thomas_tune.models import build, init_params
     from thomas_tune.target import parse_target
@@ -246,7 +246,7 @@ def _run_llvm(tmp_path):
     import tvm
     from tvm.relax import VirtualMachine
 
-    from thomas_tune.compile import compile_graph
+    from thomas_tune.compiler.compile import compile_graph
     from thomas_tune.half_arith import autocast_module
     from thomas_tune.target import export_shared, parse_target
 
@@ -374,8 +374,8 @@ def _logits_errors(name: str, rng, batches: int = 3) -> tuple[float, float]:
     import tvm
     from tvm.relax import VirtualMachine
 
-    from thomas_tune import graph as G
-    from thomas_tune.compile import compile_graph
+    from thomas_tune.training_graph import graph as G
+    from thomas_tune.compiler.compile import compile_graph
     from thomas_tune.half_arith import autocast_module
     from thomas_tune.manifest import PREDICT
     from thomas_tune.models import build, spec
@@ -454,7 +454,7 @@ def _step_errors(name: str, tmp_path, seeds=(0, 1, 2)) -> tuple[list, list, list
     the CPU)."""
     import torch
 
-    from thomas_tune.export import export
+    from thomas_tune.compiler.export import export
     from thomas_tune.kink_step import torch_forward
     from thomas_tune.models import build
     from thomas_tune.step_check import batch, export_step, gradient_errors

@@ -32,7 +32,7 @@ def _built_stores(model, batch, trainable):
     """The shapes of the float16 tensors the mixed16 step stores (its forward pass)."""
     from tvm import relax
 
-    from thomas_tune import graph as G
+    from thomas_tune.training_graph import graph as G
     from thomas_tune.half_storage import apply_precision
     from thomas_tune.manifest import ADJOINT
     tg = G.training_module(model, batch, trainable)
@@ -95,7 +95,7 @@ def _alexnet_export(path, precision, mutant=None):
     ``mutant`` (a context of tests/mutants.py) when given."""
     import contextlib
 
-    from thomas_tune.export import export
+    from thomas_tune.compiler.export import export
     from thomas_tune.models import build, init_params
     from thomas_tune.target import parse_target
     model = build("alexnet", **ALEXNET)

@@ -44,7 +44,7 @@ def _run(tmp_path, target_name, rounded=True):
     from tvm.relax import VirtualMachine
 
     from thomas_tune import half_storage
-    from thomas_tune.compile import compile_graph
+    from thomas_tune.compiler.compile import compile_graph
     from thomas_tune.runtime import device_for
     from thomas_tune.target import export_shared, parse_target
 
@@ -129,7 +129,7 @@ def test_float32_source_is_left_as_it_is():
     builds and their tuning logs' kernels are what they were."""
     import tvm
 
-    from thomas_tune.compile import compile_graph
+    from thomas_tune.compiler.compile import compile_graph
     from thomas_tune.half_storage import rewrite_half_access
     from thomas_tune.target import parse_target
 
@@ -201,7 +201,7 @@ def _step_run(tmp_path, target_name):
     import tvm
     from tvm.relax import VirtualMachine
 
-    from thomas_tune.compile import compile_graph
+    from thomas_tune.compiler.compile import compile_graph
     from thomas_tune.runtime import device_for
     from thomas_tune.target import export_shared, parse_target
 

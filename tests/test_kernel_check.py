@@ -118,7 +118,7 @@ def _relu6_mask_task(target):
     that vectorizes the ``where`` by 4: TVM's OpenCL
     code generator then converts the vector comparison (-1 for true in OpenCL C) to an integer
     and tests it against 0, so every element takes the ``else`` value."""
-    from thomas_tune import graph as G
+    from thomas_tune.training_graph import graph as G
     from thomas_tune.models import build
     from thomas_tune.tasks import extract
     model = build("mobilenet_v2", num_classes=5, resolution=32, width=0.35)
@@ -317,7 +317,7 @@ def test_a_kernel_writing_one_value_gets_its_reference_and_check(target, rng):
     references build as the tuner builds them (the comparison and finite-count kernels of one
     value each), and on PoCL its own default schedule passes the comparison while a loss 1%
     off fails it."""
-    from thomas_tune.loss import CrossEntropyLoss, cross_entropy
+    from thomas_tune.training_graph.loss import CrossEntropyLoss, cross_entropy
     from thomas_tune.measure.builder import Builder
     from tvm import relax
     kernel = CrossEntropyLoss(relax.TensorType((4, 10), "float32"),
@@ -380,9 +380,9 @@ def test_export_leaves_out_and_replay_refuses_a_wrong_record(tmp_path, target, r
     from tvm.s_tir import meta_schedule as ms
     from tvm.s_tir.meta_schedule.arg_info import ArgInfo
 
-    from thomas_tune.export import export
+    from thomas_tune.compiler.export import export
     from thomas_tune.models import init_params
-    from thomas_tune.replay import replay
+    from thomas_tune.compiler.replay import replay
     from thomas_tune.step_check import check_export
     from thomas_tune.tasks import key
     from thomas_tune.logs import TuningLog
@@ -463,7 +463,7 @@ def test_a_dead_layer_is_named_and_fails_the_check(rng):
     pytest.importorskip("torch")
     from conftest import SMALL
 
-    from thomas_tune import graph as G
+    from thomas_tune.training_graph import graph as G
     from thomas_tune.models import build, init_params
     from thomas_tune.step_check import reference_steps
     model = build("alexnet", **SMALL["alexnet"])
@@ -482,7 +482,7 @@ def test_a_batchnorm_over_too_few_values_is_not_checked_to_the_bounds():
     BatchNorms, under the 8 the bounds were measured for: the check fails it as not
     checkable, naming the layer; at 8 images it does not."""
     pytest.importorskip("torch")
-    from thomas_tune import graph as G
+    from thomas_tune.training_graph import graph as G
     from thomas_tune.models import build, init_params
     from thomas_tune.step_check import MIN_BN_VALUES, reference_steps
     model = build("mobilenet_v2", num_classes=5, resolution=32, width=0.35)
@@ -501,7 +501,7 @@ def test_the_record_check_builds_nothing():
     the module, so the plan is made and remade in one place."""
     import ast
 
-    from thomas_tune import record_check
+    from thomas_tune.compiler import record_check
     with open(record_check.__file__) as f:
         tree = ast.parse(f.read())
     imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.level}
@@ -511,7 +511,7 @@ def test_the_record_check_builds_nothing():
 
 
 def test_log_check_sets_a_wrong_record_aside(tmp_path, target):
-    """``log check --records`` (:func:`thomas_tune.build_plan.set_aside_wrong`) moves the
+    """``log check --records`` (:func:`thomas_tune.compiler.build_plan.set_aside_wrong`) moves the
     wrong ReLU6-gradient record to ``database_tuning_record.json.rejected`` with its reason,
     and the plan made from the log afterwards applies no record of that kernel."""
     import json
@@ -519,8 +519,8 @@ def test_log_check_sets_a_wrong_record_aside(tmp_path, target):
     from tvm.s_tir import meta_schedule as ms
     from tvm.s_tir.meta_schedule.arg_info import ArgInfo
 
-    from thomas_tune import graph as G
-    from thomas_tune.build_plan import BuildPlan, set_aside_wrong
+    from thomas_tune.training_graph import graph as G
+    from thomas_tune.compiler.build_plan import BuildPlan, set_aside_wrong
     from thomas_tune.logs import TuningLog
     model, task, sch = _relu6_mask_task(target)
     os.makedirs(tmp_path / "log")

@@ -1,15 +1,17 @@
-"""The frozen parameters' transforms lifted out of the training step (``thomas_tune/lift.py``):
-the split step gives the numbers of the whole one, its Winograd weight transforms run in the
-lifting function only, and an export runs them once per load."""
+"""The frozen parameters' transforms lifted out of the training step
+(``thomas_tune/training_graph/lift.py``): the split step gives the numbers of the whole one, its
+Winograd weight transforms run in the lifting function only, and an export runs them once per
+load."""
 
 import numpy as np
 import pytest
 import tvm
 from tvm import relax
 
-from thomas_tune import graph as G
-from thomas_tune import lift, opencl
-from thomas_tune.compile import compile_graph
+from thomas_tune.training_graph import graph as G
+from thomas_tune.training_graph import lift
+from thomas_tune import opencl
+from thomas_tune.compiler.compile import compile_graph
 from thomas_tune.manifest import ADJOINT_FROZEN
 from thomas_tune.models import build
 from thomas_tune.tasks import callees, fuse, lifted_slots
@@ -160,7 +162,7 @@ def test_frozen_batchnorms_fold_into_their_convolutions_once(tmp_path, rng):
     function every fold; the export's step on PoCL passes the step check against PyTorch's
     float64 step (loss and every gradient)."""
     from build_cache import export  # the session's build of these inputs
-    from thomas_tune.library_module import lift_request
+    from thomas_tune.training_graph.library_module import lift_request
     from thomas_tune.step_check import check_export
     model = build("mobilenet_v2", **SMALL["mobilenet_v2"])
     tg = G.training_module(model, 8, "last:2")

@@ -1,5 +1,5 @@
-"""The training step's loss (thomas_tune/loss.py) against PyTorch's cross-entropy, in float64,
-and its kernels in a model's step."""
+"""The training step's loss (thomas_tune/training_graph/loss.py) against PyTorch's cross-entropy, in
+float64, and its kernels in a model's step."""
 
 import numpy as np
 import pytest
@@ -7,9 +7,9 @@ import torch
 import tvm
 from tvm import relax
 
-from thomas_tune import graph as G
-from thomas_tune.compile import compile_graph
-from thomas_tune.loss import CrossEntropyLoss
+from thomas_tune.training_graph import graph as G
+from thomas_tune.compiler.compile import compile_graph
+from thomas_tune.training_graph.loss import CrossEntropyLoss
 from thomas_tune.models import build
 from thomas_tune.schedules import tir_pipeline
 from thomas_tune.target import codegen_target, parse_target
@@ -102,7 +102,7 @@ def test_the_loss_is_one_work_group_on_a_gpu(rng):
     roundings of float64's, at most PyTorch float32's own distance (a chain over the batch:
     about twice the pairwise tree's over 30 draws); a batch whose lanes overflow the local
     memory it may take keeps the scheduled stages."""
-    from thomas_tune.loss import LOCAL_BYTES, MAX_ROWS, gpu_kernel
+    from thomas_tune.training_graph.loss import LOCAL_BYTES, MAX_ROWS, gpu_kernel
     for ours, theirs, floor in _float32_against_pytorch(rng, "opencl"):
         assert ours <= 2 * max(theirs, floor), (ours, theirs, floor)
     n, c = 32, 1000
@@ -144,7 +144,7 @@ def test_the_last_bias_gradient_is_the_losss_batch_sum():
     sums nothing over the batch in a kernel of its own, and with every layer trainable it has
     one batch sum fewer than the same step without the rewrite. (Its numbers are PyTorch's in
     float64: ``test_models.py::test_training_graph_matches_pytorch``.)"""
-    from thomas_tune import loss as L
+    from thomas_tune.training_graph import loss as L
     from thomas_tune.tasks import callees, fuse
     model = build("alexnet", **SMALL["alexnet"])
     tg = G.training_module(model, 4, "last:1")

@@ -4,8 +4,8 @@ optimizer state; freezing layers saves gradients, optimizer state and kept activ
 import numpy as np
 
 from conftest import SMALL
-from thomas_tune.graph import select_trainable
-from thomas_tune.optimizers import OptimizerConfig
+from thomas_tune.training_graph.graph import select_trainable
+from thomas_tune.training_graph.optimizers import OptimizerConfig
 from thomas_tune.memory import training_memory
 from thomas_tune.models import build, spec
 
@@ -50,8 +50,8 @@ def test_a_winograd_build_counts_its_transforms():
     once (the data gradients of AlexNet's 3x3 layers, the ones a step may take in this form,
     in tiles of 4x4 for 2x2 outputs: 16 values per tile, per channel and image), and an empty
     choice changes nothing."""
-    from thomas_tune import graph as G
-    from thomas_tune import winograd_form as W
+    from thomas_tune.training_graph import graph as G
+    from thomas_tune.training_graph import winograd_form as W
     model = build("alexnet", **SMALL["alexnet"])
     direct = training_memory(model, 2, "all")
     assert training_memory(model, 2, "all", winograd=set()) == direct

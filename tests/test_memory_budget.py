@@ -18,7 +18,7 @@ BATCH = 8  # the step check's bounds hold for a BatchNorm over 8 values or more 
 
 def _export(out, model, **kw):
     from thomas_tune import opencl
-    from thomas_tune.export import export
+    from thomas_tune.compiler.export import export
     export(out, model, init_params(model, seed=7), opencl.target_for(0), batch=BATCH,
            progress=lambda *_: None, check_records=False, **kw)
     return out
@@ -43,7 +43,7 @@ def test_the_planner_recomputes_and_the_compiled_plan_lends_the_storage():
     read only by copies made there (none by the backward from the forward), the FLOPs added are
     7 per element recomputed, and the compiled step's peak drops by at least half of the bytes
     no longer kept from the forward to the backward (the rest: the copies' own short lives)."""
-    from thomas_tune import graph as G
+    from thomas_tune.training_graph import graph as G
     from thomas_tune.memory_plan import compiled_step_memory
     from thomas_tune.recompute import RecomputePlan, apply_plan
     model = build("mobilenet_v1", **V1)

@@ -63,7 +63,7 @@ def test_the_mixed16_estimate_is_within_ten_percent_of_the_measured_peak(tmp_pat
     docs/journal/memory.md)."""
     from thomas_tune import opencl
     from thomas_tune.benchmark.exports import device_memory
-    from thomas_tune.export import export
+    from thomas_tune.compiler.export import export
     from thomas_tune.memory_plan import compiled_step_memory
     model = build("mobilenet_v2", num_classes=5, resolution=32, width=0.35)
     out = str(tmp_path / "m16")

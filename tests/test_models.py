@@ -7,9 +7,9 @@ import tvm
 from tvm import relax
 
 from conftest import REFERENCE, SMALL, TorchGraph, random_tensors
-from thomas_tune import graph as G
-from thomas_tune import optimizers
-from thomas_tune.compile import compile_graph
+from thomas_tune.training_graph import graph as G
+from thomas_tune.training_graph import optimizers
+from thomas_tune.compiler.compile import compile_graph
 from thomas_tune.models import build, spec
 
 torch = pytest.importorskip("torch")

@@ -28,8 +28,8 @@ import tvm
 from tvm import relax
 
 from conftest import REFERENCE
-from thomas_tune import graph as G
-from thomas_tune.compile import compile_graph
+from thomas_tune.training_graph import graph as G
+from thomas_tune.compiler.compile import compile_graph
 from thomas_tune.models import build, replace_head, spec
 from thomas_tune.models.calibration import calibrate_batchnorms, identity_batchnorms
 from thomas_tune.models.onnx_import import import_onnx

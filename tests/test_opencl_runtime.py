@@ -334,14 +334,14 @@ def test_vector_reads_of_shared_memory_are_aligned_where_their_index_proves_it(t
 
 
 def test_dropout_masks_drawn_on_the_device_match_numpy(target, rng):
-    # draw_masks (thomas_tune.dropout) as the export compiles it (default GPU schedules) on
-    # PoCL: bit for bit the numpy reference; the drop rate is p, fresh seeds give fresh masks,
-    # two masks of one step are independent streams, and the values are those of
+    # draw_masks (thomas_tune.training_graph.dropout) as the export compiles it (default GPU
+    # schedules) on PoCL: bit for bit the numpy reference; the drop rate is p, fresh seeds give
+    # fresh masks, two masks of one step are independent streams, and the values are those of
     # torch.nn.functional.dropout (0 and 1 / (1 - p)).
     from tvm import relax
 
-    from thomas_tune.compile import compile_graph
-    from thomas_tune.dropout import draw_masks_function, mask_numpy
+    from thomas_tune.compiler.compile import compile_graph
+    from thomas_tune.training_graph.dropout import draw_masks_function, mask_numpy
     masks = [((400, 500), 0.5), ((200_000,), 0.2), ((7, 3, 5), 0.9)]
     exe = compile_graph(draw_masks_function(tvm.IRModule(), masks), target, None)
     vm = relax.VirtualMachine(exe, tvm.opencl(0))
@@ -371,8 +371,8 @@ def test_a_dropout_draw_equal_to_p_is_kept_on_the_device(target, rng):
     from tvm import relax
 
     from thomas_tune import counter_random as cr
-    from thomas_tune.compile import compile_graph
-    from thomas_tune.dropout import draw_masks_function, mask_numpy
+    from thomas_tune.compiler.compile import compile_graph
+    from thomas_tune.training_graph.dropout import draw_masks_function, mask_numpy
     seed = rng.integers(0, 2 ** 32, size=2, dtype=np.uint32)
     shape = (64,)
     h = cr.hash_numpy(64, cr.key_numpy(int(seed[0]), int(seed[1]), 0))

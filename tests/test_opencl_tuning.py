@@ -19,7 +19,7 @@ pytestmark = NEEDS_OPENCL
 
 
 def test_tuning_session_with_an_opencl_server(tmp_path, target):
-    from thomas_tune import graph as G
+    from thomas_tune.training_graph import graph as G
     from thomas_tune.models import build
     from thomas_tune.tasks import extract
     from thomas_tune.tuning import rpc_runner, tune

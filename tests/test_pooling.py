@@ -1,4 +1,5 @@
-"""Max pooling as one injective kernel (``thomas_tune.pooling``): exact, and fused as designed."""
+"""Max pooling as one injective kernel (``thomas_tune.training_graph.pooling``): exact, and fused as
+designed."""
 
 import numpy as np
 import pytest
@@ -6,7 +7,7 @@ import tvm
 from tvm import relax
 from tvm.relax import op as R
 
-from thomas_tune import pooling
+from thomas_tune.training_graph import pooling
 from thomas_tune.target import parse_target
 
 # the whole file runs in seconds: all of it in the subset for edits (pytest -m quick)

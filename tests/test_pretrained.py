@@ -7,8 +7,8 @@ import pytest
 import tvm
 
 from conftest import REFERENCE, random_tensors, torch_module
-from thomas_tune import graph as G
-from thomas_tune.compile import compile_graph
+from thomas_tune.training_graph import graph as G
+from thomas_tune.compiler.compile import compile_graph
 from thomas_tune.models import build, load_checkpoint, replace_head, spec
 from thomas_tune.models.onnx_import import import_onnx
 from thomas_tune.target import parse_target
@@ -104,10 +104,10 @@ def test_head_replacement_on_import_and_checkpoint(tmp_path, rng):
 def test_dropout_masks_follow_pytorch_semantics(tmp_path, rng):
     # inverted dropout as torch.nn.functional.dropout: kept values scaled by 1/(1-p), the
     # rest 0. The export draws a step's masks on the device (draw_masks, here on llvm) from
-    # the seed Session passes: bit for bit thomas_tune.dropout's numpy reference, a fresh
-    # mask every step; inference ignores dropout.
-    from thomas_tune.dropout import mask_numpy
-    from thomas_tune.export import export
+    # the seed Session passes: bit for bit thomas_tune.training_graph.dropout's numpy reference, a
+    # fresh mask every step; inference ignores dropout.
+    from thomas_tune.training_graph.dropout import mask_numpy
+    from thomas_tune.compiler.export import export
     from thomas_tune.runtime import Session
     model = build("alexnet", num_classes=4, resolution=67, width=0.1)
     export(str(tmp_path / "e"), model, random_tensors(model, rng), parse_target("llvm"),

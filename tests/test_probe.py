@@ -147,7 +147,7 @@ def test_probe_through_tvm_rpc(tracker, tmp_path):
 def big_batch_export(tmp_path_factory):
     """A small AlexNet exported with batch 32: its input batch (1.7 MiB) is its largest
     tensor, above its largest weight (1.4 MiB)."""
-    from thomas_tune.export import export
+    from thomas_tune.compiler.export import export
     from thomas_tune.models import build, init_params
     from thomas_tune.target import parse_target
     model = build("alexnet", num_classes=5, resolution=67, width=0.1)

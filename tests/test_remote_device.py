@@ -27,7 +27,7 @@ import pytest
 import tvm
 
 from thomas_tune import rpc
-from thomas_tune.export import export
+from thomas_tune.compiler.export import export
 from thomas_tune.models import build, init_params
 from thomas_tune.measure.lane import lane_close, lane_open
 from thomas_tune.measure.runner import FarmRunner
@@ -35,7 +35,7 @@ from thomas_tune.remote import RemoteDevice, connect
 from thomas_tune.runtime import Session
 from thomas_tune.target import (DEVICE_FILE, parse_target, read_device_limits, resolve_target,
                                 target_from_limits, write_device_file)
-from thomas_tune.optimizers import OptimizerConfig
+from thomas_tune.training_graph.optimizers import OptimizerConfig
 
 from opencl_kernels import NEEDS_OPENCL
 

@@ -36,10 +36,10 @@ def test_replay_check_is_pytorchs_and_fails_a_wrong_build(rng):
     pytest.importorskip("torch")
     import mutants as M
 
-    from thomas_tune import graph as G
-    from thomas_tune.compile import compile_graph
+    from thomas_tune.training_graph import graph as G
+    from thomas_tune.compiler.compile import compile_graph
     from thomas_tune.models import build
-    from thomas_tune.replay import REFERENCE, check_numbers
+    from thomas_tune.compiler.replay import REFERENCE, check_numbers
     from thomas_tune.target import parse_target
     model = build("mobilenet_v2", num_classes=5, resolution=32, width=0.35)
     seed = int(rng.integers(1 << 30))
@@ -60,7 +60,7 @@ def test_replay_claims_no_numeric_check_without_pytorch(monkeypatch):
     returns no numbers (the CLI then fails unless given --no-check)."""
     import builtins
 
-    from thomas_tune.replay import check_numbers
+    from thomas_tune.compiler.replay import check_numbers
     real = builtins.__import__
 
     def no_torch(name, *args, **kwargs):
@@ -99,10 +99,10 @@ def test_replay_time_coverage_of_a_gpu_log(capsys):
     import json
     import math
 
-    from thomas_tune import graph as G
+    from thomas_tune.training_graph import graph as G
     from thomas_tune.logs import TuningLog
     from thomas_tune.models import build
-    from thomas_tune.build_plan import BuildPlan
+    from thomas_tune.compiler.build_plan import BuildPlan
     from thomas_tune.target import parse_target
     from thomas_tune.tasks import extract, key
     from thomas_tune.tuning.defaults import default_schedule_key
@@ -288,7 +288,7 @@ def test_replay_that_can_check_nothing_fails_unless_told_not_to_check(tmp_path):
 def test_export_with_no_device_applies_no_unchecked_record(tmp_path, monkeypatch, capsys):
     """Where no device of this machine runs the target, ``export --log`` refuses before it
     compiles anything, naming --no-check; nothing is written."""
-    from thomas_tune import record_check
+    from thomas_tune.compiler import record_check
 
     def nowhere(target):
         raise record_check.CheckUnavailable("no OpenCL device on this machine")

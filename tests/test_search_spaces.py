@@ -343,7 +343,7 @@ def test_strided_data_gradient_gets_direct_tiling_that_matches_numpy(target, rng
     multi-level tiling spaces that stage nothing (schedules.Tiling); a sampled candidate of
     those builds for PoCL and matches numpy in float64. The stride-1 gradient (affine reads)
     gets no such space."""
-    from thomas_tune.gradients import depthwise_data_grad_te
+    from thomas_tune.training_graph.gradients import depthwise_data_grad_te
     from thomas_tune.schedules import strided_read
 
     n, c, h, k = 2, 8, 16, 3

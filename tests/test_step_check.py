@@ -24,7 +24,7 @@ CONFIG = {"mobilenet_v2": dict(num_classes=5, resolution=32, width=0.35),
 def _export(tmp_path, name, trainable, mutant=None, arch="mobilenet_v2"):
     import contextlib
 
-    from thomas_tune.export import export
+    from thomas_tune.compiler.export import export
     from thomas_tune.models import build, init_params
     from thomas_tune.target import parse_target
     model = build(arch, **CONFIG[arch])

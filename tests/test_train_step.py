@@ -3,7 +3,7 @@ optimizer inlined into ``train_step``, which ``Session.train_step`` runs."""
 
 import numpy as np
 
-from thomas_tune import graph as G
+from thomas_tune.training_graph import graph as G
 from thomas_tune import opencl
 from thomas_tune.manifest import TRAIN_STEP
 from thomas_tune.models import build

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from thomas_tune import graph as G
+from thomas_tune.training_graph import graph as G
 from thomas_tune import rpc
 from thomas_tune.models import build
 from thomas_tune.target import parse_target
@@ -121,7 +121,7 @@ def test_default_times_are_cached_per_schedule_rules(tmp_path, small_tasks, caps
 def test_records_slower_than_the_default_schedule_are_not_compiled(tmp_path, small_tasks):
     """``export`` and ``replay`` compile with :func:`tuned_database`: a workload whose best
     record lost to its default schedule on the device keeps the default."""
-    from thomas_tune.compile import tuned_database
+    from thomas_tune.compiler.compile import tuned_database
     from thomas_tune.tuning import DEFAULT_LATENCY, default_schedule_key, defaults_stamp
     from thomas_tune.tasks import key as workload_key
     target = parse_target("llvm")
@@ -158,7 +158,7 @@ def test_records_slower_than_the_default_schedule_are_not_compiled(tmp_path, sma
     import tvm
     from tvm import relax
 
-    from thomas_tune.compile import compile_graph
+    from thomas_tune.compiler.compile import compile_graph
     from thomas_tune.models import init_params, spec
     model = build("mobilenet_v2", num_classes=5, resolution=32, width=0.35)
     mod = G.inference_module(model, 1)
@@ -412,7 +412,7 @@ def test_remeasure_replaces_noisy_times_in_place(tmp_path, small_tasks):
     """A record timed under load (here: its times inflated 1000x in the file) is timed again
     through the device server and its new time replaces the old; every other line of the log
     stays as it was, and the log still parses."""
-    from thomas_tune.remeasure import remeasure
+    from thomas_tune.tuning.remeasure import remeasure
     from thomas_tune.tuning import measure_defaults
     from thomas_tune.tasks import key as workload_key
     target = parse_target("llvm")

@@ -1,6 +1,6 @@
-"""The Winograd form of stride-1 convolutions (``thomas_tune/winograd_form.py``, schedules in
-``schedules/winograd.py``): its transforms against the definition, whole layers and data
-gradients on PoCL against numpy in float64, the schedules MetaSchedule tunes, the choice of
+"""The Winograd form of stride-1 convolutions (``thomas_tune/training_graph/winograd_form.py``,
+schedules in ``schedules/winograd.py``): its transforms against the definition, whole layers and
+data gradients on PoCL against numpy in float64, the schedules MetaSchedule tunes, the choice of
 form from kernel times, and the tasks of both forms."""
 
 import dataclasses
@@ -13,7 +13,7 @@ from numpy.lib.stride_tricks import sliding_window_view
 from tvm import relax
 
 from thomas_tune import opencl
-from thomas_tune import winograd_form as W
+from thomas_tune.training_graph import winograd_form as W
 from thomas_tune.tasks import choose_winograd, extract, fuse, kernel_calls, workload_key
 
 from opencl_kernels import NEEDS_OPENCL as needs_opencl  # the one OpenCL guard
@@ -94,7 +94,7 @@ def _reference(x, w, b, dy, p):
 @needs_opencl
 @pytest.mark.parametrize("r,p", [(3, 1), (5, 2), (3, 0)])
 def test_winograd_layers_and_data_gradients_match_numpy(r, p, rng):
-    from thomas_tune.compile import compile_graph
+    from thomas_tune.compiler.compile import compile_graph
     mod = _layer("float64", r, p)
     assert len(W.convolutions(mod)) == 2
     target = opencl.target_for(0)

@@ -162,12 +162,13 @@ def _session_step(session):
 
 def pytorch_step(session, tensors: dict, optimizer, seed: int):
     """PyTorch's training step of the export that ``session`` runs (its model, trainable set,
-    frozen BatchNorms; ``optimizer`` its :class:`thomas_tune.optimizers.OptimizerConfig`), float32
-    eager on this machine (:func:`thomas_tune.benchmark.torch_baseline.torch_step`: the GPU
-    where PyTorch sees one, else the CPU with PyTorch's own threads), from ``tensors``.
-    Returns ``(step(x, y), name)``: a step function on numpy batches (waited for) and a name
-    for the report line that says what ran (version, device, threads), or ``(None, why)``
-    where PyTorch is not installed, PyTorch being no requirement of the product."""
+    frozen BatchNorms; ``optimizer`` its
+    :class:`thomas_tune.training_graph.optimizers.OptimizerConfig`), float32 eager on this machine
+    (:func:`thomas_tune.benchmark.torch_baseline.torch_step`: the GPU where PyTorch sees one, else
+    the CPU with PyTorch's own threads), from ``tensors``. Returns ``(step(x, y), name)``: a step
+    function on numpy batches (waited for) and a name for the report line that says what ran
+    (version, device, threads), or ``(None, why)`` where PyTorch is not installed, PyTorch being no
+    requirement of the product."""
     from .benchmark.torch_baseline import torch_device, torch_step
     if torch_device() is None:
         return None, "PyTorch not installed here (pip install torch torchvision for its time)"
@@ -260,7 +261,7 @@ def run(args, tune_fn) -> int:
     runs ``thomas-tune`` with ``argv`` and returns its exit status (the CLI's ``main``).
     Raises FileNotFoundError without the pretrained checkpoint, RuntimeError when the untuned
     build fails."""
-    from .graph import OptimizerConfig
+    from .training_graph.graph import OptimizerConfig
     from .target import parse_target
 
     t_start = time.perf_counter()
@@ -308,7 +309,7 @@ def _make_builds(args, tune_fn, ckpt: str, model, tensors: dict, train, target, 
     them from) while this one tunes the training step's kernels into ``log_dir``, starting
     from the shipped tuning log, and compiles the tuned build. Returns the tuning's exit
     status (0: both builds are in ``dirs``); raises RuntimeError when the child fails."""
-    from .export import export
+    from .compiler.export import export
     from .logs import TuningLog
     from .models import save_checkpoint
     init = os.path.join(args.work, "init.npz")
@@ -404,8 +405,8 @@ def export_untuned(init: str, out: str, batch: int, trainable: str, lr: float,
     """The demo's child process: the checkpoint ``init`` exported to ``out`` with default
     schedules (no tuning log) for ``target`` (a :func:`thomas_tune.target.parse_target`
     string), then its device programs built (:func:`build_device_programs`)."""
-    from .export import export
-    from .graph import OptimizerConfig
+    from .compiler.export import export
+    from .training_graph.graph import OptimizerConfig
     from .models import load_checkpoint
     from .target import parse_target
     model, tensors, classes = load_checkpoint(init)

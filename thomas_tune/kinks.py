@@ -13,10 +13,10 @@ kinks through custom autograd functions whose backward reads an explicit decisio
 per ReLU / ReLU6 element (PyTorch's rules, ``threshold_backward``: 1 where x > 0;
 ``hardtanh_backward``: 1 where 0 < x < 6) and, per max-pool window, the input position that
 gets its gradient (the first maximum in row-major order, PyTorch's rule and the build's,
-:func:`thomas_tune.gradients.max_pool2d_grad_te`). The forward pass records every kink's input
-and marks as **ambiguous** the elements within ``delta`` of the kink: ``delta`` per kink layer
-is :data:`DELTA_FACTOR` times the largest difference between PyTorch float32's and float64's
-input of that kink over the batch (a measurement of the forward's rounding there).
+:func:`thomas_tune.training_graph.gradients.max_pool2d_grad_te`). The forward pass records every
+kink's input and marks as **ambiguous** the elements within ``delta`` of the kink: ``delta`` per
+kink layer is :data:`DELTA_FACTOR` times the largest difference between PyTorch float32's and
+float64's input of that kink over the batch (a measurement of the forward's rounding there).
 
 The build's decisions are read from its gradients (:func:`follow`): only an ambiguous element
 may be decided otherwise than float64 decides it; the effect of deciding one otherwise (its

@@ -1,14 +1,14 @@
 """Names an export shares between the compiler side and the runtime side, and its manifest.
 
-The export format is :class:`Manifest`: :mod:`thomas_tune.export` makes one and writes it
+The export format is :class:`Manifest`: :mod:`thomas_tune.compiler.export` makes one and writes it
 (:meth:`Manifest.write`, last of the folder's files), and every reader takes it back with
 :meth:`Manifest.read`, which refuses the manifest of another format version or a file that is no
 export's manifest, saying to export again.
 
-Kept apart from :mod:`thomas_tune.export` and :mod:`thomas_tune.graph` (which build Relax
-graphs and compile them) so that loading and running an export imports no compiler part: a
-process started with ``TVM_USE_RUNTIME_LIB=1`` reads manifests and calls the exported functions
-by these names. ``export`` and ``graph`` re-export them under their old names.
+Kept apart from :mod:`thomas_tune.compiler.export` and :mod:`thomas_tune.training_graph.graph`
+(which build Relax graphs and compile them) so that loading and running an export imports no
+compiler part: a process started with ``TVM_USE_RUNTIME_LIB=1`` reads manifests and calls the
+exported functions by these names. ``export`` and ``graph`` re-export them under their old names.
 """
 
 from __future__ import annotations
@@ -44,8 +44,8 @@ TRAIN_STEP = "train_step"
 
 def frozen_function(name: str) -> str:
     """The exported function that computes, once per load, what function ``name`` reads of its
-    constant inputs (``thomas_tune.lift``; the manifest's ``frozen_slots``, ``features_slots``
-    and ``predict_slots`` say how ``name`` takes its values)."""
+    constant inputs (``thomas_tune.training_graph.lift``; the manifest's ``frozen_slots``,
+    ``features_slots`` and ``predict_slots`` say how ``name`` takes its values)."""
     return f"{name}_frozen"
 
 
@@ -148,8 +148,8 @@ class Manifest:
     """The schedule rules of kernels without a record: ``thomas_tune`` or ``stock`` (TVM's)."""
     record_check: dict
     """The check of the applied records on this machine's device
-    (``thomas_tune.build_plan.check_plan``): ``{"checked": count or None, "wrong": {workload:
-    reason}, "unchecked": why none were checked, or None}``."""
+    (``thomas_tune.compiler.build_plan.check_plan``): ``{"checked": count or None, "wrong":
+    {workload: reason}, "unchecked": why none were checked, or None}``."""
     winograd: dict
     """The convolutions built in the Winograd form: ``{"inference": [...], "training": [...]}``,
     each a ``winograd_form.Conv`` as a dict (``Conv.from_dict`` reads it)."""

@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 from tvm import relax
 
-from . import graph as G
+from .training_graph import graph as G
 
 
 @dataclass
@@ -112,9 +112,9 @@ def training_memory(model, batch: int, trainable: str = "all",
     """Bytes a training step of ``model`` needs; see the module docstring.
     ``features``: the step on cached features (``train --cache-features``). ``winograd``: the
     convolutions a build computes in the Winograd form (a set of
-    :class:`thomas_tune.winograd_form.Conv`, as an export's manifest lists them; None: none):
-    the step is counted with them rewritten, so their transformed inputs, weights and products
-    (a 5x5 convolution's transformed input is 9x its size, a 3x3's 2.25x) are counted too.
+    :class:`thomas_tune.training_graph.winograd_form.Conv`, as an export's manifest lists them;
+    None: none): the step is counted with them rewritten, so their transformed inputs, weights and
+    products (a 5x5 convolution's transformed input is 9x its size, a 3x3's 2.25x) are counted too.
     ``precision``: the step's tensors at that precision
     (:func:`thomas_tune.half_storage.training_precision`: with ``mixed16`` the layer outputs
     are float16, 2 bytes an element; parameters, gradients and optimizer state stay float32);
@@ -136,7 +136,7 @@ def training_memory(model, batch: int, trainable: str = "all",
         from .half_storage import training_precision
         mod = training_precision(precision, mod, batch, rewrite)
     if winograd:
-        from . import winograd_form as W
+        from .training_graph import winograd_form as W
         chosen = set(winograd)
         mod, _ = W.rewrite(mod, lambda call, conv: conv in chosen)
     func = mod[G.HEAD_ADJOINT if features else G.ADJOINT]

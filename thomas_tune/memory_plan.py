@@ -1,8 +1,8 @@
 """Device memory of a compiled training step, from the build's own memory plan.
 
 :func:`thomas_tune.memory.training_memory` counts tensors of the training graph; a compiled
-step allocates otherwise. The build (:func:`thomas_tune.compile.compile_graph`) fuses the graph
-into kernels, and Relax's ``StaticPlanBlockMemory`` places the tensors of a function in
+step allocates otherwise. The build (:func:`thomas_tune.compiler.compile.compile_graph`) fuses the
+graph into kernels, and Relax's ``StaticPlanBlockMemory`` places the tensors of a function in
 *storages*: a tensor whose life has ended lends its storage to a later tensor of the same
 bytes (TVM's ``src/relax/transform/static_plan_block_memory.cc``: storage tokens reused by
 size, never split). ``KillAfterLastUse`` then releases a storage where its last tensor dies.
@@ -208,12 +208,12 @@ class _Run:
 
 
 def step_graph(tg, batch: int, budget_plan=None, precision: str = "float32"):
-    """The training graph ``tg`` (:class:`thomas_tune.graph.TrainingGraph`, not changed) as
-    an export builds its step: rewritten with ``budget_plan`` (a
+    """The training graph ``tg`` (:class:`thomas_tune.training_graph.graph.TrainingGraph`, not
+    changed) as an export builds its step: rewritten with ``budget_plan`` (a
     :class:`thomas_tune.recompute.RecomputePlan`, None: none), then its functions at
     ``batch`` images rewritten for ``precision`` (:data:`thomas_tune.half_storage.PRECISIONS`;
     :func:`thomas_tune.half_storage.training_precision`): the graph
-    :func:`thomas_tune.export.export` compiles. Raises ValueError for an unknown
+    :func:`thomas_tune.compiler.export.export` compiles. Raises ValueError for an unknown
     precision."""
     import dataclasses
 
@@ -231,19 +231,19 @@ def lowered_training_module(model, batch: int, trainable: str = "all", optimizer
                             winograd=None, budget_plan=None, tg=None,
                             precision: str = "float32") -> tuple[tvm.IRModule, object]:
     """The training module an export compiles (``library_module.training_library_module``), through
-    the build's Relax passes up to ``KillAfterLastUse`` (:func:`thomas_tune.compile._pipeline`
-    without the kernels' schedules, which allocate nothing): storages planned, their releases
-    placed. ``winograd``: the training convolutions in the Winograd form (as
-    ``compile_graph`` takes them). ``budget_plan``: a
+    the build's Relax passes up to ``KillAfterLastUse``
+    (:func:`thomas_tune.compiler.compile._pipeline` without the kernels' schedules, which allocate
+    nothing): storages planned, their releases placed. ``winograd``: the training convolutions in
+    the Winograd form (as ``compile_graph`` takes them). ``budget_plan``: a
     :class:`thomas_tune.recompute.RecomputePlan` the step is rewritten with. ``tg``: the
     training graph of these arguments when it is already built (it is not changed; at
     float32, without a plan applied). ``precision``: the step at that precision
     (:func:`step_graph`: layer outputs stored as float16 for ``mixed16``). Returns (module,
-    the :class:`thomas_tune.graph.TrainingGraph` compiled, plan and precision applied).
-    Raises ValueError as :func:`thomas_tune.graph.training_module`, and for an unknown
-    precision."""
-    from . import graph as G
-    from .library_module import training_library_module
+    the :class:`thomas_tune.training_graph.graph.TrainingGraph` compiled, plan and precision
+    applied). Raises ValueError as :func:`thomas_tune.training_graph.graph.training_module`, and for
+    an unknown precision."""
+    from .training_graph import graph as G
+    from .training_graph.library_module import training_library_module
     from .tasks import fuse
     tg = step_graph(tg or G.training_module(model, batch, trainable, optimizer), batch,
                     budget_plan, precision)
@@ -322,7 +322,7 @@ def plan_for_budget(model, batch: int, trainable: str, optimizer, budget_bytes: 
     of forward tensors the backward still reads: ``kept_bytes``). Raises
     :class:`BudgetError` (a ValueError) when even the last level does not fit; its message
     names the smallest budget that does, in MB (10^6 bytes)."""
-    from .graph import ADJOINT, training_module
+    from .training_graph.graph import ADJOINT, training_module
     from .memory import _liveness_peak
     tried, base = [], None
     tg = training_module(model, batch, trainable, optimizer)

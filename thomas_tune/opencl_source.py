@@ -40,8 +40,8 @@ ALIGN = 16
 #: counts)
 SCALAR_BYTES = {"char": 1, "uchar": 1, "bool": 1, "short": 2, "ushort": 2, "half": 2, "int": 4,
                 "uint": 4, "float": 4, "long": 8, "ulong": 8, "double": 8}
-#: set False to compile the code generator's source as written (``experiments/kernel_build_info.py
-#: --time`` compares both in one process)
+#: set False to compile the code generator's source as written
+#: (``bench/experiments/kernel_build_info.py --time`` compares both in one process)
 ENABLED = True
 #: a proof of divisibility stops at this power of two (more is never needed)
 _CAP = 64

@@ -216,9 +216,9 @@ def recompute_function(func: relax.Function, level: str) -> tuple[relax.Function
 
 
 def apply_plan(tg, plan: RecomputePlan):
-    """The training graph ``tg`` (:class:`thomas_tune.graph.TrainingGraph`) with its
+    """The training graph ``tg`` (:class:`thomas_tune.training_graph.graph.TrainingGraph`) with its
     ``train_adjoint`` recomputing what ``plan.level`` says; fills ``plan.recomputed``."""
-    from .graph import ADJOINT
+    from .training_graph.graph import ADJOINT
     func, done = recompute_function(tg.mod[ADJOINT], plan.level)
     plan.recomputed = done
     if not done:

@@ -2,9 +2,9 @@
 
 Parameters, states and optimizer state live on the device between steps; only the images, the
 labels, the step's 8-byte dropout seed and the loss cross the host-device boundary in a training
-step (the masks are drawn on the device, :mod:`thomas_tune.dropout`); with cached features
-(:meth:`Session.features`, kept by the caller), a batch's features take the images' place. Over
-RPC (a device server of a tracker: a phone, a board, the emulated aarch64 device of the tests)
+step (the masks are drawn on the device, :mod:`thomas_tune.training_graph.dropout`); with cached
+features (:meth:`Session.features`, kept by the caller), a batch's features take the images' place.
+Over RPC (a device server of a tracker: a phone, a board, the emulated aarch64 device of the tests)
 the libraries are uploaded and loaded there; tuples of tensors cannot cross RPC, so the
 optimizer's tuples are made and kept on the device (``pack_trainable``, then the optimizer's
 own outputs) and single tensors are read from them there.
@@ -177,9 +177,9 @@ class Session(SessionLifetime):
 
     def draw_masks(self, seed=None) -> list:
         """One training step's dropout masks, drawn on the device by the export's
-        ``draw_masks`` (:mod:`thomas_tune.dropout`; float32, shapes and order of the manifest's
-        ``masks``), as device tensors; [] for a model without dropout. ``seed``: uint32 array
-        of shape (2,); None draws it from the session's seeded generator, as
+        ``draw_masks`` (:mod:`thomas_tune.training_graph.dropout`; float32, shapes and order of the
+        manifest's ``masks``), as device tensors; [] for a model without dropout. ``seed``: uint32
+        array of shape (2,); None draws it from the session's seeded generator, as
         :meth:`train_step` does each step."""
         if not self.manifest.masks:
             return []
@@ -204,9 +204,9 @@ class Session(SessionLifetime):
     def _frozen_slots(self, fn: str) -> list:
         """What ``fn`` (``ADJOINT`` or ``TRAIN_STEP``) takes in the frozen parameters' place:
         the frozen parameters, or, in an export whose step had their transforms lifted out (the
-        manifest's ``frozen_slots``, :mod:`thomas_tune.lift`), per slot the parameter itself or
-        the next value of ``fn``'s ``*_frozen`` function, which runs once after each load of
-        the parameters."""
+        manifest's ``frozen_slots``, :mod:`thomas_tune.training_graph.lift`), per slot the parameter
+        itself or the next value of ``fn``'s ``*_frozen`` function, which runs once after each load
+        of the parameters."""
         m = self.manifest
         slots = m.train_step_slots if fn == TRAIN_STEP else m.frozen_slots
         if not slots:
@@ -283,7 +283,7 @@ class Session(SessionLifetime):
                 self.renew()
             m, vm = self.manifest, getattr(self, which)
             names = m.params + m.states
-            if which == "_infer_vm" and m.predict_slots:  # lifted (thomas_tune.lift)
+            if which == "_infer_vm" and m.predict_slots:  # lifted (thomas_tune.training_graph.lift)
                 params = self._slot_args(vm, PREDICT_FROZEN, m.predict_slots, names,
                                          key=self.steps)
             else:

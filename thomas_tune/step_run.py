@@ -55,7 +55,7 @@ def export_step(export_dir: str, x: np.ndarray, y: np.ndarray, device=None, rpc_
         split = m.features
         constants = [t(tensors[n]) for n in (*m.frozen, *split["frozen_states"])]
         slots = m.features_slots
-        if slots:  # what reads constants only, lifted out (thomas_tune.lift)
+        if slots:  # what reads constants only, lifted out (thomas_tune.training_graph.lift)
             constants = slot_arguments(slots, lambda s: t(tensors[s]), lifted_values(
                 vm[FEATURES_FROZEN](*constants), slots))
         feats = vm[FEATURES](t(x), *constants)

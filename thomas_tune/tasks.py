@@ -17,8 +17,8 @@ from tvm import relax
 from tvm.s_tir import meta_schedule as ms
 from tvm.s_tir.analysis import estimate_tir_flops
 
-from .lift import SLOTS, lift_frozen
-from .pooling import LEGALIZE
+from .training_graph.lift import SLOTS, lift_frozen
+from .training_graph.pooling import LEGALIZE
 
 
 def fuse(mod: tvm.IRModule, winograd=None) -> tvm.IRModule:
@@ -29,17 +29,19 @@ def fuse(mod: tvm.IRModule, winograd=None) -> tvm.IRModule:
     transposed weight first, 302 MB of traffic per step for AlexNet's first linear layer.
 
     ``winograd``: None (every convolution in its direct form), ``"all"`` (each convolution
-    :func:`thomas_tune.winograd_form.eligible` takes, in the Winograd form) or a set of
-    :class:`thomas_tune.winograd_form.Conv` (those convolutions only, e.g. from
+    :func:`thomas_tune.training_graph.winograd_form.eligible` takes, in the Winograd form) or a set
+    of
+    :class:`thomas_tune.training_graph.winograd_form.Conv` (those convolutions only, e.g. from
     :func:`choose_winograd`).
 
-    A function marked with :data:`thomas_tune.lift.ATTR` (an export's step) then has the
-    kernels that read its frozen parameters alone lifted into a function of its own
-    (:func:`thomas_tune.lift.lift_frozen`), the Winograd weight transforms among them.
+    A function marked with :data:`thomas_tune.training_graph.lift.ATTR` (an export's step) then has
+    the kernels that read its frozen parameters alone lifted into a function of its own
+    (:func:`thomas_tune.training_graph.lift.lift_frozen`), the Winograd weight transforms among
+    them.
 
     A max pool with a small window is legalized as one injective kernel
-    (:mod:`thomas_tune.pooling`), which element-wise work after it may join and the kernel
-    that makes its input never does.
+    (:mod:`thomas_tune.training_graph.pooling`), which element-wise work after it may join and the
+    kernel that makes its input never does.
 
     A kernel that only reshapes its input inside a dataflow block (a BatchNorm's per-channel
     values to (1, C, 1, 1), a flatten) becomes a view (``RewriteDataflowReshape``, as the
@@ -47,7 +49,7 @@ def fuse(mod: tvm.IRModule, winograd=None) -> tvm.IRModule:
     module (76 calls of MobileNetV2 1.0@224's step).
     """
     if winograd:
-        from . import winograd_form as W
+        from .training_graph import winograd_form as W
         mod, _ = W.rewrite(mod, (lambda call, conv: True) if winograd == "all"
                            else (lambda call, conv: conv in winograd))
     seq = tvm.transform.Sequential([
@@ -67,11 +69,11 @@ def fuse(mod: tvm.IRModule, winograd=None) -> tvm.IRModule:
 
 def lifted_slots(fused: tvm.IRModule) -> dict[str, list[str] | None]:
     """The frozen slots of each function of a module :func:`fuse` made that was split for
-    lifting (:func:`thomas_tune.lift.lift_frozen`, which sets :data:`thomas_tune.lift.SLOTS`),
-    by function name: per slot, the constant input it takes as it is, or "" for the next
-    output of its ``NAME_frozen``; None where nothing is lifted (the built function then takes
-    its inputs as they are). What the runtime needs to call the built functions (the manifest
-    keeps it)."""
+    lifting (:func:`thomas_tune.training_graph.lift.lift_frozen`, which sets
+    :data:`thomas_tune.training_graph.lift.SLOTS`), by function name: per slot, the constant input
+    it takes as it is, or "" for the next output of its ``NAME_frozen``; None where nothing is
+    lifted (the built function then takes its inputs as they are). What the runtime needs to call
+    the built functions (the manifest keeps it)."""
     out = {}
     for gv, f in fused.functions.items():
         if isinstance(f, relax.Function) and f.attrs and SLOTS in f.attrs:
@@ -187,24 +189,24 @@ def choose_winograd(mod: tvm.IRModule, kernel_ms, untimed_ms=None) -> set:
     given ``{key: workload IRModule}`` of kernels ``kernel_ms`` has no time for, the times it
     knows of them (``{key: ms per call}``; a tuning log's default-schedule times, which need
     the workload to tell whether they still hold). For each eligible convolution (grouped
-    by :class:`thomas_tune.winograd_form.Conv`: sites of one shape share their kernels), the
-    kernels that appear and those that go away when only it is rewritten are compared, time x
-    calls: every kernel that appears must have a time; one that goes away without a time
+    by :class:`thomas_tune.training_graph.winograd_form.Conv`: sites of one shape share their
+    kernels), the kernels that appear and those that go away when only it is rewritten are compared,
+    time x calls: every kernel that appears must have a time; one that goes away without a time
     counts as free (so an untimed kernel never tips the choice towards the Winograd form).
     Returns a set of ``Conv``, empty when no convolution qualifies (then nothing is fused
     twice).
 
     In a module that also computes data gradients (a training step: transposed convolutions
     among its eligible ones), only those are candidates, and only for the filter sizes of
-    :data:`thomas_tune.winograd_form.GRADIENT_FILTERS`; its forward convolutions stay direct.
-    Their outputs decide the ReLU masks and max-pooling windows through which the backward
+    :data:`thomas_tune.training_graph.winograd_form.GRADIENT_FILTERS`; its forward convolutions stay
+    direct. Their outputs decide the ReLU masks and max-pooling windows through which the backward
     pass routes every gradient, and the Winograd form's rounding (about 3x the direct form's
     for F(2x2, 5x5), 2.5x for F(2x2, 3x3)) decided enough of them otherwise for AlexNet@224's
     step at batch 32 to fail the step check, on PoCL and on the H200, where the same tuned
     records in the direct form pass (docs/journal/precision.md). An error in a gradient stays
     an error of its size, so the data gradients of 3x3 layers keep the faster form; a 5x5
     layer's puts the gradients below it over the step check's bound."""
-    from . import winograd_form as W
+    from .training_graph import winograd_form as W
     convs = W.candidates(mod)
     if not convs:
         return set()
@@ -263,11 +265,12 @@ def extract(graphs: dict[str, tvm.IRModule], target: tvm.target.Target,
     """Tasks of several Relax graphs (name -> unfused module), deduplicated by workload.
 
     ``winograd``: None, for tuning: a graph with convolutions the Winograd form takes
-    (:mod:`thomas_tune.winograd_form`) gives the tasks of both forms, so that tuning finds what
-    each costs (a kernel both forms call is counted once); or graph name -> the set of
-    convolutions a build computes in that form (:func:`thomas_tune.compile.winograd_choice`):
-    the tasks of that build only. For a GPU target the loss's kernel is left out: the build
-    writes it as one work-group (:func:`thomas_tune.loss.gpu_kernel`), which nothing tunes.
+    (:mod:`thomas_tune.training_graph.winograd_form`) gives the tasks of both forms, so that tuning
+    finds what each costs (a kernel both forms call is counted once); or graph name -> the set of
+    convolutions a build computes in that form
+    (:func:`thomas_tune.compiler.compile.winograd_choice`): the tasks of that build only. For a GPU
+    target the loss's kernel is left out: the build writes it as one work-group
+    (:func:`thomas_tune.training_graph.loss.gpu_kernel`), which nothing tunes.
 
     Returns tasks sorted by total FLOPs (calls x FLOPs per call), largest first.
 
@@ -292,8 +295,8 @@ _EXTRACTED: dict[tuple, list[Task]] = {}
 
 def _extract(graphs: dict[str, tvm.IRModule], target: tvm.target.Target,
              winograd: dict | None) -> list[Task]:
-    from . import winograd_form as W
-    from .loss import KERNEL_ATTR as LOSS_KERNEL
+    from .training_graph import winograd_form as W
+    from .training_graph.loss import KERNEL_ATTR as LOSS_KERNEL
     from .target import is_gpu
     gpu = is_gpu(target)
     by_key: dict[int, Task] = {}
@@ -310,7 +313,9 @@ def _extract(graphs: dict[str, tvm.IRModule], target: tvm.target.Target,
             for et in ms.relax_integration.extract_tasks(form, target):
                 attrs = et.dispatched[0]["main"].attrs
                 if gpu and attrs is not None and LOSS_KERNEL in attrs:
-                    continue  # built as one work-group (thomas_tune.loss.gpu_kernel), not tuned
+                    # built as one work-group (thomas_tune.training_graph.loss.gpu_kernel), not
+                    # tuned
+                    continue
                 key = tvm_ffi.structural_hash(et.dispatched[0])
                 task = by_key.get(key)
                 if task is None:

@@ -2,8 +2,8 @@
 
 ``--trainable`` names the trainable parameters (``all``, ``last:K``, or names) with an optional
 suffix for the BatchNorm mode of the step (:data:`BATCHNORM_MODES`, described in
-:mod:`thomas_tune.graph`): ``,frozen-bn`` (every BatchNorm in inference form) or ``,train-bn``
-(every BatchNorm in training form, frozen layers too); without one, ``frozen-part``.
+:mod:`thomas_tune.training_graph.graph`): ``,frozen-bn`` (every BatchNorm in inference form) or
+``,train-bn`` (every BatchNorm in training form, frozen layers too); without one, ``frozen-part``.
 """
 
 from __future__ import annotations

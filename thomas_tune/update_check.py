@@ -2,10 +2,10 @@
 
 :mod:`thomas_tune.step_check` checks a build's loss and gradients; the update a training
 step applies to them (momentum SGD, SGD or Adam as multi-tensor kernels,
-:mod:`thomas_tune.optimizers`) is the function ``optimizer`` of ``train.so``
+:mod:`thomas_tune.training_graph.optimizers`) is the function ``optimizer`` of ``train.so``
 (:data:`thomas_tune.manifest.OPTIMIZER`), which ``train_step``, the function
 ``Session.train_step`` runs, inlines after the step's backward pass
-(:func:`thomas_tune.graph.add_train_step`). :func:`check_update` checks both:
+(:func:`thomas_tune.training_graph.graph.add_train_step`). :func:`check_update` checks both:
 
 - ``optimizer`` on fresh random float32 values, never zeros: per trainable parameter (the
   manifest's ``trainable``, shapes of ``params.npz``) the parameter, its gradient, its
@@ -24,8 +24,8 @@ The reference is PyTorch's own ``torch.optim.SGD`` (``momentum``, no dampening, 
 the project's momentum SGD; no momentum for ``sgd``) or ``torch.optim.Adam`` (L2 weight
 decay), single-tensor form, in float64 from the same values, with the manifest's
 ``optimizer`` (``name``, ``lr``, ``momentum``, ``weight_decay``, ``betas``, ``eps``:
-:class:`thomas_tune.optimizers.OptimizerConfig`) and the buffers given as its state; never
-the project's optimizer code.
+:class:`thomas_tune.training_graph.optimizers.OptimizerConfig`) and the buffers given as its state;
+never the project's optimizer code.
 
 Errors, element by element on its own scale: ``|got - ref| / (u A)`` in float32 ulps, with
 ``u = 2^-24`` (float32's unit roundoff) and ``A`` the sum of the magnitudes of the values
@@ -46,7 +46,7 @@ With ``d = g + wd p``, ``A_d = |g| + |wd p|`` (``wd``, the product, the sum: 3 r
   and ``d``'s 3, at most 4 ulps; ``p' = p - lr v'`` (``A = |p| + |lr| A_v``): ``lr``, the
   product, ``v'``'s 4, the difference, 7 ulps;
 - SGD: ``p' = p - lr d`` (``A = |p| + |lr| A_d``): 6 ulps;
-- Adam (Kingma & Ba 2015, Algorithm 1, :func:`thomas_tune.multi_tensor.adam_exprs`):
+- Adam (Kingma & Ba 2015, Algorithm 1, :func:`thomas_tune.training_graph.multi_tensor.adam_exprs`):
   ``m' = b1 m + (1 - b1) d`` (``A_m = |b1 m| + (1 - b1) A_d``): 6; ``v' = b2 v + (1 - b2)
   d^2`` (``A = b2 v + (1 - b2) A_d^2``): 10; ``beta^t' = beta^t beta`` (the input rounded
   from float64, ``beta``, the product; ``A = beta^(t+1)``): 3; ``p' = p - lr r``, ``r =
@@ -265,8 +265,8 @@ def ulps(got, ref, a) -> float:
 
 def export_train_step(export_dir: str, x, y, masks: dict, tensors: dict, state):
     """The export's ``train_step`` (the step and the update in one function, which
-    ``Session.train_step`` runs; :func:`thomas_tune.graph.add_train_step`) on this machine,
-    on ``x``, ``y``, dropout ``masks`` (name -> array) and ``tensors`` (name -> array) as
+    ``Session.train_step`` runs; :func:`thomas_tune.training_graph.graph.add_train_step`) on this
+    machine, on ``x``, ``y``, dropout ``masks`` (name -> array) and ``tensors`` (name -> array) as
     :func:`thomas_tune.step_check.export_step` takes them, from optimizer ``state``: ``(new
     trainable parameters, new state)`` as lists of numpy arrays."""
     import tvm
@@ -284,7 +284,8 @@ def export_train_step(export_dir: str, x, y, masks: dict, tensors: dict, state):
 
     slots = m.train_step_slots
     frozen = [t(tensors[n]) for n in m.frozen]
-    if slots:  # the frozen parameters' transforms lifted out of the step (thomas_tune.lift)
+    # the frozen parameters' transforms lifted out of the step (thomas_tune.training_graph.lift)
+    if slots:
         lifted = vm[TRAIN_STEP_FROZEN](*(t(tensors[n]) for n in m.frozen_lift_inputs))
         frozen = slot_arguments(slots, lambda n: t(tensors[n]), lifted_values(lifted, slots))
     args = [t(x), *(t(np.asarray(masks.get(k, np.ones(v["shape"])), "float32"))

@@ -22,7 +22,7 @@
 #           its logs' best records again ('thomas-tune remeasure --defaults'), one job after
 #           another, in the background; then watch (logs come back with status)
 #   compile-cost  set up, then time TVM's build, the driver's compile and the run of records of
-#           the first job's log as recorded and with less unrolling (experiments/compile_cost.py, its
+#           the first job's log as recorded and with less unrolling (bench/experiments/compile_cost.py, its
 #           options in CC_ARGS), in the background; its output is $TT/out/JOB.compile_cost.*
 #   py      python3 with the arguments that follow, in this set-up's environment
 #   rows    set up (carry .devcarry/last on a fresh machine), then in the background: export the
@@ -188,7 +188,7 @@ start_remeasure() {
 start_compile_cost() {
   local name; name=$(jobs_list | head -1 | cut -d' ' -f1)
   committed_log $name
-  mkdir -p $TT/out && cp experiments/compile_cost.py $TT/compile_cost.py
+  mkdir -p $TT/out && cp bench/experiments/compile_cost.py $TT/compile_cost.py
   setsid nohup python3 -P $TT/compile_cost.py --log $TT/logs/$name --target targets/h100_opencl.json \
     ${CC_ARGS:-} --out $TT/out/$name.compile_cost.json > $TT/out/$name.compile_cost.txt 2>&1 < /dev/null &
   echo "compile_cost: started on $name"
@@ -368,7 +368,7 @@ case "${1:-status}" in
       [ "$prev" = --log ] && case "$a" in $TT/logs/*) committed_log "${a#$TT/logs/}" ;; esac; prev=$a
     done
     $PY bench --work $TT/bench "$@" --json ${OUT:-$TT}/bench.json ;;
-  py) shift; python3 -P "$@" ;;   # a script with the set-up's environment (experiments/step_split.py)
+  py) shift; python3 -P "$@" ;;   # a script with the set-up's environment (bench/experiments/step_split.py)
   stop) pkill -f "remeasure.sh" ; pkill -f "thomas_tune.cli (tune|remeasure)"
     # on SIGTERM the tuners join their batches in flight and write their last statistics (at
     # most the CLI's 60-s grace): wait for them before the servers go and status packs outputs

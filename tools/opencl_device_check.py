@@ -31,7 +31,7 @@ def prepare(out):
     from tvm.s_tir import meta_schedule as ms
 
     from thomas_tune.schedules import default_gpu_schedules
-    from thomas_tune.export import export
+    from thomas_tune.compiler.export import export
     from thomas_tune.models import build, init_params
     from thomas_tune.schedules import space_generator
     from thomas_tune.target import parse_target

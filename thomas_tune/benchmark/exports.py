@@ -167,8 +167,8 @@ def prepare_exports(model, tensors, target, log_path: str | None, work: str, bat
     records."""
     import dataclasses
 
-    from ..export import export, log_hash
-    from ..graph import training_module
+    from ..compiler.export import export, log_hash
+    from ..training_graph.graph import training_module
     from ..logs import TuningLog
     log = TuningLog(log_path) if log_path else None
     if log is not None and not log.exists():

@@ -29,10 +29,10 @@ class Kernel:
 
 
 def exported_training_module(tg):
-    """The Relax module that :func:`thomas_tune.export.export` compiles into ``train.so`` for
-    the training graph ``tg`` (``graph.training_module``): kernel names in the library come from
+    """The Relax module that :func:`thomas_tune.compiler.export.export` compiles into ``train.so``
+    for the training graph ``tg`` (``graph.training_module``): kernel names in the library come from
     fusing exactly this module."""
-    from ..library_module import training_library_module
+    from ..training_graph.library_module import training_library_module
     return training_library_module(tg)[0]
 
 
@@ -41,13 +41,13 @@ def step_kernels(train_mod, winograd=None) -> list[Kernel]:
     ``train_adjoint`` and ``optimizer``) of an unfused Relax training module
     (``graph.training_module(...).mod``, or :func:`exported_training_module`), fused as the
     build fuses it (``winograd``: the convolutions it computes in the Winograd form, as
-    :func:`thomas_tune.compile.winograd_choice` gives them); sorted by FLOPs per step, largest
-    first."""
+    :func:`thomas_tune.compiler.compile.winograd_choice` gives them); sorted by FLOPs per step,
+    largest first."""
     import tvm
     from tvm.s_tir.analysis import estimate_tir_flops
     from tvm.s_tir.meta_schedule.arg_info import ArgInfo
 
-    from ..graph import ADJOINT, OPTIMIZER
+    from ..training_graph.graph import ADJOINT, OPTIMIZER
     from ..manifest import DRAW_MASKS
     from ..tasks import callees, fuse, workload_key, workload_module
     mod = fuse(train_mod, winograd)
@@ -82,9 +82,10 @@ def mark_tuned(kernels: list[Kernel], log_path: str, target=None) -> int:
     """Set ``tuned`` on the kernels that the tuned build compiles with a record of the tuning
     log at ``log_path``: a workload with a valid record (matched by workload key, as the
     build's MetaScheduleApplyDatabase matches structurally), unless, given ``target``, its best
-    record lost to the default schedule on the device (:func:`thomas_tune.compile.best_records`;
-    such a kernel keeps its default). Returns how many are tuned."""
-    from ..compile import best_records
+    record lost to the default schedule on the device
+    (:func:`thomas_tune.compiler.compile.best_records`; such a kernel keeps its default). Returns
+    how many are tuned."""
+    from ..compiler.compile import best_records
     from ..logs import TuningLog
     best, slower = best_records(TuningLog(log_path).database(), log_path, target)
     used = set(best) - slower

@@ -46,7 +46,7 @@ def run_bench(model, tensors, target, exports: dict, cfg: BenchConfig, log_path:
     dict that :func:`thomas_tune.benchmark.report.format_report` prints and the ``--json``
     file holds. Raises ValueError for an OpenCL target without an OpenCL device here."""
     from ..manifest import Manifest
-    from ..graph import training_module
+    from ..training_graph.graph import training_module
     from ..runtime import device_for
     first = Manifest.read(next(iter(exports.values())))
     batch, infer_batch = first.batch, first.infer_batch
@@ -141,7 +141,7 @@ def _own_kernels(res: dict, exports: dict, kernels: list, train_mod, model, batc
     own = {variant: list(kernels) for variant in exports}
     separate = set()
     if "tuned" in exports:
-        from ..winograd_form import Conv
+        from ..training_graph.winograd_form import Conv
         built = Manifest.read(exports["tuned"]).winograd or {}
         chosen = {Conv.from_dict(d) for d in built.get("training", [])}
         if chosen:

@@ -132,10 +132,11 @@ def _torch_network(model, tensors: dict, dev, use_torchvision: bool):
 
 
 def _torch_optimizer(torch, net, train: set[str], optimizer):
-    """PyTorch's optimizer of ``optimizer`` (a :class:`thomas_tune.graph.OptimizerConfig`:
-    Adam, else SGD with its momentum for ``momentum_sgd``, 0 for plain SGD; the same learning
-    rate, betas, eps and weight decay) over the parameters of ``net`` named in ``train``; the
-    others are frozen (``requires_grad`` off, so autograd records nothing of them)."""
+    """PyTorch's optimizer of ``optimizer`` (a
+    :class:`thomas_tune.training_graph.graph.OptimizerConfig`: Adam, else SGD with its momentum for
+    ``momentum_sgd``, 0 for plain SGD; the same learning rate, betas, eps and weight decay) over the
+    parameters of ``net`` named in ``train``; the others are frozen (``requires_grad`` off, so
+    autograd records nothing of them)."""
     params = []
     for name, p in net.named_parameters():
         p.requires_grad_(name in train)

@@ -76,7 +76,7 @@ def cmd_bench(args) -> int:
     work = args.work or tempfile.mkdtemp(prefix="thomas-tune-bench-")
     if args.export:  # one existing export: its model, shapes, target and trainable set
         from ..manifest import Manifest
-        from ..graph import OptimizerConfig
+        from ..training_graph.graph import OptimizerConfig
         from ..models import load_checkpoint
         m = Manifest.read(args.export)
         model, tensors, _ = load_checkpoint(os.path.join(args.export, "params.npz"))

@@ -13,7 +13,7 @@ from .options import (add_cache_features_arg, add_memory_budget_arg, add_model_a
 def export_model(args, out: str) -> dict:
     """Compile the model of the model options (with ``--log``'s schedules) into ``out``; the
     export's manifest. Raises ValueError for a tuning log with no records."""
-    from ..export import export
+    from ..compiler.export import export
     from ..rpc import parse_address
     from ..target import resolve_target
     from ..logs import TuningLog
@@ -90,7 +90,7 @@ def cmd_export(args) -> int:
 
 
 def cmd_replay(args) -> int:
-    from ..replay import failed_minimum, replay
+    from ..compiler.replay import failed_minimum, replay
     from ..target import parse_target
     from ..logs import TuningLog
     model, _, _ = load_model(args)
@@ -135,7 +135,7 @@ def cmd_replay(args) -> int:
               f"{report.records_unchecked}; give --no-check to replay without the checks",
               file=sys.stderr)
     if report.checked:
-        from ..replay import LOGITS_TOL
+        from ..compiler.replay import LOGITS_TOL
         e = report.errors
         good = e["logits"] <= LOGITS_TOL
         ok &= good

@@ -10,7 +10,7 @@ generation that makes the same kernels.
   other targets, workloads that belong to no task of the model. Exit status 1 when a line was
   bad or no task of the model is tuned. With ``--records``, every record a build of the model
   applies is run on this machine's device against its default schedule and wrong ones are set
-  aside (:func:`thomas_tune.build_plan.set_aside_wrong`). The log's code-generation version
+  aside (:func:`thomas_tune.compiler.build_plan.set_aside_wrong`). The log's code-generation version
   (:mod:`thomas_tune.logs.codegen`) is checked too: records of another version are flagged
   (exit status 1), a log of unknown version is reported as such.
 * ``merge SRC... --out DEST``: every distinct record of the sources, once, in ``DEST``.
@@ -76,7 +76,7 @@ def cmd_show(args) -> int:
 
 def cmd_check(args) -> int:
     """Check a log's lines (setting bad ones aside) and its coverage of the model's tasks."""
-    from ..replay import coverage
+    from ..compiler.replay import coverage
     from ..target import parse_target
     from ..tasks import extract
 
@@ -120,7 +120,7 @@ def cmd_check(args) -> int:
     else:
         print(f"records measured with {version.line()}")
     if args.records:
-        from ..build_plan import set_aside_wrong
+        from ..compiler.build_plan import set_aside_wrong
         aside = set_aside_wrong(log, target, model_graphs(args, model))
         print(f"records: every record a build of this model applies was run on this machine's "
               f"device against its default schedule; {aside} wrong record(s) set aside "

@@ -150,7 +150,7 @@ def load_model(args):
 
 
 def optimizer_config(args):
-    from ..optimizers import OptimizerConfig
+    from ..training_graph.optimizers import OptimizerConfig
     return OptimizerConfig(name=args.optimizer, lr=args.lr, momentum=args.momentum,
                            weight_decay=args.weight_decay)
 
@@ -170,7 +170,7 @@ def add_precision_arg(p) -> None:
 
 
 def model_graphs(args, model):
-    from .. import graph as G
+    from ..training_graph import graph as G
     from ..half_arith import apply_precision
     train = G.training_module(model, args.batch, args.trainable, optimizer_config(args),
                               features=getattr(args, "cache_features", False)).mod

@@ -11,10 +11,10 @@ from .tune import _bounds
 
 def cmd_remeasure(args) -> int:
     """Time the best records of the model's tasks in ``--log`` again (and with ``--defaults``
-    the default schedules); see :mod:`thomas_tune.remeasure`. Returns 1 when a re-measure
+    the default schedules); see :mod:`thomas_tune.tuning.remeasure`. Returns 1 when a re-measure
     failed (the record keeps its old time), else 0."""
     from .. import rpc
-    from ..remeasure import remeasure
+    from ..tuning.remeasure import remeasure
     from ..remote import check_device
     from ..target import parse_target
     from ..tasks import extract
@@ -77,7 +77,7 @@ def cmd_remeasure(args) -> int:
     for why, n in sorted(report.reasons.items(), key=lambda kv: -kv[1])[:5]:
         print(f"  {n} x {why}")
     if args.restamp:
-        from ..remeasure import STALE
+        from ..tuning.remeasure import STALE
         print(f"restamped: {report.stale} record(s) not measured again moved to "
               f"{os.path.join(log.path, STALE)}; the log is now of {log.version().line()}")
     return 1 if report.failed else 0

@@ -12,7 +12,8 @@ Modules: :mod:`.driver` (:func:`tune` and its :class:`TuneOptions`), :mod:`.sear
 strategy and its view of the database), :mod:`.task_scheduler` (which task gets the next batch),
 :mod:`.refine` (refinement passes), :mod:`.defaults` (default-schedule timing and selection by
 time), :mod:`.report` (the run's report), :mod:`.pretrained` (the cost model trained on tuning
-logs, saved and loaded), :mod:`.local_search` (schedules one decision from the best records).
+logs, saved and loaded), :mod:`.local_search` (schedules one decision from the best records),
+:mod:`.remeasure` (a log's best records measured again on the device, their times kept).
 """
 
 from .defaults import (DEFAULT_LATENCY, default_schedule_key, defaults_stamp, kernel_time_s,

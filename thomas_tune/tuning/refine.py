@@ -34,8 +34,8 @@ def refine_unroll(contexts, progress: list[TaskProgress], database: ms.Database,
 
     The search may run with small unroll limits, whose candidates build and compile several
     times faster; this gives the best schedules it found the larger limits that often make a
-    kernel faster still (``experiments/compile_cost.py``). Candidates already measured (in the log
-    or this run: ``measured``, per context, the structural hashes of its measured schedules,
+    kernel faster still (``bench/experiments/compile_cost.py``). Candidates already measured (in the
+    log or this run: ``measured``, per context, the structural hashes of its measured schedules,
     which gets the new ones) are skipped. Failed ones are committed as MetaSchedule commits a
     failed trial (run time :data:`~thomas_tune.logs.FAILED_RUN_S`) and their reasons go
     to ``errors``. ``references`` (per context, its
