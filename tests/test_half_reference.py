@@ -153,12 +153,14 @@ def test_a_right_mixed16_build_fails_against_the_plain_reference(mixed_alexnet, 
 CAP_SHARE = 1e-2
 
 
-@pytest.mark.parametrize("mutant", ["conv weight", "max pool"])
-def test_a_mixed16_build_with_a_gradient_1_percent_off_fails(mutant, tmp_path):
+def test_a_mixed16_build_with_a_gradient_1_percent_off_fails(tmp_path):
+    """The max pool's gradient 1% too large (the kink the rounding reference follows most):
+    several parameters over their bounds (measured 1.2e-2 against 2.0e-3; a convolution's
+    weight gradient x1.01 fails likewise, 1.0e-2, docs/journal/precision.md)."""
     import mutants as M
 
     from thomas_tune.step_check import check_export
-    out = _alexnet_export(tmp_path / "mutant", "mixed16", M.DATA_MUTANTS[mutant](1.01))
+    out = _alexnet_export(tmp_path / "mutant", "mixed16", M.DATA_MUTANTS["max pool"](1.01))
     check = check_export(out, seed=0)
     print(check.line())
     assert not check.ok and check.failing, check.line()
