@@ -49,7 +49,7 @@ def conv2d(g, name, x, stride, padding, groups, bias, rounded=True):
     on ``x`` with its output rounded (unless not ``rounded``), and with ``bias`` its sum with
     the bias rounded too."""
     y = g.F.conv2d(x, g.p[f"{name}.weight"], None, stride, padding, 1, groups)
-    y = round_half(y) if rounded or bias else y
+    y = round_half(y) if rounded else y
     if bias:
         y = round_half(y + g.p[f"{name}.bias"].reshape(1, -1, 1, 1))
     return y

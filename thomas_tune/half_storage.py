@@ -410,12 +410,8 @@ def apply_precision(precision: str, train_mod: tvm.IRModule, infer_mod: tvm.IRMo
     :func:`thomas_tune.half_arith.autocast_function`, which
     :func:`thomas_tune.half_arith.apply_precision` passes. Raises ValueError for another
     precision, and for autocast16 without its rewrite."""
-    from .manifest import PREDICT
-    if check_precision(precision) == "float32":
-        return train_mod, infer_mod
-    rewrite = _rewrite(precision, rewrite)
     return (training_precision(precision, train_mod, batch, rewrite),
-            map_functions(infer_mod, {PREDICT: infer_batch}, rewrite))
+            inference_precision(precision, infer_mod, infer_batch, rewrite))
 
 
 def _rewrite(precision: str, rewrite):
@@ -440,3 +436,14 @@ def training_precision(precision: str, train_mod: tvm.IRModule, batch: int, rewr
         return train_mod
     return map_functions(train_mod, {ADJOINT: batch, PREDICT: batch},
                          _rewrite(precision, rewrite))
+
+
+def inference_precision(precision: str, infer_mod: tvm.IRModule, infer_batch: int,
+                        rewrite=None) -> tvm.IRModule:
+    """The inference module of :func:`apply_precision` alone (its ``predict`` at
+    ``infer_batch`` images rewritten for ``precision``; as it is for float32): what an export
+    compiles into ``inference.so``. Raises ValueError as :func:`apply_precision`."""
+    from .manifest import PREDICT
+    if check_precision(precision) == "float32":
+        return infer_mod
+    return map_functions(infer_mod, {PREDICT: infer_batch}, _rewrite(precision, rewrite))

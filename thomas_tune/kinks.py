@@ -169,8 +169,9 @@ class KinkGraph(TorchGraph):
         self.bn_normalised: dict[str, object] = {}
         self._masked, self._pool = _functions()
         self._made = (args, dict(kwargs, half=half, trainable=self.trainable))
-        self._last_conv = None  # (output, input, name, stride, padding, groups), half only
-        self._pending = None  # a frozen convolution's output, not yet rounded (conv2d)
+        #: half only: the last frozen convolution without bias, its output not yet rounded
+        #: (:meth:`conv2d`), as (output, input, name, stride, padding, groups), else None
+        self._pending = None
         #: (model, input batch) of the forward pass run on it, for :meth:`tangents`
         self.source = None
 
@@ -209,8 +210,7 @@ class KinkGraph(TorchGraph):
             # output is rounded when something other than that BatchNorm reads it
             pending = not bias and f"{name}.weight" not in self.trainable
             y = H.conv2d(self, name, x, stride, padding, groups, bias, rounded=not pending)
-            self._last_conv = None if bias else (y, x, name, stride, padding, groups)
-            self._pending = y if pending else None
+            self._pending = (y, x, name, stride, padding, groups) if pending else None
         else:
             y = super().conv2d(name, x, out_channels, kernel, stride, padding, groups, bias)
         if bias:
@@ -242,7 +242,7 @@ class KinkGraph(TorchGraph):
     def _settle(self, x):
         """``x`` as a layer reads it: a frozen convolution's output not folded (see
         :meth:`conv2d`) rounded now."""
-        if self.half and self._pending is not None and x is self._pending:
+        if self._pending is not None and x is self._pending[0]:
             return H.round_half(x)
         return x
 
@@ -252,9 +252,8 @@ class KinkGraph(TorchGraph):
     def batch_norm(self, name, x, eps=1e-5, momentum=0.1, act=None):
         training = self.bn_training and name not in self.frozen_bn
         if self.half and not training:  # stored before its activation, folded where built so
-            conv = self._last_conv
-            folds = (conv is not None and conv[0] is x
-                     and f"{conv[2]}.weight" not in self.trainable)
+            conv = self._pending  # folded into the frozen convolution that made x
+            folds = conv is not None and conv[0] is x
             y = H.inference_batch_norm(self, name, x if folds else self._settle(x), eps,
                                        conv if folds else None)
         else:

@@ -84,16 +84,14 @@ def _graph_modules(model, batch: int, infer_batch: int, trainable: str,
     ValueError for a bad trainable set or optimizer, and for ``cache_features`` with a
     trainable set whose frozen part is not the same at every step
     (:func:`thomas_tune.training_graph.graph.training_module`)."""
-    from .. import half_storage
     from ..half_arith import rewrite_for
-    tg = G.training_module(model, batch, trainable, optimizer, features=cache_features)
-    if recompute is not None:  # a memory budget's plan (thomas_tune.recompute)
-        from ..recompute import apply_plan
-        tg = apply_plan(tg, recompute)
-    infer_mod = G.inference_module(model, infer_batch)
-    train, infer_mod = half_storage.apply_precision(precision, tg.mod, infer_mod, batch,
-                                                    infer_batch, rewrite_for(precision))
-    tg = dataclasses.replace(tg, mod=train)
+    from ..half_storage import inference_precision
+    from ..memory_plan import step_graph
+    # the step as memory_plan estimates it: the budget's plan, then the precision
+    tg = step_graph(G.training_module(model, batch, trainable, optimizer,
+                                      features=cache_features), batch, recompute, precision)
+    infer_mod = inference_precision(precision, G.inference_module(model, infer_batch),
+                                    infer_batch, rewrite_for(precision))
     train_mod, lift_inputs = training_library_module(tg)
     s = spec(model)
     n_constant = len(s.params) + len(s.states)
