@@ -45,7 +45,7 @@ def flip_effect(kink, flip: Flip, params: list, sign: float = 1.0):
         per = kink.dy0.reshape(n, c, -1)
         nc, j = divmod(flip.index, per.shape[2])
         b, ch = divmod(nc, c)
-        g = per[b, ch, j]
+        g = per[b, ch][_group(kink, b, ch, j)].sum()  # the windows one comparison decides
         d = delta.reshape(n, c, -1)
         d[b, ch, kink.decision[b, ch, j]] -= sign * g
         d[b, ch, kink.alt[b, ch, j]] += sign * g
@@ -57,18 +57,30 @@ def flip_effect(kink, flip: Flip, params: list, sign: float = 1.0):
     return [g if g is not None else torch.zeros_like(p) for g, p in zip(grads, params)]
 
 
-def apply_flip(kink, flip: Flip) -> None:
+def _group(kink, b: int, ch: int, j: int):
+    """The windows of image ``b``, channel ``ch`` of a pool ``kink`` decided by the comparison
+    that decides window ``j`` (:func:`thomas_tune.flip_solve.pool_groups`): a boolean tensor
+    over the windows of that image and channel."""
+    return (kink.decision[b, ch] == kink.decision[b, ch, j]) & (kink.alt[b, ch] ==
+                                                                   kink.alt[b, ch, j])
+
+
+def apply_flip(kink, flip: Flip) -> list[int]:
     """Decide ``flip``'s element otherwise in ``kink`` (a pool window's gradient goes to its
-    second-best position, a mask element is inverted)."""
+    second-best position, with every window of its group, which one comparison decides; a
+    mask element is inverted). Returns the flat indices of the elements (windows) changed."""
     if kink.kind == "pool":
         n, c, _, _ = kink.x.shape
-        nc, j = divmod(flip.index, kink.decision.shape[2])
+        per = kink.decision.shape[2]
+        nc, j = divmod(flip.index, per)
         b, ch = divmod(nc, c)
+        members = _group(kink, b, ch, j)
         a, d = kink.alt[b, ch, j].clone(), kink.decision[b, ch, j].clone()
-        kink.decision[b, ch, j], kink.alt[b, ch, j] = a, d
-    else:
-        m = kink.decision.reshape(-1)
-        m[flip.index] = 1.0 - m[flip.index]
+        kink.decision[b, ch][members], kink.alt[b, ch][members] = a, d
+        return [nc * per + int(i) for i in members.nonzero().reshape(-1).tolist()]
+    m = kink.decision.reshape(-1)
+    m[flip.index] = 1.0 - m[flip.index]
+    return [flip.index]
 
 
 
@@ -116,9 +128,9 @@ class _Effects:
 
     def flip(self, f: Flip) -> dict:
         """Take ``f`` in the graph; returns the effects it dropped, for :meth:`undo`."""
-        apply_flip(self.graph.kinks[f.layer], f)
+        moved = set(apply_flip(self.graph.kinks[f.layer], f))
         dropped = self.kept
-        self.kept = {k: e for k, e in dropped.items() if k[0] == f.layer and k[1] != f.index}
+        self.kept = {k: e for k, e in dropped.items() if k[0] == f.layer and k[1] not in moved}
         return dropped
 
     def undo(self, f: Flip, dropped: dict) -> None:

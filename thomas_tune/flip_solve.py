@@ -13,10 +13,48 @@ read here by those attributes only.
 
 from __future__ import annotations
 
+def pool_groups(kink):
+    """The windows of a pool ``kink`` that one comparison decides: windows of one image and
+    channel whose first maximum (``decision``) and runner-up (``alt``) are the same two input
+    positions (3x3 windows at stride 2 share a row, a column or a corner). A build compares
+    those two values once for all of them (either is first in row-major order in every window
+    holding both), so they flip together. Returns (per window, flat over (N, C, L), its group's
+    number: int64; per group, the flat index of its first window: int64)."""
+    import torch
+    n, c, _ = kink.decision.shape
+    hw = kink.x.shape[2] * kink.x.shape[3]
+    nc = torch.arange(n * c, device=kink.decision.device).reshape(n, c, 1)
+    key = ((nc * hw + kink.decision) * hw + kink.alt).reshape(-1)
+    _, group = torch.unique(key, return_inverse=True)
+    flat = torch.arange(group.numel(), device=group.device)
+    first = torch.full((int(group.max()) + 1,), group.numel(), dtype=flat.dtype,
+                       device=group.device).scatter_reduce(0, group, flat, reduce="amin")
+    return group, first
+
+
+def group_sum(kink, t):
+    """Per window of a pool ``kink``, the sum of ``t`` (a tensor of the windows' shape) over
+    its :func:`pool_groups` group."""
+    group, first = pool_groups(kink)
+    flat = t.reshape(-1)
+    return flat.new_zeros(first.shape).index_add_(0, group, flat)[group].reshape(t.shape)
+
+
+def group_firsts(kink):
+    """A boolean tensor of a pool ``kink``'s windows' shape: true at each :func:`pool_groups`
+    group's first window (the one that stands for the group among the candidates)."""
+    import torch
+    group, first = pool_groups(kink)
+    flat = torch.arange(group.numel(), device=group.device)
+    return (first[group] == flat).reshape(kink.decision.shape)
+
+
 def apply_mask(kink, sel) -> None:
-    """Decide every element (pool: window) where ``sel`` is true otherwise in ``kink``."""
+    """Decide every element where ``sel`` is true otherwise in ``kink`` (pool: every window
+    of the :func:`pool_groups` group of a window where it is true)."""
     import torch
     if kink.kind == "pool":
+        sel = group_sum(kink, sel.to(torch.int64)) > 0
         kink.decision, kink.alt = (torch.where(sel, kink.alt, kink.decision),
                                    torch.where(sel, kink.decision, kink.alt))
     else:
@@ -26,10 +64,12 @@ def apply_mask(kink, sel) -> None:
 def pushes(kink, coef):
     """The change of the gradient of ``kink``'s input (a tensor of its shape) when each of its
     elements (pool: windows) is decided otherwise by the amount ``coef`` (a tensor of the
-    elements' shape; 1: the whole flip), from the output gradient ``dy0``."""
+    elements' shape; 1: the whole flip), from the output gradient ``dy0``. A pool window's
+    coefficient moves its whole :func:`pool_groups` group (the sum over the group applies to
+    each of its windows)."""
     if kink.kind == "pool":
         n, c = kink.x.shape[:2]
-        moved = kink.dy0.reshape(n, c, -1) * coef
+        moved = kink.dy0.reshape(n, c, -1) * group_sum(kink, coef)
         out = moved.new_zeros((n, c, kink.x.shape[2] * kink.x.shape[3]))
         out.scatter_add_(2, kink.alt, moved)
         out.scatter_add_(2, kink.decision, -moved)
@@ -40,12 +80,12 @@ def pushes(kink, coef):
 def moves(kink, derivative):
     """The transpose of :func:`pushes`: per element (pool: window) of ``kink``, the inner
     product of its flip's change of the input gradient with ``derivative`` (a tensor of the
-    input's shape)."""
+    input's shape); a pool window's is its :func:`pool_groups` group's."""
     if kink.kind == "pool":
         n, c = kink.x.shape[:2]
         g = kink.dy0.reshape(n, c, -1)
         flat = derivative.reshape(n, c, -1)
-        return g * (flat.gather(2, kink.alt) - flat.gather(2, kink.decision))
+        return group_sum(kink, g * (flat.gather(2, kink.alt) - flat.gather(2, kink.decision)))
     return (1.0 - 2.0 * kink.decision) * kink.dy0 * derivative
 
 

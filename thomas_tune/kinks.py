@@ -23,7 +23,10 @@ may be decided otherwise than float64 decides it; the effect of deciding one oth
 *flip*) on every parameter gradient is computed exactly in float64 (the backward of the moved
 output gradient from that kink's input), and the flips that bring the float64 gradients closer
 to the build's are taken, one at a time, largest first
-(:func:`thomas_tune.flip_exact.follow_exact`). Past :data:`MAX_FLIPS` candidates (a 224-px step
+(:func:`thomas_tune.flip_exact.follow_exact`). Overlapping pool windows whose first maximum
+and runner-up are the same two elements are one candidate: the build compares those two
+values once for all of them, and their flips, of opposite signs, may explain it only together
+(:func:`thomas_tune.flip_solve.pool_groups`). Past :data:`MAX_FLIPS` candidates (a 224-px step
 has tens of thousands: ReLU6 inputs within rounding of 0 or 6, pool windows whose constant
 squares tie), they are weighed all at once first: a flip's effect on the gradients is linear in
 it for fixed output gradients, so the flips that explain the residual solve a least-squares
@@ -47,7 +50,7 @@ import numpy as np
 
 from .flip_exact import Flip, changed, distance, follow_exact, restore
 from . import half_reference as H
-from .flip_solve import POLISH, follow_bulk
+from .flip_solve import POLISH, follow_bulk, group_firsts, group_sum
 from .reference import TorchGraph
 
 #: an element is ambiguous when float64's input of its kink lies within this many times the
@@ -368,7 +371,10 @@ def ambiguous_masks(kinks64: list[Kink], rounding: list[float]) -> list:
     the input's shape; pool: per window, (N, C, OH*OW)) within ``delta`` of their kink whose
     output gradient is not zero (module docstring; ``rounding``: per kink layer, the largest
     PyTorch float32 - float64 difference of its input), or None for a kink no gradient passes
-    through (in the frozen part) or with no such element."""
+    through (in the frozen part) or with no such element. Of the pool windows one comparison
+    decides (:func:`thomas_tune.flip_solve.pool_groups`), only the first is a candidate: its
+    flip moves them all."""
+    import torch
     out = []
     for k, r in zip(kinks64, rounding):
         if not k.x.requires_grad or k.dy0 is None:
@@ -376,6 +382,8 @@ def ambiguous_masks(kinks64: list[Kink], rounding: list[float]) -> list:
             continue
         m = (distance(k) <= DELTA_FACTOR * r) & (k.dy0.reshape(k.gap.shape if k.kind == "pool"
                                                                 else k.x.shape) != 0)
+        if k.kind == "pool":  # a group of windows one comparison decides: one candidate
+            m = group_sum(k, m.to(torch.int64)).gt(0) & group_firsts(k)
         out.append(m if bool(m.any()) else None)
     return out
 
