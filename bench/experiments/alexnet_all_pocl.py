@@ -17,8 +17,10 @@ on PoCL). On this machine's OpenCL device:
 2. per check batch, the log's record of the first convolution (with its bias and ReLU) run on
    the batch: its ReLU decisions and max-pool windows whose argmax is not float64's first
    maximum (the rank of the build's choice in float64's order, the window's exact ties);
-3. per check batch, the export's step (PoCL) against float64 with its own decisions, and
-   against float64 with the first pool's windows decided as the build's forward decides them.
+3. per check batch, the export's step (PoCL) against float64 with its own decisions, against
+   float64 with the first pool's windows decided as the build's first convolution decides
+   them, and with the second pool's too (the log's second convolution run on the build's
+   first pool output).
 """
 
 from __future__ import annotations
@@ -40,9 +42,12 @@ def _records(log, target):
     for r in db.get_all_tuning_records():
         f = r.workload.mod["main"]
         shapes = [tuple(int(s) for s in p.shape) for p in f.params]
-        if (64, 3, 11, 11) not in shapes:
+        if (192, 64, 5, 5) in shapes and len(shapes) == 4 and shapes[-1] == (32, 192, 27, 27):
+            which = "forward3"
+        elif (64, 3, 11, 11) not in shapes:
             continue
-        which = "wgrad" if shapes[-1] == (64, 3, 11, 11) else "forward"
+        else:
+            which = "wgrad" if shapes[-1] == (64, 3, 11, 11) else "forward"
         if which not in out:
             out[which] = db.query_tuning_record(r.workload.mod, target, "main")
     return out
@@ -125,7 +130,8 @@ def main():
         print(f"weight gradient, {case}: {row}", flush=True)
 
     # 2. and 3. per check batch
-    (forward,) = _build([kc.record_kernel(recs["forward"])], target)
+    forward, forward3 = _build([kc.record_kernel(recs["forward"]),
+                                kc.record_kernel(recs["forward3"])], target)
     w0 = tensors["features.0.weight"].astype("float32")
     b0 = tensors["features.0.bias"].astype("float32")
     for s in range(CHECK_BATCHES):
@@ -160,18 +166,42 @@ def main():
             i, j = divmod(int(f32[n * 64 + c, w]), 3)
             dec[n, c, w] = (2 * oh + i) * 55 + 2 * ow + j
         k.decision = dec
-        taken = numpy_of(names, torch.autograd.grad(loss, params))
+        taken = numpy_of(names, torch.autograd.grad(loss, params, retain_graph=True))
+        # the second pool: the log's second convolution on the build's first pool output
+        p0 = F.max_pool2d(y32, 3, 2).numpy()
+        y3 = torch.tensor(_run(forward3, dev, [p0, tensors["features.3.weight"].astype("float32"),
+                                              tensors["features.3.bias"].astype(
+                                                  "float32").reshape(1, 192, 1, 1)],
+                               (32, 192, 27, 27)))
+        k3 = g.kinks[3]
+        x3 = k3.x.detach().clamp_min(0)
+        v32 = F.unfold(y3.reshape(-1, 1, 27, 27), 3, stride=2)
+        v64 = F.unfold(x3.reshape(-1, 1, 27, 27), 3, stride=2)
+        moved3 = []
+        dec3 = k3.decision.clone()
+        for nc, w in (v32.argmax(1) != v64.argmax(1)).nonzero().tolist():
+            n, c = divmod(nc, 192)
+            oh, ow = divmod(w, 13)
+            i, j = divmod(int(v32.argmax(1)[nc, w]), 3)
+            dec3[n, c, w] = (2 * oh + i) * 27 + 2 * ow + j
+            moved3.append({"window": [n, c, w], "dy": float(k3.dy.reshape(32, 192, -1)[n, c, w]),
+                           "from": int(k3.decision[n, c, w]), "to": int(dec3[n, c, w])})
+        k3.decision = dec3
+        both = numpy_of(names, torch.autograd.grad(loss, params))
         e_own, e_taken = gradient_errors(grads_b, own), gradient_errors(grads_b, taken)
+        e_both = gradient_errors(grads_b, both)
         row = {"relu_decisions_moved": int(((y32 > 0) != (y64 > 0)).sum()),
                "pool_windows_moved": moved, "loss": [float(loss_b), float(loss.detach())],
                "errors_own": e_own, "errors_with_pool_flips": e_taken,
+               "second_pool_windows_moved": moved3, "errors_with_both_pools": e_both,
                "seconds": time.time() - t0}
         res["batches"].append(row)
         print(f"batch {s}: ReLU decisions moved {row['relu_decisions_moved']}, pool windows "
               f"moved {[(m['rank'], m['exact_ties']) for m in moved]}; features.0.weight "
               f"{e_own['features.0.weight']:.2e} -> {e_taken['features.0.weight']:.2e}, "
               f"features.0.bias {e_own['features.0.bias']:.2e} -> "
-              f"{e_taken['features.0.bias']:.2e}", flush=True)
+              f"{e_taken['features.0.bias']:.2e}; second pool windows moved {moved3}, then "
+              f"worst {max(e_both.values()):.2e}", flush=True)
     with open(a.out, "w") as f:
         json.dump(res, f, indent=1)
 
