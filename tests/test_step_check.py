@@ -52,6 +52,7 @@ def test_the_right_build_passes_on_fresh_seeds_and_the_inputs_reach_every_path(r
         print(check.line(), check.flips)
         assert check.ok, check.line()
         assert max(check.bounds.values()) <= CAP == 1e-2
+        assert check.loss_bound <= 1e-4  # a loss 1e-4 off fails
         assert any(v > 0 for k, v in check.coverage.items() if k.startswith("relu6"))
         # the optimizer update was checked too, alone and inside train_step: every trainable
         # parameter and its momentum buffer, and the step count
