@@ -224,8 +224,8 @@ class KinkGraph(TorchGraph):
         self.bias_outputs[f"{name}.bias"] = y
         return y
 
-    def add(self, a, b):
-        return self._stored(super().add(self._settle(a), self._settle(b)))
+    def residual(self, a, b):
+        return self._stored(super().residual(self._settle(a), self._settle(b)))
 
     def adaptive_avg_pool2d(self, x, output_size):
         x = self._settle(x)
