@@ -21,16 +21,24 @@ CONFIG = {"mobilenet_v2": dict(num_classes=5, resolution=32, width=0.35),
           "alexnet": dict(num_classes=5, resolution=67, width=0.1)}
 
 
-def _export(tmp_path, name, trainable, mutant=None, arch="mobilenet_v2"):
+def _export(tmp_path, name, trainable, mutant=None, arch="mobilenet_v2", opt_level=None):
+    """An llvm export of ``arch`` (``CONFIG``), batch 8, under ``mutant``; ``opt_level`` 0:
+    LLVM's optimisation off (``compile.reference_target``), for the mutants' builds, whose
+    speed does not matter: the same arithmetic, the same outputs to the last bit (a MobileNetV2
+    ``all`` build's loss and gradients on the check's batches, docs/journal/suite.md), in
+    about half the build's CPU time."""
     import contextlib
 
     from thomas_tune.compiler.export import export
     from thomas_tune.models import build, init_params
     from thomas_tune.target import parse_target
+    from thomas_tune.compiler.compile import reference_target
     model = build(arch, **CONFIG[arch])
     out = str(tmp_path / name)
+    target = parse_target("llvm") if opt_level is None else reference_target(parse_target("llvm"))
+    assert opt_level in (None, 0), opt_level
     with mutant if mutant is not None else contextlib.nullcontext():
-        export(out, model, init_params(model, seed=11), parse_target("llvm"), batch=8,
+        export(out, model, init_params(model, seed=11), target, batch=8,
                trainable=trainable, progress=lambda *_: None)
     return out
 
@@ -131,7 +139,7 @@ def test_a_build_with_a_wrong_backward_fails(tmp_path, mutant, trainable, arch):
         ctx = M.DEPENDENT_MUTANTS[mutant]()
     else:
         ctx = M.DATA_MUTANTS[mutant.rsplit(" x", 1)[0]](1.01)
-    out = _export(tmp_path, "mutant", trainable, ctx, arch=arch)
+    out = _export(tmp_path, "mutant", trainable, ctx, arch=arch, opt_level=0)
     check = check_export(out, seed=0)
     print(check.line())
     assert not check.ok and check.failing, check.line()
@@ -147,7 +155,8 @@ def test_a_build_with_a_wrong_optimizer_update_fails(tmp_path, mutant):
     ulps, naming every parameter; the loss and the gradients pass. A small AlexNet's last
     layer: the update's kernels are those of any network's trainable set."""
     from thomas_tune.step_check import check_export
-    out = _export(tmp_path, "mutant", "last:1", M.UPDATE_MUTANTS[mutant](), arch="alexnet")
+    out = _export(tmp_path, "mutant", "last:1", M.UPDATE_MUTANTS[mutant](), arch="alexnet",
+                  opt_level=0)
     check = check_export(out, seed=0)
     print(check.line())
     update = check.update
