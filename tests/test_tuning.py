@@ -19,6 +19,9 @@ from thomas_tune.logs import TuningLog
 #: one build process per tuning run or measurement of default schedules: they build 1 to 6
 #: kernels a batch, and each build process starts by importing TVM (about 1.4 s of CPU)
 ONE = dict(builder_workers=1)
+#: the runs that count trials and records: an evolutionary search of 16 per round (as the
+#: pipelined run's), not the default 128: their CPU time fell by a quarter (docs/journal/suite.md)
+SMALL_SEARCH = dict(ONE, population=16)
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +54,7 @@ def test_tune_resume_and_corrupt_record(tmp_path, small_tasks, cpu_server):
     target = parse_target("llvm")
     log = TuningLog(str(tmp_path / "log"))
     r1 = tune(small_tasks, target, log, rpc_runner(cpu_server, "test-cpu"), trials=8,
-              trials_per_iter=4, show_progress=False, **ONE)
+              trials_per_iter=4, show_progress=False, **SMALL_SEARCH)
     first = _records(log)
     assert r1.trials == 8 and len(first) == 8
     assert r1.resumed_records == 0
@@ -64,7 +67,7 @@ def test_tune_resume_and_corrupt_record(tmp_path, small_tasks, cpu_server):
     assert os.path.exists(log.record_path + ".rejected")
 
     r2 = tune(small_tasks, target, log, rpc_runner(cpu_server, "test-cpu"), trials=8,
-              trials_per_iter=4, seed=1, show_progress=False, **ONE)
+              trials_per_iter=4, seed=1, show_progress=False, **SMALL_SEARCH)
     assert r2.resumed_records == 8
     database = log.database()
     for task in small_tasks:
@@ -140,7 +143,7 @@ def test_records_slower_than_the_default_schedule_are_not_compiled(tmp_path, sma
     target = parse_target("llvm")
     log = TuningLog(str(tmp_path / "log"))
     tune(small_tasks, target, log, rpc_runner(cpu_server, "test-cpu"), trials=4,
-         trials_per_iter=2, show_progress=False, **ONE)
+         trials_per_iter=2, show_progress=False, **SMALL_SEARCH)
     fast, slow = small_tasks
     # without default times every record is used
     db, slower = tuned_database(log, target)
@@ -429,7 +432,7 @@ def test_remeasure_replaces_noisy_times_in_place(tmp_path, small_tasks, cpu_serv
     log = TuningLog(str(tmp_path / "log"))
     runner = rpc_runner(cpu_server, "test-cpu")
     tune(small_tasks, target, log, runner, trials=6, trials_per_iter=3,
-         show_progress=False, **ONE)
+         show_progress=False, **SMALL_SEARCH)
     with open(log.record_path) as f:
         lines = [line for line in f if line.strip()]
     bodies = [json.loads(line) for line in lines]
