@@ -20,7 +20,7 @@ from thomas_tune.logs import TuningLog
 #: kernels a batch, and each build process starts by importing TVM (about 1.4 s of CPU)
 ONE = dict(builder_workers=1)
 #: the runs that count trials and records: an evolutionary search of 16 per round (as the
-#: pipelined run's), not the default 128: their CPU time fell by a quarter (docs/journal/suite.md)
+#: pipelined run's), not the default 128, whose scoring and mutation they do not need
 SMALL_SEARCH = dict(ONE, population=16)
 
 
