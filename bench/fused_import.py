@@ -2,6 +2,8 @@
 
     python bench/fused_import.py [--recipe 0.005x300 --recipe 0.01x150] [--seeds 3]
                                  [--width 0.5] [--work DIR] [--out bench/results]
+                                 [--paths P,...] [--trainable T,...] [--precision mixed16]
+                                 [--name fused_import]
 
 The network is ``bench/four_levels.py --imported``'s: a MobileNetV2 (``--width``, 64x64)
 pretrained in PyTorch on digits 0-4 of mnist5k, exported with ``torch.onnx.export`` and
@@ -20,11 +22,15 @@ untuned llvm build on every core) by each path a user can take:
 * ``PyTorch``: PyTorch float32 fine-tuning the original network (BatchNorm not fused) with the
   same recipe, head, batches, dropout masks and BatchNorm forms as ``plain``: the reference.
 
-each for ``--trainable all`` and ``last:2`` and ``--seeds`` seeds. Every run is judged by
+each for ``--trainable all`` and ``last:2`` and ``--seeds`` seeds (``--paths`` and
+``--trainable`` pick fewer). ``--precision`` (repeatable) runs the project's paths at each
+precision (``export --precision``: ``mixed16`` stores the step's activations as float16), each
+from the same weights on the same batches. Every run is judged by
 :func:`thomas_tune.train.divergence` (the test ``train`` warns by): a run that diverged is
-marked in the table. Writes ``fused_import.json`` (every run: accuracy before and after,
-losses, signs of divergence) and ``fused_import.md`` into ``--out``, the JSON after every
-run. ``--work`` keeps the pretrained network, the ONNX file and the exports for a rerun.
+marked in the table. Writes ``NAME.json`` (``--name``, default ``fused_import``; every run:
+accuracy before and after, losses, signs of divergence) and ``NAME.md`` into ``--out``, the
+JSON after every run. ``--work`` keeps the pretrained network, the ONNX file and the exports
+for a rerun.
 """
 
 from __future__ import annotations
@@ -81,18 +87,19 @@ def _pretrained(work, width, seed, pre_train, pretrain_steps):
     return model, original, onnx_path
 
 
-def _export(work, model, tensors, trainable, lr):
-    """The untuned llvm export of ``trainable`` at learning rate ``lr`` (made once per
-    ``work`` folder): its folder."""
+def _export(work, model, tensors, trainable, lr, precision="float32"):
+    """The untuned llvm export of ``trainable`` at learning rate ``lr`` and ``precision``
+    (made once per ``work`` folder): its folder."""
     from thomas_tune.compiler.export import export
     from thomas_tune.training_graph.optimizers import OptimizerConfig
     from thomas_tune.target import parse_target
-    folder = os.path.join(work, f"export-{trainable.replace(':', '').replace(',', '-')}-lr{lr:g}")
+    folder = os.path.join(work, f"export-{trainable.replace(':', '').replace(',', '-')}-lr{lr:g}"
+                          + ("" if precision == "float32" else f"-{precision}"))
     if not os.path.exists(os.path.join(folder, "manifest.json")):
-        print(f"export {trainable}, lr {lr:g}", flush=True)
+        print(f"export {trainable}, lr {lr:g}, {precision}", flush=True)
         export(folder, model, tensors, parse_target("llvm"), batch=F.BATCH, trainable=trainable,
                optimizer=OptimizerConfig(lr=lr, momentum=F.OPT["momentum"]),
-               progress=lambda m: None)
+               progress=lambda m: None, precision=precision)
     return folder
 
 
@@ -135,7 +142,18 @@ def main():
                     help="seed of the data split, the pretraining and the calibration images")
     ap.add_argument("--work", help="folder kept between runs (default: a temp folder)")
     ap.add_argument("--out", default=os.path.join(F.ROOT, "bench", "results"))
+    ap.add_argument("--paths", type=lambda t: t.split(","), default=list(PATHS),
+                    help="comma-separated paths to run (default all: " + ", ".join(PATHS) + ")")
+    ap.add_argument("--trainable", type=lambda t: t.split(","), default=list(TRAINABLE),
+                    help="comma-separated trainable sets (default all,last:2)")
+    ap.add_argument("--precision", action="append", choices=["float32", "mixed16"],
+                    help="the project's step precision; repeat for several (default float32)")
+    ap.add_argument("--name", default="fused_import", help="name of the JSON and table files")
     args = ap.parse_args()
+    for path in args.paths:
+        if path not in PATHS:
+            ap.error(f"--paths: unknown path {path!r}; give some of {', '.join(PATHS)}")
+    precisions = args.precision or ["float32"]
     recipes = args.recipe or [(0.005, 300), (0.01, 150)]
     from thomas_tune.models import replace_head
     from thomas_tune.models.calibration import calibrate_batchnorms
@@ -162,14 +180,15 @@ def main():
                           "seeds": args.seeds, "pretrain_steps": args.pretrain_steps,
                           "fused_batchnorms": len(report.fused_batchnorms),
                           "calibration_images": CALIBRATION_IMAGES,
-                          "train_images": len(ft_train.y), "held_out_images": len(ft_test.y)},
+                          "train_images": len(ft_train.y), "held_out_images": len(ft_test.y),
+                          "paths": args.paths, "trainable": args.trainable,
+                          "precisions": precisions},
                "pytorch_accuracy_digits_0to4": F._torch_run(
                    model, original, [], pre_train, pre_test, 0, args.seed)["acc_before"],
                "runs": []}
     for seed in range(args.seed, args.seed + args.seeds):  # a whole pass per seed
         for lr, steps in recipes:
-            for trainable in TRAINABLE:
-                for path in PATHS:
+            for trainable, path, precision in _runs(args.trainable, args.paths, precisions):
                     t0 = time.perf_counter()
                     start = starts[path]
                     _, init = replace_head(model, start, 5, seed=seed + 1)
@@ -177,41 +196,56 @@ def main():
                         r = _pytorch(model, init, trainable, ft_train, ft_test, steps, seed, lr)
                     else:
                         tr = f"{trainable},frozen-bn" if path == "frozen-bn" else trainable
-                        r = _ours(_export(work, model, fused, tr, lr), init, ft_train, ft_test,
-                                  steps, seed)
+                        r = _ours(_export(work, model, fused, tr, lr, precision), init, ft_train,
+                                  ft_test, steps, seed)
                     results["runs"].append({"lr": lr, "steps": steps, "trainable": trainable,
-                                            "path": path, "seed": seed,
+                                            "path": path, "seed": seed, "precision": precision,
                                             "wall_s": time.perf_counter() - t0, **r})
-                    print(f"lr {lr:g} x {steps}, {trainable}, {path}, seed {seed}: "
+                    print(f"lr {lr:g} x {steps}, {trainable}, {path} ({precision}), seed {seed}: "
                           f"{100 * r['acc_before']:.1f}% -> {100 * r['acc_after']:.1f}% (loss "
                           f"{r['loss_first']:.3f} -> {r['loss_last']:.3f})"
                           + (f" DIVERGED: {'; '.join(r['diverged'])}" if r["diverged"] else ""),
                           flush=True)
                     results["wall_s"] = time.perf_counter() - t_start
-                    with open(os.path.join(args.out, "fused_import.json"), "w") as f:
+                    with open(os.path.join(args.out, f"{args.name}.json"), "w") as f:
                         json.dump(results, f, indent=1)
-    write_table(results, args.out)
+    write_table(results, args.out, args.name)
+
+
+def _runs(trainables, paths, precisions):
+    """(trainable set, path, precision) of each run of one seed and recipe; PyTorch's path
+    once per trainable set (it has no precision of the project's)."""
+    for trainable in trainables:
+        for path in paths:
+            for precision in (["float32"] if path == "PyTorch" else precisions):
+                yield trainable, path, precision
 
 
 def table(results) -> list[str]:
     """The markdown table of a ``fused_import.json``: per recipe and trainable set, the
-    mean held-out accuracy of each path, its seeds, and how many runs diverged."""
+    mean held-out accuracy of each path (at each precision run), its seeds, and how many runs
+    diverged."""
     cfg = results["config"]
+    trainables = cfg.get("trainable", TRAINABLE)
+    columns = list(dict.fromkeys((r["path"], r.get("precision", "float32"))
+                                 for r in results["runs"]))
+    columns.sort(key=lambda c: (PATHS.index(c[0]), c[1] != "float32", c[1]))
+    names = [p if prec == "float32" else f"{p} ({prec})" for p, prec in columns]
     lines = [f"MobileNetV2 width {cfg['width']:g}, {cfg['resolution']}x{cfg['resolution']}, "
              "pretrained in PyTorch on digits 0-4, exported with BatchNorm fused "
              f"({cfg['fused_batchnorms']} layers), fine-tuned on digits 5-9 with a new head: "
              f"batch {cfg['batch']}, momentum SGD {cfg['momentum']:g}; held-out accuracy "
              f"(%) on {cfg['held_out_images']} images, mean and seeds; 'diverged' counts the "
              "runs `train` would warn about (thomas_tune.train.divergence).", "",
-             "| recipe | trainable | " + " | ".join(PATHS) + " |",
-             "|---|---|" + "---|" * len(PATHS)]
+             "| recipe | trainable | " + " | ".join(names) + " |",
+             "|---|---|" + "---|" * len(names)]
     for rc in cfg["recipes"]:
-        for trainable in TRAINABLE:
+        for trainable in trainables:
             cells = []
-            for path in PATHS:
+            for path, precision in columns:
                 runs = [r for r in results["runs"] if r["lr"] == rc["lr"]
                         and r["steps"] == rc["steps"] and r["trainable"] == trainable
-                        and r["path"] == path]
+                        and r["path"] == path and r.get("precision", "float32") == precision]
                 if not runs:
                     cells.append("not run")
                     continue
@@ -222,15 +256,16 @@ def table(results) -> list[str]:
             lines.append(f"| lr {rc['lr']:g} x {rc['steps']} | {trainable} | "
                          + " | ".join(cells) + " |")
     lines += ["", "`frozen-bn` is the trainable set with `,frozen-bn`; `PyTorch` fine-tunes the "
-              "original network (BatchNorm not fused).",
+              "original network (BatchNorm not fused); `(mixed16)`: the step stores its "
+              "activations as float16.",
               f"Wall time: {results['wall_s'] / 60:.1f} min."]
     return lines
 
 
-def write_table(results, out) -> None:
-    """Write ``fused_import.md`` into ``out`` and print it."""
+def write_table(results, out, name="fused_import") -> None:
+    """Write ``NAME.md`` into ``out`` and print it."""
     lines = table(results)
-    with open(os.path.join(out, "fused_import.md"), "w") as f:
+    with open(os.path.join(out, f"{name}.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))
 

@@ -121,7 +121,7 @@ class ShapeGraph(Records):
     def flatten(self, x):
         return (x[0], int(np.prod(x[1:])))
 
-    def add(self, a, b):
+    def residual(self, a, b):
         return tuple(np.broadcast_shapes(a, b))
 
     def linear(self, name, x, out_features):

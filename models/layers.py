@@ -256,7 +256,7 @@ class Graph(Records):
         n, *rest = shape_of(x)
         return self.emit(R.reshape(x, (n, int(np.prod(rest)))))
 
-    def add(self, a, b):
+    def residual(self, a, b):
         return self.emit(R.add(a, b))
 
     def linear(self, name, x, out_features):

@@ -66,7 +66,7 @@ class MobileNetV2(Network):
                     y = self._conv_bn(g, f"{name}.{j}", y, hidden, 3, stride, groups=hidden)
                     y = g.conv2d(f"{name}.{j + 1}", y, out_ch, 1)
                     y = g.batch_norm(f"{name}.{j + 2}", y)
-                    x = g.add(x, y) if stride == 1 and in_ch == out_ch else y
+                    x = g.residual(x, y) if stride == 1 and in_ch == out_ch else y
                 in_ch = out_ch
         idx += 1
         with g.block(f"features.{idx}"):

@@ -147,7 +147,8 @@ def test_tuned_records_for_the_adreno_target_compute_the_float64_step(tmp_path, 
     with rpc.loopback(key="pocl-adreno", servers=1, lifetime=600) as addr:
         assert main(["tune", *small, "--tracker", f"{addr[0]}:{addr[1]}", "--key",
                      "pocl-adreno", "--top", "2", "--trials", "8", "--trials-per-iter", "4",
-                     "--population", "8", "--genetic-iters", "1", "--log", str(log)]) == 0
+                     "--population", "8", "--genetic-iters", "1", "--build-workers", "1",
+                     "--log", str(log)]) == 0
     # the build applies a record only where it beats the default schedule's time in the log;
     # without those times every record is applied (compile.tuned_build), so that the records
     # of 8 trials, faster or not, reach the build and its check whatever the search found

@@ -47,6 +47,7 @@ def tuned(tmp_path_factory):
         # a default-schedule time (1 s, slower than any record) that the report carries
         report = tune([task], target, log, rpc_runner(addr, "pocl"), trials=16,
                       trials_per_iter=4, population=16, show_progress=False, max_in_flight=1,
+                      builder_workers=1,
                       refine_top=0, local_share=0.0, stats_path=stats,
                       default_s={key(task): 1.0})
     assert report.trials == 16 and report.local == 0
@@ -142,7 +143,7 @@ def test_local_search_measures_schedules_one_decision_from_the_best(tuned, tmp_p
     with rpc.loopback(key="pocl", servers=1, lifetime=600) as addr:
         report = tune([tuned["task"]], tuned["target"], log, rpc_runner(addr, "pocl"),
                       trials=8, trials_per_iter=4, population=16, show_progress=False,
-                      max_in_flight=1, refine_top=0, local_share=1.0, seed=7)
+                      max_in_flight=1, refine_top=0, local_share=1.0, seed=7, builder_workers=1)
     # (a search that finds only measured schedules draws a batch at random, which can pass
     # the budget by a few trials; those are handed to the local search too)
     assert report.trials >= 8 and report.local == report.trials

@@ -11,15 +11,18 @@ from thomas_tune.compiler.export import export
 from thomas_tune.manifest import Manifest
 from thomas_tune.models import build, init_params, load_checkpoint, save_checkpoint
 from thomas_tune.runtime import Session
-from thomas_tune.target import parse_target
+
+from conftest import REFERENCE
 
 
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("export"))
-    # MobileNetV1 compiles in about half MobileNetV2's time; the models' own tests cover both
+    # MobileNetV1 compiles in about half MobileNetV2's time; the models' own tests cover both.
+    # LLVM's optimisation off (compile.reference_target): these tests take a few steps, whose
+    # numbers are the same at every level, and the build takes about half the CPU time
     model = build("mobilenet_v1", num_classes=10, resolution=32, width=0.25)
-    export(out, model, init_params(model, seed=3), parse_target("llvm"), batch=8,
+    export(out, model, init_params(model, seed=3), REFERENCE, batch=8,
            trainable="last:3", progress=lambda *_: None)
     return out
 

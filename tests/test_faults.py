@@ -695,7 +695,7 @@ def test_tune_whose_trials_all_fail_exits_non_zero(tmp_path, capsys, rng):
         rc = cli.main(["tune", *TINY, "--tracker", f"{addr[0]}:{addr[1]}", "--key", key,
                        "--top", "1", "--trials", "2", "--trials-per-iter", "2", "--population",
                        "8", "--genetic-iters", "1", "--trial-timeout", "0.000001",
-                       "--log", str(log)])
+                       "--build-workers", "1", "--log", str(log)])
     err = capsys.readouterr().err
     assert rc == 3, err
     assert "error: tuning failed: 2 of 2 trials failed (100%, more than 50%)" in err, err

@@ -16,9 +16,22 @@ from opencl_kernels import (NEEDS_OPENCL, conv3x3_same, dense_layer, padding_in_
                             prim_module, run_kernel)
 
 pytestmark = NEEDS_OPENCL
+#: one build process per tuning run: the runs here build 1 to 8 candidates a batch, and each
+#: build process starts by importing TVM (about 1.4 s of CPU)
+ONE = dict(builder_workers=1)
 
 
-def test_tuning_session_with_an_opencl_server(tmp_path, target):
+@pytest.fixture(scope="module")
+def pocl():
+    """One loopback tracker and PoCL device server (key ``pocl``) for the tuning runs of this
+    file, each with its own log: a tracker and server started once instead of once per test
+    (about 3 s of CPU and 4 s of wall time each); a server whose device process dies is
+    replaced (:func:`thomas_tune.rpc.loopback`). Yields the tracker's (host, port)."""
+    with rpc.loopback(key="pocl", servers=1, lifetime=1800) as addr:
+        yield addr
+
+
+def test_tuning_session_with_an_opencl_server(tmp_path, target, pocl):
     from thomas_tune.training_graph import graph as G
     from thomas_tune.models import build
     from thomas_tune.tasks import extract
@@ -28,16 +41,16 @@ def test_tuning_session_with_an_opencl_server(tmp_path, target):
     tasks = [t for t in extract({"infer": G.inference_module(model, 1)}, target) if t.flops > 0]
     tasks = sorted(tasks, key=lambda t: t.flops)[:2]
     log = TuningLog(str(tmp_path / "log"))
-    with rpc.loopback(key="pocl", servers=1, lifetime=600) as addr:
-        report = tune(tasks, target, log, rpc_runner(addr, "pocl"), trials=4,
-                      trials_per_iter=2, population=16, show_progress=False)
+    report = tune(tasks, target, log, rpc_runner(pocl, "pocl"), trials=4,
+                  trials_per_iter=2, population=16, show_progress=False, **ONE)
     assert report.trials == 4
     ok = [t for t in report.tasks if t.best_s < float("inf")]
     assert ok, [t.last_error for t in report.tasks]
     assert log.check(report_to=None).records == 4
 
 
-def test_best_records_are_measured_with_their_padding_in_the_shared_fill(tmp_path, target, rng):
+def test_best_records_are_measured_with_their_padding_in_the_shared_fill(tmp_path, target, rng,
+                                                                         pocl):
     """A record of an inlined space keeps its tiling with the padding moved out of the inner
     loop (schedules.with_padding_in_fill): the variant builds for PoCL with the padding in the
     copy that stages the input in shared memory, and matches numpy in float64. Before the
@@ -85,20 +98,19 @@ def test_best_records_are_measured_with_their_padding_in_the_shared_fill(tmp_pat
 
     task = Task("conv", mod, 2.0 * n * co * h * h * ci * 9, {"infer": 1})
     log = TuningLog(str(tmp_path / "log"))
-    with rpc.loopback(key="pocl", servers=1, lifetime=600) as addr:
-        tune([task], target, log, rpc_runner(addr, "pocl"), trials=4, trials_per_iter=2,
-             population=16, show_progress=False, refine_top=0)
-        with open(log.record_path) as f:
-            before = sum(1 for line in f if line.strip())
-        database = log.database()
-        top = database.get_top_k(database.commit_workload(mod), 1)[0]
-        top_json = plain_json(top.trace.as_json())
-        expect = int(with_padding_in_fill(mod, top_json) is not None)
-        # a best record from the spaces that keep the padding apart has no variant to measure
-        assert expect == int("meta_schedule.inline_rule" not in json.dumps(top_json))
-        report = tune([task], target, log, rpc_runner(addr, "pocl"), trials=1,
-                      trials_per_iter=1, population=16, show_progress=False, refine_top=1,
-                      seed=1)
+    tune([task], target, log, rpc_runner(pocl, "pocl"), trials=4, trials_per_iter=2,
+         population=16, show_progress=False, **ONE, refine_top=0)
+    with open(log.record_path) as f:
+        before = sum(1 for line in f if line.strip())
+    database = log.database()
+    top = database.get_top_k(database.commit_workload(mod), 1)[0]
+    top_json = plain_json(top.trace.as_json())
+    expect = int(with_padding_in_fill(mod, top_json) is not None)
+    # a best record from the spaces that keep the padding apart has no variant to measure
+    assert expect == int("meta_schedule.inline_rule" not in json.dumps(top_json))
+    report = tune([task], target, log, rpc_runner(pocl, "pocl"), trials=1,
+                  trials_per_iter=1, population=16, show_progress=False, **ONE, refine_top=1,
+                  seed=1)
     assert report.padded["measured"] == expect, report.padded
     with open(log.record_path) as f:
         bodies = [json.loads(line)[1] for line in f if line.strip()]
@@ -107,7 +119,7 @@ def test_best_records_are_measured_with_their_padding_in_the_shared_fill(tmp_pat
         assert "meta_schedule.inline_rule" in json.dumps(bodies[before][0])
 
 
-def test_records_move_between_kernels_of_one_contraction(tmp_path, target, rng):
+def test_records_move_between_kernels_of_one_contraction(tmp_path, target, rng, pocl):
     """A convolution with its bias, and the same convolution with bias and ReLU, are two
     workloads with one contraction (schedules.anchor_key; a different convolution has another
     key). A schedule of either rewritten for the other (schedules.transferred: the ReLU
@@ -199,27 +211,26 @@ def test_records_move_between_kernels_of_one_contraction(tmp_path, target, rng):
     donor, twin = Task("conv_bias", plain, flops, {"train": 1}), Task("conv_relu", relu, flops,
                                                                          {"infer": 1})
     log = TuningLog(str(tmp_path / "log"))
-    with rpc.loopback(key="pocl", servers=1, lifetime=600) as addr:
-        tune([donor], target, log, rpc_runner(addr, "pocl"), trials=2, trials_per_iter=2,
-             population=16, show_progress=False, refine_top=0)
-        with open(log.record_path) as f:
-            before = sum(1 for line in f if line.strip())
-        report = tune([twin], target, log, rpc_runner(addr, "pocl"), trials=1,
-                      trials_per_iter=1, population=16, show_progress=False, refine_top=1,
-                      seed=1)
-        assert report.transferred["measured"] == 1 and report.transferred["failed"] == 0
-        with open(log.record_path) as f:
-            bodies = [json.loads(line)[1] for line in f if line.strip()]
-        # the transfer is the record right after the donor's (before the search)
-        first = bodies[before][0][0]
-        assert first[0] == ["GetSBlock", [], ["compute", "main"], [first[0][3][0]]]
-        again = tune([twin], target, log, rpc_runner(addr, "pocl"), trials=1,
-                     trials_per_iter=1, population=16, show_progress=False, refine_top=1,
-                     seed=2)
+    tune([donor], target, log, rpc_runner(pocl, "pocl"), trials=2, trials_per_iter=2,
+         population=16, show_progress=False, **ONE, refine_top=0)
+    with open(log.record_path) as f:
+        before = sum(1 for line in f if line.strip())
+    report = tune([twin], target, log, rpc_runner(pocl, "pocl"), trials=1,
+                  trials_per_iter=1, population=16, show_progress=False, **ONE, refine_top=1,
+                  seed=1)
+    assert report.transferred["measured"] == 1 and report.transferred["failed"] == 0
+    with open(log.record_path) as f:
+        bodies = [json.loads(line)[1] for line in f if line.strip()]
+    # the transfer is the record right after the donor's (before the search)
+    first = bodies[before][0][0]
+    assert first[0] == ["GetSBlock", [], ["compute", "main"], [first[0][3][0]]]
+    again = tune([twin], target, log, rpc_runner(pocl, "pocl"), trials=1,
+                 trials_per_iter=1, population=16, show_progress=False, **ONE, refine_top=1,
+                 seed=2)
     assert again.transferred["measured"] == 0  # measured once: the log has it
 
 
-def test_a_search_that_raises_ends_its_task_only(tmp_path, target, monkeypatch):
+def test_a_search_that_raises_ends_its_task_only(tmp_path, target, monkeypatch, pocl):
     """A design space that MetaSchedule's evolutionary search cannot handle (here a
     cooperative-fetch annotation given as a constant, which the postprocessor rejects with a
     TypeError inside MetaSchedule's thread pool, as happened on the H100) ends the search of
@@ -259,10 +270,9 @@ def test_a_search_that_raises_ends_its_task_only(tmp_path, target, monkeypatch):
 
     monkeypatch.setattr(tune_mod, "space_generator", with_broken_space)
     log = TuningLog(str(tmp_path / "log"))
-    with rpc.loopback(key="pocl", servers=1, lifetime=600) as addr:
-        report = tune([matmul("broken"), matmul("fine")], target, log,
-                      rpc_runner(addr, "pocl"), trials=8, trials_per_iter=4, population=16,
-                      show_progress=False, refine_top=0)
+    report = tune([matmul("broken"), matmul("fine")], target, log,
+                  rpc_runner(pocl, "pocl"), trials=8, trials_per_iter=4, population=16,
+                  show_progress=False, **ONE, refine_top=0)
     assert list(report.search_failed) == ["broken"]
     assert "Cannot treat type `int` as type `ir.Expr`" in report.search_failed["broken"]
     fine = {t.name: t for t in report.tasks}["fine"]
@@ -270,7 +280,7 @@ def test_a_search_that_raises_ends_its_task_only(tmp_path, target, monkeypatch):
     assert report.as_dict()["search_failed"] == report.search_failed
 
 
-def test_unroll_refinement_gives_the_best_records_larger_limits(tmp_path, target, rng):
+def test_unroll_refinement_gives_the_best_records_larger_limits(tmp_path, target, rng, pocl):
     """With ``max_unroll`` 16 the search samples unroll limits of 0 or 16 only; afterwards the
     best record is measured again with 64, 512 and 1024 (``refine_unroll``), each as a record of
     its own whose trace replays to that limit, builds for PoCL and matches numpy in float64.
@@ -289,10 +299,9 @@ def test_unroll_refinement_gives_the_best_records_larger_limits(tmp_path, target
     c = te.compute((n, n), lambda i, j: te.sum(a[i, k] * b[k, j], axis=k), name="C")
     task = Task("matmul", prim_module(a, b, c), 2.0 * n ** 3, {"infer": 1})
     log = TuningLog(str(tmp_path / "log"))
-    with rpc.loopback(key="pocl", servers=1, lifetime=600) as addr:
-        report = tune([task], target, log, rpc_runner(addr, "pocl"), trials=4,
-                      trials_per_iter=2, population=16, show_progress=False, max_unroll=16,
-                      refine_top=1)
+    report = tune([task], target, log, rpc_runner(pocl, "pocl"), trials=4,
+                  trials_per_iter=2, population=16, show_progress=False, **ONE, max_unroll=16,
+                  refine_top=1)
     with open(log.record_path) as f:
         bodies = [json.loads(line)[1] for line in f if line.strip()]
 
@@ -314,10 +323,9 @@ def test_unroll_refinement_gives_the_best_records_larger_limits(tmp_path, target
 
     # resumed with limits up to 16: candidates bred from the records above (up to 1024)
     # are lowered to 16, and the refinement measures none it has measured before
-    with rpc.loopback(key="pocl", servers=1, lifetime=600) as addr:
-        again = tune([task], target, log, rpc_runner(addr, "pocl"), trials=4,
-                     trials_per_iter=2, population=16, show_progress=False, max_unroll=16,
-                     refine_top=1, seed=1)
+    again = tune([task], target, log, rpc_runner(pocl, "pocl"), trials=4,
+                 trials_per_iter=2, population=16, show_progress=False, **ONE, max_unroll=16,
+                 refine_top=1, seed=1)
     with open(log.record_path) as f:
         later = [json.loads(line)[1] for line in f if line.strip()][len(bodies):]
     new_search = later[:len(later) - again.refined["measured"]]

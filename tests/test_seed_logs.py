@@ -57,7 +57,7 @@ def test_seeds_are_measured_here_and_versions_are_flagged(tmp_path, target, rng,
     tasks = [small[i] for i in rng.choice(len(small), 2, replace=False)]
     seed_dir, own_dir = str(tmp_path / "seed"), str(tmp_path / "own")
     quick = dict(trials_per_iter=2, population=16, genetic_iters=1, refine_top=0,
-                 show_progress=False, seed=int(rng.integers(1 << 20)))
+                 show_progress=False, seed=int(rng.integers(1 << 20)), builder_workers=1)
     with rpc.loopback(key="pocl-seed", servers=1, lifetime=600) as addr:
         tune(tasks, target, TuningLog(seed_dir), rpc_runner(addr, "pocl-seed"), trials=8,
              **quick)
@@ -159,7 +159,7 @@ def test_seeds_from_other_shapes_are_refitted_and_measured_here(tmp_path, target
     pairs = [pairs[i] for i in rng.choice(len(pairs), 2, replace=False)]
     seed_dir, own_dir = str(tmp_path / "seed"), str(tmp_path / "own")
     quick = dict(trials_per_iter=2, population=16, genetic_iters=1, refine_top=0,
-                 show_progress=False, seed=int(rng.integers(1 << 20)))
+                 show_progress=False, seed=int(rng.integers(1 << 20)), builder_workers=1)
     with rpc.loopback(key="pocl-resize", servers=1, lifetime=600) as addr:
         tune([a for a, _ in pairs], target, TuningLog(seed_dir), rpc_runner(addr, "pocl-resize"),
              trials=8, **quick)

@@ -21,16 +21,24 @@ CONFIG = {"mobilenet_v2": dict(num_classes=5, resolution=32, width=0.35),
           "alexnet": dict(num_classes=5, resolution=67, width=0.1)}
 
 
-def _export(tmp_path, name, trainable, mutant=None, arch="mobilenet_v2"):
+def _export(tmp_path, name, trainable, mutant=None, arch="mobilenet_v2", opt_level=None):
+    """An llvm export of ``arch`` (``CONFIG``), batch 8, under ``mutant``; ``opt_level`` 0:
+    LLVM's optimisation off (``compile.reference_target``), for the mutants' builds, whose
+    speed does not matter: the same arithmetic, the same outputs to the last bit (a MobileNetV2
+    ``all`` build's loss and gradients on the check's batches, docs/journal/suite.md), in
+    about half the build's CPU time."""
     import contextlib
 
     from thomas_tune.compiler.export import export
     from thomas_tune.models import build, init_params
     from thomas_tune.target import parse_target
+    from thomas_tune.compiler.compile import reference_target
     model = build(arch, **CONFIG[arch])
     out = str(tmp_path / name)
+    target = parse_target("llvm") if opt_level is None else reference_target(parse_target("llvm"))
+    assert opt_level in (None, 0), opt_level
     with mutant if mutant is not None else contextlib.nullcontext():
-        export(out, model, init_params(model, seed=11), parse_target("llvm"), batch=8,
+        export(out, model, init_params(model, seed=11), target, batch=8,
                trainable=trainable, progress=lambda *_: None)
     return out
 
@@ -52,6 +60,7 @@ def test_the_right_build_passes_on_fresh_seeds_and_the_inputs_reach_every_path(r
         print(check.line(), check.flips)
         assert check.ok, check.line()
         assert max(check.bounds.values()) <= CAP == 1e-2
+        assert check.loss_bound <= 1e-4  # a loss 1e-4 off fails
         assert any(v > 0 for k, v in check.coverage.items() if k.startswith("relu6"))
         # the optimizer update was checked too, alone and inside train_step: every trainable
         # parameter and its momentum buffer, and the step count
@@ -125,17 +134,34 @@ def test_a_build_with_a_wrong_backward_fails(tmp_path, mutant, trainable, arch):
     half as long), ReLU6's backward without its upper clip (every BatchNorm's), the loss
     gradient 10% off for the samples of the last class only (the loss's own kernel, the same
     in every network: a small AlexNet's, whose build takes a fifth of MobileNetV2's). The
-    forward pass is untouched: the loss agrees."""
-    from thomas_tune.step_check import check_export
+    forward pass is untouched: the loss agrees. The ReLU6 mutant is checked on the first of
+    the check's batches only (its reference steps and their following cost about 20 s of CPU
+    a batch): its gradients are off by more than :data:`~thomas_tune.step_check.CAP` there, and
+    as a parameter's error is its largest over the batches and no bound is above CAP, the check
+    of all of them fails it too."""
+    from thomas_tune.step_check import (CAP, check_export, manifest_frozen_bn,
+                                        reference_steps)
     if mutant in M.DEPENDENT_MUTANTS:
         ctx = M.DEPENDENT_MUTANTS[mutant]()
     else:
         ctx = M.DATA_MUTANTS[mutant.rsplit(" x", 1)[0]](1.01)
-    out = _export(tmp_path, "mutant", trainable, ctx, arch=arch)
-    check = check_export(out, seed=0)
+    out = _export(tmp_path, "mutant", trainable, ctx, arch=arch, opt_level=0)
+    reference = None
+    if mutant.startswith("ReLU6"):
+        import os
+
+        from thomas_tune.manifest import Manifest
+        from thomas_tune.models import load_checkpoint
+        m = Manifest.read(out)
+        model, tensors, _ = load_checkpoint(os.path.join(out, "params.npz"))
+        reference = reference_steps(model, tensors, m.trainable, m.batch, 0,
+                                    manifest_frozen_bn(m), batches=1)
+    check = check_export(out, seed=0, reference=reference)
     print(check.line())
     assert not check.ok and check.failing, check.line()
     assert check.loss_err <= check.loss_bound
+    if reference is not None:
+        assert max(check.errors[n] for n in check.failing) > CAP, check.line()
 
 
 @pytest.mark.parametrize("mutant", list(M.UPDATE_MUTANTS))
@@ -147,7 +173,8 @@ def test_a_build_with_a_wrong_optimizer_update_fails(tmp_path, mutant):
     ulps, naming every parameter; the loss and the gradients pass. A small AlexNet's last
     layer: the update's kernels are those of any network's trainable set."""
     from thomas_tune.step_check import check_export
-    out = _export(tmp_path, "mutant", "last:1", M.UPDATE_MUTANTS[mutant](), arch="alexnet")
+    out = _export(tmp_path, "mutant", "last:1", M.UPDATE_MUTANTS[mutant](), arch="alexnet",
+                  opt_level=0)
     check = check_export(out, seed=0)
     print(check.line())
     update = check.update

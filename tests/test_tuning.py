@@ -16,6 +16,24 @@ from thomas_tune.tuning import rpc_runner, tune
 from thomas_tune.logs import TuningLog
 
 
+#: one build process per tuning run or measurement of default schedules: they build 1 to 6
+#: kernels a batch, and each build process starts by importing TVM (about 1.4 s of CPU)
+ONE = dict(builder_workers=1)
+#: the runs that count trials and records: an evolutionary search of 16 per round (as the
+#: pipelined run's), not the default 128, whose scoring and mutation they do not need
+SMALL_SEARCH = dict(ONE, population=16)
+
+
+@pytest.fixture(scope="module")
+def cpu_server():
+    """One loopback tracker and device server of key ``test-cpu`` for the runs of this file,
+    each with its own log and runner (a runner holds the one server until it is shut down:
+    every test shuts its runners down, tune() its own): started once instead of once per test
+    (about 3 s of CPU and 4 s of wall time each). Yields the tracker's (host, port)."""
+    with rpc.loopback(key="test-cpu", servers=1, lifetime=1800) as addr:
+        yield addr
+
+
 @pytest.fixture(scope="module")
 def small_tasks():
     model = build("mobilenet_v2", num_classes=5, resolution=32, width=0.35)
@@ -32,26 +50,25 @@ def _records(log):
         return [json.loads(line) for line in f if line.strip()]
 
 
-def test_tune_resume_and_corrupt_record(tmp_path, small_tasks):
+def test_tune_resume_and_corrupt_record(tmp_path, small_tasks, cpu_server):
     target = parse_target("llvm")
     log = TuningLog(str(tmp_path / "log"))
-    with rpc.loopback(key="test-cpu", servers=1, lifetime=600) as addr:
-        r1 = tune(small_tasks, target, log, rpc_runner(addr, "test-cpu"), trials=8,
-                  trials_per_iter=4, show_progress=False)
-        first = _records(log)
-        assert r1.trials == 8 and len(first) == 8
-        assert r1.resumed_records == 0
+    r1 = tune(small_tasks, target, log, rpc_runner(cpu_server, "test-cpu"), trials=8,
+              trials_per_iter=4, show_progress=False, **SMALL_SEARCH)
+    first = _records(log)
+    assert r1.trials == 8 and len(first) == 8
+    assert r1.resumed_records == 0
 
-        # a killed run leaves a torn last line: it is reported, set aside, never silently lost
-        with open(log.record_path, "a") as f:
-            f.write('[0, [[["GetSBlock", [], ["pad_te')
-        report = log.check(report_to=None)
-        assert len(report.rejected) == 1 and report.records == 8
-        assert os.path.exists(log.record_path + ".rejected")
+    # a killed run leaves a torn last line: it is reported, set aside, never silently lost
+    with open(log.record_path, "a") as f:
+        f.write('[0, [[["GetSBlock", [], ["pad_te')
+    report = log.check(report_to=None)
+    assert len(report.rejected) == 1 and report.records == 8
+    assert os.path.exists(log.record_path + ".rejected")
 
-        r2 = tune(small_tasks, target, log, rpc_runner(addr, "test-cpu"), trials=8,
-                  trials_per_iter=4, seed=1, show_progress=False)
-        assert r2.resumed_records == 8
+    r2 = tune(small_tasks, target, log, rpc_runner(cpu_server, "test-cpu"), trials=8,
+              trials_per_iter=4, seed=1, show_progress=False, **SMALL_SEARCH)
+    assert r2.resumed_records == 8
     database = log.database()
     for task in small_tasks:
         n = len([r for r in database.get_all_tuning_records()
@@ -61,10 +78,9 @@ def test_tune_resume_and_corrupt_record(tmp_path, small_tasks):
     assert len(_records(log)) == 8 + r2.trials
 
 
-def test_wait_for_key_names_the_missing_key():
-    with rpc.loopback(key="present", servers=1, lifetime=120) as addr:
-        with pytest.raises(TimeoutError, match="absent"):
-            rpc.wait_for_key(addr, "absent", timeout=1.0)
+def test_wait_for_key_names_the_missing_key(cpu_server):
+    with pytest.raises(TimeoutError, match="absent"):
+        rpc.wait_for_key(cpu_server, "absent", timeout=1.0)
 
 
 def test_bad_tracker_address():
@@ -72,7 +88,7 @@ def test_bad_tracker_address():
         rpc.parse_address("localhost:abc")
 
 
-def test_default_times_are_cached_per_schedule_rules(tmp_path, small_tasks, capsys):
+def test_default_times_are_cached_per_schedule_rules(tmp_path, small_tasks, capsys, cpu_server):
     """``tune --time-share`` ranks tasks by their default-schedule times, cached in the log
     folder: a second call measures nothing; a kernel the rules now make differently is
     measured again, and no time of a cache of another TVM or target is used."""
@@ -81,30 +97,29 @@ def test_default_times_are_cached_per_schedule_rules(tmp_path, small_tasks, caps
     from thomas_tune.tasks import key as workload_key
     target = parse_target("llvm")
     log = TuningLog(str(tmp_path / "log"))
-    with rpc.loopback(key="test-cpu", servers=1, lifetime=300) as addr:
-        # one runner for both measurements: a second one would wait for the one server, which
-        # the first keeps until it is shut down
-        runner = rpc_runner(addr, "test-cpu")
-        first = measure_defaults(small_tasks, target, runner, log)
-        assert set(first) == {workload_key(t) for t in small_tasks}
-        assert all(0 < v < 1 for v in first.values()), first
-        path = os.path.join(log.path, DEFAULT_LATENCY)
-        with open(path) as f:
-            cached = json.load(f)
-        assert cached["stamp"] == defaults_stamp(target)
-        # all cached: no runner is needed
-        assert measure_defaults(small_tasks, target, None, log) == first
-        # a kernel that the rules now make differently is measured again, the other is kept
-        one, other = (workload_key(t) for t in small_tasks)
-        assert set(cached["schedules"]) == {one, other}
-        cached["schedules"][one] = "a kernel of other rules"
-        cached["seconds"] = {one: 123.0, other: 456.0}
-        with open(path, "w") as f:
-            json.dump(cached, f)
-        again = measure_defaults(small_tasks, target, runner, log)
-        runner.shutdown()
-        assert "1 kernel(s)" in capsys.readouterr().err
-        assert 0 < again[one] < 1 and again[other] == 456.0
+    # one runner for both measurements: a second one would wait for the one server, which
+    # the first keeps until it is shut down
+    runner = rpc_runner(cpu_server, "test-cpu")
+    first = measure_defaults(small_tasks, target, runner, log, **ONE)
+    assert set(first) == {workload_key(t) for t in small_tasks}
+    assert all(0 < v < 1 for v in first.values()), first
+    path = os.path.join(log.path, DEFAULT_LATENCY)
+    with open(path) as f:
+        cached = json.load(f)
+    assert cached["stamp"] == defaults_stamp(target)
+    # all cached: no runner is needed
+    assert measure_defaults(small_tasks, target, None, log) == first
+    # a kernel that the rules now make differently is measured again, the other is kept
+    one, other = (workload_key(t) for t in small_tasks)
+    assert set(cached["schedules"]) == {one, other}
+    cached["schedules"][one] = "a kernel of other rules"
+    cached["seconds"] = {one: 123.0, other: 456.0}
+    with open(path, "w") as f:
+        json.dump(cached, f)
+    again = measure_defaults(small_tasks, target, runner, log, **ONE)
+    runner.shutdown()
+    assert "1 kernel(s)" in capsys.readouterr().err
+    assert 0 < again[one] < 1 and again[other] == 456.0
     with open(path) as f:
         cached = json.load(f)
     assert cached["stamp"] == defaults_stamp(target)
@@ -118,7 +133,8 @@ def test_default_times_are_cached_per_schedule_rules(tmp_path, small_tasks, caps
     assert read_default_times(log.path, target, wanted) is None
 
 
-def test_records_slower_than_the_default_schedule_are_not_compiled(tmp_path, small_tasks):
+def test_records_slower_than_the_default_schedule_are_not_compiled(tmp_path, small_tasks,
+                                                                   cpu_server):
     """``export`` and ``replay`` compile with :func:`tuned_database`: a workload whose best
     record lost to its default schedule on the device keeps the default."""
     from thomas_tune.compiler.compile import tuned_database
@@ -126,9 +142,8 @@ def test_records_slower_than_the_default_schedule_are_not_compiled(tmp_path, sma
     from thomas_tune.tasks import key as workload_key
     target = parse_target("llvm")
     log = TuningLog(str(tmp_path / "log"))
-    with rpc.loopback(key="test-cpu", servers=1, lifetime=300) as addr:
-        tune(small_tasks, target, log, rpc_runner(addr, "test-cpu"), trials=4,
-             trials_per_iter=2, show_progress=False)
+    tune(small_tasks, target, log, rpc_runner(cpu_server, "test-cpu"), trials=4,
+         trials_per_iter=2, show_progress=False, **SMALL_SEARCH)
     fast, slow = small_tasks
     # without default times every record is used
     db, slower = tuned_database(log, target)
@@ -178,7 +193,7 @@ def test_records_slower_than_the_default_schedule_are_not_compiled(tmp_path, sma
     assert slower == 0 and db.has_workload(fast.mod)
 
 
-def test_index_arguments_are_measured_in_range():
+def test_index_arguments_are_measured_in_range(cpu_server):
     """Integer arguments of a measured kernel (labels, gather indices) get values in range: a
     gather from a 2-element table, timed on a device server, measures instead of crashing it."""
     import tvm
@@ -199,19 +214,18 @@ def test_index_arguments_are_measured_in_range():
     finally:
         builder.shutdown()
     assert built.error_msg is None, built.error_msg
-    with rpc.loopback(key="test-cpu", servers=1, lifetime=120) as addr:
-        runner = rpc_runner(addr, "test-cpu", trial_timeout_s=30)
-        try:
-            (fut,) = runner.run([RunnerInput(built.artifact_path, "cpu",
-                                             ArgInfo.from_prim_func(mod["main"]))])
-            res = fut.result()
-        finally:
-            runner.shutdown()
+    runner = rpc_runner(cpu_server, "test-cpu", trial_timeout_s=30)
+    try:
+        (fut,) = runner.run([RunnerInput(built.artifact_path, "cpu",
+                                         ArgInfo.from_prim_func(mod["main"]))])
+        res = fut.result()
+    finally:
+        runner.shutdown()
     assert res.error_msg is None, res.error_msg
     assert all(0 < float(s) < 1 for s in res.run_secs)
 
 
-def test_pipelined_scheduler_searches_while_the_device_measures(tmp_path, small_tasks):
+def test_pipelined_scheduler_searches_while_the_device_measures(tmp_path, small_tasks, cpu_server):
     """With ``max_in_flight`` 3, batches are sent to the runner while earlier ones are still
     being measured (the host searches and builds meanwhile); with 1, never. Both runs spend
     the budget exactly, and every trial ends up in the log."""
@@ -255,31 +269,30 @@ def test_pipelined_scheduler_searches_while_the_device_measures(tmp_path, small_
     Watched = derived_object(Watched)
     target = parse_target("llvm")
     seen = {}
-    with rpc.loopback(key="test-cpu", servers=1, lifetime=600) as addr:
-        for in_flight in (1, 3):
-            log = TuningLog(str(tmp_path / f"log{in_flight}"))
-            busy = threading.Event() if in_flight > 1 else None
-            runner = Watched(addr, "test-cpu", busy=busy)
+    for in_flight in (1, 3):
+        log = TuningLog(str(tmp_path / f"log{in_flight}"))
+        busy = threading.Event() if in_flight > 1 else None
+        runner = Watched(cpu_server, "test-cpu", busy=busy)
+        if busy is not None:
+            keep_device_busy(busy)
+        try:
+            report = tune(small_tasks, target, log, runner, trials=12, trials_per_iter=6,
+                          show_progress=False, **ONE, max_in_flight=in_flight, seed=in_flight,
+                          population=16)
+        finally:
             if busy is not None:
-                keep_device_busy(busy)
-            try:
-                report = tune(small_tasks, target, log, runner, trials=12, trials_per_iter=6,
-                              show_progress=False, max_in_flight=in_flight, seed=in_flight,
-                              population=16)
-            finally:
-                if busy is not None:
-                    busy.set()
-            assert report.trials == 12 and len(_records(log)) == 12
-            assert all(float(r[1][1][0]) < 1e9 for r in _records(log)), "a trial failed"
-            seen[in_flight] = runner.pending_at_submit
-            split = report.time_split()
-            assert split["search"] > 0 and split["build"] > 0 and 0 < split["lanes_busy"] <= 1
-            assert 0 <= split["lanes_idle"] < 1 and 0 < report.cpu_busy <= 1
-            # the tuner's own time after each batch is measured, not left in the rest
-            assert split["cost_model"] > 0
-            parts = sum(split[k] for k in ("search", "build", "wait_device", "refine",
-                                           "cost_model", "references", "other"))
-            assert abs(parts - split["total"]) < 1e-6 * split["total"] + 1e-3, split
+                busy.set()
+        assert report.trials == 12 and len(_records(log)) == 12
+        assert all(float(r[1][1][0]) < 1e9 for r in _records(log)), "a trial failed"
+        seen[in_flight] = runner.pending_at_submit
+        split = report.time_split()
+        assert split["search"] > 0 and split["build"] > 0 and 0 < split["lanes_busy"] <= 1
+        assert 0 <= split["lanes_idle"] < 1 and 0 < report.cpu_busy <= 1
+        # the tuner's own time after each batch is measured, not left in the rest
+        assert split["cost_model"] > 0
+        parts = sum(split[k] for k in ("search", "build", "wait_device", "refine",
+                                       "cost_model", "references", "other"))
+        assert abs(parts - split["total"]) < 1e-6 * split["total"] + 1e-3, split
     assert max(seen[1]) == 0, seen
     assert max(seen[3]) > 0, seen
 
@@ -408,7 +421,7 @@ def test_builder_processes_run_at_raised_niceness():
     assert worker == min(os.getpriority(os.PRIO_PROCESS, 0) + COMPILE_NICE, 19)
 
 
-def test_remeasure_replaces_noisy_times_in_place(tmp_path, small_tasks):
+def test_remeasure_replaces_noisy_times_in_place(tmp_path, small_tasks, cpu_server):
     """A record timed under load (here: its times inflated 1000x in the file) is timed again
     through the device server and its new time replaces the old; every other line of the log
     stays as it was, and the log still parses."""
@@ -417,30 +430,29 @@ def test_remeasure_replaces_noisy_times_in_place(tmp_path, small_tasks):
     from thomas_tune.tasks import key as workload_key
     target = parse_target("llvm")
     log = TuningLog(str(tmp_path / "log"))
-    with rpc.loopback(key="test-cpu", servers=1, lifetime=600) as addr:
-        runner = rpc_runner(addr, "test-cpu")
-        tune(small_tasks, target, log, runner, trials=6, trials_per_iter=3,
-             show_progress=False)
-        with open(log.record_path) as f:
-            lines = [line for line in f if line.strip()]
-        bodies = [json.loads(line) for line in lines]
-        ok = [i for i, (_, b) in enumerate(bodies) if max(b[1]) < 1e9]
-        assert len(ok) >= 2
-        noisy = ok[0]
-        true_s = sum(bodies[noisy][1][1]) / len(bodies[noisy][1][1])
-        bodies[noisy][1][1] = [s * 1000 for s in bodies[noisy][1][1]]
-        lines[noisy] = json.dumps(bodies[noisy]) + "\n"
-        with open(log.record_path, "w") as f:
-            f.writelines(lines)
-        keys = {workload_key(t) for t in small_tasks}
-        with pytest.raises(RuntimeError, match="shut down"):  # tune() shut it down
-            runner.run([])
-        runner = rpc_runner(addr, "test-cpu")
-        report = remeasure(log, target, runner, keys, top_k=10, batch=2)
-        # the default schedules measured again replace their cached times
-        first = measure_defaults(small_tasks, target, runner, log)
-        again = measure_defaults(small_tasks, target, runner, log, refresh=True)
-        runner.shutdown()
+    runner = rpc_runner(cpu_server, "test-cpu")
+    tune(small_tasks, target, log, runner, trials=6, trials_per_iter=3,
+         show_progress=False, **SMALL_SEARCH)
+    with open(log.record_path) as f:
+        lines = [line for line in f if line.strip()]
+    bodies = [json.loads(line) for line in lines]
+    ok = [i for i, (_, b) in enumerate(bodies) if max(b[1]) < 1e9]
+    assert len(ok) >= 2
+    noisy = ok[0]
+    true_s = sum(bodies[noisy][1][1]) / len(bodies[noisy][1][1])
+    bodies[noisy][1][1] = [s * 1000 for s in bodies[noisy][1][1]]
+    lines[noisy] = json.dumps(bodies[noisy]) + "\n"
+    with open(log.record_path, "w") as f:
+        f.writelines(lines)
+    keys = {workload_key(t) for t in small_tasks}
+    with pytest.raises(RuntimeError, match="shut down"):  # tune() shut it down
+        runner.run([])
+    runner = rpc_runner(cpu_server, "test-cpu")
+    report = remeasure(log, target, runner, keys, top_k=10, batch=2, **ONE)
+    # the default schedules measured again replace their cached times
+    first = measure_defaults(small_tasks, target, runner, log, **ONE)
+    again = measure_defaults(small_tasks, target, runner, log, refresh=True, **ONE)
+    runner.shutdown()
     assert report.failed == 0 and report.measured == len(ok)
     assert set(report.best) <= keys
     after = [line for line in open(log.record_path) if line.strip()]

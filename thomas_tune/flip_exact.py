@@ -220,6 +220,46 @@ def _swaps(graph, start: list, cands: list[Flip], effect: _Effects, residual,
             residual()
 
 
+def _alike(k, d0, index: int):
+    """The elements of kink ``k`` (pool: windows) whose float64 input equals element
+    ``index``'s (pool: the same maximum, at the positions of ``d0``, and the same gap), as a
+    bool tensor of the decisions' shape."""
+    if k.kind == "pool":
+        n, c = k.x.shape[:2]
+        top = k.x.detach().reshape(n, c, -1).gather(2, d0).reshape(-1)
+        gap = k.gap.reshape(-1)
+        return ((top == top[index]) & (gap == gap[index])).reshape(d0.shape)
+    x = k.x.detach().reshape(-1)
+    return (x == x[index]).reshape(d0.shape)
+
+
+def follow_groups(loss, graph, start: list, params: list, want: list,
+                  inv: list[float]) -> None:
+    """Where a flip taken (against ``start``, the decisions before following) has elements of
+    its kink layer with the same float64 input (pool: windows with the same maximum and gap)
+    still decided as float64 decides them, decide them all as the flip did, kept where the
+    weighted squared residual (``want``: the build's gradients; ``inv``: per parameter the
+    inverse of its scale) falls. Equal values are made by the same arithmetic on equal inputs
+    (the inside of the check images' constant squares), so a float32 build rounds them alike
+    and decides them together; their flips' effects are nearly equal, a least-squares solve
+    shares its coefficient among them, and one at a time the last few of a group can each
+    lower the residual too little to be taken. Leaves the graph's decisions so."""
+    from .flip_solve import apply_mask
+    _, now = weighted_residual(loss, graph, params, want, inv)
+    for f in changed(graph, start):
+        k, d0 = graph.kinks[f.layer], start[f.layer]
+        sel = _alike(k, d0, f.index) & (k.decision == d0)
+        if not bool(sel.any()):
+            continue
+        apply_mask(k, sel)
+        _, c = weighted_residual(loss, graph, params, want, inv)
+        if c < now:
+            now = c
+        else:  # the same elements decided back
+            apply_mask(k, sel)
+            weighted_residual(loss, graph, params, want, inv)
+
+
 def changed(graph, start: list) -> list[Flip]:
     """The elements (pool: windows) of the graph's kinks decided otherwise than ``start`` (per
     kink, its decisions then), each as a :class:`Flip` with float64's distance from the

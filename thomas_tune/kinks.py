@@ -34,7 +34,9 @@ problem over every candidate, whose matrix is applied by one backward pass and i
 one forward pass in forward-mode differentiation (:func:`thomas_tune.flip_solve.follow_bulk`,
 :meth:`KinkGraph.tangents`); the flips it takes, what it leaves half-explained and the
 candidates nearest their kink are then weighed one at a time; the same where one flip at a time
-leaves a parameter over the bounds' floor (flips that explain the build only together). The
+leaves a parameter over the bounds' floor (flips that explain the build only together); where a
+flip is taken, the elements of its layer with the same float64 input are tried with it, all at
+once (:func:`thomas_tune.flip_exact.follow_groups`: a build rounds equal values alike). The
 reference is the float64 step with those decisions, recomputed whole; it and the build differ
 by rounding only, on every batch. A mutant cannot hide behind this: the flips it could use are
 single elements within rounding of a kink, and each flip taken is listed
@@ -48,7 +50,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .flip_exact import Flip, changed, distance, follow_exact, restore
+from .flip_exact import Flip, changed, distance, follow_exact, follow_groups, restore
 from . import half_reference as H
 from .flip_solve import POLISH, follow_bulk, group_firsts, group_sum
 from .reference import TorchGraph
@@ -225,8 +227,8 @@ class KinkGraph(TorchGraph):
         self.bias_outputs[f"{name}.bias"] = y
         return y
 
-    def add(self, a, b):
-        return self._stored(super().add(self._settle(a), self._settle(b)))
+    def residual(self, a, b):
+        return self._stored(super().residual(self._settle(a), self._settle(b)))
 
     def adaptive_avg_pool2d(self, x, output_size):
         x = self._settle(x)
@@ -447,6 +449,7 @@ def follow(loss, graph: KinkGraph, rounding: list[float], params: list, names: l
     if count <= MAX_FLIPS:
         follow_exact(loss, graph, ambiguous_elements(graph.kinks, rounding), params, want,
                       inv, start)
+        follow_groups(loss, graph, start, params, want, inv)
         grads, err = worst()
         if err <= within or count == 0:  # (no candidate: nothing else to follow)
             return Following(float(loss.detach()), numpy_of(names, grads),
@@ -462,6 +465,7 @@ def follow(loss, graph: KinkGraph, rounding: list[float], params: list, names: l
         near = ambiguous_elements(graph.kinks, rounding, masks, POLISH)
         follow_exact(loss, graph, changed(graph, start) + half + near, params, want, inv,
                       start)
+        follow_groups(loss, graph, start, params, want, inv)
         grads, err = worst()
         if err <= within:
             break

@@ -79,7 +79,7 @@ class TorchGraph:
     def flatten(self, x):
         return self.torch.flatten(x, 1)
 
-    def add(self, a, b):
+    def residual(self, a, b):
         return a + b
 
     def linear(self, name, x, out_features):

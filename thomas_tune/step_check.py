@@ -70,8 +70,11 @@ FACTOR = 4.0
 ROUNDING = 5e-4
 #: no parameter's error may be above this, whatever the yardstick (a gradient 1% off fails)
 CAP = 1e-2
-#: the smallest yardstick of the loss's relative error
-LOSS_ROUNDING = 2e-6
+#: the smallest yardstick of the loss's relative error: PyTorch float32's loss error on the
+#: test network (MobileNetV2 0.35@32, batch 8, training-form BatchNorms) reached 6.3e-6 over
+#: 40 seeds, a right build's 9.8e-6 where PyTorch's was under 2e-6 on those batches
+#: (docs/journal/precision.md); a loss 1% off is 500x over the bound this gives
+LOSS_ROUNDING = 5e-6
 #: a bias or BatchNorm weight whose largest gradient is below this share of its largest sum of
 #: absolute terms (per channel, sum over batch and positions of |output gradient|, times
 #: |x-hat| for a BatchNorm weight; :func:`thomas_tune.kinks.term_sums`) is judged on that

@@ -39,6 +39,11 @@ from .lane import lane_lock, lane_open, lane_ping, lane_prepare, lane_time
 from .phases import Phases
 
 
+#: the ``log`` of a :class:`FarmRunner` that writes to ``sys.stderr`` as it is at each line (a
+#: stream bound when the runner is made would outlive a replaced ``sys.stderr``)
+STDERR = object()
+
+
 # ---- runner ---------------------------------------------------------------------------------
 @derived_object
 class _Future(ms.runner.PyRunnerFuture):
@@ -258,7 +263,7 @@ class FarmRunner(ms.runner.PyRunner):
                  repeat: int = 3, min_repeat_ms: float = 2.0,
                  max_number: int = 1000, wait_s: float = 60.0, session_timeout_s: float = 900.0,
                  idle_close_s: float = 60.0, priority: int = 1, phases: Phases | None = None,
-                 log=sys.stderr):
+                 log=STDERR):
         super().__init__()
         self.tracker, self.key = tuple(tracker), key
         self.lanes_wanted = lanes
@@ -287,8 +292,11 @@ class FarmRunner(ms.runner.PyRunner):
         self._expected = reference
 
     def say(self, text: str) -> None:
+        """Write ``[runner] text`` to ``log`` (a text stream; :data:`STDERR`: the process's
+        standard error as it is when the line is written; None: nothing)."""
         if self.log is not None:
-            print(f"[runner] {text}", file=self.log, flush=True)
+            print(f"[runner] {text}", file=sys.stderr if self.log is STDERR else self.log,
+                  flush=True)
 
     @property
     def lock_timeout_s(self) -> float:
