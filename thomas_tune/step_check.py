@@ -38,12 +38,20 @@ is zero on the check batches (a dead layer) cannot show an error: the check fail
 
 A half-storage build (``--precision mixed16``) is checked against float64 rounding its layer
 outputs to float16 where the build stores them (:mod:`thomas_tune.half_reference`), with
-PyTorch float32 rounded the same way as the yardstick. Rounding decisions that differ between
-two such steps (a value within float32's error of a midpoint between two float16 values) are
-not followed, and they grow layer by layer to float16's own size, so the bounds are those of
-PyTorch's half-storage step: where its error is over :data:`CAP` / :data:`FACTOR` the check
-cannot tell a right build from one 1% off, and it says so (:attr:`StepCheck.unverifiable`,
-the build not passed) instead of judging.
+PyTorch float32 rounded the same way as the yardstick. Two such steps decide differently
+wherever a value lies within float32's error of a midpoint between two float16 values, and
+within a few layers of training-form BatchNorms their roundings are unrelated; so, as at the
+kinks, the reference follows the build's decisions: the float16 tensors the build stored on
+each check batch are read back (:func:`thomas_tune.step_run.stored_step`, the check-only form
+of the step, whose loss and gradients must be the export's own bit for bit), and at each
+place both PyTorch steps take the build's value where it is the other float16 neighbour of
+their own unrounded value, never beyond one step (a wrong forward kernel's values are not
+taken: :func:`thomas_tune.half_reference.round_like`, counted in :attr:`StepCheck.aligned`).
+Where the stored tensors cannot be read (a build run on a device server, on cached features,
+built with a tuning log or a memory budget) the roundings are not followed and the bounds are
+those of PyTorch's half-storage step: where its error is over :data:`CAP` / :data:`FACTOR`
+the check cannot tell a right build from one 1% off, and it says so
+(:attr:`StepCheck.unverifiable`, the build not passed) instead of judging.
 """
 
 from __future__ import annotations
@@ -470,12 +478,14 @@ def check_export(export_dir: str, seed: int = 0, frozen_bn: bool | set | None = 
     :class:`thomas_tune.runtime.Session` about to be timed, so the server loads it only once);
     ``reference``: :func:`reference_steps` already computed for this model, parameters,
     seed and precision (several exports of one step share it; one of another precision is
-    made again); ``cached``: check the step on cached
+    made again; a mixed16 build run here gets a reference of its own, following its float16
+    roundings, module docstring); ``cached``: check the step on cached
     features (:func:`export_step`). The export's optimizer update is checked too, against
     ``torch.optim`` on fresh values of ``seed`` (:mod:`thomas_tune.update_check`, the
     result's ``update``). ``say``: a callable given a line per stage with its wall time in s
-    (the reference steps, each batch's following: at 224 px these take minutes). Needs
-    torch."""
+    (the reference steps, each batch's following: at 224 px these take minutes). Raises
+    ValueError for a mixed16 export whose ``train.so`` is not the mixed16 step its manifest
+    states (:func:`_following_roundings`). Needs torch."""
     import time
 
     from .manifest import Manifest
