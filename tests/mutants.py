@@ -237,7 +237,7 @@ def forward_conv(factor: float, layer: str):
     are those of that wrong forward (built from it), so only the forward's values and what
     follows from them are off: a training-form BatchNorm after it does not undo it (its
     statistics are the batch's), so the stored tensors, the loss and the gradients move."""
-    from models.layers import Graph, shape_of
+    from thomas_tune.models.layers import Graph, shape_of
     original = Graph.conv2d
 
     def wrong(self, name, x, *args, **kwargs):

@@ -16,7 +16,7 @@ model's layers in PyTorch), and it tells a right mixed16 build from wrong ones.
   (thomas_tune.step_run.stored_step), paired place by place in order. Without that, small
   MobileNetV2s are not checkable at mixed16 (PyTorch's own half-storage step is over the cap's
   share); with it, a right mixed16 MobileNetV2 passes on fresh seeds and one whose first
-  convolution computes one image 1% off fails; a float32 build presented as mixed16 is refused.
+  convolution computes one image 1% off fails; a float32 build presented as mixed16 fails.
 """
 
 import collections
@@ -267,13 +267,16 @@ def test_a_mixed16_mobilenet_with_a_wrong_forward_convolution_fails(tmp_path):
     check = check_export(out, seed=0)
     print(check.line())
     assert not check.ok and check.failing, check.line()
+    # its loss is not the stated step's, and most stored values downstream are not taken
+    assert not check.aligned["same_forward"], check.aligned
     assert check.aligned["beyond"] > 0.01 * check.aligned["elements"], check.aligned
 
 
-def test_a_float32_build_presented_as_mixed16_is_refused(tmp_path):
-    """A float32 AlexNet export whose manifest says mixed16: the check-only form of the step
-    the manifest states computes other numbers than its train.so, so the check refuses it,
-    naming why."""
+def test_a_float32_build_presented_as_mixed16_fails(tmp_path):
+    """A float32 AlexNet export whose manifest says mixed16: its loss is not, bit for bit,
+    that of the mixed16 step the manifest states (compiled again to read the float16 tensors
+    it stores), so the check fails it, saying why (its gradients alone are within the
+    bounds: float16 storage moves AlexNet's by less, docs/journal/precision.md)."""
     import shutil
 
     from thomas_tune.step_check import check_export
@@ -281,5 +284,7 @@ def test_a_float32_build_presented_as_mixed16_is_refused(tmp_path):
     claimed = str(tmp_path / "as_mixed16")
     shutil.copytree(plain, claimed)
     _claim(claimed, "mixed16")
-    with pytest.raises(ValueError, match="not that mixed16 step"):
-        check_export(claimed, seed=0)
+    check = check_export(claimed, seed=0)
+    print(check.line())
+    assert not check.ok and not check.aligned["same_forward"], check.line()
+    assert "its forward is not that step's" in check.line()
