@@ -63,7 +63,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .half_reference import Aligned as H_Aligned
+from .half_reference import Aligned
 from .kink_step import torch_forward, torch_step  # noqa: F401
 from .kinks import numpy_of as _numpy
 from .step_run import export_step
@@ -495,9 +495,10 @@ def check_export(export_dir: str, seed: int = 0, frozen_bn: bool | set | None = 
     features (:func:`export_step`). The export's optimizer update is checked too, against
     ``torch.optim`` on fresh values of ``seed`` (:mod:`thomas_tune.update_check`, the
     result's ``update``). ``say``: a callable given a line per stage with its wall time in s
-    (the reference steps, each batch's following: at 224 px these take minutes). Raises
-    ValueError for a mixed16 export whose ``train.so`` is not the mixed16 step its manifest
-    states (:func:`_following_roundings`). Needs torch."""
+    (the reference steps, each batch's following: at 224 px these take minutes). A mixed16
+    export whose forward is not the step its manifest states fails
+    (:func:`_following_roundings`). Raises ValueError as :func:`reference_steps`. Needs
+    torch."""
     import time
 
     from .manifest import Manifest
@@ -559,7 +560,7 @@ def check_export(export_dir: str, seed: int = 0, frozen_bn: bool | set | None = 
     check.unresolved = sum(r.unresolved for r in refs)
     check.coverage = reference.get("coverage", {})
     if reference.get("aligned") is not None:
-        total = H_Aligned()
+        total = Aligned()
         for a in reference["aligned"]:
             total = total.add(a)
         check.aligned = dict(dataclasses.asdict(total),
