@@ -40,9 +40,11 @@ the kinks: given the float16 tensors the build stored (:func:`thomas_tune.step_r
 paired with the places here by their order, shape for shape), each place is rounded by
 :func:`round_like`: the build's value where it is one of the two float16 neighbours of the
 reference's own unrounded value (the build rounded the other way, within one float16 step),
-else the reference's own rounding. Nothing beyond one float16 step is adopted, so a wrong
-forward kernel (a convolution 1% off) keeps the reference's values and fails the check; such
-elements are counted (:class:`Aligned`).
+else the reference's own rounding. Nothing beyond one float16 step is adopted, so whatever
+tensors are given the reference stays its own forward, rounded within one float16 step at each
+place (a stored value 1% off is not taken: such elements are counted, :class:`Aligned`). The
+stored tensors come from the step's check-only form compiled again; that they are the build's
+own is checked by its loss (:func:`thomas_tune.step_check.check_export`).
 """
 
 from __future__ import annotations

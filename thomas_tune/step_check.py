@@ -46,8 +46,8 @@ each check batch are read back (:func:`thomas_tune.step_run.stored_step`, the ch
 of the step, whose loss must be the export's own bit for bit, else the build fails: its
 forward is not the step its manifest states), and at each
 place both PyTorch steps take the build's value where it is the other float16 neighbour of
-their own unrounded value, never beyond one step (a wrong forward kernel's values are not
-taken: :func:`thomas_tune.half_reference.round_like`, counted in :attr:`StepCheck.aligned`).
+their own unrounded value, never beyond one step (a value 1% off is not taken:
+:func:`thomas_tune.half_reference.round_like`, counted in :attr:`StepCheck.aligned`).
 Where the stored tensors cannot be read (a build run on a device server, on cached features,
 built with a tuning log or a memory budget) the roundings are not followed and the bounds are
 those of PyTorch's half-storage step: where its error is over :data:`CAP` / :data:`FACTOR`
