@@ -230,6 +230,38 @@ def param_mutant(grads: dict[str, np.ndarray], name: str, factor: float) -> dict
 
 
 @contextlib.contextmanager
+def forward_conv(factor: float, layer: str):
+    """The forward pass built wrong: convolution ``layer`` (its name, e.g. ``features.0.0``)
+    computes the first image of the batch ``factor`` times too large (its input scaled on that
+    image; a kernel reading one image wrong), in every graph built under it. The gradients
+    are those of that wrong forward (built from it), so only the forward's values and what
+    follows from them are off: a training-form BatchNorm after it does not undo it (its
+    statistics are the batch's), so the stored tensors, the loss and the gradients move."""
+    from thomas_tune.models.layers import Graph, shape_of
+    original = Graph.conv2d
+
+    def wrong(self, name, x, *args, **kwargs):
+        if name == layer:
+            n = shape_of(x)[0]
+            s = np.ones((n, 1, 1, 1), "float32")
+            s[0] = factor
+            x = self.emit(R.multiply(x, relax.const(s)))
+        return original(self, name, x, *args, **kwargs)
+
+    Graph.conv2d = wrong
+    try:
+        yield
+    finally:
+        Graph.conv2d = original
+
+
+#: the forward pass built wrong (its gradients those of the wrong forward)
+FORWARD_MUTANTS = {
+    "first conv forward, image 0 x1.01": lambda layer: forward_conv(1.01, layer),
+}
+
+
+@contextlib.contextmanager
 def optimizer_update(output: str, factor: float, optimizer: str = "momentum_sgd"):
     """``optimizer``'s update kernels (:mod:`thomas_tune.training_graph.multi_tensor`) built wrong:
     ``output`` ``p_new`` with its step ``p_new - p`` times ``factor`` (1.01: the learning rate 1%

@@ -239,6 +239,39 @@ def round_stored(func: relax.Function, batch: int) -> relax.Function:
     return rewritten(func, _Rounder(batch, func.params)) or func
 
 
+class _Keeping(_Rounder):
+    """:class:`_Rounder` whose float16 twins are variables of the function, not of its
+    dataflow blocks, so that its result can return them (:func:`returning_stored`)."""
+
+    def _var(self, like: relax.Var, dtype: str, dataflow: bool) -> relax.Var:
+        return super()._var(like, dtype, dataflow and dtype != "float16")
+
+
+def returning_stored(func: relax.Function, batch: int) -> relax.Function:
+    """``func`` rewritten as :func:`round_stored` rewrites it (the same bindings), returning
+    the pair (``func``'s result, a tuple of the float16 tensors it stores, in the order they
+    are made): the check-only form of a mixed16 step, whose stored values the step check's
+    reference adopts where they are a float16 neighbour of its own
+    (:mod:`thomas_tune.half_reference`). Raises ValueError when ``func`` stores nothing."""
+    r = _Keeping(batch, func.params)
+    blocks, forward = [], True
+    for block in func.body.blocks:
+        new, forward = r.block(block, forward)
+        blocks.append(new)
+    if not r.half:
+        raise ValueError("returning_stored: the function stores no layer output in float16")
+    tail: list = []
+    body = r.reads(func.body.body, False, tail)
+    if tail:
+        blocks.append(relax.BindingBlock(tail))
+    halves = list(r.half.values())
+    body = relax.Tuple([body, relax.Tuple(halves)])
+    ret = relax.TupleType([func.ret_ty, relax.TupleType([h.ty for h in halves])])
+    out = relax.Function(func.params, relax.SeqExpr(blocks, body), ret, func.is_pure,
+                         func.attrs)
+    return r.bb.normalize(out)
+
+
 def map_functions(mod: tvm.IRModule, batches: dict[str, int], rewrite) -> tvm.IRModule:
     """A copy of ``mod`` with ``rewrite(func, batch)`` applied to each function named in
     ``batches`` (function name -> its batch size); other functions as they are."""

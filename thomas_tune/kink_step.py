@@ -26,15 +26,18 @@ def follow_float32(loss64, graph: KinkGraph, graph32: KinkGraph, params: list,
 def torch_forward(model, tensors: dict[str, np.ndarray], trainable: list[str], x: np.ndarray,
                   y: np.ndarray, frozen_bn: bool | set = False, device: str | None = None,
                   dtype: str = "float64", masks: dict | None = None,
-                  precision: str = "float32"):
+                  precision: str = "float32", halves: list | None = None):
     """The step's forward pass in PyTorch (``dtype``, BatchNorm in training form but where
     ``frozen_bn`` says, dropout ``masks`` name -> array or None for ones) on a
     :class:`KinkGraph`: returns (loss tensor, the graph, the trainable
     tensors, their names). ``device``: a torch device (default: CUDA when available, else
     the CPU). ``precision``: the build's (``float32``; ``mixed16``: layer outputs rounded to
-    float16 where that step stores them, :mod:`thomas_tune.half_reference`). Raises
-    ValueError for a precision with no reference (``autocast16``'s float16 arithmetic).
-    Needs torch."""
+    float16 where that step stores them, :mod:`thomas_tune.half_reference`); ``halves``
+    (mixed16 only): the float16 tensors the build stored on this batch, in order
+    (:func:`thomas_tune.step_run.stored_step`), whose roundings the graph follows within one
+    float16 step (counted in the graph's ``aligned``). Raises ValueError for a precision with
+    no reference (``autocast16``'s float16 arithmetic), and where ``halves`` are not one per
+    place, shape for shape. Needs torch."""
     import torch
     import torch.nn.functional as F
 
@@ -54,10 +57,15 @@ def torch_forward(model, tensors: dict[str, np.ndarray], trainable: list[str], x
         raise ValueError(f"precision {precision!r}: the step check has a reference of float32 "
                          "and mixed16 builds only (autocast16 computes in float16, which no "
                          "device here runs); check such a build's float32 or mixed16 twin")
+    if halves is not None and precision != "mixed16":
+        raise ValueError("the build's float16 tensors are followed by a mixed16 reference only")
     g = KinkGraph(params, states, tm, training=True, frozen_bn=frozen_bn,
-                  half=precision == "mixed16")
+                  half=precision == "mixed16", halves=halves)
     g.source = (model, torch.tensor(np.asarray(x, dtype), device=dev))
     logits = model.forward(g, g.source[1])
+    if halves is not None and g.aligned.places != len(halves):
+        raise ValueError(f"the build stored {len(halves)} float16 tensors where the reference "
+                         f"rounds {g.aligned.places}: its places are not the build's")
     loss = F.cross_entropy(logits, torch.tensor(np.asarray(y, "int64"), device=dev))
     names = [n for n in params if n in train]
     return loss, g, [params[n] for n in names], names

@@ -161,19 +161,24 @@ class KinkGraph(TorchGraph):
     weight (``<layer>.weight``) the normalised input it multiplies (:attr:`bn_normalised`,
     detached), for the natural scales of their gradients (:func:`term_sums`)."""
 
-    def __init__(self, *args, half: bool = False, trainable=None, **kwargs):
+    def __init__(self, *args, half: bool = False, trainable=None, halves=None, **kwargs):
         super().__init__(*args, **kwargs)
         #: layer outputs rounded to float16 where a mixed16 step stores them
         #: (:mod:`thomas_tune.half_reference`); ``trainable``: the names of the trainable
-        #: parameters (default: those that require a gradient)
+        #: parameters (default: those that require a gradient); ``halves``: the float16
+        #: tensors the build stored on this batch, in order (half only): each place rounded
+        #: as the build rounded it where within one float16 step
+        #: (:func:`thomas_tune.half_reference.round_like`), counted in :attr:`aligned`
         self.half = half
+        self.halves = list(halves) if halves is not None else None
+        self.aligned = H.Aligned()
         self.trainable = set(trainable if trainable is not None else
                              (n for n, t in self.p.items() if t.requires_grad))
         self.kinks: list[Kink] = []
         self.bias_outputs: dict[str, object] = {}
         self.bn_normalised: dict[str, object] = {}
         self._masked, self._pool = _functions()
-        self._made = (args, dict(kwargs, half=half, trainable=self.trainable))
+        self._made = (args, dict(kwargs, half=half, trainable=self.trainable, halves=halves))
         #: half only: the last frozen convolution without bias, its output not yet rounded
         #: (:meth:`conv2d`), as (output, input, name, stride, padding, groups), else None
         self._pending = None
@@ -242,13 +247,26 @@ class KinkGraph(TorchGraph):
 
     def _stored(self, y):
         """``y`` as a mixed16 step stores it (rounded to float16) when :attr:`half`."""
-        return H.round_half(y) if self.half else y
+        return self.round_stored(y) if self.half else y
+
+    def round_stored(self, y):
+        """``y`` rounded to float16 at the next place a mixed16 step stores: as the build
+        rounded it where :attr:`halves` are given and within one float16 step, else to the
+        nearest (:mod:`thomas_tune.half_reference`). Raises ValueError when the build stored
+        fewer tensors than the reference rounds, or one of another shape."""
+        if self.halves is None:
+            return H.round_half(y)
+        i = self.aligned.places
+        if i >= len(self.halves):
+            raise ValueError(f"the build stored {len(self.halves)} float16 tensors; the "
+                             "reference rounds more: its places are not the build's")
+        return H.round_like(y, self.halves[i], self.aligned)
 
     def _settle(self, x):
         """``x`` as a layer reads it: a frozen convolution's output not folded (see
         :meth:`conv2d`) rounded now."""
         if self._pending is not None and x is self._pending[0]:
-            return H.round_half(x)
+            return self.round_stored(x)
         return x
 
     def flatten(self, x):

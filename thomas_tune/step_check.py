@@ -38,21 +38,32 @@ is zero on the check batches (a dead layer) cannot show an error: the check fail
 
 A half-storage build (``--precision mixed16``) is checked against float64 rounding its layer
 outputs to float16 where the build stores them (:mod:`thomas_tune.half_reference`), with
-PyTorch float32 rounded the same way as the yardstick. Rounding decisions that differ between
-two such steps (a value within float32's error of a midpoint between two float16 values) are
-not followed, and they grow layer by layer to float16's own size, so the bounds are those of
-PyTorch's half-storage step: where its error is over :data:`CAP` / :data:`FACTOR` the check
-cannot tell a right build from one 1% off, and it says so (:attr:`StepCheck.unverifiable`,
-the build not passed) instead of judging.
+PyTorch float32 rounded the same way as the yardstick. Two such steps decide differently
+wherever a value lies within float32's error of a midpoint between two float16 values, and
+within a few layers of training-form BatchNorms their roundings are unrelated; so, as at the
+kinks, the reference follows the build's decisions: the float16 tensors the build stored on
+each check batch are read back (:func:`thomas_tune.step_run.stored_step`, the check-only form
+of the step, whose loss must be the export's own bit for bit, else the build fails: its
+forward is not the step its manifest states), and at each
+place both PyTorch steps take the build's value where it is the other float16 neighbour of
+their own unrounded value, never beyond one step (a value 1% off is not taken:
+:func:`thomas_tune.half_reference.round_like`, counted in :attr:`StepCheck.aligned`).
+Where the stored tensors cannot be read (a build run on a device server, on cached features,
+built with a tuning log or a memory budget) the roundings are not followed and the bounds are
+those of PyTorch's half-storage step: where its error is over :data:`CAP` / :data:`FACTOR`
+the check cannot tell a right build from one 1% off, and it says so
+(:attr:`StepCheck.unverifiable`, the build not passed) instead of judging.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from .half_reference import Aligned
 from .kink_step import torch_forward, torch_step  # noqa: F401
 from .kinks import numpy_of as _numpy
 from .step_run import export_step
@@ -171,11 +182,19 @@ class StepCheck:
     coverage: dict = field(default_factory=dict)
     #: the optimizer update against torch.optim (thomas_tune.update_check.UpdateCheck), or None
     update: object = None
+    #: a mixed16 build whose float16 roundings the reference followed: over the check
+    #: batches, the places rounded, their elements, those where the build's float16 value was
+    #: taken and those beyond one float16 step (the reference's own kept;
+    #: thomas_tune.half_reference.Aligned as a dict), and ``same_forward``: whether the
+    #: build's loss is the stated step's bit for bit (False fails the build); None where not
+    #: followed
+    aligned: dict | None = None
 
     @property
     def ok(self) -> bool:
         return (self.loss_err <= self.loss_bound and not self.failing and not self.dead
                 and self.few_bn_values is None and not self.unverifiable
+                and (self.aligned is None or self.aligned["same_forward"])
                 and (self.update is None or self.update.ok))
 
     @property
@@ -193,7 +212,11 @@ class StepCheck:
         head = (f"loss {self.loss:.6f} (PyTorch {self.loss_ref:.6f}, error {self.loss_err:.1e}, "
                 f"bound {self.loss_bound:.1e}); {len(self.errors)} gradients, worst {name} "
                 f"{err:.1e}{bound}{torch_part}"
-                + (f"; {self.update.line()}" if self.update is not None else ""))
+                + (f"; {self.update.line()}" if self.update is not None else "")
+                + (f"; float16 roundings followed: {self.aligned['taken']} of "
+                   f"{self.aligned['elements']} stored elements taken from the build, "
+                   f"{self.aligned['beyond']} beyond one step"
+                   if self.aligned is not None else ""))
         if self.ok:
             return f"right: {head}"
         fail = ", ".join(f"{n} {self.errors[n]:.1e} (bound {self.bounds[n]:.1e})"
@@ -216,6 +239,10 @@ class StepCheck:
                 f"{' ...' if len(self.unverifiable) > 4 else ''}): half storage's rounding, "
                 "amplified by BatchNorms over few values, hides a 1% error there; check the "
                 "float32 build of the same records, or at a larger batch or resolution")
+        if self.aligned is not None and not self.aligned["same_forward"]:
+            parts.append("the build's loss is not, bit for bit, that of the mixed16 step its "
+                         "manifest states compiled here: its forward is not that step's (a "
+                         "wrong forward kernel, or a build of another precision)")
         if self.unresolved:
             parts.append(f"{self.unresolved} kink elements within rounding of their kink were "
                          "past the ones the reference follows: a failure may be one of them")
@@ -241,7 +268,7 @@ class StepCheck:
                 "torch_float32_loss_err": self.yardstick_loss_err,
                 "few_bn_values": self.few_bn_values, "flips": self.flips,
                 "unresolved": self.unresolved, "unverifiable": self.unverifiable,
-                "coverage": self.coverage,
+                "coverage": self.coverage, "aligned": self.aligned,
                 "update": self.update.as_dict() if self.update is not None else None}
 
 
@@ -323,7 +350,8 @@ def _coverage(kinks, into: dict) -> None:
 
 def reference_steps(model, tensors: dict[str, np.ndarray], trainable: list[str], batch_size: int,
                     seed: int, frozen_bn: bool | set = False,
-                    batches: int = CHECK_BATCHES, precision: str = "float32") -> dict:
+                    batches: int = CHECK_BATCHES, precision: str = "float32",
+                    halves: list | None = None) -> dict:
     """The check batches of ``seed`` (:func:`batch` and :func:`dropout_masks` of ``seed``,
     ``seed + 1``, ...) and PyTorch's steps on them: ``{"batches": [(x, y)...], "masks":
     [masks...], "float64": [(loss, grads)...] (float64's own decisions), "float32": [(loss,
@@ -335,8 +363,14 @@ def reference_steps(model, tensors: dict[str, np.ndarray], trainable: list[str],
     "context": what :func:`following_step` needs, "precision": ``precision``}``. With
     ``precision`` mixed16 both PyTorch steps round the layer outputs to float16 where that
     build stores them (:mod:`thomas_tune.half_reference`): the reference of a mixed16 build,
-    and PyTorch float32 rounded the same as its yardstick. Raises ValueError for another
-    precision (:func:`thomas_tune.kink_step.torch_forward`). Needs torch."""
+    and PyTorch float32 rounded the same as its yardstick; with ``halves`` (per batch, the
+    float16 tensors a mixed16 build stored on it, :func:`thomas_tune.step_run.stored_step`)
+    both round each place as the build did where within one float16 step
+    (:func:`thomas_tune.half_reference.round_like`), and ``"aligned"`` is per batch the
+    float64 step's :class:`thomas_tune.half_reference.Aligned` (else None), ``"halves"``
+    ``halves``. Raises ValueError for another precision
+    (:func:`thomas_tune.kink_step.torch_forward`), and for ``halves`` not one per place.
+    Needs torch."""
     import torch
 
     from .kink_step import follow_float32
@@ -344,12 +378,15 @@ def reference_steps(model, tensors: dict[str, np.ndarray], trainable: list[str],
     ms = [dropout_masks(model, batch_size, seed + i) for i in range(batches)]
     counts: dict[str, int] = {}
     cover: dict[str, int] = {}
-    f64, f32, own32, sums, rounding = [], [], [], [], []
-    for (x, y), m in zip(xs, ms):
+    f64, f32, own32, sums, rounding, aligned = [], [], [], [], [], []
+    for i, ((x, y), m) in enumerate(zip(xs, ms)):
+        h = halves[i] if halves is not None else None
         loss, g, params, names = torch_forward(model, tensors, trainable, x, y, frozen_bn,
-                                               masks=m, precision=precision)
+                                               masks=m, precision=precision, halves=h)
         loss32, g32, params32, _ = torch_forward(model, tensors, trainable, x, y, frozen_bn,
-                                                 dtype="float32", masks=m, precision=precision)
+                                                 dtype="float32", masks=m, precision=precision,
+                                                 halves=h)
+        aligned.append(g.aligned if h is not None else None)
         counts.update(g.bn_values)
         _coverage(g.kinks, cover)
         from .kinks import term_sums
@@ -367,7 +404,8 @@ def reference_steps(model, tensors: dict[str, np.ndarray], trainable: list[str],
     yard.few_bn_values, yard.coverage = few, cover
     return {"batches": xs, "masks": ms, "float64": f64, "float32": f32, "sums": sums,
             "rounding": rounding, "yardstick": yard, "few_bn_values": few, "coverage": cover,
-            "context": (model, tensors, list(trainable), frozen_bn), "precision": precision}
+            "context": (model, tensors, list(trainable), frozen_bn), "precision": precision,
+            "halves": halves, "aligned": aligned if halves is not None else None}
 
 
 def cancelled_gradients(reference: dict) -> list[str]:
@@ -389,9 +427,11 @@ def following_step(reference: dict, i: int, grads: dict[str, np.ndarray]):
     from .kinks import follow
     model, tensors, trainable, frozen_bn = reference["context"]
     x, y = reference["batches"][i]
+    halves = reference.get("halves")
     loss, g, params, names = torch_forward(model, tensors, trainable, x, y, frozen_bn,
                                            masks=reference["masks"][i],
-                                           precision=reference.get("precision", "float32"))
+                                           precision=reference.get("precision", "float32"),
+                                           halves=halves[i] if halves is not None else None)
     ref = reference["float64"][i][1]
     floors = reference["sums"][i]
     scales = {n: max(float(np.max(np.abs(ref[n]))) if ref[n].size else 0.0,
@@ -400,6 +440,42 @@ def following_step(reference: dict, i: int, grads: dict[str, np.ndarray]):
     # no following
     return follow(loss, g, reference["rounding"][i], params, names, grads, scales,
                   within=FACTOR * ROUNDING)
+
+
+def _following_roundings(export_dir: str, m, reference: dict, ours: list, seed: int,
+                         frozen_bn, say) -> dict:
+    """The reference steps (:func:`reference_steps`) of a mixed16 export on the batches of
+    ``reference``, following the float16 roundings of the build: its stored tensors read by
+    the check-only form of its step (:func:`thomas_tune.step_run.stored_step`: the graph its
+    manifest states, compiled here), which are the build's where that form's loss is
+    ``ours``' (the export's own ``train.so`` on those batches) bit for bit: the result's
+    ``"same_forward"`` says whether it is on every batch. Where it is not, the build's forward
+    is not the step its manifest states (a wrong forward kernel; a build of another
+    precision presented as mixed16) and the check fails it (:attr:`StepCheck.aligned`);
+    the roundings followed are then that step's, each still within one float16 step of the
+    reference's own."""
+    import time
+
+    from .step_run import stored_step
+    model, tensors, trainable, _ = reference["context"]
+    t0 = time.perf_counter()
+    stored = [stored_step(export_dir, x, y, mk, tensors)
+              for (x, y), mk in zip(reference["batches"], reference["masks"])]
+    # the forward is the build's where the loss is, bit for bit (its gradients may differ:
+    # that is what the check judges)
+    same = [loss == s[0] for (loss, _), s in zip(ours, stored)]
+    if not all(same):
+        say(f"[check] the build's loss differs from the stated mixed16 step's compiled here "
+            f"on batch(es) {[i for i, v in enumerate(same) if not v]}: its forward is not "
+            "that step's; the roundings followed are that step's")
+    say(f"[check] the build's float16 tensors read back in {time.perf_counter() - t0:.1f} s")
+    t0 = time.perf_counter()
+    out = reference_steps(model, tensors, trainable, m.batch, seed, frozen_bn,
+                          precision="mixed16", halves=[s[2] for s in stored])
+    out["same_forward"] = all(same)
+    say(f"[check] PyTorch's float64 and float32 steps of {CHECK_BATCHES} batches, following "
+        f"the build's float16 roundings, in {time.perf_counter() - t0:.1f} s")
+    return out
 
 
 def check_export(export_dir: str, seed: int = 0, frozen_bn: bool | set | None = None,
@@ -417,11 +493,14 @@ def check_export(export_dir: str, seed: int = 0, frozen_bn: bool | set | None = 
     :class:`thomas_tune.runtime.Session` about to be timed, so the server loads it only once);
     ``reference``: :func:`reference_steps` already computed for this model, parameters,
     seed and precision (several exports of one step share it; one of another precision is
-    made again); ``cached``: check the step on cached
+    made again; a mixed16 build run here gets a reference of its own, following its float16
+    roundings, module docstring); ``cached``: check the step on cached
     features (:func:`export_step`). The export's optimizer update is checked too, against
     ``torch.optim`` on fresh values of ``seed`` (:mod:`thomas_tune.update_check`, the
     result's ``update``). ``say``: a callable given a line per stage with its wall time in s
-    (the reference steps, each batch's following: at 224 px these take minutes). Needs
+    (the reference steps, each batch's following: at 224 px these take minutes). A mixed16
+    export whose forward is not the step its manifest states fails
+    (:func:`_following_roundings`). Raises ValueError as :func:`reference_steps`. Needs
     torch."""
     import time
 
@@ -432,13 +511,29 @@ def check_export(export_dir: str, seed: int = 0, frozen_bn: bool | set | None = 
         frozen_bn = manifest_frozen_bn(m)
     say = say or (lambda _line: None)
     t0 = time.perf_counter()
+    # a mixed16 build run here is followed at its float16 roundings: its reference is its own
+    follows = m.precision == "mixed16" and rpc_session is None and not cached
+    why = None
+    if follows:
+        from .step_run import stored_library
+        try:
+            stored_library(export_dir)
+        except ValueError as err:
+            follows, why = False, str(err)
     # (a reference made for another precision, e.g. a bench's float32 side, is not this one's)
     if reference is None or reference.get("precision", "float32") != m.precision:
         model, tensors, _ = load_checkpoint(os.path.join(export_dir, "params.npz"))
-        reference = reference_steps(model, tensors, m.trainable, m.batch, seed, frozen_bn,
-                                    precision=m.precision)
-        say(f"[check] PyTorch's float64 and float32 steps of {CHECK_BATCHES} batches in "
-            f"{time.perf_counter() - t0:.1f} s")
+        if follows:  # (the batches alone: the reference is made below, from the build's)
+            reference = {"batches": [batch(model, m.batch, seed + i)
+                                     for i in range(CHECK_BATCHES)],
+                         "masks": [dropout_masks(model, m.batch, seed + i)
+                                   for i in range(CHECK_BATCHES)],
+                         "context": (model, tensors, list(m.trainable), frozen_bn)}
+        else:
+            reference = reference_steps(model, tensors, m.trainable, m.batch, seed, frozen_bn,
+                                        precision=m.precision)
+            say(f"[check] PyTorch's float64 and float32 steps of {CHECK_BATCHES} batches in "
+                f"{time.perf_counter() - t0:.1f} s")
     checked = reference["context"][1]
     if rpc_session is not None and train_lib is None:
         from .remote import device_train_library
@@ -446,6 +541,11 @@ def check_export(export_dir: str, seed: int = 0, frozen_bn: bool | set | None = 
     ours = [export_step(export_dir, x, y, rpc_session=rpc_session, cached=cached, masks=mk,
                         tensors=checked, train_lib=train_lib)
             for (x, y), mk in zip(reference["batches"], reference["masks"])]
+    if follows:
+        reference = _following_roundings(export_dir, m, reference, ours, seed, frozen_bn, say)
+    elif m.precision == "mixed16":
+        say(f"[check] the build's float16 roundings are not followed: "
+            f"{why or 'its step runs on a device server or on cached features'}")
     refs = []
     for i, o in enumerate(ours):
         t0 = time.perf_counter()
@@ -462,6 +562,12 @@ def check_export(export_dir: str, seed: int = 0, frozen_bn: bool | set | None = 
     check.flips = [len(r.flips) for r in refs]
     check.unresolved = sum(r.unresolved for r in refs)
     check.coverage = reference.get("coverage", {})
+    if reference.get("aligned") is not None:
+        total = Aligned()
+        for a in reference["aligned"]:
+            total = total.add(a)
+        check.aligned = dict(dataclasses.asdict(total),
+                             same_forward=reference.get("same_forward", True))
     if m.precision != "float32":  # (float32's bounds are capped; module docstring)
         check.unverifiable = sorted(n for n, e in yard.errors.items() if FACTOR * e > CAP)
     from .update_check import check_update

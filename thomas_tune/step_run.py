@@ -82,3 +82,93 @@ def export_step(export_dir: str, x: np.ndarray, y: np.ndarray, device=None, rpc_
         grads = [get(handle, i) for i in range(len(m.trainable))]
     return (float(loss.numpy()),
             {n: g.numpy().astype("float64") for n, g in zip(m.trainable, grads)})
+
+
+#: check-only libraries of mixed16 exports already compiled in this process: (export folder,
+#: its manifest's modification time) -> the loaded library (:func:`stored_step`)
+_STORED_LIBRARIES: dict = {}
+
+
+def stored_library(export_dir: str):
+    """The check-only form of a mixed16 export's training step, compiled for the export's
+    target on this machine (once per process) and loaded: its ``train_adjoint`` is the
+    export's step graph (the same graph :func:`thomas_tune.compiler.export.export` builds:
+    :func:`thomas_tune.memory_plan.step_graph` of the manifest's model, batch, trainable set,
+    BatchNorm mode and optimizer) rewritten by
+    :func:`thomas_tune.half_storage.returning_stored`, so it returns the float16 tensors the
+    step stores beside its loss and gradients; default schedules (no tuning log). Raises
+    ValueError for an export that is not mixed16, was built with a tuning log or a memory
+    budget, or whose frozen parameters' transforms are lifted out of the step (its step is
+    not this graph), naming why."""
+    import tvm
+
+    from .compiler.compile import compile_library
+    from .half_storage import returning_stored
+    from .manifest import ADJOINT, Manifest
+    from .memory_plan import step_graph
+    from .models import load_checkpoint
+    from .training_graph import graph as G
+    m = Manifest.read(export_dir)
+    why = ("it is not a mixed16 export" if m.precision != "mixed16" else
+           "it was built with a tuning log" if m.tuning_log else
+           "it was built with a memory budget" if m.memory_budget else
+           "its frozen parameters' transforms are lifted" if m.frozen_slots else None)
+    if why is not None:
+        raise ValueError(f"{export_dir}: the check-only form of its step (the float16 tensors "
+                         f"it stores) is built for untuned mixed16 exports only: {why}")
+    key = (os.path.abspath(export_dir),
+           os.path.getmtime(os.path.join(export_dir, "manifest.json")))
+    if key not in _STORED_LIBRARIES:
+        model, _, _ = load_checkpoint(os.path.join(export_dir, "params.npz"))
+        tg = G.training_module(model, m.batch, list(m.trainable), G.OptimizerConfig(
+            **m.optimizer), batchnorm=m.batchnorm)
+        mod = step_graph(tg, m.batch, None, "float32").mod
+        keep = tvm.IRModule({gv: f for gv, f in mod.functions.items()
+                             if isinstance(f, tvm.tirx.PrimFunc)})
+        keep[ADJOINT] = returning_stored(mod[ADJOINT], m.batch)
+        exe, _ = compile_library(keep, tvm.target.Target(m.target))
+        _STORED_LIBRARIES[key] = tvm.runtime.load_module(_saved(exe))
+    return _STORED_LIBRARIES[key]
+
+
+def _saved(exe) -> str:
+    """``exe`` (a Relax VM executable) written as a shared library in a temporary folder that
+    lives as long as the process; its path."""
+    import tempfile
+    folder = tempfile.mkdtemp(prefix="thomas_tune_stored_")
+    path = os.path.join(folder, "stored.so")
+    exe.export_library(path)
+    return path
+
+
+def stored_step(export_dir: str, x: np.ndarray, y: np.ndarray, masks: dict | None = None,
+                tensors: dict | None = None
+                ) -> tuple[float, dict[str, np.ndarray], list[np.ndarray]]:
+    """:func:`export_step` of a mixed16 export run through its check-only form
+    (:func:`stored_library`) on this machine: loss, gradients (parameter name -> float64
+    array) and the float16 tensors the step stores (float16 arrays, in the order the step
+    makes them, the order :mod:`thomas_tune.half_reference` rounds them). Same arguments as
+    :func:`export_step`; raises ValueError as :func:`stored_library`."""
+    import tvm
+    from tvm.relax import VirtualMachine
+
+    from .manifest import ADJOINT, Manifest
+    from .models import load_checkpoint
+    from .runtime import device_for
+    m = Manifest.read(export_dir)
+    dev = device_for(m.target["kind"])
+    vm = VirtualMachine(stored_library(export_dir), dev)
+    if tensors is None:
+        _, tensors, _ = load_checkpoint(os.path.join(export_dir, "params.npz"))
+
+    def t(a):
+        return tvm.runtime.tensor(np.ascontiguousarray(a), dev)
+
+    masks = [t(np.asarray((masks or {}).get(k, np.ones(v["shape"])), "float32"))
+             for k, v in m.masks.items()]
+    args = [t(tensors[n]) for n in (*m.frozen, *m.trainable, *m.states)]
+    (ret, grads), halves = vm[ADJOINT](t(x), *masks, *args, t(y.astype("int64")))
+    loss = ret[0] if m.states else ret
+    return (float(loss.numpy()),
+            {n: g.numpy().astype("float64") for n, g in zip(m.trainable, grads)},
+            [h.numpy() for h in halves])
