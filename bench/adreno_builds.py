@@ -40,7 +40,7 @@ def check_build(name: str, size: dict, target_text: str, batch: int, seed: int) 
     from thomas_tune.models import build, init_params
     from thomas_tune.reference import torch_module
     from thomas_tune.runtime import Session
-    from thomas_tune.step_check import check_export
+    from thomas_tune.export_check import check_export
     from thomas_tune.target import parse_target
     target = parse_target(target_text)
     model = build(name, **size)

@@ -12,7 +12,7 @@ process (``benchmark.device_memory``), the compiled step's estimate
 bytes its kernels
 are given per step and its launches (``benchmark.exports.export_counters``). With ``--check``
 every export's loss and gradients are checked against PyTorch float64
-(``step_check.check_export``). Prints one line per export and writes the JSON.
+(``export_check.check_export``). Prints one line per export and writes the JSON.
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ def main() -> None:
     for n, d in zip(names, a.exports):
         res[n] = {"export": d, **as_result(timed[n]), **_describe(d, sides[n], a.seed)}
         if a.check:
-            from thomas_tune.step_check import check_export
+            from thomas_tune.export_check import check_export
             c = check_export(d, seed=a.seed)
             res[n]["check"] = {"ok": c.ok, "line": c.line()}
     for n, r in res.items():

@@ -7,7 +7,7 @@
 ``table``: for the tests' networks (MobileNetV2 0.35@32 and AlexNet 0.1@67, 5 classes, batch
 8, every layer trainable), each mutant of ``tests/mutants.py`` (x1.01 and the wrong sign for
 every kind of gradient, the data-dependent ones, the momentum update's) is built, exported
-and checked with :func:`thomas_tune.step_check.check_export` at seed 0; one line per
+and checked with :func:`thomas_tune.export_check.check_export` at seed 0; one line per
 mutant: whether the check failed it, the parameter (or update output) furthest over its bound,
 its error and bound. The parameters' own
 gradients are also mutated in the right build's outputs (``param_mutant``). ``seeds``: the
@@ -90,7 +90,8 @@ def _mutants(arch):
 
 
 def table(args):
-    from thomas_tune.step_check import check_export, compare_step
+    from thomas_tune.export_check import check_export
+    from thomas_tune.step_check import compare_step
     print("| mutant | check | parameter (worst error / bound) | error | bound | loss |")
     print("|---|---|---|---|---|---|")
     rights = {}
@@ -144,7 +145,7 @@ def _param_rows(arch, right, compare_step):
 
 
 def seeds(args):
-    from thomas_tune.step_check import check_export
+    from thomas_tune.export_check import check_export
     out = os.path.join(args.out, f"{args.model}-{args.target}-seeds")
     if not os.path.exists(os.path.join(out, "train.so")):
         build(args.model, SEED_NETS[args.model], args.target, out)
@@ -159,7 +160,7 @@ def seeds(args):
 
 
 def check(args):
-    from thomas_tune.step_check import check_export
+    from thomas_tune.export_check import check_export
     bad = 0
     for e in args.exports:
         t0 = time.perf_counter()

@@ -28,7 +28,7 @@ import tvm
 from thomas_tune.compiler.export import export
 from thomas_tune.models import build
 from thomas_tune.runtime import Session
-from thomas_tune.step_check import check_export
+from thomas_tune.export_check import check_export
 from thomas_tune.target import parse_target
 
 from build_cache import export as shared_export  # the session's build of these inputs

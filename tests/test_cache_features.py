@@ -16,7 +16,8 @@ from thomas_tune.models import build, init_params
 from thomas_tune.runtime import Session
 from thomas_tune.manifest import Manifest
 from thomas_tune.models import load_checkpoint
-from thomas_tune.step_check import check_export, manifest_frozen_bn, reference_steps
+from thomas_tune.export_check import check_export
+from thomas_tune.step_check import manifest_frozen_bn, reference_steps
 from thomas_tune.train import fine_tune
 
 from conftest import REFERENCE, random_tensors

@@ -139,7 +139,7 @@ def mixed_alexnet(tmp_path_factory):
 def test_a_right_mixed16_build_passes_against_its_rounding_reference(mixed_alexnet, rng):
     """The right mixed16 build passes on fresh seeds, within the bounds of PyTorch float32
     rounded the same way; no parameter is beyond what the check can see."""
-    from thomas_tune.step_check import check_export
+    from thomas_tune.export_check import check_export
     seed = int(rng.integers(0, 10_000))
     check = check_export(mixed_alexnet, seed=seed)
     print(seed, check.line())
@@ -153,7 +153,7 @@ def test_a_right_mixed16_build_fails_against_the_plain_reference(mixed_alexnet, 
     reference's measure of the forward's rounding lets the check follow."""
     import shutil
 
-    from thomas_tune.step_check import check_export
+    from thomas_tune.export_check import check_export
     plain = str(tmp_path / "as_float32")
     shutil.copytree(mixed_alexnet, plain)
     _claim(plain, "float32")
@@ -172,7 +172,7 @@ def test_a_mixed16_build_with_a_gradient_1_percent_off_fails(tmp_path):
     weight gradient x1.01 fails likewise, 1.0e-2, docs/journal/precision.md)."""
     import mutants as M
 
-    from thomas_tune.step_check import check_export
+    from thomas_tune.export_check import check_export
     out = _alexnet_export(tmp_path / "mutant", "mixed16", M.DATA_MUTANTS["max pool"](1.01))
     check = check_export(out, seed=0)
     print(check.line())
@@ -244,7 +244,8 @@ def test_a_right_mixed16_mobilenet_passes_following_the_builds_roundings(tmp_pat
     build's value at a few elements per ten thousand; its conv weight gradient 1% off fails."""
     import mutants as M
 
-    from thomas_tune.step_check import CAP, FACTOR, check_export
+    from thomas_tune.export_check import check_export
+    from thomas_tune.step_check import CAP, FACTOR
     out = _mobilenet_export(tmp_path / "right", "mixed16")
     seed = int(rng.integers(0, 10_000))
     check = check_export(out, seed=seed)
@@ -266,7 +267,7 @@ def test_a_mixed16_mobilenet_with_a_wrong_forward_convolution_fails(tmp_path):
     gradients are far over their bounds."""
     import mutants as M
 
-    from thomas_tune.step_check import check_export
+    from thomas_tune.export_check import check_export
     out = _mobilenet_export(tmp_path / "fwd", "mixed16", M.FORWARD_MUTANTS[
         "first conv forward, image 0 x1.01"]("features.0.0"))
     check = check_export(out, seed=0)
@@ -282,7 +283,7 @@ def test_a_float32_build_presented_as_mixed16_fails(tmp_path):
     bounds: float16 storage moves AlexNet's by less, docs/journal/precision.md)."""
     import shutil
 
-    from thomas_tune.step_check import check_export
+    from thomas_tune.export_check import check_export
     plain = _alexnet_export(tmp_path / "float32", "float32")
     claimed = str(tmp_path / "as_mixed16")
     shutil.copytree(plain, claimed)

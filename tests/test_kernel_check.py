@@ -383,7 +383,7 @@ def test_export_leaves_out_and_replay_refuses_a_wrong_record(tmp_path, target, r
     from thomas_tune.compiler.export import export
     from thomas_tune.models import init_params
     from thomas_tune.compiler.replay import replay
-    from thomas_tune.step_check import check_export
+    from thomas_tune.export_check import check_export
     from thomas_tune.tasks import key
     from thomas_tune.logs import TuningLog
     model, task, sch = _relu6_mask_task(target)

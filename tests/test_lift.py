@@ -163,7 +163,7 @@ def test_frozen_batchnorms_fold_into_their_convolutions_once(tmp_path, rng):
     float64 step (loss and every gradient)."""
     from build_cache import export  # the session's build of these inputs
     from thomas_tune.training_graph.library_module import lift_request
-    from thomas_tune.step_check import check_export
+    from thomas_tune.export_check import check_export
     model = build("mobilenet_v2", **SMALL["mobilenet_v2"])
     tg = G.training_module(model, 8, "last:2")
     attr, inputs = lift_request(tg)

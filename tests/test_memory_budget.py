@@ -67,7 +67,7 @@ def test_a_budget_forces_recomputation_measured_under_it_and_the_step_is_right(b
     manifest says what), measures at most the budget on the device, within 10% of the
     estimate; and its training step passes the step check (the same math)."""
     from thomas_tune.benchmark.exports import device_memory
-    from thomas_tune.step_check import check_export
+    from thomas_tune.export_check import check_export
     pytest.importorskip("torch")
     b = Manifest.read(budgeted["dir"]).memory_budget
     assert b["level"] == "elementwise" and b["recomputed"] and b["flops_added"] > 0

@@ -54,7 +54,8 @@ def test_the_right_build_passes_on_fresh_seeds_and_the_inputs_reach_every_path(r
     """Two fresh seeds: the check passes, every batch within rounding of the reference that
     follows the build's branches; the check inputs drove a ReLU6 above 6, and no bound is
     above 1e-2."""
-    from thomas_tune.step_check import CAP, check_export
+    from thomas_tune.export_check import check_export
+    from thomas_tune.step_check import CAP
     for seed in rng.integers(1 << 30, size=2):
         check = check_export(right, seed=int(seed))
         print(check.line(), check.flips)
@@ -139,8 +140,8 @@ def test_a_build_with_a_wrong_backward_fails(tmp_path, mutant, trainable, arch):
     a batch): its gradients are off by more than :data:`~thomas_tune.step_check.CAP` there, and
     as a parameter's error is its largest over the batches and no bound is above CAP, the check
     of all of them fails it too."""
-    from thomas_tune.step_check import (CAP, check_export, manifest_frozen_bn,
-                                        reference_steps)
+    from thomas_tune.export_check import check_export
+    from thomas_tune.step_check import CAP, manifest_frozen_bn, reference_steps
     if mutant in M.DEPENDENT_MUTANTS:
         ctx = M.DEPENDENT_MUTANTS[mutant]()
     else:
@@ -172,7 +173,7 @@ def test_a_build_with_a_wrong_optimizer_update_fails(tmp_path, mutant):
     float64, :mod:`thomas_tune.update_check`), by at least 100 times its bound in float32
     ulps, naming every parameter; the loss and the gradients pass. A small AlexNet's last
     layer: the update's kernels are those of any network's trainable set."""
-    from thomas_tune.step_check import check_export
+    from thomas_tune.export_check import check_export
     out = _export(tmp_path, "mutant", "last:1", M.UPDATE_MUTANTS[mutant](), arch="alexnet",
                   opt_level=0)
     check = check_export(out, seed=0)

@@ -35,8 +35,8 @@ from thomas_tune.models import build, init_params, load_checkpoint
 from thomas_tune.remote import RemoteDevice, connect
 from thomas_tune.runtime import Session
 from thomas_tune.manifest import Manifest
-from thomas_tune.step_check import (check_export, export_step, manifest_frozen_bn,
-                                    reference_steps)
+from thomas_tune.export_check import check_export
+from thomas_tune.step_check import export_step, manifest_frozen_bn, reference_steps
 from thomas_tune.target import parse_target
 
 from build_cache import export  # the session's build of these inputs

@@ -44,7 +44,7 @@ else the reference's own rounding. Nothing beyond one float16 step is adopted, s
 tensors are given the reference stays its own forward, rounded within one float16 step at each
 place (a stored value 1% off is not taken: such elements are counted, :class:`Aligned`). The
 stored tensors come from the step's check-only form compiled again; that they are the build's
-own is checked by its loss (:func:`thomas_tune.step_check.check_export`).
+own is checked by its loss (:func:`thomas_tune.export_check.check_export`).
 """
 
 from __future__ import annotations

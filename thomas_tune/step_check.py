@@ -57,16 +57,13 @@ the check cannot tell a right build from one 1% off, and it says so
 
 from __future__ import annotations
 
-import dataclasses
-import os
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from .half_reference import Aligned
 from .kink_step import torch_forward, torch_step  # noqa: F401
 from .kinks import numpy_of as _numpy
-from .step_run import export_step
+from .step_run import export_step  # noqa: F401
 
 #: batches a step is checked on: different labels, dropout masks and tails on each
 CHECK_BATCHES = 3
@@ -177,7 +174,8 @@ class StepCheck:
     flips: list[int] = field(default_factory=list)
     unresolved: int = 0
     #: a mixed16 build's parameters whose bound PyTorch's own half-storage step already
-    #: exceeds (its error x FACTOR above CAP): not checkable on these batches (check_export)
+    #: exceeds (its error x FACTOR above CAP): not checkable on these batches
+    #: (:func:`thomas_tune.export_check.check_export`)
     unverifiable: list[str] = field(default_factory=list)
     coverage: dict = field(default_factory=dict)
     #: the optimizer update against torch.optim (thomas_tune.update_check.UpdateCheck), or None
@@ -440,138 +438,3 @@ def following_step(reference: dict, i: int, grads: dict[str, np.ndarray]):
     # no following
     return follow(loss, g, reference["rounding"][i], params, names, grads, scales,
                   within=FACTOR * ROUNDING)
-
-
-def _following_roundings(export_dir: str, m, reference: dict, ours: list, seed: int,
-                         frozen_bn, say) -> dict:
-    """The reference steps (:func:`reference_steps`) of a mixed16 export on the batches of
-    ``reference``, following the float16 roundings of the build: its stored tensors read by
-    the check-only form of its step (:func:`thomas_tune.step_run.stored_step`: the graph its
-    manifest states, compiled here), which are the build's where that form's loss is
-    ``ours``' (the export's own ``train.so`` on those batches) bit for bit: the result's
-    ``"same_forward"`` says whether it is on every batch. Where it is not, the build's forward
-    is not the step its manifest states (a wrong forward kernel; a build of another
-    precision presented as mixed16) and the check fails it (:attr:`StepCheck.aligned`);
-    the roundings followed are then that step's, each still within one float16 step of the
-    reference's own."""
-    import time
-
-    from .step_run import stored_step
-    model, tensors, trainable, _ = reference["context"]
-    t0 = time.perf_counter()
-    stored = [stored_step(export_dir, x, y, mk, tensors)
-              for (x, y), mk in zip(reference["batches"], reference["masks"])]
-    # the forward is the build's where the loss is, bit for bit (its gradients may differ:
-    # that is what the check judges)
-    same = [loss == s[0] for (loss, _), s in zip(ours, stored)]
-    if not all(same):
-        say(f"[check] the build's loss differs from the stated mixed16 step's compiled here "
-            f"on batch(es) {[i for i, v in enumerate(same) if not v]}: its forward is not "
-            "that step's; the roundings followed are that step's")
-    say(f"[check] the build's float16 tensors read back in {time.perf_counter() - t0:.1f} s")
-    t0 = time.perf_counter()
-    out = reference_steps(model, tensors, trainable, m.batch, seed, frozen_bn,
-                          precision="mixed16", halves=[s[2] for s in stored])
-    out["same_forward"] = all(same)
-    say(f"[check] PyTorch's float64 and float32 steps of {CHECK_BATCHES} batches, following "
-        f"the build's float16 roundings, in {time.perf_counter() - t0:.1f} s")
-    return out
-
-
-def check_export(export_dir: str, seed: int = 0, frozen_bn: bool | set | None = None,
-                 reference: dict | None = None, rpc_session=None,
-                 cached: bool = False, say=None, train_lib=None) -> StepCheck:
-    """Check an export's training step against PyTorch float64 following the build's branches
-    (see the module docstring), at the build's precision (its manifest's: a mixed16 build
-    against float64 rounding where it stores float16, :mod:`thomas_tune.half_reference`),
-    on the :data:`CHECK_BATCHES` batches of ``seed``
-    (:func:`reference_steps`), from the export's own parameters, with PyTorch float32's
-    errors on the same batches as the yardstick. ``frozen_bn``: the BatchNorms in inference
-    form, True for all or a set of names (None: as the export's manifest says);
-    ``rpc_session``: run the export's step on that device server (:func:`export_step`), its
-    ``train.so`` loaded there once (``train_lib``: already loaded, e.g. by the
-    :class:`thomas_tune.runtime.Session` about to be timed, so the server loads it only once);
-    ``reference``: :func:`reference_steps` already computed for this model, parameters,
-    seed and precision (several exports of one step share it; one of another precision is
-    made again; a mixed16 build run here gets a reference of its own, following its float16
-    roundings, module docstring); ``cached``: check the step on cached
-    features (:func:`export_step`). The export's optimizer update is checked too, against
-    ``torch.optim`` on fresh values of ``seed`` (:mod:`thomas_tune.update_check`, the
-    result's ``update``). ``say``: a callable given a line per stage with its wall time in s
-    (the reference steps, each batch's following: at 224 px these take minutes). A mixed16
-    export whose forward is not the step its manifest states fails
-    (:func:`_following_roundings`). Raises ValueError as :func:`reference_steps`. Needs
-    torch."""
-    import time
-
-    from .manifest import Manifest
-    from .models import load_checkpoint
-    m = Manifest.read(export_dir)
-    if frozen_bn is None:
-        frozen_bn = manifest_frozen_bn(m)
-    say = say or (lambda _line: None)
-    t0 = time.perf_counter()
-    # a mixed16 build run here is followed at its float16 roundings: its reference is its own
-    follows = m.precision == "mixed16" and rpc_session is None and not cached
-    why = None
-    if follows:
-        from .step_run import stored_library
-        try:
-            stored_library(export_dir)
-        except ValueError as err:
-            follows, why = False, str(err)
-    # (a reference made for another precision, e.g. a bench's float32 side, is not this one's)
-    if reference is None or reference.get("precision", "float32") != m.precision:
-        model, tensors, _ = load_checkpoint(os.path.join(export_dir, "params.npz"))
-        if follows:  # (the batches alone: the reference is made below, from the build's)
-            reference = {"batches": [batch(model, m.batch, seed + i)
-                                     for i in range(CHECK_BATCHES)],
-                         "masks": [dropout_masks(model, m.batch, seed + i)
-                                   for i in range(CHECK_BATCHES)],
-                         "context": (model, tensors, list(m.trainable), frozen_bn)}
-        else:
-            reference = reference_steps(model, tensors, m.trainable, m.batch, seed, frozen_bn,
-                                        precision=m.precision)
-            say(f"[check] PyTorch's float64 and float32 steps of {CHECK_BATCHES} batches in "
-                f"{time.perf_counter() - t0:.1f} s")
-    checked = reference["context"][1]
-    if rpc_session is not None and train_lib is None:
-        from .remote import device_train_library
-        train_lib = device_train_library(export_dir, rpc_session)
-    ours = [export_step(export_dir, x, y, rpc_session=rpc_session, cached=cached, masks=mk,
-                        tensors=checked, train_lib=train_lib)
-            for (x, y), mk in zip(reference["batches"], reference["masks"])]
-    if follows:
-        reference = _following_roundings(export_dir, m, reference, ours, seed, frozen_bn, say)
-    elif m.precision == "mixed16":
-        say(f"[check] the build's float16 roundings are not followed: "
-            f"{why or 'its step runs on a device server or on cached features'}")
-    refs = []
-    for i, o in enumerate(ours):
-        t0 = time.perf_counter()
-        refs.append(following_step(reference, i, o[1]))
-        r, dt = refs[-1], time.perf_counter() - t0
-        say(f"[check] batch {i}: " + (f"{r.ambiguous} element(s) within rounding of a kink "
-            f"weighed, {len(r.flips)} decided as the build did" if r.ambiguous else
-            "float64's own decisions explain the build") + f" ({dt:.1f} s)")
-    yard = reference["yardstick"]
-    check = compare_step([o[0] for o in ours], [o[1] for o in ours], [r.loss for r in refs],
-                         [r.grads for r in refs], yard.errors, yard.loss_err,
-                         reference["sums"])
-    check.few_bn_values = reference.get("few_bn_values")
-    check.flips = [len(r.flips) for r in refs]
-    check.unresolved = sum(r.unresolved for r in refs)
-    check.coverage = reference.get("coverage", {})
-    if reference.get("aligned") is not None:
-        total = Aligned()
-        for a in reference["aligned"]:
-            total = total.add(a)
-        check.aligned = dict(dataclasses.asdict(total),
-                             same_forward=reference.get("same_forward", True))
-    if m.precision != "float32":  # (float32's bounds are capped; module docstring)
-        check.unverifiable = sorted(n for n, e in yard.errors.items() if FACTOR * e > CAP)
-    from .update_check import check_update
-    (x, y), masks = reference["batches"][0], reference["masks"][0]
-    check.update = check_update(export_dir, seed, rpc_session, (x, y, masks, ours[0][1]),
-                                train_lib=train_lib)
-    return check

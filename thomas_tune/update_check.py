@@ -334,7 +334,7 @@ def check_update(export_dir: str, seed: int = 0, rpc_session=None,
     server (:func:`export_update`). On this machine, an export with ``train_step`` is also
     checked as ``Session.train_step`` updates: its ``train_step`` (:func:`export_train_step`)
     on ``first_batch`` (``(x, y, masks, grads)``: the first check batch of ``seed`` as
-    :func:`thomas_tune.step_check.check_export` draws it, its dropout masks and the gradients
+    :func:`thomas_tune.export_check.check_export` draws it, its dropout masks and the gradients
     the export's ``train_adjoint`` gives for it; None: this part is left out) from the
     export's parameters and fresh optimizer state, against ``torch.optim`` on those gradients
     (outputs named ``train_step <output>``). ``train_lib``: as :func:`export_update` takes it.

@@ -6,7 +6,7 @@ gradients against the direct form, and half storage's yardstick at the README ro
 On the GPU machine (``tools/gpu_tune.sh setup`` first, then ``tools/gpu_tune.sh py`` this):
 exports AlexNet 1.0@224, 1000 classes, batch 32, every layer, from the committed tuning log
 twice: as the README row is built (the log's Winograd choice for the 3x3 data gradients) and
-with no Winograd form at all; checks both (``step_check.check_export``, seed 0) and prints
+with no Winograd form at all; checks both (``export_check.check_export``, seed 0) and prints
 every parameter's error, bound and PyTorch float32's error. Then PyTorch's own half-storage
 float32 step against its float64 step (``reference_steps(precision="mixed16")``) for
 MobileNetV2 1.0@224 and AlexNet 1.0@224 at batch 32, every layer: the errors that set a mixed16
@@ -50,7 +50,7 @@ def main():
     a = p.parse_args()
     os.makedirs(a.out, exist_ok=True)
     from thomas_tune.manifest import Manifest
-    from thomas_tune.step_check import check_export
+    from thomas_tune.export_check import check_export
     res = {}
     for name, direct in (("winograd", False), ("direct", True)):
         t0 = time.time()

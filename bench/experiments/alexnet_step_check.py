@@ -5,7 +5,7 @@ with every parameter's error beside its bound and PyTorch float32's.
         [--resolution 224 --classes 10] [--reference-dir /tmp/ref] [--out F.json]
 
 Per seed: the weights of ``models.init_params(model, seed)``, every layer trainable, no tuning
-log, checked as :func:`thomas_tune.step_check.check_export` checks an export on that seed's
+log, checked as :func:`thomas_tune.export_check.check_export` checks an export on that seed's
 batches. On ``llvm`` the training module is compiled and run here without an export (the llvm
 export of AlexNet@224 at batch 32 ran out of this 23 GB machine's memory); other targets are
 exported and checked with ``check_export``. ``--reference-dir`` keeps PyTorch's float64 and
@@ -28,7 +28,8 @@ from thomas_tune.compiler.compile import compile_graph
 from thomas_tune.compiler.export import export
 from thomas_tune.training_graph.graph import select_trainable
 from thomas_tune.models import build, init_params
-from thomas_tune.step_check import check_export, compare_step, reference_steps
+from thomas_tune.export_check import check_export
+from thomas_tune.step_check import compare_step, reference_steps
 from thomas_tune.target import parse_target
 
 

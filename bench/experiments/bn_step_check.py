@@ -4,7 +4,7 @@
 
 Each seed draws the weights (the tests' ``random_tensors``), exports MobileNetV2 0.35@64 with 5
 classes and every layer trainable for ``--target`` with default schedules, and runs
-:func:`thomas_tune.step_check.check_export` with that seed: one line per seed, the check's
+:func:`thomas_tune.export_check.check_export` with that seed: one line per seed, the check's
 verdict with the worst gradient beside PyTorch float32's. PoCL is the OpenCL device.
 """
 
@@ -17,7 +17,7 @@ import numpy as np
 
 from thomas_tune.compiler.export import export
 from thomas_tune.models import build
-from thomas_tune.step_check import check_export
+from thomas_tune.export_check import check_export
 from thomas_tune.target import parse_target
 
 sys.path.insert(0, os.path.join(os.path.abspath(os.path.join(__file__, "../../..")),

@@ -29,14 +29,14 @@ def bench_reference(exports: dict, seed: int) -> dict | None:
 def check_variants(exports: dict, seed: int, say=print, reference: dict | None = None,
                    progress=None) -> dict:
     """Each export's training step checked against PyTorch in float64, with PyTorch's float32
-    step on the same batches as the yardstick (:func:`thomas_tune.step_check.check_export`,
+    step on the same batches as the yardstick (:func:`thomas_tune.export_check.check_export`,
     on the check batches of ``seed``; ``reference``: :func:`bench_reference` already
     computed; ``progress``: given a line per stage of each check with its time, or None).
     Returns variant ->
     :class:`~thomas_tune.step_check.StepCheck` plus ``"torch_float32"`` (PyTorch float32's own
     comparison); says one line per variant. Without PyTorch, says so and returns nothing
     checked: the bench then marks every time unchecked and gives no ratio of them."""
-    from ..step_check import check_export
+    from ..export_check import check_export
     try:
         import torch  # noqa: F401
     except ImportError:
@@ -62,7 +62,7 @@ def check_variants(exports: dict, seed: int, say=print, reference: dict | None =
 def check_torch_side(side, reference: dict, eager=None):
     """A PyTorch side's training step (a :class:`~thomas_tune.benchmark.timing.TorchSide`,
     e.g. compiled with ``torch.compile``) checked as an export is
-    (:func:`thomas_tune.step_check.check_export`): its loss and every trainable gradient on
+    (:func:`thomas_tune.export_check.check_export`): its loss and every trainable gradient on
     the check batches of ``reference`` (:func:`bench_reference`), dropout off, from the
     parameters it was made with, against PyTorch float64 with PyTorch float32's errors as
     the yardstick. With ``eager`` (a TorchSide of the same network, eager, made from the same
@@ -99,7 +99,7 @@ def check_torch_side(side, reference: dict, eager=None):
 
 def torch_float32_check(export_dir: str, seed: int):
     """PyTorch's own float32 step (TF32 off) compared with its float64 step on the check
-    batches of :func:`thomas_tune.step_check.check_export`: the rounding float32 alone brings
+    batches of :func:`thomas_tune.export_check.check_export`: the rounding float32 alone brings
     to this network and these batches (a :class:`~thomas_tune.step_check.StepCheck` against
     the rounding floors alone)."""
     import os

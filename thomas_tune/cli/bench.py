@@ -15,7 +15,7 @@ from .options import (add_model_args, add_remote_args, add_target_arg, load_mode
 def _check_on_device(args, session):
     """The export's training step run on ``session``'s device server, through the library the
     session loaded (no second load there), and checked against PyTorch float64
-    (:func:`thomas_tune.step_check.check_export`, from the export's own parameters): the
+    (:func:`thomas_tune.export_check.check_export`, from the export's own parameters): the
     StepCheck, said on stderr; None, said too, where PyTorch is not installed (the times are
     then of an unchecked build)."""
     try:
@@ -24,7 +24,7 @@ def _check_on_device(args, session):
         print("[bench] PyTorch is not installed: the export's numbers on the device are not "
               "checked; its times are of an unchecked build", file=sys.stderr)
         return None
-    from ..step_check import check_export
+    from ..export_check import check_export
     check = check_export(args.export, seed=args.seed, rpc_session=session.rpc_session,
                          train_lib=session.train_library)
     print(f"[bench] numbers on the device against PyTorch float64: {check.line()}",
