@@ -203,15 +203,15 @@ def test_bench_times_no_build_with_a_wrong_gradient(small_export, tmp_path, monk
     not timed."""
     import mutants as M
 
-    from thomas_tune import step_check
+    from thomas_tune import export_check
     from thomas_tune.cli import main
-    real = step_check.export_step
+    real = export_check.export_step
 
     def wrong(*args, **kwargs):
         loss, grads = real(*args, **kwargs)
         return loss, M.param_mutant(grads, "features.0.bias", 1.01)
 
-    monkeypatch.setattr(step_check, "export_step", wrong)
+    monkeypatch.setattr(export_check, "export_step", wrong)
     out = tmp_path / "bench.json"
     main(["bench", "--export", small_export, "--steps", "2", "--kernels", "2", "--no-torch",
           "--no-startup", "--quiet", "--json", str(out)])
