@@ -224,16 +224,19 @@ MOBILENET = dict(num_classes=5, resolution=32, width=0.35)
 
 def _mobilenet_export(path, precision, mutant=None):
     """An llvm export of MobileNetV2 0.35@32 (every layer, batch 8) at ``precision``, built
-    under ``mutant`` when given."""
+    under ``mutant`` when given; LLVM's optimisation off, as :func:`_alexnet_export` (the
+    check-only form of its step is compiled for the same target)."""
     import contextlib
 
+    from thomas_tune.compiler.compile import reference_target
     from thomas_tune.compiler.export import export
     from thomas_tune.models import build, init_params
     from thomas_tune.target import parse_target
     model = build("mobilenet_v2", **MOBILENET)
     with mutant if mutant is not None else contextlib.nullcontext():
-        export(str(path), model, init_params(model, seed=11), parse_target("llvm"), batch=8,
-               trainable="all", precision=precision, progress=lambda *_: None)
+        export(str(path), model, init_params(model, seed=11), reference_target(
+            parse_target("llvm")), batch=8, trainable="all", precision=precision,
+            progress=lambda *_: None)
     return str(path)
 
 
