@@ -21,8 +21,8 @@ import os
 import time
 
 from .half_reference import Aligned
-from .step_check import (CAP, CHECK_BATCHES, FACTOR, StepCheck, batch, compare_step,
-                         dropout_masks, following_step, manifest_frozen_bn, reference_steps)
+from .step_check import (CAP, CHECK_BATCHES, FACTOR, StepCheck, check_batches, compare_step,
+                         following_step, manifest_frozen_bn, reference_steps)
 from .step_run import export_step
 
 
@@ -88,8 +88,8 @@ def _reference(export_dir: str, m, reference, seed: int, frozen_bn, follows: boo
     t0 = time.perf_counter()
     model, tensors, _ = load_checkpoint(os.path.join(export_dir, "params.npz"))
     if follows:
-        return {"batches": [batch(model, m.batch, seed + i) for i in range(CHECK_BATCHES)],
-                "masks": [dropout_masks(model, m.batch, seed + i) for i in range(CHECK_BATCHES)],
+        xs, masks = check_batches(model, m.batch, seed)
+        return {"batches": xs, "masks": masks,
                 "context": (model, tensors, list(m.trainable), frozen_bn)}
     reference = reference_steps(model, tensors, m.trainable, m.batch, seed, frozen_bn,
                                 precision=m.precision)

@@ -346,6 +346,14 @@ def _coverage(kinks, into: dict) -> None:
             into[key] = into.get(key, 0) + int((k.gap == 0).sum())
 
 
+def check_batches(model, batch_size: int, seed: int, batches: int = CHECK_BATCHES
+                  ) -> tuple[list, list]:
+    """The check batches of ``seed``: ([(x, y) of :func:`batch` for ``seed``, ``seed + 1``,
+    ...], [their :func:`dropout_masks`]), ``batches`` of each."""
+    return ([batch(model, batch_size, seed + i) for i in range(batches)],
+            [dropout_masks(model, batch_size, seed + i) for i in range(batches)])
+
+
 def reference_steps(model, tensors: dict[str, np.ndarray], trainable: list[str], batch_size: int,
                     seed: int, frozen_bn: bool | set = False,
                     batches: int = CHECK_BATCHES, precision: str = "float32",
@@ -372,8 +380,7 @@ def reference_steps(model, tensors: dict[str, np.ndarray], trainable: list[str],
     import torch
 
     from .kink_step import follow_float32
-    xs = [batch(model, batch_size, seed + i) for i in range(batches)]
-    ms = [dropout_masks(model, batch_size, seed + i) for i in range(batches)]
+    xs, ms = check_batches(model, batch_size, seed, batches)
     counts: dict[str, int] = {}
     cover: dict[str, int] = {}
     f64, f32, own32, sums, rounding, aligned = [], [], [], [], [], []
