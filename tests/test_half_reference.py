@@ -244,9 +244,9 @@ def test_a_right_mixed16_mobilenet_passes_following_the_builds_roundings(tmp_pat
     """MobileNetV2 0.35@32, batch 8, every layer, mixed16 on llvm: with the build's float16
     roundings followed the check judges it (nothing unverifiable: PyTorch's own step,
     following them too, is within the cap's share) and passes on a fresh seed, taking the
-    build's value at a few elements per ten thousand; its conv weight gradient 1% off fails."""
-    import mutants as M
-
+    build's value at a few elements per ten thousand. (Following fails a gradient 1% off:
+    AlexNet's max-pool mutant above; MobileNetV2's conv weight gradient x1.01 fails too,
+    1.0e-2 against 2.0e-3, docs/journal/precision.md.)"""
     from thomas_tune.export_check import check_export
     from thomas_tune.step_check import CAP, FACTOR
     out = _mobilenet_export(tmp_path / "right", "mixed16")
@@ -257,25 +257,23 @@ def test_a_right_mixed16_mobilenet_passes_following_the_builds_roundings(tmp_pat
     assert max(check.yardstick.values()) * FACTOR < CAP
     a = check.aligned
     assert a["places"] > 0 and 0 < a["taken"] < 1e-3 * a["elements"], a
-    wrong = _mobilenet_export(tmp_path / "wgrad", "mixed16", M.DATA_MUTANTS["conv weight"](1.01))
-    check = check_export(wrong, seed=seed)
-    print(check.line())
-    assert not check.ok and check.failing and not check.unverifiable, check.line()
 
 
-def test_a_mixed16_mobilenet_with_a_wrong_forward_convolution_fails(tmp_path):
+def test_a_mixed16_build_with_a_wrong_forward_convolution_fails(tmp_path):
     """The first convolution computing the first image 1% too large (the gradients those of
-    that wrong forward): its loss is not the stated step's bit for bit (the stored tensors
-    read back, from that step compiled again, are the right forward's), and its loss and
-    gradients are far over their bounds."""
+    that wrong forward; AlexNet: the check-only form is the same code for every network): its
+    loss is not the stated step's bit for bit (the stored tensors read back, from that step
+    compiled again, are the right forward's), and its gradients are far over their bounds
+    (seed 0: 15 of 16, the worst 47x; its loss 1.2x, one image of eight moved)."""
     import mutants as M
 
     from thomas_tune.export_check import check_export
-    out = _mobilenet_export(tmp_path / "fwd", "mixed16", M.FORWARD_MUTANTS[
-        "first conv forward, image 0 x1.01"]("features.0.0"))
+    out = _alexnet_export(tmp_path / "fwd", "mixed16", M.FORWARD_MUTANTS[
+        "first conv forward, image 0 x1.01"]("features.0"))
     check = check_export(out, seed=0)
     print(check.line())
-    assert not check.ok and check.failing and check.loss_err > check.loss_bound, check.line()
+    assert not check.ok and len(check.failing) > len(check.errors) // 2, check.line()
+    assert max(check.errors[n] / check.bounds[n] for n in check.failing) > 10, check.line()
     assert not check.aligned["same_forward"], check.aligned
 
 

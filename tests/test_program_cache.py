@@ -6,8 +6,9 @@ keeps none: without the stored programs every session builds every program from 
 first session's programs are fetched after its first step and stored; a second session sets
 them before its first launch and reaches the end of its first step at least 5x sooner (the
 first's time counted without the fetch), with the same loss; a renewal sets them again; a
-stored stream the driver rejects (each binary's header overwritten) falls back to building
-from source, with the same numbers, and is replaced by one the driver takes; a session whose
+stored stream the driver rejects (each binary's header overwritten; the inference library's,
+whose rebuild from source is the shorter) falls back to building from source, with the same
+numbers, and is replaced by one the driver takes; a session whose
 bound thomas_tune does not know sets the stored programs and postpones fetching the others.
 
 Needs ``THOMAS_TUNE_TVM_RPC`` (see ``tests/test_tvm_rpc.py``); marked ``tvm_rpc``.
@@ -68,6 +69,7 @@ def test_programs_compiled_once_per_device(tmp_path, rng, monkeypatch):
         # first session: every program built from source, then fetched and stored
         first, loss1, first_s = _first_step(out, tracker, x, y, seed)
         fetch_s = sum(e["seconds"] for e in first.programs.events)
+        logits1 = first.predict(x[:2])  # after one step, as the third session's below
         losses1 = [loss1, first.train_step(x, y)]
         first.close()
         assert _actions(first, "train.so") == ["stored"], first.programs.events
@@ -99,25 +101,30 @@ def test_programs_compiled_once_per_device(tmp_path, rng, monkeypatch):
         assert loss == pytest.approx(losses1[1], rel=1e-5)
         assert first_s - fetch_s >= 5 * renewed_s, (first_s, fetch_s, renewed_s)
 
-        # a stream the driver rejects: built from source, the same loss, the file replaced
-        train_file = next(f for f in files if f.name.startswith("train-"))
-        good = parse(train_file.read_bytes())
-        train_file.write_bytes(pack({k: b"\0" * 16 + v[16:] for k, v in good.items()}))
+        # a stream the driver rejects (the inference library's: the smaller rebuild from
+        # source): built from source, the same numbers, the file replaced
+        infer_file = next(f for f in files if f.name.startswith("inference-"))
+        good = parse(infer_file.read_bytes())
+        infer_file.write_bytes(pack({k: b"\0" * 16 + v[16:] for k, v in good.items()}))
         rpc.wait_for_key(tracker, KEY, timeout=60)
         third, loss3, _ = _first_step(out, tracker, x, y, seed)
+        logits3 = third.predict(x[:2])
         third.close()
-        assert _actions(third, "train.so") == ["rejected", "stored"], third.programs.events
+        assert _actions(third, "inference.so") == ["rejected", "stored"], third.programs.events
+        assert _actions(third, "train.so") == ["set"], third.programs.events
         rejected = next(e for e in third.programs.events if e["action"] == "rejected")
         print(f"rejected: {rejected}")
         assert "CL_INVALID_BINARY" in rejected["reason"]
         assert loss3 == pytest.approx(loss1, rel=1e-6)
-        replaced = parse(train_file.read_bytes())
+        np.testing.assert_allclose(logits3, logits1, rtol=1e-6, atol=1e-7)
+        replaced = parse(infer_file.read_bytes())
         assert replaced.keys() == good.keys()
         assert all(v[:16] != b"\0" * 16 for v in replaced.values())
 
         # the replaced stream serves the next session; one given as it is (its bound not known
         # here) sets what is stored and postpones fetching what is not
-        next(f for f in files if f.name.startswith("inference-")).unlink()
+        infer_file.unlink()
+        train_file = next(f for f in files if f.name.startswith("train-"))
         rpc.wait_for_key(tracker, KEY, timeout=60)
         t0 = time.perf_counter()
         fourth = Session(out, rpc_session=connect(tracker, KEY, session_timeout_s=900),
