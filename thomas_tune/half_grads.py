@@ -92,7 +92,8 @@ class _GradRounder(_Rounder):
 
     def __init__(self, batch: int, params):
         super().__init__(batch, params)
-        self.param_grads = {f"{p.name}_adjoint" for p in params}
+        # (the gradient pass names them after the parameter, dots as underscores)
+        self.param_grads = {f"{p.name}_adjoint".replace(".", "_") for p in params}
         self.param_shapes = {tuple(int(d) for d in p.ty.shape.values) for p in params
                              if isinstance(p.ty, relax.TensorType) and p.ty.shape is not None}
 
