@@ -39,6 +39,9 @@ from .manifest import ADJOINT, FEATURES, HEAD_ADJOINT, OPTIMIZER, PREDICT
 
 #: the step's input that scales the loss's gradient
 LOSS_SCALE_INPUT = "loss_scale"
+#: convolutions of the backward that read their stored operands (the forward's layer output, the
+#: activation gradient) in float16 directly, the arithmetic in float32 (:meth:`_GradRounder.reads`)
+HALF_INPUT_OPS = frozenset({"relax.nn.conv2d", "relax.nn.conv2d_transpose"})
 #: views: their values are those of their input, stored already
 VIEW_OPS = frozenset({"relax.reshape"})
 
@@ -92,10 +95,88 @@ class _GradRounder(_Rounder):
 
     def __init__(self, batch: int, params):
         super().__init__(batch, params)
+        self.depthwise: dict = {}  # forward depthwise conv2d calls by weight and data var
         # (the gradient pass names them after the parameter, dots as underscores)
         self.param_grads = {f"{p.name}_adjoint".replace(".", "_") for p in params}
         self.param_shapes = {tuple(int(d) for d in p.ty.shape.values) for p in params
                              if isinstance(p.ty, relax.TensorType) and p.ty.shape is not None}
+
+    def note_convs(self, func: relax.Function) -> None:
+        """Record ``func``'s depthwise convolutions (by weight and by data variable), whose
+        backward kernels :meth:`reads` builds again for float16 operands."""
+        from .training_graph.gradients import is_depthwise
+        for block in func.body.blocks:
+            for b in block.bindings:
+                v = b.value
+                if isinstance(v, relax.Call) and getattr(v.op, "name", "") == "relax.nn.conv2d" \
+                        and is_depthwise(v):
+                    self.depthwise[v.args[1]] = v
+                    self.depthwise[v.args[0]] = v
+
+    def reads(self, expr, dataflow: bool, out: list) -> relax.Expr:
+        """As :meth:`thomas_tune.half_storage._Rounder.reads`; in the backward, a depthwise
+        convolution's gradient kernel reads its stored operands in float16 directly
+        (:func:`_half_depthwise`), not float32 copies: a float32 copy read by a kernel that
+        fuses nothing is made in the kernel that makes the gradient, which then stores float32
+        (FuseOps fuses the rounding and the read-back cast into it)."""
+        op = getattr(expr.op, "name", "") if isinstance(expr, relax.Call) else ""
+        call = None
+        if not self.in_forward and op == "relax.call_tir":
+            call = self._half_depthwise(expr, dataflow, out)
+        elif not self.in_forward and op in HALF_INPUT_OPS:
+            call = self._half_conv(expr, dataflow, out)
+        return call if call is not None else super().reads(expr, dataflow, out)
+
+    def _halves(self, args, dataflow: bool, out: list):
+        """Per argument, its float16 twin where it is stored, else it read as
+        :meth:`thomas_tune.half_storage._Rounder.reads` reads it; None where none is stored."""
+        halves = [next((h for st, h in self.half.items() if st.same_as(a)), None)
+                  for a in args]
+        if all(h is None for h in halves):
+            return None
+        return [h if h is not None else super(_GradRounder, self).reads(a, dataflow, out)
+                for h, a in zip(halves, args)]
+
+    def _half_conv(self, expr, dataflow: bool, out: list):
+        """A backward convolution (``conv2d``: a weight gradient; ``conv2d_transpose``: a data
+        gradient) reading its stored operands in float16, its result float32."""
+        ins = self._halves(expr.args[:2], dataflow, out)
+        if ins is None:
+            return None
+        a = expr.attrs
+        if expr.op.name == "relax.nn.conv2d":
+            call = relax.op.nn.conv2d(*ins, a.strides, a.padding, a.dilation, a.groups,
+                                      a.data_layout, a.kernel_layout, a.out_layout, "float32")
+        else:
+            call = relax.op.nn.conv2d_transpose(
+                *ins, a.strides, a.padding, a.output_padding, a.dilation, a.groups,
+                a.data_layout, a.kernel_layout, a.out_layout, "float32")
+        return self.bb.normalize(call)
+
+    def _half_depthwise(self, expr, dataflow: bool, out: list):
+        from .training_graph import gradients as GR
+        name = expr.args[0].name_hint
+        kind = next((k for k in ("depthwise_data_grad", "depthwise_weight_grad")
+                     if name.startswith(k)), None)
+        args = list(expr.args[1].fields)
+        key = args[1] if kind == "depthwise_data_grad" else args[0]
+        conv = self.depthwise.get(key) if kind else None
+        ins = self._halves(args, dataflow, out) if conv is not None else None
+        if ins is None:
+            return None
+        at = conv.attrs
+        strides, dilation = [int(v) for v in at.strides], [int(v) for v in at.dilation]
+        padding = [int(v) for v in at.padding]
+        if kind == "depthwise_data_grad":
+            hw = [int(v) for v in conv.args[0].ty.shape.values][2:]
+            te_func = _as_float32(GR.depthwise_data_grad_te)
+            extra = (hw, strides, padding, dilation)
+        else:
+            kernel = [int(v) for v in conv.args[1].ty.shape.values][2:]
+            te_func = _as_float32(GR.depthwise_weight_grad_te)
+            extra = (kernel, strides, padding, dilation)
+        return self.bb.normalize(self.bb.call_te(te_func, *ins, *extra,
+                                                 primfunc_name_hint=f"{kind}_half"))
 
     def stores(self, b, forward: bool) -> bool:
         if super().stores(b, forward):
@@ -118,11 +199,32 @@ class _GradRounder(_Rounder):
                 and tuple(int(d) for d in shape) not in self.param_shapes)
 
 
-def round_gradients(func: relax.Function, batch: int) -> relax.Function:
+def _as_float32(te_func):
+    """``te_func`` (a TE compute of float32 tensors) taking its first two tensors of any float
+    dtype, each read as float32 (a cast stage, inlined by the build)."""
+    from tvm import te
+
+    def wrapped(a, b, *rest):
+        def f32(t):
+            if t.dtype == "float32":
+                return t
+            return te.compute(t.shape, lambda *i: t(*i).astype("float32"), name=f"{t.name}_f32")
+        return te_func(f32(a), f32(b), *rest)
+    return wrapped
+
+
+def round_gradients(func: relax.Function, batch: int) -> tuple[relax.Function, dict]:
     """The step's adjoint ``func`` (its loss gradient scaled, :func:`scale_loss_gradient`) with
     its forward's layer outputs and its backward's activation gradients stored as float16 and
-    read back as float32 (module docstring); ``batch``: the step's batch size."""
-    return rewritten(func, _GradRounder(batch, func.params)) or func
+    read back as float32 (module docstring); ``batch``: the step's batch size. Returns the
+    function and the kernels it calls that are new (GlobalVar -> PrimFunc: the depthwise
+    gradients reading float16)."""
+    r = _GradRounder(batch, func.params)
+    r.note_convs(func)
+    out = rewritten(func, r) or func
+    kernels = {gv: f for gv, f in r.bb.get().functions.items()
+               if isinstance(f, tvm.tirx.PrimFunc)}
+    return out, kernels
 
 
 def rewrite_function(func: relax.Function, batch: int) -> relax.Function:
@@ -133,7 +235,7 @@ def rewrite_function(func: relax.Function, batch: int) -> relax.Function:
         _loss_call(func)
     except ValueError:
         return round_stored(func, batch)
-    return round_gradients(scale_loss_gradient(func), batch)
+    return round_gradients(scale_loss_gradient(func), batch)[0]
 
 
 def _scaled_optimizer(tg, mod: tvm.IRModule) -> tvm.IRModule:
@@ -162,8 +264,10 @@ def apply_loss_scaling(tg, batch: int):
         raise ValueError("--loss-scale is built without --cache-features only: drop one of "
                          "the two")
     mod = tvm.IRModule(dict(tg.mod.functions), attrs=tg.mod.attrs)
-    adj = round_gradients(scale_loss_gradient(mod[ADJOINT]), batch)
+    adj, kernels = round_gradients(scale_loss_gradient(mod[ADJOINT]), batch)
     mod[ADJOINT] = adj.with_attr("global_symbol", ADJOINT)
+    for gv, f in kernels.items():
+        mod[gv] = f
     mod[PREDICT] = round_stored(mod[PREDICT], batch)
     mod = _scaled_optimizer(tg, mod)
     entries = [f for f in (ADJOINT, OPTIMIZER, PREDICT, FEATURES, HEAD_ADJOINT)

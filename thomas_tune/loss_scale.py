@@ -7,7 +7,7 @@ loss's gradient by a scale ``S`` (its input ``loss_scale``, a 0-d float32), so e
 the backward is ``S`` times the true one; the optimizer multiplies each parameter gradient by
 ``1 / S`` (float32) before its update, and a step whose unscaled parameter gradients are not all
 finite changes no parameter and no optimizer state (the compiled step decides, and returns a
-0-d float32 flag: 1 skipped, 0 updated).
+0-d float32: how many unscaled gradient elements are not finite, 0 where it updated).
 
 :class:`DynamicScaler` chooses ``S`` step by step as PyTorch's ``torch.amp.GradScaler`` does
 (``GradScaler.update``; its documentation, "Gradient Scaling" in the AMP notes): after a skipped

@@ -434,7 +434,7 @@ class Session(SessionLifetime):
             new_params, self._opt, *skipped = self._train_vm[OPTIMIZER](
                 self._ordered(m.trainable), grads, self._opt, *self._scale_args())
         if self.scaler is not None:
-            self.scaler.update(float(skipped[0].numpy()) > 0)  # the flag: 1 skipped
+            self.scaler.update(float(skipped[0].numpy()) > 0)  # non-finite count: 0 updated
         loss = ret[0] if states else ret
         if states:
             for name, value in zip(states, list(ret)[1:]):

@@ -8,6 +8,16 @@ import os
 import numpy as np
 
 
+def _scale_arg(m, loss_scale: float | None, dev) -> list:
+    """The loss scale a loss-scaled export's step takes (``loss_scale``, else the manifest's
+    ``init_scale``) as a 0-d float32 tensor on ``dev``; [] for another export."""
+    import tvm
+    if not m.loss_scale:
+        return []
+    value = loss_scale or m.loss_scale["init_scale"]
+    return [tvm.runtime.tensor(np.asarray(value, "float32"), dev)]
+
+
 def export_step(export_dir: str, x: np.ndarray, y: np.ndarray, device=None, rpc_session=None,
                 cached: bool = False, masks: dict | None = None, tensors: dict | None = None,
                 train_lib=None, loss_scale: float | None = None
@@ -76,9 +86,7 @@ def export_step(export_dir: str, x: np.ndarray, y: np.ndarray, device=None, rpc_
             frozen = slot_arguments(slots, lambda s: t(tensors[s]),
                                     lifted_values(out, slots, get))
         ordered = [t(tensors[n]) for n in (*m.trainable, *m.states)]
-        scale = ([tvm.runtime.tensor(np.asarray(loss_scale or m.loss_scale["init_scale"],
-                                                "float32"), dev)]
-                 if m.loss_scale else [])
+        scale = _scale_arg(m, loss_scale, dev)
         out = vm[ADJOINT](t(x), *masks, *frozen, *ordered, t(y.astype("int64")), *scale)
     if rpc_session is None:
         ret, grads = out

@@ -330,9 +330,10 @@ def export(out_dir: str, model, tensors: dict[str, np.ndarray], target: tvm.targ
     (:mod:`thomas_tune.half_grads`; the manifest's ``loss_scale``). Raises, before
     compiling anything, ValueError for a bad trainable set, optimizer or precision (a half one
     with ``cache_features``, ``autocast16`` with ``memory_budget`` or for a device without
-    ``cl_khr_fp16``; ``loss_scale`` at another precision than mixed16), for ``cache_features`` whose frozen part changes between steps, for a
-    ``log`` no device here can check while ``check_records`` is True, for a foreign host
-    without a cross compiler, and :class:`thomas_tune.recompute.BudgetError` (naming the
+    ``cl_khr_fp16``; ``loss_scale`` at another precision than mixed16), for
+    ``cache_features`` whose frozen part changes between steps, for a ``log`` no device
+    here can check while ``check_records`` is True, for a foreign host without a cross
+    compiler, and :class:`thomas_tune.recompute.BudgetError` (naming the
     smallest budget that fits). A log of another code-generation version is used with a
     message (the manifest's ``tuning_log_codegen``); the ``export`` verb refuses it."""
     _refuse_before_work(target, log, check_records, precision, cache_features, memory_budget,

@@ -6,14 +6,16 @@ finite (:mod:`thomas_tune.loss_scale` says why and how the scale is chosen).
 loss_scale) -> (new params, new optim_state, skipped)``: ``inv_scale = 1 / loss_scale``
 (float32, as GradScaler's ``unscale_``), then
 
-* ``skipped``: a 0-d float32, 1 where some ``g * inv_scale`` of any parameter gradient is
-  infinite or NaN, else 0 (:func:`nonfinite_kernel`: one reduction over the gradients of as
-  many parameters as a kernel's arguments allow, the groups' flags joined by ``maximum``).
-  Finiteness is read from the bits (exponent all ones), which no fast-math option folds away;
+* ``skipped``: a 0-d float32, how many elements ``g * inv_scale`` of the parameter gradients
+  are infinite or NaN (0: the update ran; :func:`nonfinite_kernel`: one sum over the gradients
+  of as many parameters as a kernel's arguments allow, the groups' counts added). Finiteness
+  is read from the bits (exponent all ones), which no fast-math option folds away; a sum, not
+  a maximum, because the GPU build's reductions (``schedules.accumulate``) know a sum's
+  identity;
 * the optimizer's own multi-tensor update with every gradient ``g`` read as ``g * inv_scale``
   and every new value ``X_new`` written as ``skipped > 0 ? X : X_new`` (:func:`scaled_exprs`),
-  the step count advanced by ``1 - skipped``, Adam's ``beta^t`` kept on a skipped step: a
-  skipped step leaves every parameter and every optimizer state as it was (PyTorch's
+  the step count advanced by one only where ``skipped`` is 0, Adam's ``beta^t`` kept on a
+  skipped step: a skipped step leaves every parameter and every optimizer state as it was (PyTorch's
   ``GradScaler.step`` does not call ``optimizer.step()`` then).
 
 The skip is a select inside the compiled step, not a decision of the host: the step's update is
@@ -67,8 +69,8 @@ def _tree(offsets: list[int], lo: int, hi: int, dtype: str) -> str:
 
 def nonfinite_kernel(shapes: list[tuple[int, ...]], dtype: str = "float32"
                      ) -> tvm.tirx.PrimFunc:
-    """A PrimFunc ``(inv_scale (), g0, g1, ..., found ())``: ``found`` 1 where some element of
-    the gradients, times ``inv_scale``, is infinite or NaN, else 0; one reduction over the
+    """A PrimFunc ``(inv_scale (), g0, g1, ..., found ())``: ``found`` the number of elements of
+    the gradients that, times ``inv_scale``, are infinite or NaN; one sum over the
     gradients laid end to end (each element finds its tensor by a binary search over the
     offsets, as :func:`multi_tensor.update_kernel`'s do). Raises ValueError for no shape."""
     if not shapes:
@@ -96,7 +98,7 @@ def nonfinite_kernel(shapes: list[tuple[int, ...]], dtype: str = "float32"
         "            T.writes(found[()])",
         "            with T.init():",
         f"                found[()] = T.{dtype}(0)",
-        f"            found[()] = T.max(found[()], {_tree(offsets, 0, len(shapes), dtype)})",
+        f"            found[()] = found[()] + {_tree(offsets, 0, len(shapes), dtype)}",
         ""])
     return tvm.script.from_source(text)
 
@@ -104,16 +106,16 @@ def nonfinite_kernel(shapes: list[tuple[int, ...]], dtype: str = "float32"
 def emit_nonfinite(bb: relax.BlockBuilder, grads: list[relax.Expr],
                    shapes: list[tuple[int, ...]], inv_scale: relax.Expr, dtype: str
                    ) -> relax.Expr:
-    """Emit the flag of :func:`nonfinite_kernel` over all ``grads`` (as many per kernel as its
-    arguments allow, :data:`multi_tensor.MAX_BUFFERS`), the groups' flags joined by
-    ``maximum``: a 0-d ``dtype`` value, 1 where some unscaled gradient is not finite."""
+    """Emit the count of :func:`nonfinite_kernel` over all ``grads`` (as many per kernel as its
+    arguments allow, :data:`multi_tensor.MAX_BUFFERS`), the groups' counts added: a 0-d
+    ``dtype`` value, the unscaled gradient elements that are not finite (0: all are)."""
     size = MT.group_size(1, 2)
     flag = None
     for group in MT.groups(len(shapes), size):
         gv = bb.add_func(nonfinite_kernel([shapes[j] for j in group], dtype), "nonfinite")
         part = bb.emit(relax.call_tir(gv, [inv_scale, *(grads[j] for j in group)],
                                       relax.TensorType((), dtype)))
-        flag = part if flag is None else bb.emit(relax.op.maximum(flag, part))
+        flag = part if flag is None else bb.emit(relax.op.add(flag, part))
     return flag
 
 
@@ -152,7 +154,7 @@ def loss_scaled_function(opt, name: str) -> relax.Function:
                 bb, opt.name + "_update", tensors, shapes, inputs,
                 scaled_exprs(opt.exprs(), inputs, dtype), dtype,
                 {**shared, INV_SCALE: inv, SKIP: skip}, counter=steps,
-                counter_step=f"T.Cast('int64', T.{dtype}(1) - {SKIP})")
+                counter_step=f"T.Select({SKIP} > T.{dtype}(0), T.int64(0), T.int64(1))")
             kept = [bb.emit(relax.op.where(relax.op.greater(skip, relax.const(0.0, dtype)),
                                            o, s)) for o, s in zip(old, shared.values())]
             params_out = bb.emit_output(relax.Tuple([o[-1] for o in outs]), "params_new")
