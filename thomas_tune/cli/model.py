@@ -116,7 +116,8 @@ def _memory_plan(args, model, mode: str, budget: int) -> int:
                           "plan": plan.as_dict()}, indent=1))
         return 0
     print(f"{model.arch} w{model.width:g} r{model.resolution} batch {args.batch}, trainable "
-          f"{mode}, {args.precision}: memory budget {budget / 1e6:.1f} MB")
+          f"{mode}, {args.precision}{', loss-scaled' if loss_scale_of(args) else ''}: memory "
+          f"budget {budget / 1e6:.1f} MB")
     for t in tried:
         print(f"  {t['level']:>12} recomputation: peak {t['peak_bytes'] / 1e6:.2f} MB, "
               f"{t['saved_bytes'] / 1e6:.2f} MB saved, {t['flops_added'] / 1e9:.4f} GFLOP "
