@@ -9,8 +9,11 @@ into the reader where the reader is element-wise), arithmetic in float32. Which 
 value of the backward (after the first ``*_adjoint`` binding of the step's adjoint) that a call
 makes, float32, of two axes or more, whose first axis is the batch: the gradients of the layer
 outputs (convolutions' data gradients, the BatchNorms' input gradients, the residual sums of
-gradients, the dropout's and pooling's) and the loss's own logits gradient. Not stored in half:
-the parameter gradients (a value named ``<parameter>_adjoint``, or of a parameter's shape),
+gradients, the dropout's and pooling's) and the loss's own logits gradient. The backward's
+convolutions and depthwise gradient kernels read their stored operands in float16 directly
+(:meth:`_GradRounder.reads`: otherwise fusion puts a non-fusing reader's float32 cast into the
+kernel that makes the gradient, which then stores float32). Not stored in half: the parameter
+gradients (a value named ``<parameter>_adjoint``, or of a parameter's shape),
 views (``reshape``), the master weights, the optimizer state, the BatchNorm statistics and the
 loss.
 
@@ -115,10 +118,11 @@ class _GradRounder(_Rounder):
 
     def reads(self, expr, dataflow: bool, out: list) -> relax.Expr:
         """As :meth:`thomas_tune.half_storage._Rounder.reads`; in the backward, a depthwise
-        convolution's gradient kernel reads its stored operands in float16 directly
-        (:func:`_half_depthwise`), not float32 copies: a float32 copy read by a kernel that
-        fuses nothing is made in the kernel that makes the gradient, which then stores float32
-        (FuseOps fuses the rounding and the read-back cast into it)."""
+        convolution's gradient kernel (:meth:`_half_depthwise`) and a convolution
+        (:meth:`_half_conv`) read their stored operands in float16 directly, not float32 copies:
+        a float32 copy read by a kernel that fuses nothing is made in the kernel that makes the
+        gradient, which then stores float32 (FuseOps fuses the rounding and the read-back cast
+        into it)."""
         op = getattr(expr.op, "name", "") if isinstance(expr, relax.Call) else ""
         call = None
         if not self.in_forward and op == "relax.call_tir":
@@ -154,6 +158,12 @@ class _GradRounder(_Rounder):
         return self.bb.normalize(call)
 
     def _half_depthwise(self, expr, dataflow: bool, out: list):
+        """A depthwise convolution's gradient kernel (``call_tir`` of ``depthwise_data_grad``
+        or ``depthwise_weight_grad``, :mod:`thomas_tune.training_graph.gradients`) built again
+        from its TE compute with its stored operands read in float16 (each element converted to
+        float32 as it is loaded, :func:`_as_float32`), the strides, padding and dilation those
+        of its forward convolution (:meth:`note_convs`); None for another call, or where no
+        operand is stored."""
         from .training_graph import gradients as GR
         name = expr.args[0].name_hint
         kind = next((k for k in ("depthwise_data_grad", "depthwise_weight_grad")
