@@ -258,9 +258,9 @@ class Session(SessionLifetime):
     # ---- API -------------------------------------------------------------------------------
     def load_tensors(self, tensors: dict[str, np.ndarray]) -> None:
         """Replace every parameter and state (float32, shapes of the exported model) and reset
-        the optimizer state, as if the export had been made with ``tensors``: one compiled
-        module serves several starting points (pretrained, fresh). Raises ValueError for a
-        missing or mis-shaped tensor."""
+        the optimizer state (and a loss scale), as if the export had been made with
+        ``tensors``: one compiled module serves several starting points (pretrained, fresh).
+        Raises ValueError for a missing or mis-shaped tensor."""
         for name, old in self._t.items():
             if name not in tensors or tuple(np.shape(tensors[name])) != tuple(old.shape):
                 raise ValueError(f"load_tensors: {name!r} missing or not of shape "
@@ -270,6 +270,8 @@ class Session(SessionLifetime):
         self._opt = self._initial_optimizer_state()
         self._tuples = {}
         self.steps = 0
+        if self.scaler is not None:  # the loss scale starts again too
+            self.scaler = DynamicScaler(self.scaler.config)
 
     def load_checkpoint(self, path: str) -> None:
         """Start from the weights of a checkpoint (e.g. ``train --save``): same architecture and
