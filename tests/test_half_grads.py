@@ -114,8 +114,9 @@ def test_a_non_finite_step_is_skipped_and_counted(export_dir):
     """A scale of 2^60 overflows float16 (and float32): the step is skipped, every parameter,
     running statistic and optimizer state (momentum, step count) as it was, the scale halved.
     Then ``GROWTH`` finite steps at a scale of 4: the parameters change, the step count
-    advances by ``GROWTH`` (the skipped step not counted) and the scale doubles. (Mutants: the
-    update without its select, or a flag that never says non-finite: fail.)"""
+    advances by ``GROWTH`` (the skipped step not counted) and the scale doubles; loading
+    tensors starts the scale again. (Mutants: the update without its select, or a flag that
+    never says non-finite: fail.)"""
     from thomas_tune.manifest import Manifest
     from thomas_tune.runtime import Session
     m = Manifest.read(export_dir)
@@ -138,6 +139,8 @@ def test_a_non_finite_step_is_skipped_and_counted(export_dir):
         assert s.skipped_steps == 1 and s.scaler.scale == 8.0
         assert int(opt_trained[0]) == int(opt_before[0]) + GROWTH
         assert any(not np.array_equal(before[n], trained[n]) for n in m.trainable)
+        s.load_tensors(trained)  # a new starting point: the scale starts again too
+        assert s.scaler.scale == 2.0 ** 16 and s.skipped_steps == 0
 
 
 #: PyTorch's own half-storage float32 step is a median 0.024 (relative, per parameter: max
