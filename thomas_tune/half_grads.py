@@ -99,6 +99,7 @@ class _GradRounder(_Rounder):
     def __init__(self, batch: int, params):
         super().__init__(batch, params)
         self.depthwise: dict = {}  # forward depthwise conv2d calls by weight and data var
+        self.alias: dict = {}  # var -> the var it is bound to (note_convs)
         # (the gradient pass names them after the parameter, dots as underscores)
         self.param_grads = {f"{p.name}_adjoint".replace(".", "_") for p in params}
         self.param_shapes = {tuple(int(d) for d in p.ty.shape.values) for p in params
@@ -106,8 +107,11 @@ class _GradRounder(_Rounder):
 
     def note_convs(self, func: relax.Function) -> None:
         """Record ``func``'s depthwise convolutions (by weight and by data variable), whose
-        backward kernels :meth:`reads` builds again for float16 operands."""
+        backward kernels :meth:`reads` builds again for float16 operands, and its aliases: a
+        variable bound to another, or to a field of a tuple of variables (the gradient pass
+        passes a kernel's result on so: ``t = (dx, ...)``, ``x_adjoint = t[0]``)."""
         from .training_graph.gradients import is_depthwise
+        tuples = {}
         for block in func.body.blocks:
             for b in block.bindings:
                 v = b.value
@@ -115,6 +119,20 @@ class _GradRounder(_Rounder):
                         and is_depthwise(v):
                     self.depthwise[v.args[1]] = v
                     self.depthwise[v.args[0]] = v
+                elif isinstance(v, relax.Tuple):
+                    tuples[b.var] = v
+                elif isinstance(v, relax.Var):
+                    self.alias[b.var] = v
+                elif isinstance(v, relax.TupleGetItem) and v.tuple_value in tuples:
+                    field = tuples[v.tuple_value].fields[v.index]
+                    if isinstance(field, relax.Var):
+                        self.alias[b.var] = field
+
+    def _source(self, var):
+        """The variable ``var`` aliases (:meth:`note_convs`), or ``var``."""
+        while isinstance(var, relax.Var) and var in self.alias:
+            var = self.alias[var]
+        return var
 
     def reads(self, expr, dataflow: bool, out: list) -> relax.Expr:
         """As :meth:`thomas_tune.half_storage._Rounder.reads`; in the backward, a depthwise
@@ -134,7 +152,7 @@ class _GradRounder(_Rounder):
     def _halves(self, args, dataflow: bool, out: list):
         """Per argument, its float16 twin where it is stored, else it read as
         :meth:`thomas_tune.half_storage._Rounder.reads` reads it; None where none is stored."""
-        halves = [next((h for st, h in self.half.items() if st.same_as(a)), None)
+        halves = [next((h for st, h in self.half.items() if st.same_as(self._source(a))), None)
                   for a in args]
         if all(h is None for h in halves):
             return None
@@ -169,7 +187,7 @@ class _GradRounder(_Rounder):
         kind = next((k for k in ("depthwise_data_grad", "depthwise_weight_grad")
                      if name.startswith(k)), None)
         args = list(expr.args[1].fields)
-        key = args[1] if kind == "depthwise_data_grad" else args[0]
+        key = self._source(args[1] if kind == "depthwise_data_grad" else args[0])
         conv = self.depthwise.get(key) if kind else None
         ins = self._halves(args, dataflow, out) if conv is not None else None
         if ins is None:
