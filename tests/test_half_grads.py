@@ -41,9 +41,10 @@ def _alloc_bytes(mod, dtype: str, batch: int) -> int:
 def test_the_plan_holds_activation_gradients_as_float16():
     """The compiled plan of the loss-scaled step (MobileNetV2 0.35@64, batch 8, every layer)
     makes float16 batch tensors where plain mixed16 makes float32 ones: its float32 batch
-    tensors at most half of plain mixed16's bytes (measured 0.36; 0.68 with the backward's
-    convolutions and depthwise gradients reading float32 copies), its float16 ones over 1.3
-    times (measured 1.50); its estimated peak
+    tensors at most a tenth of plain mixed16's bytes (measured 0.028; 0.36 with readers not
+    found through aliases, 0.68 with the backward's convolutions and depthwise gradients
+    reading float32 copies: the mutants), its float16 ones over 1.5 times (measured 2.0); its
+    estimated peak
     below plain mixed16's. Every activation gradient of the rewritten adjoint has a float16
     twin (but views, ``reshape``). (Mutant: the backward not rounded, ``_GradRounder.stores``
     as the forward's: fails.)"""
@@ -59,7 +60,7 @@ def test_the_plan_holds_activation_gradients_as_float16():
     f16 = (_alloc_bytes(plain, "float16", 8), _alloc_bytes(scaled, "float16", 8))
     peaks = (step_memory(plain, tg_plain).peak, step_memory(scaled, tg).peak)
     print("float32 bytes", f32, "float16 bytes", f16, "peaks", peaks)
-    assert f32[1] <= 0.5 * f32[0] and f16[1] > 1.3 * f16[0]
+    assert f32[1] <= 0.1 * f32[0] and f16[1] > 1.5 * f16[0]
     assert peaks[1] < peaks[0]
     adj = tg.mod[ADJOINT]
     params = {f"{p.name}_adjoint".replace(".", "_") for p in adj.params}
