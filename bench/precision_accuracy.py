@@ -10,7 +10,9 @@ steps. One export per precision (``thomas-tune export --precision``; default sch
 libraries do not depend on the weights, so each seed loads its own head into the same export),
 then, per seed, both precisions fine-tuned from the same weights on the same batches
 (:func:`thomas_tune.train.fine_tune`), held-out accuracy before and after. Prints one line per
-run and the mean accuracy of each precision; writes the JSON.
+run and the mean accuracy of each precision; writes the JSON. ``mixed16-scaled`` in
+``--precisions``: mixed16 with ``--loss-scale dynamic`` (activation gradients stored as float16
+too, :mod:`thomas_tune.half_grads`); its runs record the steps skipped and the last scale.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ def main() -> None:
     from thomas_tune.compiler.export import export
     from thomas_tune.training_graph.graph import OptimizerConfig
     from thomas_tune.models import load_checkpoint, replace_head
+    from thomas_tune.loss_scale import LossScale
     from thomas_tune.runtime import Session
     from thomas_tune.target import parse_target
     from thomas_tune.train import fine_tune
@@ -49,9 +52,11 @@ def main() -> None:
         dirs[precision] = os.path.join(work, precision)
         if not os.path.exists(os.path.join(dirs[precision], "manifest.json")):
             t0 = time.perf_counter()
+            scaled = precision == "mixed16-scaled"
             export(dirs[precision], model, tensors, parse_target(a.target), batch=8,
-                   trainable="all", optimizer=OptimizerConfig(lr=a.lr), precision=precision,
-                   progress=lambda _m: None)
+                   trainable="all", optimizer=OptimizerConfig(lr=a.lr),
+                   precision="mixed16" if scaled else precision,
+                   loss_scale=LossScale() if scaled else None, progress=lambda _m: None)
             print(f"export {precision}: {time.perf_counter() - t0:.0f} s", flush=True)
     runs = []
     for seed in (int(s) for s in a.seeds.split(",")):
@@ -64,7 +69,8 @@ def main() -> None:
             r = fine_tune(session, train, test, a.steps, seed=seed, show_progress=False)
             runs.append({"seed": seed, "precision": precision, "acc_before": r.acc_before,
                          "acc_after": r.acc_after, "first_loss": float(r.losses[0]),
-                         "last_loss": float(r.losses[-1]),
+                         "last_loss": float(r.losses[-1]), "skipped_steps": r.skipped_steps,
+                         "loss_scale": r.loss_scale,
                          "wall_s": round(time.perf_counter() - t0, 1)})
             print(f"seed {seed} {precision:8s} held-out {100 * r.acc_before:.1f}% -> "
                   f"{100 * r.acc_after:.1f}%", flush=True)

@@ -31,7 +31,8 @@ def _sample() -> Manifest:
         device={"max_threads_per_block": 256}, precision="mixed16",
         buffers={"tensors": [{"name": "lv1", "op": "conv", "shape": [8, 16], "bytes": 512}],
                  "peak_bytes": 4096},
-        memory_budget={"budget_bytes": 10_000_000, "level": "none", "recomputed": []})
+        memory_budget={"budget_bytes": 10_000_000, "level": "none", "recomputed": []},
+        loss_scale={"kind": "dynamic", "init_scale": 65536.0, "growth_interval": 2000})
 
 
 def test_a_manifest_reads_back_as_written(tmp_path):

@@ -112,6 +112,18 @@ def _followed(reference: dict, ours: list, say) -> list:
     return refs
 
 
+def refuse_loss_scaled(m, export_dir: str) -> None:
+    """ValueError for a loss-scaled export (manifest ``m``: activation gradients stored as
+    float16, :mod:`thomas_tune.half_grads`): its step is unverifiable here, since the float64
+    reference rounds the forward's layer outputs only (:mod:`thomas_tune.half_reference`), not
+    the backward's gradients, and the update check drives the optimizer without a scale."""
+    if m.loss_scale:
+        raise ValueError(f"{export_dir}: a loss-scaled export (--loss-scale dynamic: activation "
+                         "gradients stored as float16) is unverifiable by the step check, "
+                         "whose float64 reference rounds only the forward's layer outputs to "
+                         "float16; check the same model exported without --loss-scale")
+
+
 def check_export(export_dir: str, seed: int = 0, frozen_bn: bool | set | None = None,
                  reference: dict | None = None, rpc_session=None,
                  cached: bool = False, say=None, train_lib=None) -> StepCheck:
@@ -134,10 +146,12 @@ def check_export(export_dir: str, seed: int = 0, frozen_bn: bool | set | None = 
     result's ``update``). ``say``: a callable given a line per stage with its wall time in s
     (the reference steps, each batch's following: at 224 px these take minutes). A mixed16
     export whose forward is not the step its manifest states fails
-    (:func:`_following_roundings`). Raises ValueError as ``reference_steps``. Needs torch."""
+    (:func:`_following_roundings`). Raises ValueError as ``reference_steps``, and for a
+    loss-scaled export (:func:`refuse_loss_scaled`: unverifiable). Needs torch."""
     from .manifest import Manifest
     from .update_check import check_update
     m = Manifest.read(export_dir)
+    refuse_loss_scaled(m, export_dir)
     if frozen_bn is None:
         frozen_bn = manifest_frozen_bn(m)
     say = say or (lambda _line: None)

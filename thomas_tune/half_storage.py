@@ -189,6 +189,12 @@ class _Rounder:
         (:class:`thomas_tune.half_arith._Autocast` computes some ops in float16)."""
         return False
 
+    def stores(self, b, forward: bool) -> bool:
+        """Whether binding ``b`` (``forward``: of the forward pass) is stored as float16: a
+        layer output of the forward (:func:`_is_layer_output`)."""
+        return forward and _is_layer_output(b.value, b.var.ty, self.batch, self.params,
+                                             self.half if self.direct_half_reads else ())
+
     def before_result(self, func: relax.Function) -> None:
         """Called once the blocks of ``func`` are rewritten, before its result is read back."""
 
@@ -204,8 +210,7 @@ class _Rounder:
             self.in_forward = forward
             value = self.reads(b.value, dataflow, out)
             out.append(relax.VarBinding(b.var, value) if value is not b.value else b)
-            if forward and _is_layer_output(b.value, b.var.ty, self.batch, self.params,
-                                            self.half if self.direct_half_reads else ()):
+            if self.stores(b, forward):
                 h = self._var(b.var, "float16", dataflow)
                 out.append(relax.VarBinding(h, self.cast(b.var, "float16")))
                 self.half[b.var] = h

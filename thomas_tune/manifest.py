@@ -22,8 +22,8 @@ from .files import read_json, write_json_atomically
 MANIFEST = "manifest.json"
 FORMAT_NAME = "thomas_tune.export"
 # 2: dropout masks drawn on the device (draw_masks); 3: every field of Manifest present, the
-# step function's slots under ``train_step_slots``
-FORMAT_VERSION = 3
+# step function's slots under ``train_step_slots``; 4: ``loss_scale``
+FORMAT_VERSION = 4
 FORMAT = f"{FORMAT_NAME}/{FORMAT_VERSION}"
 
 # functions of the exported libraries (``graph`` builds them, ``runtime.Session`` calls them)
@@ -169,6 +169,12 @@ class Manifest:
     """The memory budget's plan (``budget_bytes``, ``level``, ``estimated_peak_bytes``,
     ``saved_bytes``, ``flops_added``, ``recomputed``: names; bytes and FLOPs); None without a
     budget."""
+    loss_scale: dict | None
+    """Dynamic loss scaling of a step whose activation gradients are stored as float16 too
+    (``--loss-scale dynamic``, :mod:`thomas_tune.half_grads`): ``{"kind": "dynamic",
+    "init_scale", "growth_factor", "backoff_factor", "growth_interval"}``
+    (:class:`thomas_tune.loss_scale.LossScale`); its step takes the scale after the labels and
+    returns whether it skipped the update. None: activation gradients in float32, no scale."""
 
     def write(self, folder: str) -> str:
         """Write ``manifest.json`` into ``folder`` (through a temporary file and a rename, so

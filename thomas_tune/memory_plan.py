@@ -207,20 +207,30 @@ class _Run:
         return out
 
 
-def step_graph(tg, batch: int, budget_plan=None, precision: str = "float32"):
+def step_graph(tg, batch: int, budget_plan=None, precision: str = "float32",
+               loss_scale=None):
     """The training graph ``tg`` (:class:`thomas_tune.training_graph.graph.TrainingGraph`, not
     changed) as an export builds its step: rewritten with ``budget_plan`` (a
     :class:`thomas_tune.recompute.RecomputePlan`, None: none), then its functions at
     ``batch`` images rewritten for ``precision`` (:data:`thomas_tune.half_storage.PRECISIONS`;
     :func:`thomas_tune.half_storage.training_precision`): the graph
     :func:`thomas_tune.compiler.export.export` compiles. Raises ValueError for an unknown
-    precision."""
+    precision. ``loss_scale`` (a :class:`thomas_tune.loss_scale.LossScale`, mixed16 only):
+    the activation gradients stored as float16 too, the step loss-scaled
+    (:func:`thomas_tune.half_grads.apply_loss_scaling`); ValueError at another precision."""
     import dataclasses
 
     from .half_arith import rewrite_for
     from .half_storage import training_precision
     if budget_plan is not None:
         tg = apply_plan(tg, budget_plan)
+    if loss_scale is not None:
+        from .half_grads import apply_loss_scaling
+        if precision != "mixed16":
+            raise ValueError(f"--loss-scale stores activation gradients as float16 beside the "
+                             f"layer outputs of --precision mixed16, not {precision}: give "
+                             "--precision mixed16")
+        return apply_loss_scaling(tg, batch)
     if precision != "float32":
         tg = dataclasses.replace(tg, mod=training_precision(precision, tg.mod, batch,
                                                             rewrite_for(precision)))
@@ -229,7 +239,8 @@ def step_graph(tg, batch: int, budget_plan=None, precision: str = "float32"):
 
 def lowered_training_module(model, batch: int, trainable: str = "all", optimizer=None,
                             winograd=None, budget_plan=None, tg=None,
-                            precision: str = "float32") -> tuple[tvm.IRModule, object]:
+                            precision: str = "float32", loss_scale=None
+                            ) -> tuple[tvm.IRModule, object]:
     """The training module an export compiles (``library_module.training_library_module``), through
     the build's Relax passes up to ``KillAfterLastUse``
     (:func:`thomas_tune.compiler.compile._pipeline` without the kernels' schedules, which allocate
@@ -237,8 +248,9 @@ def lowered_training_module(model, batch: int, trainable: str = "all", optimizer
     the Winograd form (as ``compile_graph`` takes them). ``budget_plan``: a
     :class:`thomas_tune.recompute.RecomputePlan` the step is rewritten with. ``tg``: the
     training graph of these arguments when it is already built (it is not changed; at
-    float32, without a plan applied). ``precision``: the step at that precision
-    (:func:`step_graph`: layer outputs stored as float16 for ``mixed16``). Returns (module,
+    float32, without a plan applied). ``precision``, ``loss_scale``: the step at that precision
+    (:func:`step_graph`: layer outputs stored as float16 for ``mixed16``, activation gradients
+    too with a loss scale). Returns (module,
     the :class:`thomas_tune.training_graph.graph.TrainingGraph` compiled, plan and precision
     applied). Raises ValueError as :func:`thomas_tune.training_graph.graph.training_module`, and for
     an unknown precision."""
@@ -246,7 +258,7 @@ def lowered_training_module(model, batch: int, trainable: str = "all", optimizer
     from .training_graph.library_module import training_library_module
     from .tasks import fuse
     tg = step_graph(tg or G.training_module(model, batch, trainable, optimizer), batch,
-                    budget_plan, precision)
+                    budget_plan, precision, loss_scale)
     mod, _ = training_library_module(tg)
     passes = [relax.transform.RewriteDataflowReshape(), relax.transform.ToNonDataflow(),
               relax.transform.RemovePurityChecking(), relax.transform.CallTIRRewrite(),
@@ -278,7 +290,9 @@ def step_memory(mod: tvm.IRModule, tg, steps: int = 3) -> StepMemory:
     if TRAIN_STEP_FROZEN in [gv.name_hint for gv in mod.get_global_vars()]:
         lifted = mod[TRAIN_STEP_FROZEN]
         frozen_out = run.call(lifted, [_Obj() for _ in lifted.params])
-    images, labels = (_tensor_bytes(func.params[0].ty), _tensor_bytes(func.params[-2].ty))
+    # the labels, and a loss-scaled step's scale (thomas_tune.half_grads), after the batch
+    after = [p for p in func.params if p.name in ("targets", "loss_scale")]
+    images, labels = (_tensor_bytes(func.params[0].ty), sum(_tensor_bytes(p.ty) for p in after))
     kept: list[_Obj] = []  # the running statistics the session holds from the last step
     for step in range(steps):
         pool.direct_alloc(images + labels)  # the batch, uploaded for the call
@@ -304,19 +318,21 @@ def step_memory(mod: tvm.IRModule, tg, steps: int = 3) -> StepMemory:
 
 def compiled_step_memory(model, batch: int, trainable: str = "all", optimizer=None,
                          winograd=None, budget_plan=None, steps: int = 3,
-                         tg=None, precision: str = "float32") -> StepMemory:
+                         tg=None, precision: str = "float32", loss_scale=None
+                         ) -> StepMemory:
     """Bytes the compiled training step of ``model`` at ``batch`` holds on a device over
     ``steps`` steps (module docstring): what ``thomas-tune memory`` reports as the compiled
     step's peak. Arguments as :func:`lowered_training_module`; raises what it raises."""
     mod, tg = lowered_training_module(model, batch, trainable, optimizer, winograd, budget_plan,
-                                      tg, precision)
+                                      tg, precision, loss_scale)
     return step_memory(mod, tg, steps)
 
 
 def plan_for_budget(model, batch: int, trainable: str, optimizer, budget_bytes: int,
-                    winograd=None, say=lambda m: None, precision: str = "float32"
-                    ) -> tuple[RecomputePlan, list[dict]]:
-    """The cheapest plan of :data:`LEVELS` whose compiled step at ``precision`` fits
+                    winograd=None, say=lambda m: None, precision: str = "float32",
+                    loss_scale=None) -> tuple[RecomputePlan, list[dict]]:
+    """The cheapest plan of :data:`LEVELS` whose compiled step at ``precision`` (with
+    ``loss_scale``, :func:`step_graph`) fits
     ``budget_bytes`` (peak device bytes by :func:`compiled_step_memory`), and the figures of
     every level tried (level, peak bytes, bytes saved, FLOPs added, tensors recomputed, bytes
     of forward tensors the backward still reads: ``kept_bytes``). Raises
@@ -329,7 +345,7 @@ def plan_for_budget(model, batch: int, trainable: str, optimizer, budget_bytes: 
     for level in LEVELS:
         plan = RecomputePlan(level)
         mod, planned = lowered_training_module(model, batch, trainable, optimizer, winograd,
-                                               plan, tg, precision)
+                                               plan, tg, precision, loss_scale)
         mem = step_memory(mod, planned)
         base = mem.peak if base is None else base
         tried.append({"level": level, "peak_bytes": mem.peak, "saved_bytes": base - mem.peak,

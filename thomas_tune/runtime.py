@@ -36,6 +36,7 @@ from .manifest import (ADJOINT, ADJOINT_FROZEN, DRAW_MASKS, FEATURES, FEATURES_F
                        HEAD_ADJOINT, OPTIMIZER, PACK_OPTIMIZER_STATE, PACK_TRAINABLE, PREDICT,
                        TRAIN_STEP, TRAIN_STEP_FROZEN,
                        PREDICT_FROZEN, Manifest, lifted_values, slot_arguments)
+from .loss_scale import DynamicScaler, LossScale
 from .models import load_checkpoint, save_checkpoint
 from .programs import SessionPrograms
 from .remote import RemoteDevice, SessionLifetime, first_line
@@ -113,6 +114,11 @@ class Session(SessionLifetime):
         #: ``graph.add_train_step``); False: ``train_adjoint`` then ``optimizer``, the two-call
         #: form the one-function step is checked against (the same numbers bit for bit)
         self.one_function_step = True
+        #: dynamic loss scaling of a step with float16 activation gradients (the manifest's
+        #: ``loss_scale``, :mod:`thomas_tune.loss_scale`): the scale each step is given and the
+        #: steps skipped; None for every other export
+        self.scaler = (DynamicScaler(LossScale.from_dict(m.loss_scale)) if m.loss_scale
+                       else None)
         self._transfer_s = time.perf_counter() - t0
         if remote is not None:
             self._check_room()
@@ -199,7 +205,20 @@ class Session(SessionLifetime):
         m = self.manifest
         frozen = self._frozen_slots(fn) if fn in (ADJOINT, TRAIN_STEP) else []
         return [first, *masks, *frozen, *self._ordered(m.trainable),
-                *self._ordered(self._step_states(fn)), y]
+                *self._ordered(self._step_states(fn)), y, *self._scale_args()]
+
+    def _scale_args(self) -> list:
+        """The loss scale a loss-scaled step takes after the labels (:attr:`scaler`), as a 0-d
+        float32 device tensor; [] for another export."""
+        if self.scaler is None:
+            return []
+        return [tvm.runtime.tensor(np.asarray(self.scaler.scale, "float32"), self.device)]
+
+    @property
+    def skipped_steps(self) -> int:
+        """Steps whose update a loss-scaled export skipped (non-finite gradients); 0 for
+        another export."""
+        return self.scaler.skipped if self.scaler is not None else 0
 
     def _frozen_slots(self, fn: str) -> list:
         """What ``fn`` (``ADJOINT`` or ``TRAIN_STEP``) takes in the frozen parameters' place:
@@ -239,9 +258,9 @@ class Session(SessionLifetime):
     # ---- API -------------------------------------------------------------------------------
     def load_tensors(self, tensors: dict[str, np.ndarray]) -> None:
         """Replace every parameter and state (float32, shapes of the exported model) and reset
-        the optimizer state, as if the export had been made with ``tensors``: one compiled
-        module serves several starting points (pretrained, fresh). Raises ValueError for a
-        missing or mis-shaped tensor."""
+        the optimizer state (and a loss scale), as if the export had been made with
+        ``tensors``: one compiled module serves several starting points (pretrained, fresh).
+        Raises ValueError for a missing or mis-shaped tensor."""
         for name, old in self._t.items():
             if name not in tensors or tuple(np.shape(tensors[name])) != tuple(old.shape):
                 raise ValueError(f"load_tensors: {name!r} missing or not of shape "
@@ -251,6 +270,8 @@ class Session(SessionLifetime):
         self._opt = self._initial_optimizer_state()
         self._tuples = {}
         self.steps = 0
+        if self.scaler is not None:  # the loss scale starts again too
+            self.scaler = DynamicScaler(self.scaler.config)
 
     def load_checkpoint(self, path: str) -> None:
         """Start from the weights of a checkpoint (e.g. ``train --save``): same architecture and
@@ -409,11 +430,13 @@ class Session(SessionLifetime):
             return self._timed(lambda: self._remote_step(fn, first, y, masks, states))
         args = self._step_args(fn, first, y, self.draw_masks())
         if fn == TRAIN_STEP:
-            ret, new_params, self._opt = self._train_vm[fn](*args, self._opt)
+            ret, new_params, self._opt, *skipped = self._train_vm[fn](*args, self._opt)
         else:
             ret, grads = self._train_vm[fn](*args)
-            new_params, self._opt = self._train_vm[OPTIMIZER](self._ordered(m.trainable),
-                                                              grads, self._opt)
+            new_params, self._opt, *skipped = self._train_vm[OPTIMIZER](
+                self._ordered(m.trainable), grads, self._opt, *self._scale_args())
+        if self.scaler is not None:
+            self.scaler.update(float(skipped[0].numpy()) > 0)  # non-finite count: 0 updated
         loss = ret[0] if states else ret
         if states:
             for name, value in zip(states, list(ret)[1:]):
@@ -438,10 +461,15 @@ class Session(SessionLifetime):
         if fn == TRAIN_STEP:  # the update writes into the session's tuple of parameters
             out = vm[fn](*args, self._tuples["opt"])
             self._tuples["opt"] = get(out, 2)
+            if self.scaler is not None:
+                self.scaler.update(float(get(out, 3).numpy()) > 0)
         else:
             out = vm[fn](*args)
-            res = vm[OPTIMIZER](self._tuples["params"], get(out, 1), self._tuples["opt"])
+            res = vm[OPTIMIZER](self._tuples["params"], get(out, 1), self._tuples["opt"],
+                                *self._scale_args())
             self._tuples.update(params=get(res, 0), opt=get(res, 1))
+            if self.scaler is not None:
+                self.scaler.update(float(get(res, 2).numpy()) > 0)
             for i, name in enumerate(m.trainable):
                 self._t[name] = get(self._tuples["params"], i)
         if states:

@@ -8,9 +8,20 @@ import os
 import numpy as np
 
 
+def _scale_arg(m, loss_scale: float | None, dev) -> list:
+    """The loss scale a loss-scaled export's step takes (``loss_scale``, else the manifest's
+    ``init_scale``) as a 0-d float32 tensor on ``dev``; [] for another export."""
+    import tvm
+    if not m.loss_scale:
+        return []
+    value = loss_scale or m.loss_scale["init_scale"]
+    return [tvm.runtime.tensor(np.asarray(value, "float32"), dev)]
+
+
 def export_step(export_dir: str, x: np.ndarray, y: np.ndarray, device=None, rpc_session=None,
                 cached: bool = False, masks: dict | None = None, tensors: dict | None = None,
-                train_lib=None) -> tuple[float, dict[str, np.ndarray]]:
+                train_lib=None, loss_scale: float | None = None
+                ) -> tuple[float, dict[str, np.ndarray]]:
     """Loss and gradients (parameter name -> float64 array) of the export's training step on
     ``x`` (float32, the export's batch) and ``y`` (int64), dropout ``masks`` (name -> array of
     the manifest's shape; None: ones, dropout off), from ``tensors`` (name -> array; None: the
@@ -23,7 +34,10 @@ def export_step(export_dir: str, x: np.ndarray, y: np.ndarray, device=None, rpc_
     ``x`` then ``train_head_adjoint`` on them (an export made with ``--cache-features``; runs
     on this machine only). ``train_lib``: the export's ``train.so`` already loaded on
     ``rpc_session``'s server (:func:`thomas_tune.remote.device_train_library`, or a
-    :class:`thomas_tune.runtime.Session`'s own), used instead of loading it again."""
+    :class:`thomas_tune.runtime.Session`'s own), used instead of loading it again.
+    ``loss_scale``: the scale a loss-scaled export's step is given (the manifest's
+    ``loss_scale``, :mod:`thomas_tune.half_grads`; None: its ``init_scale``); its gradients are
+    returned divided by it (unscaled), comparable to another build's."""
     import tvm
     from tvm.relax import VirtualMachine
 
@@ -72,7 +86,8 @@ def export_step(export_dir: str, x: np.ndarray, y: np.ndarray, device=None, rpc_
             frozen = slot_arguments(slots, lambda s: t(tensors[s]),
                                     lifted_values(out, slots, get))
         ordered = [t(tensors[n]) for n in (*m.trainable, *m.states)]
-        out = vm[ADJOINT](t(x), *masks, *frozen, *ordered, t(y.astype("int64")))
+        scale = _scale_arg(m, loss_scale, dev)
+        out = vm[ADJOINT](t(x), *masks, *frozen, *ordered, t(y.astype("int64")), *scale)
     if rpc_session is None:
         ret, grads = out
         loss = ret[0] if states else ret
@@ -80,8 +95,9 @@ def export_step(export_dir: str, x: np.ndarray, y: np.ndarray, device=None, rpc_
         ret, handle = get(out, 0), get(out, 1)
         loss = get(ret, 0) if m.states else ret
         grads = [get(handle, i) for i in range(len(m.trainable))]
+    unscale = float(scale[0].numpy()) if m.loss_scale else 1.0
     return (float(loss.numpy()),
-            {n: g.numpy().astype("float64") for n, g in zip(m.trainable, grads)})
+            {n: g.numpy().astype("float64") / unscale for n, g in zip(m.trainable, grads)})
 
 
 #: check-only libraries of mixed16 exports already compiled in this process: (export folder,

@@ -17,7 +17,9 @@ class TrainReport:
     """Accuracies in [0, 1] on the held-out split; ms per training step (median, wall time);
     ``train_s``: wall time of the training in s, evaluations left out, the features' one pass
     included; ``features_s`` and ``features_bytes``: that pass's wall time (s) and the bytes of
-    features it keeps in host memory (0 without ``cache_features``)."""
+    features it keeps in host memory (0 without ``cache_features``); ``skipped_steps``: steps
+    whose update a loss-scaled export skipped (non-finite gradients) and ``loss_scale`` its
+    scale after the last step (0 and None for another export, :mod:`thomas_tune.loss_scale`)."""
 
     acc_before: float
     acc_after: float = 0.0
@@ -26,6 +28,8 @@ class TrainReport:
     train_s: float = 0.0
     features_s: float = 0.0
     features_bytes: int = 0
+    skipped_steps: int = 0
+    loss_scale: float | None = None
     losses: list[float] = field(default_factory=list)
     accuracy_curve: list[tuple[int, float]] = field(default_factory=list)
 
@@ -73,6 +77,8 @@ def fine_tune(session: Session, train: Dataset, test: Dataset, steps: int, seed:
     report.steps = steps
     report.ms_per_step = float(np.median(times)) if times else 0.0
     report.acc_after = session.evaluate(test.x, test.y)
+    if session.scaler is not None:
+        report.skipped_steps, report.loss_scale = session.scaler.skipped, session.scaler.scale
     report.accuracy_curve.append((steps, report.acc_after))
     return report
 

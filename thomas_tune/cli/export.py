@@ -5,9 +5,10 @@ from __future__ import annotations
 import os
 import sys
 
-from .options import (add_cache_features_arg, add_memory_budget_arg, add_model_args,
+from .options import (add_cache_features_arg, add_loss_scale_args, add_memory_budget_arg,
+                      add_model_args,
                       add_precision_arg, add_profile_arg, add_target_arg, budget_bytes,
-                      load_model, optimizer_config)
+                      load_model, loss_scale_of, optimizer_config)
 
 
 def export_model(args, out: str) -> dict:
@@ -36,7 +37,8 @@ def export_model(args, out: str) -> dict:
                   cache_features=getattr(args, "cache_features", False),
                   check_records=not getattr(args, "no_check", False),
                   precision=getattr(args, "precision", "float32"),
-                  memory_budget=budget_bytes(getattr(args, "memory_budget", None)))
+                  memory_budget=budget_bytes(getattr(args, "memory_budget", None)),
+                  loss_scale=loss_scale_of(args))
 
 
 def _profile_for_precision(args) -> dict | None:
@@ -172,6 +174,7 @@ def add_export(sub) -> None:
                    "still checked); without it such a log is refused")
     add_cache_features_arg(s, "also compile")
     add_precision_arg(s)
+    add_loss_scale_args(s)
     add_memory_budget_arg(s, "the step recomputes what it must to fit")
     add_profile_arg(s, "--log's device_profile.json", "the export is checked against its "
                     "limits and keeps it, for train and infer to check against")

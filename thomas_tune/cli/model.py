@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 import re
 
-from .options import (add_memory_budget_arg, add_model_args, add_precision_arg, load_model,
-                      optimizer_config)
+from .options import (add_loss_scale_args, add_memory_budget_arg, add_model_args,
+                      add_precision_arg, load_model, loss_scale_of, optimizer_config)
 
 
 def cmd_import_onnx(args) -> int:
@@ -51,8 +51,19 @@ def cmd_import_onnx(args) -> int:
     return 0
 
 
-def cmd_memory(args) -> int:
+def _rewrite(args):
+    """The function rewrite of ``--precision`` (``--loss-scale dynamic``: activation gradients
+    stored as float16 too, :func:`thomas_tune.half_grads.rewrite_function`)."""
     from ..half_arith import rewrite_for
+    if loss_scale_of(args) is not None:
+        if args.precision != "mixed16":
+            raise ValueError("--loss-scale dynamic is built with --precision mixed16 only")
+        from ..half_grads import rewrite_function
+        return rewrite_function
+    return rewrite_for(args.precision)
+
+
+def cmd_memory(args) -> int:
     from ..memory import training_memory
     from ..memory_plan import compiled_step_memory
     from .options import budget_bytes
@@ -68,18 +79,21 @@ def cmd_memory(args) -> int:
     for mode in modes:
         m = training_memory(model, args.batch, mode, optimizer_config(args),
                             features=args.cache_features, precision=args.precision,
-                            rewrite=rewrite_for(args.precision)).as_dict()
+                            rewrite=_rewrite(args)).as_dict()
         # the compiled step's own plan (memory_plan); the step on cached features has none
         m["compiled_peak"] = None if args.cache_features else compiled_step_memory(
-            model, args.batch, mode, optimizer_config(args), precision=args.precision).peak
-        rows.append({"trainable": mode, "precision": args.precision, **m})
+            model, args.batch, mode, optimizer_config(args), precision=args.precision,
+            loss_scale=loss_scale_of(args)).peak
+        rows.append({"trainable": mode, "precision": args.precision,
+                     "loss_scale": args.loss_scale, **m})
     if args.json:
         print(json.dumps(rows, indent=1))
         return 0
     keys = ["parameters", "gradients", "optimizer_state", "activations_kept", "peak",
             "compiled_peak"]
     print(f"{model.arch} w{model.width:g} r{model.resolution} batch {args.batch}, "
-          f"{args.precision}, MiB; peak: "
+          f"{args.precision}{', loss-scaled' if args.loss_scale == 'dynamic' else ''}, MiB; "
+          "peak: "
           "the training graph's tensors by liveness; compiled_peak: what the compiled step "
           "holds on the device")
     print(f"{'trainable':>10}" + "".join(f"{k:>18}" for k in keys))
@@ -94,7 +108,7 @@ def _memory_plan(args, model, mode: str, budget: int) -> int:
     recomputed, bytes saved, FLOPs added), or the refusal naming the smallest budget."""
     from ..memory_plan import plan_for_budget
     plan, tried = plan_for_budget(model, args.batch, mode, optimizer_config(args), budget,
-                                  precision=args.precision)
+                                  precision=args.precision, loss_scale=loss_scale_of(args))
     chosen = tried[-1]
     if args.json:
         print(json.dumps({"trainable": mode, "precision": args.precision,
@@ -102,7 +116,8 @@ def _memory_plan(args, model, mode: str, budget: int) -> int:
                           "plan": plan.as_dict()}, indent=1))
         return 0
     print(f"{model.arch} w{model.width:g} r{model.resolution} batch {args.batch}, trainable "
-          f"{mode}, {args.precision}: memory budget {budget / 1e6:.1f} MB")
+          f"{mode}, {args.precision}{', loss-scaled' if loss_scale_of(args) else ''}: memory "
+          f"budget {budget / 1e6:.1f} MB")
     for t in tried:
         print(f"  {t['level']:>12} recomputation: peak {t['peak_bytes'] / 1e6:.2f} MB, "
               f"{t['saved_bytes'] / 1e6:.2f} MB saved, {t['flops_added'] / 1e9:.4f} GFLOP "
@@ -153,4 +168,5 @@ def add_memory(sub) -> None:
     add_memory_budget_arg(s, "report the plan that fits: what is kept, what is recomputed, "
                           "bytes saved, FLOPs added")
     add_precision_arg(s)
+    add_loss_scale_args(s)
     s.set_defaults(fn=cmd_memory)

@@ -169,6 +169,27 @@ def add_precision_arg(p) -> None:
                    "of their own)")
 
 
+def add_loss_scale_args(p) -> None:
+    p.add_argument("--loss-scale", default="none", choices=["none", "dynamic"],
+                   help="with --precision mixed16: dynamic stores the backward's activation "
+                   "gradients as float16 too, the loss's gradient multiplied by a scale chosen "
+                   "as PyTorch's GradScaler does (a step with gradients not finite skipped and "
+                   "the scale halved; doubled after --growth-interval finite steps in a row); "
+                   "none (default): activation gradients in float32")
+    p.add_argument("--init-scale", type=float, default=2.0 ** 16,
+                   help="the first loss scale (default 65536, GradScaler's)")
+    p.add_argument("--growth-interval", type=int, default=2000,
+                   help="finite steps in a row after which the scale doubles (default 2000)")
+
+
+def loss_scale_of(args):
+    """The :class:`thomas_tune.loss_scale.LossScale` of ``--loss-scale dynamic``, or None."""
+    from ..loss_scale import LossScale
+    if getattr(args, "loss_scale", "none") != "dynamic":
+        return None
+    return LossScale(init_scale=args.init_scale, growth_interval=args.growth_interval)
+
+
 def model_graphs(args, model):
     from ..training_graph import graph as G
     from ..half_arith import apply_precision

@@ -71,6 +71,9 @@ def cmd_train(args) -> int:
     print(f"accuracy before {100 * r.acc_before:.1f}%  after {100 * r.acc_after:.1f}%  "
           f"({r.steps} steps, loss {r.losses[0]:.3f} -> {r.losses[-1]:.3f}, "
           f"{r.ms_per_step:.1f} ms per training step)")
+    if r.loss_scale is not None:  # a loss-scaled export (thomas_tune.loss_scale)
+        print(f"loss scaling: {r.skipped_steps} of {r.steps} steps skipped (gradients not "
+              f"finite), scale now {r.loss_scale:g}")
     signs = divergence(r, len(data.classes), len(test.y))
     if signs:  # a run that diverged is no ordinary result
         print(f"warning: the run diverged: {'; '.join(signs)}. Likely cause: "

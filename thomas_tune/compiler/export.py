@@ -76,11 +76,13 @@ class _GraphModules(NamedTuple):
 
 def _graph_modules(model, batch: int, infer_batch: int, trainable: str,
                    optimizer: G.OptimizerConfig | None, cache_features: bool,
-                   precision: str = "float32", recompute=None) -> _GraphModules:
+                   precision: str = "float32", recompute=None,
+                   loss_scale=None) -> _GraphModules:
     """The training and inference modules of ``model`` at ``batch`` and ``infer_batch``
     images (:class:`_GraphModules`), their layer outputs stored as float16 for ``precision``
     ``mixed16`` (:mod:`thomas_tune.half_storage`), the training step recomputing what
-    ``recompute`` (a memory budget's plan, :mod:`thomas_tune.recompute`) says. Raises
+    ``recompute`` (a memory budget's plan, :mod:`thomas_tune.recompute`) says, its activation
+    gradients stored as float16 with ``loss_scale`` (:mod:`thomas_tune.half_grads`). Raises
     ValueError for a bad trainable set or optimizer, and for ``cache_features`` with a
     trainable set whose frozen part is not the same at every step
     (:func:`thomas_tune.training_graph.graph.training_module`)."""
@@ -89,7 +91,8 @@ def _graph_modules(model, batch: int, infer_batch: int, trainable: str,
     from ..memory_plan import step_graph
     # the step as memory_plan estimates it: the budget's plan, then the precision
     tg = step_graph(G.training_module(model, batch, trainable, optimizer,
-                                      features=cache_features), batch, recompute, precision)
+                                      features=cache_features), batch, recompute, precision,
+                   loss_scale)
     infer_mod = inference_precision(precision, G.inference_module(model, infer_batch),
                                     infer_batch, rewrite_for(precision))
     train_mod, lift_inputs = training_library_module(tg)
@@ -218,14 +221,14 @@ def _build_with_log(log: TuningLog | None, version, target: tvm.target.Target,
 
 def _manifest(mods: _GraphModules, built: _Libraries, checks: dict, target: tvm.target.Target,
               *, infer_batch: int, log: TuningLog | None, version, classes: list[str] | None,
-              device: dict | None, stock_defaults: bool, precision: str, memory_budget
-              ) -> Manifest:
+              device: dict | None, stock_defaults: bool, precision: str, memory_budget,
+              loss_scale=None) -> Manifest:
     """The export's manifest (:class:`thomas_tune.manifest.Manifest`): the model of ``mods.tg``
     and its shapes, the target and host triple, the trainable and frozen sets and the lifted
     slots of each step function as ``built``, the optimizer, the tuning log (path, SHA-256,
     its code-generation ``version``), the record check (``checks``), the Winograd choice,
-    class names, the device limits, the step's largest buffers, the precision and the memory
-    budget's plan."""
+    class names, the device limits, the step's largest buffers, the precision, the memory
+    budget's plan and the loss scaling (a :class:`thomas_tune.loss_scale.LossScale` or None)."""
     tg, model = mods.tg, mods.tg.model
     s = spec(model)
     train_slots, wino = built.slots["train"], built.winograd
@@ -250,12 +253,13 @@ def _manifest(mods: _GraphModules, built: _Libraries, checks: dict, target: tvm.
         winograd={"inference": [dataclasses.asdict(c) for c in sorted(wino["infer"], key=repr)],
                   "training": [dataclasses.asdict(c) for c in sorted(wino["train"], key=repr)]},
         classes=list(classes) if classes else None, device=device,
-        buffers=step_buffers(tg.mod[ADJOINT]), precision=precision, memory_budget=memory_budget)
+        buffers=step_buffers(tg.mod[ADJOINT]), precision=precision, memory_budget=memory_budget,
+        loss_scale=loss_scale.as_dict() if loss_scale is not None else None)
 
 
 def _budget_plan(model, batch: int, trainable: str, optimizer, memory_budget: int | None,
-                 cache_features: bool, progress, precision: str = "float32"
-                 ) -> tuple[object, dict | None]:
+                 cache_features: bool, progress, precision: str = "float32",
+                 loss_scale=None) -> tuple[object, dict | None]:
     """The recomputation plan of ``memory_budget`` bytes (None: no budget) for the step at
     ``precision`` and the manifest's
     ``memory_budget`` record (the budget, the level chosen, the estimated peak, bytes saved,
@@ -270,7 +274,7 @@ def _budget_plan(model, batch: int, trainable: str, optimizer, memory_budget: in
     from ..memory_plan import plan_for_budget
     plan, tried = plan_for_budget(model, batch, trainable, optimizer, int(memory_budget),
                                   say=lambda m: progress(f"memory budget: {m}"),
-                                  precision=precision)
+                                  precision=precision, loss_scale=loss_scale)
     chosen = tried[-1]
     progress(f"memory budget {memory_budget / 1e6:.1f} MB: {plan.level} recomputation "
              f"({len(plan.recomputed)} tensors made again in the backward, "
@@ -305,7 +309,8 @@ def export(out_dir: str, model, tensors: dict[str, np.ndarray], target: tvm.targ
            classes: list[str] | None = None, progress=print, device: dict | None = None,
            stock_defaults: bool = False, check_records: bool = True,
            cache_features: bool = False, precision: str = "float32",
-           memory_budget: int | None = None, device_profile: dict | None = None) -> Manifest:
+           memory_budget: int | None = None, device_profile: dict | None = None,
+           loss_scale=None) -> Manifest:
     """Compile and write the export folder (see the module docstring); returns its manifest.
 
     ``tensors``: parameters and states (float32, shapes of ``models.spec``); ``batch``: images
@@ -319,21 +324,29 @@ def export(out_dir: str, model, tensors: dict[str, np.ndarray], target: tvm.targ
     ``float32``, ``mixed16`` (:mod:`thomas_tune.half_storage`) or ``autocast16``
     (:mod:`thomas_tune.half_arith`: only where ``device_profile``, ``device`` or the target
     says the device reports ``cl_khr_fp16``); ``memory_budget``: bytes the step may hold,
-    recomputing what :func:`thomas_tune.memory_plan.plan_for_budget` chooses. Raises, before
+    recomputing what :func:`thomas_tune.memory_plan.plan_for_budget` chooses;
+    ``loss_scale``: a :class:`thomas_tune.loss_scale.LossScale` (mixed16 only): the
+    activation gradients stored as float16 too, the step loss-scaled
+    (:mod:`thomas_tune.half_grads`; the manifest's ``loss_scale``). Raises, before
     compiling anything, ValueError for a bad trainable set, optimizer or precision (a half one
     with ``cache_features``, ``autocast16`` with ``memory_budget`` or for a device without
-    ``cl_khr_fp16``), for ``cache_features`` whose frozen part changes between steps, for a
-    ``log`` no device here can check while ``check_records`` is True, for a foreign host
-    without a cross compiler, and :class:`thomas_tune.recompute.BudgetError` (naming the
+    ``cl_khr_fp16``; ``loss_scale`` at another precision than mixed16), for
+    ``cache_features`` whose frozen part changes between steps, for a ``log`` no device
+    here can check while ``check_records`` is True, for a foreign host without a cross
+    compiler, and :class:`thomas_tune.recompute.BudgetError` (naming the
     smallest budget that fits). A log of another code-generation version is used with a
     message (the manifest's ``tuning_log_codegen``); the ``export`` verb refuses it."""
     _refuse_before_work(target, log, check_records, precision, cache_features, memory_budget,
                         device, device_profile, progress)
+    if loss_scale is not None and precision != "mixed16":
+        raise ValueError(f"--loss-scale stores activation gradients as float16 beside the "
+                         f"layer outputs of --precision mixed16, not {precision}: give "
+                         "--precision mixed16")
     plan, budget = _budget_plan(model, batch, trainable, optimizer, memory_budget,
-                                cache_features, progress, precision)
+                                cache_features, progress, precision, loss_scale)
     os.makedirs(out_dir, exist_ok=True)
     mods = _graph_modules(model, batch, infer_batch, trainable, optimizer, cache_features,
-                          precision, plan)
+                          precision, plan, loss_scale)
     write = functools.partial(_write_libraries, out_dir, mods, target,
                               STOCK_RULES if stock_defaults else None, progress)
     version = log.version() if log is not None else None
@@ -346,6 +359,6 @@ def export(out_dir: str, model, tensors: dict[str, np.ndarray], target: tvm.targ
     manifest = _manifest(mods, built, checks, target, infer_batch=infer_batch, log=log,
                          version=version, classes=classes, device=device,
                          stock_defaults=stock_defaults, precision=precision,
-                         memory_budget=budget)
+                         memory_budget=budget, loss_scale=loss_scale)
     manifest.write(out_dir)  # last: a folder with a manifest is complete
     return manifest

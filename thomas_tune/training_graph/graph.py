@@ -360,7 +360,9 @@ def inference_module(model, batch: int, dtype: str = "float32") -> tvm.IRModule:
 def add_train_step(mod: tvm.IRModule, trainable_at: int, n_trainable: int) -> tvm.IRModule:
     """``mod`` (a training module: ``ADJOINT`` and ``OPTIMIZER``) plus ``TRAIN_STEP``: the two
     inlined into one function, ``(ADJOINT's parameters..., optimizer state) -> (ADJOINT's first
-    output, new trainable parameters, new optimizer state)``, the trainable parameters being
+    output, new trainable parameters, new optimizer state)`` (and, for a loss-scaled step whose
+    optimizer takes the loss scale, ``ADJOINT``'s last input, the flag it returns last:
+    :mod:`thomas_tune.half_grads`), the trainable parameters being
     ``ADJOINT``'s parameters ``trainable_at`` to ``trainable_at + n_trainable``.
 
     Why: between the two functions the gradients are outputs of ``ADJOINT``, allocated apart
@@ -380,13 +382,17 @@ def add_train_step(mod: tvm.IRModule, trainable_at: int, n_trainable: int) -> tv
     opt_gv = bb.add_func(opt.without_attr("global_symbol"), f"{TRAIN_STEP}_optimizer")
     params = [relax.Var(p.name, p.ty) for p in adj.params]
     state = relax.Var("optimizer_state", opt.params[2].ty)
+    # a loss-scaled step (thomas_tune.half_grads): the optimizer takes the loss scale, the
+    # adjoint's last input, and returns whether it skipped the update, the step's fourth output
+    scale = params[-1:] if len(opt.params) == 4 else []
     with bb.function(TRAIN_STEP, params + [state]):
         out = bb.emit(relax.Call(adj_gv, params))
         first, grads = (bb.emit(relax.TupleGetItem(out, i)) for i in range(2))
         trained = bb.emit(relax.Tuple(params[trainable_at:trainable_at + n_trainable]))
-        new = bb.emit(relax.Call(opt_gv, [trained, grads, state]))
+        new = bb.emit(relax.Call(opt_gv, [trained, grads, state, *scale]))
         bb.emit_func_output(relax.Tuple([first, relax.TupleGetItem(new, 0),
-                                         relax.TupleGetItem(new, 1)]))
+                                         relax.TupleGetItem(new, 1),
+                                         *(relax.TupleGetItem(new, 2) for _ in scale)]))
     out = relax.transform.InlinePrivateFunctions()(bb.get())
     if adj.attrs and LIFT in adj.attrs:
         out[TRAIN_STEP] = out[TRAIN_STEP].with_attr(LIFT, adj.attrs[LIFT])

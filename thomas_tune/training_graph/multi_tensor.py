@@ -56,7 +56,8 @@ def _f(value: float, dtype: str) -> str:
 def update_kernel(shapes: list[tuple[int, ...]], inputs: tuple[str, ...],
                   outputs: dict[str, str], dtype: str = "float32",
                   shared: tuple[str, ...] = (), inplace: bool = False,
-                  counter: str | None = None) -> tvm.tirx.PrimFunc:
+                  counter: str | None = None,
+                  counter_step: str = "T.int64(1)") -> tvm.tirx.PrimFunc:
     """A PrimFunc updating len(shapes) tensors in one loop.
 
     Its arguments are one 0-d buffer per name of ``shared`` (scalars every tensor's update
@@ -74,7 +75,9 @@ def update_kernel(shapes: list[tuple[int, ...]], inputs: tuple[str, ...],
     kernel's arguments are then the shared scalars and the inputs only, and since nothing is
     stored before every value is computed, no expression reads a value already overwritten.
     ``counter`` (with ``inplace``): the name of a 0-d int64 argument, placed after the shared
-    scalars, that the kernel adds one to (the optimizer's step count: no launch of its own).
+    scalars, that the kernel adds one to (the optimizer's step count: no launch of its own);
+    ``counter_step``: what it adds instead, TVMScript over the shared scalars (a loss-scaled
+    step adds one only when it updates, :mod:`thomas_tune.training_graph.loss_scaled`).
     Raises ValueError for an empty list of shapes, for a ``counter`` without ``inplace``, and
     with ``inplace`` for an output whose name is not an input's with ``_new`` appended."""
     over = _in_place_outputs(shapes, inputs, outputs, inplace, counter)
@@ -88,7 +91,10 @@ def update_kernel(shapes: list[tuple[int, ...]], inputs: tuple[str, ...],
     body: list[str] = []
     if counter:  # one work-item counts the step
         body.append(f"{' ' * 12}if vi == 0:")
-        body.append(f"{' ' * 16}{counter}_w[0] = {counter}[()] + T.int64(1)")
+        step = counter_step
+        for name in shared:
+            step = _substitute(step, name, f"{name}[()]")
+        body.append(f"{' ' * 16}{counter}_w[0] = {counter}[()] + {step}")
     _chain(layout, offsets, body, 0, len(shapes), " " * 12)
     text = "\n".join([
         "@T.prim_func(s_tir=True)",
@@ -207,7 +213,8 @@ def emit_update(bb: relax.BlockBuilder, name: str, tensors: list[list[relax.Expr
                        shapes: list[tuple[int, ...]], inputs: tuple[str, ...],
                        outputs: dict[str, str], dtype: str,
                        shared: dict[str, relax.Expr] | None = None,
-                       inplace: bool = True, counter: relax.Expr | None = None
+                       inplace: bool = True, counter: relax.Expr | None = None,
+                       counter_step: str = "T.int64(1)"
                        ) -> tuple[list[list[relax.Expr]], relax.Expr | None]:
     """Emit the update of every parameter as multi-tensor kernels
     (:func:`update_kernel`, as many parameters per kernel as its
@@ -227,7 +234,8 @@ def emit_update(bb: relax.BlockBuilder, name: str, tensors: list[list[relax.Expr
         count = counter if counter is not None and advanced is None else None
         kernel = update_kernel([shapes[j] for j in group], inputs, outputs, dtype,
                                   tuple(shared), inplace=inplace,
-                                  counter="steps" if count is not None else None)
+                                  counter="steps" if count is not None else None,
+                                  counter_step=counter_step)
         gv = bb.add_func(kernel, name)
         head = [*shared.values(), *([count] if count is not None else [])]
         args = [*head, *(t for j in group for t in tensors[j])]
