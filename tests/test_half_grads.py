@@ -228,3 +228,33 @@ def test_the_pocl_build_skips_and_agrees(tmp_path):
     yard, errors = _median_errors(out, (2.0 ** 16,))
     print("PyTorch float32", yard, "PoCL build", errors)
     assert errors[2.0 ** 16] <= FACTOR * yard
+
+
+def test_tune_extracts_the_workloads_the_loss_scaled_export_builds():
+    """``tasks`` / ``tune --precision mixed16 --loss-scale dynamic`` work on the step an export
+    with that option builds (``cli.options.model_graphs``): every kernel of the export's
+    training library is one of their tasks, so the records they tune apply to it; among them
+    the backward's convolutions reading float16, workloads plain mixed16's graph has not.
+    (Mutants: ``model_graphs`` ignoring ``--loss-scale``, the export's float16-reading kernels
+    then no task of tune's; or giving the step graph itself rather than the library's module,
+    5 of the export's convolutions fused otherwise: both fail.)"""
+    from thomas_tune.cli.main import parser
+    from thomas_tune.cli.options import load_model, model_graphs, optimizer_config
+    from thomas_tune.compiler.export import _graph_modules
+    from thomas_tune.target import parse_target
+    from thomas_tune.tasks import extract, key
+    common = ["tasks", "--model", "mobilenet_v2", "--width", "0.35", "--resolution", "32",
+              "--classes", "5", "--batch", str(BATCH), "--precision", "mixed16"]
+    target = parse_target("opencl")
+    keys = {}
+    for name, extra in (("plain", []), ("scaled", ["--loss-scale", "dynamic"])):
+        args = parser().parse_args(common + extra)
+        model, _, _ = load_model(args)
+        keys[name] = {key(t) for t in extract(model_graphs(args, model), target)}
+    mods = _graph_modules(model, BATCH, 1, "all", optimizer_config(args), False, "mixed16",
+                          loss_scale=LossScale())
+    built = {key(t): t for t in extract({"train": mods.train}, target)}
+    assert set(built) <= keys["scaled"], len(set(built) - keys["scaled"])
+    half_reads = {k for k, t in built.items()
+                  if "conv2d_transpose" in t.name and "float16" in t.mod.script()}
+    assert half_reads and not half_reads & keys["plain"], len(half_reads)

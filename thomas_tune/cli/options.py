@@ -191,13 +191,25 @@ def loss_scale_of(args):
 
 
 def model_graphs(args, model):
+    """The inference and training modules whose tasks ``tasks``, ``tune``, ``remeasure`` and
+    ``log`` work on: {"infer": IRModule, "train": IRModule}, at ``--precision`` (with
+    ``--loss-scale dynamic``, the loss-scaled step's module as an export compiles it,
+    :func:`thomas_tune.memory_plan.step_graph` then ``training_library_module``: its
+    backward's float16-reading kernels are workloads of their own, fused as in the export).
+    Raises ValueError as ``step_graph``."""
     from ..training_graph import graph as G
     from ..half_arith import apply_precision
-    train = G.training_module(model, args.batch, args.trainable, optimizer_config(args),
-                              features=getattr(args, "cache_features", False)).mod
-    train, infer = apply_precision(getattr(args, "precision", "float32"), train,
+    precision = getattr(args, "precision", "float32")
+    tg = G.training_module(model, args.batch, args.trainable, optimizer_config(args),
+                           features=getattr(args, "cache_features", False))
+    train, infer = apply_precision(precision, tg.mod,
                                    G.inference_module(model, args.infer_batch), args.batch,
                                    args.infer_batch)
+    scale = loss_scale_of(args)
+    if scale is not None:  # as the export's library: its fusion of the backward is that one's
+        from ..memory_plan import step_graph
+        from ..training_graph.library_module import training_library_module
+        train = training_library_module(step_graph(tg, args.batch, None, precision, scale))[0]
     return {"infer": infer, "train": train}
 
 

@@ -9,8 +9,9 @@ import signal
 import sys
 import time
 
-from .options import (add_cache_features_arg, add_model_args, add_precision_arg, add_profile_arg,
-                      add_target_arg, default_log, load_model, model_graphs)
+from .options import (add_cache_features_arg, add_loss_scale_args, add_model_args,
+                      add_precision_arg, add_profile_arg, add_target_arg, default_log,
+                      load_model, model_graphs)
 from .stop import STOP, safe_records
 
 
@@ -250,6 +251,7 @@ def add_tasks(sub) -> None:
     s.add_argument("--limit", type=int, default=0, help="show only the largest N tasks")
     add_cache_features_arg(s, "also list the tasks of")
     add_precision_arg(s)
+    add_loss_scale_args(s)
     s.set_defaults(fn=cmd_tasks)
 
 
@@ -389,4 +391,5 @@ def add_tune(sub) -> None:
     _add_run_control(s)
     add_cache_features_arg(s, "also tune the tasks of")
     add_precision_arg(s)
+    add_loss_scale_args(s)
     s.set_defaults(fn=cmd_tune)
