@@ -108,4 +108,30 @@ def test_a_budget_too_small_is_refused_naming_the_smallest_that_fits():
     assert f"{-(-smallest // 10**5) / 10:.1f} MB" in str(err.value), str(err.value)
     assert "--memory-budget" in str(err.value)
     plan, tried = plan_for_budget(model, BATCH, "all", None, smallest)
-    assert plan.level != "none" and tried[-1]["peak_bytes"] == smallest
+    chosen = next(t for t in tried if t["level"] == plan.level)
+    assert plan.level != "none" and chosen["peak_bytes"] == smallest
+
+
+def test_segments_keep_the_convolutions_of_their_phase():
+    """``segments:k@p`` recomputes every BatchNorm layer's convolution output but those at
+    positions p, p + k, ... in forward order: the three phases of k = 3 each keep a different
+    third and recompute the rest, so each output is recomputed by exactly two of them
+    (``segments:3`` is ``segments:3@0``); the budget planner tries every phase
+    (:data:`~thomas_tune.recompute.LEVELS`); a phase out of range is refused by name."""
+    from thomas_tune.training_graph import graph as G
+    from thomas_tune.recompute import LEVELS, RecomputePlan, apply_plan
+    model = build("mobilenet_v1", **V1)
+    tg = G.training_module(model, BATCH, "all")
+
+    def convs(level):
+        plan = RecomputePlan(level)
+        apply_plan(tg, plan)
+        return {r.name for r in plan.recomputed if r.op == "relax.nn.conv2d"}
+    phases = [convs(f"segments:3@{p}") for p in range(3)]
+    every = set().union(*phases)
+    counts = {n: sum(n in c for c in phases) for n in every}
+    assert len(every) >= 6 and set(counts.values()) == {2}, counts
+    assert convs("segments:3") == phases[0] != phases[1]
+    assert {f"segments:{k}@{p}" for k in (2, 3) for p in range(k)} <= set(LEVELS)
+    with pytest.raises(ValueError, match="segments:3@3"):
+        convs("segments:3@3")

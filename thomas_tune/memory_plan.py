@@ -332,28 +332,39 @@ def plan_for_budget(model, batch: int, trainable: str, optimizer, budget_bytes: 
                     winograd=None, say=lambda m: None, precision: str = "float32",
                     loss_scale=None) -> tuple[RecomputePlan, list[dict]]:
     """The cheapest plan of :data:`LEVELS` whose compiled step at ``precision`` (with
-    ``loss_scale``, :func:`step_graph`) fits
-    ``budget_bytes`` (peak device bytes by :func:`compiled_step_memory`), and the figures of
-    every level tried (level, peak bytes, bytes saved, FLOPs added, tensors recomputed, bytes
-    of forward tensors the backward still reads: ``kept_bytes``). Raises
-    :class:`BudgetError` (a ValueError) when even the last level does not fit; its message
-    names the smallest budget that does, in MB (10^6 bytes)."""
+    ``loss_scale``, :func:`step_graph`) fits ``budget_bytes`` (peak device bytes by
+    :func:`compiled_step_memory`), and the figures of every level tried (level, peak bytes,
+    bytes saved, FLOPs added, tensors recomputed, bytes of forward tensors the backward still
+    reads: ``kept_bytes``). The levels are tried in order, the phases of one segment length
+    together (``segments:k@p``, :mod:`thomas_tune.recompute`): of the first group with a plan
+    that fits, the fitting one that adds the fewest FLOPs. Raises :class:`BudgetError` (a
+    ValueError) when no level fits; its message names the smallest budget that does, in MB
+    (10^6 bytes)."""
     from .training_graph.graph import ADJOINT, training_module
     from .memory import _liveness_peak
+    from .recompute import segment_of
     tried, base = [], None
     tg = training_module(model, batch, trainable, optimizer)
-    for level in LEVELS:
-        plan = RecomputePlan(level)
-        mod, planned = lowered_training_module(model, batch, trainable, optimizer, winograd,
-                                               plan, tg, precision, loss_scale)
-        mem = step_memory(mod, planned)
-        base = mem.peak if base is None else base
-        tried.append({"level": level, "peak_bytes": mem.peak, "saved_bytes": base - mem.peak,
-                      "flops_added": plan.flops_added, "recomputed": len(plan.recomputed),
-                      "kept_bytes": _liveness_peak(planned.mod[ADJOINT])[1]})
-        say(f"{level}: {mem.peak / 1e6:.1f} MB")
-        if mem.peak <= budget_bytes:
-            return plan, tried
+    groups: dict = {}
+    for level in LEVELS:  # none, elementwise, then one group per segment length
+        groups.setdefault((segment_of(level) or (level,))[0], []).append(level)
+    for levels in groups.values():
+        fits = []
+        for level in levels:
+            plan = RecomputePlan(level)
+            mod, planned = lowered_training_module(model, batch, trainable, optimizer,
+                                                   winograd, plan, tg, precision, loss_scale)
+            mem = step_memory(mod, planned)
+            base = mem.peak if base is None else base
+            tried.append({"level": level, "peak_bytes": mem.peak,
+                          "saved_bytes": base - mem.peak, "flops_added": plan.flops_added,
+                          "recomputed": len(plan.recomputed),
+                          "kept_bytes": _liveness_peak(planned.mod[ADJOINT])[1]})
+            say(f"{level}: {mem.peak / 1e6:.1f} MB")
+            if mem.peak <= budget_bytes:
+                fits.append((plan.flops_added, mem.peak, plan))
+        if fits:
+            return min(fits, key=lambda f: f[:2])[2], tried
     least = min(tried, key=lambda t: t["peak_bytes"])
     smallest = least["peak_bytes"]
     raise BudgetError(

@@ -14,30 +14,40 @@ What this module recomputes:
   next convolution's weight gradient reads. Its input (the convolution's output) and the
   batch's statistics are kept anyway (the BatchNorm's own backward reads them), so it is made
   again from them by one element-wise kernel: about 7 operations per element.
-* ``segments`` (``segments:k``, k = 2 or 3): on top, the convolutions that make those inputs,
-  for all but every k-th BatchNorm layer (segments of k layers recomputed from the kept output
-  of the layer before; PyTorch's ``torch.utils.checkpoint`` on such segments): each one costs
-  the convolution's forward FLOPs again. The copies of a segment live together from where the
-  backward reaches it, so longer segments hold more: on MobileNetV2 k = 3 holds the least,
-  k = 4 already more than k = 2.
+* ``segments:k@p`` (``segments`` is ``segments:2@0``, ``segments:k`` is ``segments:k@0``): on
+  top, the convolutions that make those inputs, for every BatchNorm layer but those at
+  positions p, p + k, p + 2k, ... (counted from 0 in forward order): segments of k - 1 layers
+  recomputed from the kept output of the layer before (PyTorch's ``torch.utils.checkpoint`` on
+  such segments). Each costs the convolution's forward FLOPs again. The copies of a segment
+  live together from where the backward reaches it, and which layers are kept decides which
+  segment is live at the step's peak (MobileNetV2's stages differ in size by 4x), so the
+  compiled peak depends on p as much as on k, and not monotonically on either.
 
-:func:`thomas_tune.memory_plan.plan_for_budget` picks the first of these that fits a budget
-(measured by :func:`thomas_tune.memory_plan.compiled_step_memory`, the compiled step's own
-memory plan) and raises :class:`BudgetError` naming the smallest budget any of them fits when
-none does.
+:func:`thomas_tune.memory_plan.plan_for_budget` tries :data:`LEVELS` from the least work added
+to the most, the phases of one ``k`` together, and takes the first ``k`` one of whose phases
+fits a budget (measured by :func:`thomas_tune.memory_plan.compiled_step_memory`, the compiled
+step's own memory plan), the fitting phase that adds the fewest FLOPs; it raises
+:class:`BudgetError` naming the smallest budget any of them fits when none does.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import asdict, dataclass, field, replace
 
 import numpy as np
 import tvm
 from tvm import relax
 
-#: the plans, from the cheapest in added work to the most recomputed (``segments:k``: all but
-#: every k-th BatchNorm layer's convolution output; ``segments`` is ``segments:2``)
-LEVELS = ("none", "elementwise", "segments", "segments:3")
+#: the longest segment a budget's plan tries (k of ``segments:k@p``): up to 4 recomputed
+#: convolutions in a row
+MAX_SEGMENT = 4
+#: the plans a budget tries, from the cheapest in added work to the most recomputed
+#: (``segments:k@p``: every BatchNorm layer's convolution output but those at positions p, p + k,
+#: ...; a larger k recomputes a larger share, (k - 1) / k)
+LEVELS = ("none", "elementwise") + tuple(
+    f"segments:{k}@{p}" for k in range(2, MAX_SEGMENT + 1) for p in range(k))
+_SEGMENTS = re.compile(r"segments(?::(\d+)(?:@(\d+))?)?")
 #: operations per element of the BatchNorm-with-activation kernel made again (subtract,
 #: multiply by the inverse deviation, scale, shift, clip at 0 and 6): its FLOPs
 BN_ACT_FLOPS_PER_ELEMENT = 7
@@ -123,9 +133,18 @@ class _Substitute(relax.PyExprMutator):
         return self.mapping.get(var, var)
 
 
-def _segment(level: str) -> int:
-    """k of a ``segments:k`` level (``segments`` alone: 2)."""
-    return int(level.split(":")[1]) if ":" in level else 2
+def segment_of(level: str) -> tuple[int, int] | None:
+    """(k, p) of a ``segments``, ``segments:k`` or ``segments:k@p`` level (module docstring;
+    ``segments`` is (2, 0), ``segments:k`` is (k, 0)); None for ``none`` and ``elementwise``.
+    Raises ValueError for another level, or k < 2, or p not in [0, k)."""
+    if level in ("none", "elementwise"):
+        return None
+    m = _SEGMENTS.fullmatch(level)
+    k, p = (int(m.group(1) or 2), int(m.group(2) or 0)) if m else (0, 0)
+    if not m or k < 2 or p >= k:
+        raise ValueError(f"recomputation level {level!r}: none, elementwise, segments, "
+                         "segments:K (K >= 2) or segments:K@P (0 <= P < K)")
+    return k, p
 
 
 def _choose(bindings, backward: int, level: str) -> dict:
@@ -143,14 +162,16 @@ def _choose(bindings, backward: int, level: str) -> dict:
             n = int(np.prod(_shape(var), dtype=np.int64))
             chosen[var] = (b, name, BN_ACT_FLOPS_PER_ELEMENT * n)
             bn_inputs.append(_args(b.value)[0])
-    if level.startswith("segments"):
-        # of the BatchNorm layers' convolution outputs, in forward order, all but every k-th
+    segment = segment_of(level)
+    if segment is not None:
+        # of the BatchNorm layers' convolution outputs, in forward order, all but those at
+        # positions p, p + k, ...
         order = {b.var: i for i, b in enumerate(bindings[:backward])}
         convs = sorted((v for v in bn_inputs if v in forward
                         and _kernel_name(forward[v].value) == "relax.nn.conv2d"),
                        key=order.__getitem__)
-        k = _segment(level)
-        for var in (v for i, v in enumerate(convs) if i % k):
+        k, p = segment
+        for var in (v for i, v in enumerate(convs) if (i - p) % k):
             b = forward[var]
             chosen[var] = (b, "relax.nn.conv2d", _conv_flops(b.value, var))
     # a copy reads only what the backward holds anyway: arguments, kept tensors, other copies
@@ -173,9 +194,7 @@ def recompute_function(func: relax.Function, level: str) -> tuple[relax.Function
     reading the new copy; a copy's inputs that are themselves recomputed are read from their
     copies. Returns (function, [:class:`Recomputed`]). Raises ValueError for an unknown
     level."""
-    if level not in LEVELS and not (level.startswith("segments:") and
-                                    level[9:].isdigit() and int(level[9:]) >= 2):
-        raise ValueError(f"recomputation level {level!r} is not one of {', '.join(LEVELS)}")
+    segment_of(level)  # ValueError for an unknown level
     blocks = list(func.body.blocks)
     bindings = [b for bl in blocks for b in bl.bindings]
     backward = next((i for i, b in enumerate(bindings) if b.var.name.endswith("_adjoint")),

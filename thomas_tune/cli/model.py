@@ -109,7 +109,7 @@ def _memory_plan(args, model, mode: str, budget: int) -> int:
     from ..memory_plan import plan_for_budget
     plan, tried = plan_for_budget(model, args.batch, mode, optimizer_config(args), budget,
                                   precision=args.precision, loss_scale=loss_scale_of(args))
-    chosen = tried[-1]
+    chosen = next(t for t in tried if t["level"] == plan.level)
     if args.json:
         print(json.dumps({"trainable": mode, "precision": args.precision,
                           "budget_bytes": budget, "tried": tried,

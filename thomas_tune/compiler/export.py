@@ -275,7 +275,7 @@ def _budget_plan(model, batch: int, trainable: str, optimizer, memory_budget: in
     plan, tried = plan_for_budget(model, batch, trainable, optimizer, int(memory_budget),
                                   say=lambda m: progress(f"memory budget: {m}"),
                                   precision=precision, loss_scale=loss_scale)
-    chosen = tried[-1]
+    chosen = next(t for t in tried if t["level"] == plan.level)
     progress(f"memory budget {memory_budget / 1e6:.1f} MB: {plan.level} recomputation "
              f"({len(plan.recomputed)} tensors made again in the backward, "
              f"{chosen['saved_bytes'] / 1e6:.1f} MB saved, "
