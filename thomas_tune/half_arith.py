@@ -153,7 +153,7 @@ class _Autocast(_Rounder):
         """``x``'s float16 form: its twin, or ``x`` rounded now (a binding appended to
         ``out``; a variable's twin is kept, so later float32 uses read the rounded value)."""
         if isinstance(x, relax.Var):
-            h = next((h for s, h in self.half.items() if s.same_as(x)), None)
+            h = self.half_of(x)
             if h is not None:
                 return h
             h = self._var(x, "float16", dataflow)

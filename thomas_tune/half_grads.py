@@ -152,8 +152,7 @@ class _GradRounder(_Rounder):
     def _halves(self, args, dataflow: bool, out: list):
         """Per argument, its float16 twin where it is stored, else it read as
         :meth:`thomas_tune.half_storage._Rounder.reads` reads it; None where none is stored."""
-        halves = [next((h for st, h in self.half.items() if st.same_as(self._source(a))), None)
-                  for a in args]
+        halves = [self.half_of(self._source(a)) for a in args]
         if all(h is None for h in halves):
             return None
         return [h if h is not None else super(_GradRounder, self).reads(a, dataflow, out)

@@ -160,7 +160,7 @@ class _Rounder:
             return conv
         table = {}
         for v in _free_vars(expr):
-            h = next((h for s, h in self.half.items() if s.same_as(v)), None)
+            h = self.half_of(v)
             if h is not None:
                 c = self._var(v, "float32", dataflow)
                 out.append(relax.VarBinding(c, self.cast(h, "float32")))
@@ -174,7 +174,7 @@ class _Rounder:
                 and isinstance(expr.op, tvm.ir.Op) and expr.op.name in HALF_INPUT_OPS
                 and isinstance(expr.args[0], relax.Var)):
             return None
-        h = next((h for s, h in self.half.items() if s.same_as(expr.args[0])), None)
+        h = self.half_of(expr.args[0])
         if h is None:
             return None
         a = expr.attrs
@@ -188,6 +188,10 @@ class _Rounder:
         ``out``: True when done. Here never: storage only, arithmetic stays float32
         (:class:`thomas_tune.half_arith._Autocast` computes some ops in float16)."""
         return False
+
+    def half_of(self, var) -> relax.Var | None:
+        """The float16 twin of the stored value ``var`` (the same variable), or None."""
+        return next((h for s, h in self.half.items() if s.same_as(var)), None)
 
     def stores(self, b, forward: bool) -> bool:
         """Whether binding ``b`` (``forward``: of the forward pass) is stored as float16: a

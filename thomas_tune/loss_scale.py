@@ -32,6 +32,15 @@ from dataclasses import asdict, dataclass
 LOSS_SCALES = ("none", "dynamic")
 
 
+def require_mixed16(precision: str) -> None:
+    """Raise ValueError unless ``precision`` is ``mixed16``: a loss-scaled step stores its
+    activation gradients as float16 beside mixed16's layer outputs."""
+    if precision != "mixed16":
+        raise ValueError(f"--loss-scale stores activation gradients as float16 beside the "
+                         f"layer outputs of --precision mixed16, not {precision}: give "
+                         "--precision mixed16")
+
+
 @dataclass(frozen=True)
 class LossScale:
     """The dynamic loss scaling of an export (the manifest's ``loss_scale``): GradScaler's
@@ -97,6 +106,3 @@ class DynamicScaler:
             self.scale *= c.growth_factor
             self.growth_tracker = 0
 
-    def state(self) -> dict:
-        return {"scale": self.scale, "growth_tracker": self.growth_tracker,
-                "skipped": self.skipped, "steps": self.steps}

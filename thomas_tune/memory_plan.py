@@ -226,10 +226,8 @@ def step_graph(tg, batch: int, budget_plan=None, precision: str = "float32",
         tg = apply_plan(tg, budget_plan)
     if loss_scale is not None:
         from .half_grads import apply_loss_scaling
-        if precision != "mixed16":
-            raise ValueError(f"--loss-scale stores activation gradients as float16 beside the "
-                             f"layer outputs of --precision mixed16, not {precision}: give "
-                             "--precision mixed16")
+        from .loss_scale import require_mixed16
+        require_mixed16(precision)
         return apply_loss_scaling(tg, batch)
     if precision != "float32":
         tg = dataclasses.replace(tg, mod=training_precision(precision, tg.mod, batch,

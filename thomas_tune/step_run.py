@@ -8,16 +8,6 @@ import os
 import numpy as np
 
 
-def _scale_arg(m, loss_scale: float | None, dev) -> list:
-    """The loss scale a loss-scaled export's step takes (``loss_scale``, else the manifest's
-    ``init_scale``) as a 0-d float32 tensor on ``dev``; [] for another export."""
-    import tvm
-    if not m.loss_scale:
-        return []
-    value = loss_scale or m.loss_scale["init_scale"]
-    return [tvm.runtime.tensor(np.asarray(value, "float32"), dev)]
-
-
 def export_step(export_dir: str, x: np.ndarray, y: np.ndarray, device=None, rpc_session=None,
                 cached: bool = False, masks: dict | None = None, tensors: dict | None = None,
                 train_lib=None, loss_scale: float | None = None
@@ -62,6 +52,9 @@ def export_step(export_dir: str, x: np.ndarray, y: np.ndarray, device=None, rpc_
     get = rpc_session.get_function("ffi.ArrayGetItem") if rpc_session is not None else None
     masks = [t(np.asarray((masks or {}).get(k, np.ones(v["shape"])), "float32"))
              for k, v in m.masks.items()]
+    # a loss-scaled step's scale (float32, as the step takes it); its gradients are divided by it
+    unscale = float(np.float32(loss_scale or m.loss_scale["init_scale"])) if m.loss_scale \
+        else 1.0
     if cached:
         if rpc_session is not None or not m.features:
             raise ValueError("export_step(cached=True) runs an export made with "
@@ -86,7 +79,9 @@ def export_step(export_dir: str, x: np.ndarray, y: np.ndarray, device=None, rpc_
             frozen = slot_arguments(slots, lambda s: t(tensors[s]),
                                     lifted_values(out, slots, get))
         ordered = [t(tensors[n]) for n in (*m.trainable, *m.states)]
-        scale = _scale_arg(m, loss_scale, dev)
+        # (not t(): np.ascontiguousarray makes a 0-d array 1-d)
+        scale = [tvm.runtime.tensor(np.asarray(unscale, "float32"), dev)] if m.loss_scale \
+            else []
         out = vm[ADJOINT](t(x), *masks, *frozen, *ordered, t(y.astype("int64")), *scale)
     if rpc_session is None:
         ret, grads = out
@@ -95,7 +90,6 @@ def export_step(export_dir: str, x: np.ndarray, y: np.ndarray, device=None, rpc_
         ret, handle = get(out, 0), get(out, 1)
         loss = get(ret, 0) if m.states else ret
         grads = [get(handle, i) for i in range(len(m.trainable))]
-    unscale = float(scale[0].numpy()) if m.loss_scale else 1.0
     return (float(loss.numpy()),
             {n: g.numpy().astype("float64") / unscale for n, g in zip(m.trainable, grads)})
 

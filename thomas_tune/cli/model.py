@@ -56,8 +56,8 @@ def _rewrite(args):
     stored as float16 too, :func:`thomas_tune.half_grads.rewrite_function`)."""
     from ..half_arith import rewrite_for
     if loss_scale_of(args) is not None:
-        if args.precision != "mixed16":
-            raise ValueError("--loss-scale dynamic is built with --precision mixed16 only")
+        from ..loss_scale import require_mixed16
+        require_mixed16(args.precision)
         from ..half_grads import rewrite_function
         return rewrite_function
     return rewrite_for(args.precision)

@@ -170,7 +170,8 @@ def add_precision_arg(p) -> None:
 
 
 def add_loss_scale_args(p) -> None:
-    p.add_argument("--loss-scale", default="none", choices=["none", "dynamic"],
+    from ..loss_scale import LOSS_SCALES
+    p.add_argument("--loss-scale", default="none", choices=list(LOSS_SCALES),
                    help="with --precision mixed16: dynamic stores the backward's activation "
                    "gradients as float16 too, the loss's gradient multiplied by a scale chosen "
                    "as PyTorch's GradScaler does (a step with gradients not finite skipped and "

@@ -46,6 +46,7 @@ from ..models import save_checkpoint, spec
 from ..schedules import STOCK_RULES
 from ..target import cross_compiler, describe, export_shared, host_triple
 from ..limits import step_buffers
+from ..loss_scale import require_mixed16
 from ..logs import TuningLog
 
 
@@ -338,10 +339,8 @@ def export(out_dir: str, model, tensors: dict[str, np.ndarray], target: tvm.targ
     message (the manifest's ``tuning_log_codegen``); the ``export`` verb refuses it."""
     _refuse_before_work(target, log, check_records, precision, cache_features, memory_budget,
                         device, device_profile, progress)
-    if loss_scale is not None and precision != "mixed16":
-        raise ValueError(f"--loss-scale stores activation gradients as float16 beside the "
-                         f"layer outputs of --precision mixed16, not {precision}: give "
-                         "--precision mixed16")
+    if loss_scale is not None:
+        require_mixed16(precision)
     plan, budget = _budget_plan(model, batch, trainable, optimizer, memory_budget,
                                 cache_features, progress, precision, loss_scale)
     os.makedirs(out_dir, exist_ok=True)
