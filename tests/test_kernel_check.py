@@ -448,9 +448,9 @@ def test_step_check_names_the_parameters_a_wrong_kernel_breaks(rng):
     two = check([dict(g, p0=r["p0"] * 1.02) for g, r in zip(ours, refs)], yard={"p0": 0.5})
     assert two.failing == ["p0"], two.line()
     # a bias whose float64 gradient is 1e-15 of its terms: judged on CANCELLED x their sum
-    zero = [{"b": np.full(4, 1e-15)} for _ in range(CHECK_BATCHES)]
-    sums = [{"b": np.full(4, 1.0)} for _ in range(CHECK_BATCHES)]
-    noise = [{"b": np.full(4, 1e-8)} for _ in range(CHECK_BATCHES)]
+    zero = [{"conv.bias": np.full(4, 1e-15)} for _ in range(CHECK_BATCHES)]
+    sums = [{"conv.bias": np.full(4, 1.0)} for _ in range(CHECK_BATCHES)]
+    noise = [{"conv.bias": np.full(4, 1e-8)} for _ in range(CHECK_BATCHES)]
     assert compare_step(losses, noise, losses, zero, sums=sums).ok
     assert not compare_step(losses, noise, losses, zero).ok  # on its own scale: 1e7
 

@@ -34,7 +34,7 @@ def _made_up_build(arch, seed, rng, noise, monkeypatch):
     decision, as a float32 build's are, plus noise of 1e-8 of each scale on the gradients."""
     from thomas_tune import kinks
     from thomas_tune.flip_solve import apply_mask
-    from thomas_tune.step_check import CANCELLED
+    from thomas_tune.step_check import term_floor
     loss, g, params, names = _forward(arch, seed)
     _, g32, _, _ = _forward(arch, seed, "float32")
     rounding = [float((k32.x.detach().double() - k.x.detach()).abs().max())
@@ -65,7 +65,7 @@ def _made_up_build(arch, seed, rng, noise, monkeypatch):
     # each parameter's scale as the check takes it (a bias before a training-form BatchNorm,
     # whose gradient cancels, on the sum of its terms: step_check.following_step)
     sums = kinks.term_sums(loss, g)
-    scales = {n: max(float(b.abs().max()), CANCELLED * float(np.max(sums.get(n, 0.0))))
+    scales = {n: max(float(b.abs().max()), term_floor(n, sums.get(n)))
               for n, b in zip(names, base)}
     grads = torch.autograd.grad(loss, params)
     build = {n: gr.numpy() + 1e-8 * scales[n] * rng.standard_normal(gr.shape)
@@ -178,7 +178,7 @@ def test_following_flips_the_windows_one_comparison_decides(max_flips, monkeypat
     the followed reference explains the build within 1e-6 of every scale, and a gradient 1%
     off on top still fails."""
     from thomas_tune import kinks
-    from thomas_tune.step_check import CANCELLED
+    from thomas_tune.step_check import term_floor
     monkeypatch.setattr(kinks, "MAX_FLIPS", max_flips)
     seed, found = next((s, f) for s in range(40) if (f := _shared_pair(s)) is not None)
     layer, windows, gap = found
@@ -190,7 +190,7 @@ def test_following_flips_the_windows_one_comparison_decides(max_flips, monkeypat
     rounding[layer] = max(rounding[layer], 2.0 * gap / kinks.DELTA_FACTOR)
     base = torch.autograd.grad(loss, params, retain_graph=True)
     sums = kinks.term_sums(loss, g)
-    scales = {n: max(float(b.abs().max()), CANCELLED * float(np.max(sums.get(n, 0.0))))
+    scales = {n: max(float(b.abs().max()), term_floor(n, sums.get(n)))
               for n, b in zip(names, base)}
     k = g.kinks[layer]
     dec, alt = k.decision.reshape(-1), k.alt.reshape(-1)

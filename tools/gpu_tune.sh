@@ -32,7 +32,8 @@
 #           (default "mnv2-all mnv2-last2 alexnet-all alexnet-last3"; also mnv2-budget, with
 #           --memory-budget BUDGET, and the --precision mixed16 rows mnv2-mixed16,
 #           mnv2-last2-mixed16, alexnet-all-mixed16, and mnv2-mixed16-scaled with --loss-scale
-#           dynamic, whose step the check refuses), BENCH_ARGS adds options, EXPORT_ONLY=1
+#           dynamic, whose step the check refuses, mnv2-mixed16-scaled-budget the same with
+#           --memory-budget BUDGET16, default 512), BENCH_ARGS adds options, EXPORT_ONLY=1
 #           exports without benching;
 #           'rows-status' prints progress and returns $TT/rows as $OUT/rows.tgz; the rows wait
 #           for the tuning jobs started before them (so 'start' with WATCH=0 then 'rows' in one
@@ -242,6 +243,8 @@ rows_job() {
         log=alexnet-w1-r224-c1000-b32 ;;
       mnv2-mixed16-scaled) args="--model mobilenet_v2 --trainable all --precision mixed16 \
         --loss-scale dynamic" log=mobilenet_v2-w1-r224-c1000-b32 ;;
+      mnv2-mixed16-scaled-budget) args="--model mobilenet_v2 --trainable all --precision mixed16 \
+        --loss-scale dynamic --memory-budget ${BUDGET16:-512}" log=mobilenet_v2-w1-r224-c1000-b32 ;;
       *) echo "unknown row $row"; continue ;;
     esac
     committed_log $log
