@@ -167,6 +167,13 @@ def test_work_group_tiles_private_values_and_lone_roundings_are_rewritten():
             "  o[0] = ((float)convert_half(x[0]));\n}\n")
     out = rewrite_half_access(tile + lone)  # one source, as TVM writes a module's kernels
     assert f"{ROUND_HALF}(x[0])" in out and "convert_half" not in out
+    # alone, with the extension block TVM writes before it (a kernel that rounds a float32
+    # value to float16 and back holds no half word: tune's rounding kernels at mixed16)
+    block = ("#ifdef cl_khr_fp16\n#pragma OPENCL EXTENSION cl_khr_fp16 : enable\n"
+             "#elif defined(cl_amd_fp16)\n#pragma OPENCL EXTENSION cl_amd_fp16 : enable\n"
+             "#else\n#error \"Half precision floating point not supported\"\n#endif\n")
+    out = rewrite_half_access(block + lone)
+    assert f"{ROUND_HALF}(x[0])" in out and "convert_half" not in out and "#error" not in out
 
 
 def _step_graph():
@@ -285,3 +292,70 @@ def test_half_storage_kernels_are_workloads_of_their_own():
     half = [t for t in f16 if "float16" in t.mod.script()]
     assert {t.name for t in half} and not {key(t) for t in half} & keys32
     assert all("float16" in t.mod.script() for t in f16 if "conv2d" in t.name)
+
+
+def test_a_float16_kernel_is_checked_within_float16_steps():
+    """The kernel check of a workload that rounds to float16 on the way (tune at mixed16):
+    its comparison kernel computes in float32 (float16 holds no NOT_FINITE), and its tolerance
+    is four float16 steps of the largest value, so two schedules of one kernel whose float32
+    sums round either side of a float16 midpoint agree, and a kernel 1% off still fails."""
+    from tvm import te
+
+    from thomas_tune import kernel_check as kc
+    from thomas_tune.target import parse_target
+
+    x = te.placeholder((4, 64), "float32", "x")
+    k = te.reduce_axis((0, 64), "k")
+    s = te.compute((4,), lambda i: te.sum(x[i, k], axis=k), name="s")
+    h = te.compute((4,), lambda i: s[i].astype("float16"), name="h")
+    func = te.create_prim_func([x, h])
+    spec = kc.check_spec(func)
+    assert spec.half and spec.tol == kc.HALF_TOLERANCE > kc.tolerance(spec.terms)
+    cmp = kc.compare_kernel(func, spec, parse_target("opencl"))
+    assert [dt for _, dt in kc.arg_shapes(cmp)] == ["float16", "float16", "float32", "float32"]
+    ref = np.float16(np.random.default_rng().uniform(1.0, 2.0, 4))
+    step = np.float16(np.nextafter(ref, np.float16(np.inf)))  # one float16 step up
+    assert kc.compare({1: step}, {1: ref}, spec.tol) is None
+    assert kc.compare({1: np.float16(ref * 1.01)}, {1: ref}, spec.tol) is not None
+
+
+def test_tune_at_mixed16_measures_and_the_export_applies_its_records(tmp_path):
+    """``tune --precision mixed16`` on PoCL over a loopback tracker (AlexNet 0.1@67, its two
+    costliest tasks, 8 trials): every trial is built and measured, none wrong, and the mixed16
+    export applies the records, each checked on the device. Before the rewrite took kernels
+    that round without a float16 buffer and the check compared float16 outputs in float32 and
+    within float16 steps, every trial of such a task failed (a build error, or a float16
+    constant of 1e30) or was called wrong."""
+    import json
+    import os
+
+    from thomas_tune import rpc
+    from thomas_tune.cli import main
+    from thomas_tune.compiler.export import export
+    from thomas_tune.logs import TuningLog
+    from thomas_tune.models import build, init_params
+    from thomas_tune.target import parse_target
+    from thomas_tune.tuning.defaults import DEFAULT_LATENCY
+    log = tmp_path / "log"
+    small = ["--model", "alexnet", "--width", "0.1", "--resolution", "67", "--classes", "5",
+             "--batch", "8", "--target", "opencl", "--precision", "mixed16"]
+    with rpc.loopback(key="pocl-mixed16", servers=1, lifetime=600) as addr:
+        assert main(["tune", *small, "--tracker", f"{addr[0]}:{addr[1]}", "--key",
+                     "pocl-mixed16", "--top", "2", "--trials", "8", "--trials-per-iter", "4",
+                     "--population", "8", "--genetic-iters", "1", "--build-workers", "1",
+                     "--log", str(log)]) == 0
+    errors = log / "trial_errors.jsonl"
+    assert not errors.exists() or not errors.read_text().strip(), errors.read_text()
+    records = TuningLog(str(log)).database().get_all_tuning_records()
+    assert records and all(r.run_secs for r in records)
+    assert all("float16" in r.workload.mod.script() for r in records)
+    if os.path.exists(log / DEFAULT_LATENCY):  # every record applied, faster or not
+        os.remove(log / DEFAULT_LATENCY)
+    model = build("alexnet", num_classes=5, resolution=67, width=0.1)
+    out = str(tmp_path / "tuned")
+    m = export(out, model, init_params(model, seed=11), parse_target("opencl"), batch=8,
+               trainable="all", precision="mixed16", log=TuningLog(str(log)),
+               progress=lambda *_: None)
+    assert m.record_check["checked"] >= 1 and not m.record_check["wrong"], json.dumps(
+        m.record_check)
+

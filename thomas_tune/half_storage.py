@@ -405,10 +405,11 @@ def rewrite_half_access(source: str) -> str:
     docstring): loads ``p[i]`` -> ``vload_half(i, p)``, stores ``p[i] = convert_half(e);`` ->
     ``vstore_half(e, i, p);``, a rounding ``convert_half(e)`` elsewhere -> a float with
     ``e``'s float16 value (:data:`ROUND_HALF`); the ``cl_khr_fp16`` block that fails to compile
-    without the extension becomes a plain ``#ifdef``. Source without ``half`` is returned as
-    it is. Raises :class:`HalfAccessError` naming the kernel where ``half`` is left in another
-    form (a vector, a ``__local`` array)."""
-    if not _HALF_WORD.search(source):
+    without the extension becomes a plain ``#ifdef``. Source without ``half`` (neither a
+    float16 type nor a rounding to it) is returned as it is. Raises :class:`HalfAccessError`
+    naming the kernel where ``half`` is left in another form (a vector, a ``__local``
+    array)."""
+    if not (_HALF_WORD.search(source) or "convert_half(" in source):
         return source
     source = _FP16_BLOCK.sub("#ifdef cl_khr_fp16\n#pragma OPENCL EXTENSION cl_khr_fp16 : "
                              "enable\n#endif\n", source)

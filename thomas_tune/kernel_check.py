@@ -69,18 +69,26 @@ class CheckSpec:
     ``written``: indices of the parameters some block writes (the outputs); ``updated``: those
     of ``written`` that a block also reads (updated in place: restored before each run, not
     poisoned); ``terms``: the longest chain of summed terms, the product of the reduction
-    extents of each reducing block, summed over blocks (1 without a reduction)."""
+    extents of each reducing block, summed over blocks (1 without a reduction); ``half``:
+    whether a block reads or writes a float16 buffer (the kernel rounds to float16 on the
+    way, ``--precision mixed16``)."""
 
     written: tuple[int, ...]
     updated: tuple[int, ...]
     terms: int
+    half: bool = False
 
     @property
     def tol(self) -> float:
-        return tolerance(self.terms)
+        return tolerance(self.terms, self.half)
 
 
-def tolerance(terms: int) -> float:
+#: the tolerance of a kernel that rounds to float16 on the way (:func:`tolerance`): four
+#: float16 steps of the largest value, 2^-8 (IEEE 754-2008 binary16: 10 bits of mantissa)
+HALF_TOLERANCE = 2.0 ** -8
+
+
+def tolerance(terms: int, half: bool = False) -> float:
     """The largest ``max |got - ref| / max |ref|`` accepted between two float32 evaluations of
     a kernel that sums ``terms`` terms per output in different orders.
 
@@ -91,8 +99,14 @@ def tolerance(terms: int) -> float:
     (exp, rsqrt) take on OpenCL devices (OpenCL C 3.0 spec, section 7.4: up to 4 ulp):
     5e-5 for 1,000 terms, 2.4e-3 for 400,000 terms (MobileNetV2's first weight gradient at
     batch 32). A kernel that writes nothing, zeros or the wrong elements is off by about 1.
-    """
-    return max(2e-5, 64.0 * math.sqrt(max(1, terms)) * U32)
+
+    ``half``: the kernel rounds to float16 on the way (a float16 buffer, ``--precision
+    mixed16``); where two float32 orders put a value either side of the midpoint between two
+    float16 values, the two evaluations differ by a float16 step, up to 2^-10 of the value,
+    and a later rounding of the same chain can add a step: at least :data:`HALF_TOLERANCE`
+    (a value 1% off is 2.6x over it)."""
+    floor = HALF_TOLERANCE if half else 2e-5
+    return max(floor, 64.0 * math.sqrt(max(1, terms)) * U32)
 
 
 def check_spec(func: tvm.tirx.PrimFunc) -> CheckSpec:
@@ -100,11 +114,13 @@ def check_spec(func: tvm.tirx.PrimFunc) -> CheckSpec:
     Raises ValueError for a function none of whose parameters is written."""
     sch = tvm.s_tir.Schedule(tvm.IRModule({"main": func}))
     index = [(p, i) for i, p in enumerate(func.params)]  # a tensor parameter is its buffer
-    written, read, terms = set(), set(), 0
+    written, read, terms, half = set(), set(), 0, False
 
     def walk(block_rv):
-        nonlocal terms
+        nonlocal terms, half
         block = sch.get(block_rv)
+        half = half or any(str(r.source.dtype) == "float16"
+                           for r in list(block.reads) + list(block.writes))
         for region in block.writes:
             for buf, i in index:
                 if region.source.same_as(buf):
@@ -129,7 +145,8 @@ def check_spec(func: tvm.tirx.PrimFunc) -> CheckSpec:
     if not written:
         raise ValueError(f"kernel {func.attrs['global_symbol'] if func.attrs else ''}: no "
                          "parameter is written; nothing to check")
-    return CheckSpec(tuple(sorted(written)), tuple(sorted(written & read)), max(1, terms))
+    return CheckSpec(tuple(sorted(written)), tuple(sorted(written & read)), max(1, terms),
+                     half)
 
 
 def arg_shapes(func: tvm.tirx.PrimFunc) -> list[tuple[tuple[int, ...], str]]:
@@ -236,13 +253,21 @@ def _float_outputs(func: tvm.tirx.PrimFunc, spec: CheckSpec) -> list[tuple[tuple
     return [shapes[i] for i in spec.written]
 
 
+def compared_dtype(dtype: str) -> str:
+    """The dtype :func:`compare_kernel` computes and returns the comparison of outputs of
+    ``dtype`` in: float32 for float16, else ``dtype``."""
+    return "float32" if dtype == "float16" else dtype
+
+
 def compare_kernel(func: tvm.tirx.PrimFunc, spec: CheckSpec, target) -> tvm.tirx.PrimFunc | None:
     """The comparison of :func:`compare` as a kernel for ``target``, so that a candidate's
     outputs are compared with the reference's where both are, and only two numbers per
     output cross to the host: for written argument ``k`` of ``spec`` (in order), ``got_k``
     and ``ref_k`` of its shape and dtype, then per output ``diff_k`` = max over the elements
     where ``ref_k`` is finite of ``|got_k - ref_k|`` (:data:`NOT_FINITE` where ``got_k`` is
-    not finite) and ``scale_k`` = max ``|ref_k|`` there, each of shape (1,).
+    not finite) and ``scale_k`` = max ``|ref_k|`` there, each of shape (1,), of
+    :func:`compared_dtype` (a float16 output's in float32: float16 holds no
+    :data:`NOT_FINITE`, and its differences are exact in float32).
     Maxima are exact in floating point, so :func:`verdict` on these gives what :func:`compare`
     gives on the host. Each reduction is one work-group on a GPU (its work-items split the
     elements, then TVM's cross-thread reduction). None when an output is not floating point
@@ -255,17 +280,18 @@ def compare_kernel(func: tvm.tirx.PrimFunc, spec: CheckSpec, target) -> tvm.tirx
     def pair(k, shape, dt):
         got = te.placeholder(shape, dt, f"got{k}")
         ref = te.placeholder(shape, dt, f"ref{k}")
-        zero, big = tirx.const(0.0, dt), tirx.const(NOT_FINITE, dt)
+        cdt = compared_dtype(dt)
+        zero, big = tirx.const(0.0, cdt), tirx.const(NOT_FINITE, cdt)
         rd = [te.reduce_axis((0, n), f"d{k}_{j}") for j, n in enumerate(shape)]
         rs = [te.reduce_axis((0, n), f"s{k}_{j}") for j, n in enumerate(shape)]
 
         def diff(_):
-            g, r = got[tuple(rd)], ref[tuple(rd)]
+            g, r = (tirx.Cast(cdt, t[tuple(rd)]) for t in (got, ref))
             v = tirx.Select(tirx.isfinite(g), tirx.abs(g - r), big)
             return te.max(tirx.Select(tirx.isfinite(r), v, zero), axis=rd)
 
         def scale(_):
-            r = ref[tuple(rs)]
+            r = tirx.Cast(cdt, ref[tuple(rs)])
             return te.max(tirx.Select(tirx.isfinite(r), tirx.abs(r), zero), axis=rs)
 
         return [got, ref], [te.compute((1,), diff, name=f"diff{k}"),

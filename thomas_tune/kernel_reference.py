@@ -19,8 +19,9 @@ import numpy as np
 import tvm
 
 from .kernel_check import (COMPARE, FILL, FINITE, CheckSpec, arg_shapes, check_spec,
-                           compare_kernel, default_kernel, fill_keys, fill_kernel, finite_kernel,
-                           finite_share, poison_value, poisoned_args, random_inputs)
+                           compare_kernel, compared_dtype, default_kernel, fill_keys,
+                           fill_kernel, finite_kernel, finite_share, poison_value, poisoned_args,
+                           random_inputs)
 
 
 # ---- running on a device (local, or a session's) ----------------------------------------------
@@ -90,7 +91,8 @@ class DeviceComparison:
             copy = tvm.runtime.empty(src.shape, src.dtype, dev)
             copy.copyfrom(src)
             self.expected.append(copy)
-            self.sums += [tvm.runtime.empty((1,), src.dtype, dev) for _ in range(2)]
+            self.sums += [tvm.runtime.empty((1,), compared_dtype(src.dtype), dev)
+                          for _ in range(2)]
 
     def run(self, fn, dev) -> dict[int, tuple[float, float]]:
         """Run kernel ``fn`` once on the checked inputs (:meth:`DeviceArgs.reset` first) and
