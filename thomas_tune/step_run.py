@@ -15,8 +15,7 @@ def export_step(export_dir: str, x: np.ndarray, y: np.ndarray, device=None, rpc_
     """Loss and gradients (parameter name -> float64 array) of the export's training step on
     ``x`` (float32, the export's batch) and ``y`` (int64), dropout ``masks`` (name -> array of
     the manifest's shape; None: ones, dropout off), from ``tensors`` (name -> array; None: the
-    export's own parameters), from the
-    export's own parameters, run on this machine (``device``: default, the export target's
+    export's own parameters), run on this machine (``device``: default, the export target's
     device 0) or, with ``rpc_session`` (a ``tvm.rpc`` session), on that device server: there
     ``train.so`` is uploaded and loaded, and the step's tuple of results stays on the device,
     its tensors read one by one (``ffi.ArrayGetItem``, which every TVM runtime registers).
@@ -31,8 +30,7 @@ def export_step(export_dir: str, x: np.ndarray, y: np.ndarray, device=None, rpc_
     import tvm
     from tvm.relax import VirtualMachine
 
-    from .manifest import (ADJOINT, ADJOINT_FROZEN, FEATURES, FEATURES_FROZEN, HEAD_ADJOINT,
-                           lifted_values, Manifest, slot_arguments)
+    from .manifest import ADJOINT, ADJOINT_FROZEN, lifted_values, Manifest, slot_arguments
     from .models import load_checkpoint
     from .runtime import device_for
     m = Manifest.read(export_dir)
@@ -59,17 +57,8 @@ def export_step(export_dir: str, x: np.ndarray, y: np.ndarray, device=None, rpc_
         if rpc_session is not None or not m.features:
             raise ValueError("export_step(cached=True) runs an export made with "
                              "--cache-features on this machine")
-        split = m.features
-        constants = [t(tensors[n]) for n in (*m.frozen, *split["frozen_states"])]
-        slots = m.features_slots
-        if slots:  # what reads constants only, lifted out (thomas_tune.training_graph.lift)
-            constants = slot_arguments(slots, lambda s: t(tensors[s]), lifted_values(
-                vm[FEATURES_FROZEN](*constants), slots))
-        feats = vm[FEATURES](t(x), *constants)
-        states = split["head_states"]
-        out = vm[HEAD_ADJOINT](feats, *masks, *(t(tensors[n]) for n in (*m.trainable,
-                                                                      *states)),
-                               t(y.astype("int64")))
+        states = m.features["head_states"]
+        out = _cached_step(vm, m, t, tensors, x, y, masks)
     else:
         states = m.states
         frozen = [t(tensors[n]) for n in m.frozen]
@@ -92,6 +81,24 @@ def export_step(export_dir: str, x: np.ndarray, y: np.ndarray, device=None, rpc_
         grads = [get(handle, i) for i in range(len(m.trainable))]
     return (float(loss.numpy()),
             {n: g.numpy().astype("float64") / unscale for n, g in zip(m.trainable, grads)})
+
+
+def _cached_step(vm, m, t, tensors: dict, x: np.ndarray, y: np.ndarray, masks: list):
+    """The step on cached features (:func:`export_step` with ``cached``): the export's
+    ``features`` of ``x`` (its frozen part, with what reads constants only lifted out,
+    :mod:`thomas_tune.training_graph.lift`), then ``train_head_adjoint`` on them; ``m`` the
+    manifest, ``t`` the function making a device tensor. Returns the VM's result."""
+    from .manifest import FEATURES, FEATURES_FROZEN, HEAD_ADJOINT, lifted_values, slot_arguments
+    split = m.features
+    constants = [t(tensors[n]) for n in (*m.frozen, *split["frozen_states"])]
+    slots = m.features_slots
+    if slots:
+        constants = slot_arguments(slots, lambda s: t(tensors[s]), lifted_values(
+            vm[FEATURES_FROZEN](*constants), slots))
+    feats = vm[FEATURES](t(x), *constants)
+    return vm[HEAD_ADJOINT](feats, *masks, *(t(tensors[n]) for n in (*m.trainable,
+                                                                  *split["head_states"])),
+                            t(y.astype("int64")))
 
 
 #: check-only libraries of mixed16 exports already compiled in this process: (export folder,
