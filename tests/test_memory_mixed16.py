@@ -26,10 +26,12 @@ def test_half_storage_holds_less_than_float32_by_the_claim():
     """The compiled mixed16 step of MobileNetV2 0.35@64 at most :data:`AT_64` of float32's
     peak, every layer trained and the last two."""
     from thomas_tune.memory_plan import compiled_step_memory
+    from thomas_tune.training_graph import graph as G
     model = build("mobilenet_v2", num_classes=5, resolution=64, width=0.35)
     for mode, most in AT_64.items():
-        f32 = compiled_step_memory(model, BATCH, mode).peak
-        m16 = compiled_step_memory(model, BATCH, mode, precision="mixed16").peak
+        tg = G.training_module(model, BATCH, mode)  # (one graph for both precisions)
+        f32 = compiled_step_memory(model, BATCH, mode, tg=tg).peak
+        m16 = compiled_step_memory(model, BATCH, mode, tg=tg, precision="mixed16").peak
         print(mode, "float32", f32, "mixed16", m16, round(m16 / f32, 3))
         assert m16 <= most * f32, (mode, m16, f32)
 
@@ -65,13 +67,15 @@ def test_the_mixed16_estimate_is_within_ten_percent_of_the_measured_peak(tmp_pat
     from thomas_tune.benchmark.exports import device_memory
     from thomas_tune.compiler.export import export
     from thomas_tune.memory_plan import compiled_step_memory
+    from thomas_tune.training_graph import graph as G
     model = build("mobilenet_v2", num_classes=5, resolution=32, width=0.35)
     out = str(tmp_path / "m16")
     export(out, model, init_params(model, seed=7), opencl.target_for(0), batch=BATCH,
            progress=lambda *_: None, check_records=False, precision="mixed16")
     measured = device_memory(out)
-    estimate = compiled_step_memory(model, BATCH, "all", precision="mixed16").peak
-    f32 = compiled_step_memory(model, BATCH, "all").peak
+    tg = G.training_module(model, BATCH, "all")  # (one graph for both precisions)
+    estimate = compiled_step_memory(model, BATCH, "all", tg=tg, precision="mixed16").peak
+    f32 = compiled_step_memory(model, BATCH, "all", tg=tg).peak
     print("measured", measured, "estimate", estimate, "float32 estimate", f32)
     assert abs(estimate - measured) <= 0.1 * measured
     assert measured <= AT_32 * f32

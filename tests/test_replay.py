@@ -31,19 +31,20 @@ def test_replay_check_is_pytorchs_and_fails_a_wrong_build(rng):
     code) with the step check's formula and bounds: a right build passes; a build whose
     BatchNorm bias gradient is 1% off (``tests/mutants.py``, the last BatchNorm's) fails,
     naming that parameter (the mutant a reference made of the project's own gradient code
-    reported right)."""
+    reported right). Both builds at LLVM opt-level 0 (``compile.reference_target``: the same
+    loss and gradients to the last bit, in less build time)."""
     import pytest
     pytest.importorskip("torch")
     import mutants as M
 
     from thomas_tune.training_graph import graph as G
-    from thomas_tune.compiler.compile import compile_graph
+    from thomas_tune.compiler.compile import compile_graph, reference_target
     from thomas_tune.models import build
     from thomas_tune.compiler.replay import REFERENCE, check_numbers
     from thomas_tune.target import parse_target
     model = build("mobilenet_v2", num_classes=5, resolution=32, width=0.35)
     seed = int(rng.integers(1 << 30))
-    llvm = parse_target("llvm")
+    llvm = reference_target(parse_target("llvm"))
     right = check_numbers(model, llvm, None, 8, "last:2", seed)
     assert right["reference"] == REFERENCE == "PyTorch float64"
     assert right["step"].ok, right["step"].line()

@@ -53,6 +53,11 @@ BATCH = 4
 # on a loaded 2-core machine) and the renewal asks room for that call again: a first call up to
 # about 50 s fits in 60 s.
 SESSION_S = 60
+# Until the last PACE_UNTIL_S seconds of the first session, the run takes a step every PACE_S
+# seconds or so instead of back to back: the renewal comes at the same time, after a few
+# hundred steps instead of thousands, each taken again on this machine after. The last
+# seconds before the renewal run back to back, as a training run does.
+PACE_S, PACE_UNTIL_S = 0.25, 5.0
 
 
 def _build(env: str, needs: tuple[str, ...] = ()) -> str:
@@ -204,10 +209,13 @@ def test_tune_export_train_infer_through_tvm_rpc(tracker, tmp_path, rng, capsys)
         x = rng.standard_normal((BATCH, 3, 67, 67)).astype("float32")
         y = rng.integers(0, MODEL["num_classes"], BATCH)
         seed = int(rng.integers(1 << 30))
-        with Session(str(out), remote=RemoteDevice(tracker, key, SESSION_S), seed=seed) as remote:
+        lifetime = RemoteDevice(tracker, key, SESSION_S)
+        with Session(str(out), remote=lifetime, seed=seed) as remote:
             losses = []
             while not remote.renewals or len(losses) < remote.renewals[0]["step"] + 3:
                 losses.append(remote.train_step(x, y))
+                if not remote.renewals and lifetime.remaining_s() > PACE_UNTIL_S:
+                    time.sleep(PACE_S)
             print(f"{len(losses)} steps through tvm_rpc, renewals {remote.renewals}")
             tensors, logits = remote.tensors(), remote.predict(x[:2])
         local = Session(str(out), seed=seed)

@@ -3,6 +3,7 @@ machine or on a device server, the step's check (:mod:`thomas_tune.step_check`) 
 
 from __future__ import annotations
 
+import json
 import os
 
 import numpy as np
@@ -101,8 +102,9 @@ def _cached_step(vm, m, t, tensors: dict, x: np.ndarray, y: np.ndarray, masks: l
                             t(y.astype("int64")))
 
 
-#: check-only libraries of mixed16 exports already compiled in this process: (export folder,
-#: its manifest's modification time) -> the loaded library (:func:`stored_step`)
+#: check-only libraries of mixed16 exports already compiled in this process, by the inputs of
+#: the graph compiled (:func:`stored_library`) -> the loaded library (:func:`stored_step`):
+#: exports of one step (several folders, fresh tensors) share one compile
 _STORED_LIBRARIES: dict = {}
 
 
@@ -116,7 +118,9 @@ def stored_library(export_dir: str):
     step stores beside its loss and gradients; default schedules (no tuning log). Raises
     ValueError for an export that is not mixed16, was built with a tuning log or a memory
     budget, or whose frozen parameters' transforms are lifted out of the step (its step is
-    not this graph), naming why."""
+    not this graph), naming why. Compiled once per process for each set of the inputs of that
+    graph (the model's architecture and configuration, the batch, the trainable set, the
+    optimizer, the BatchNorm mode, the target), whichever export folder states them."""
     import tvm
 
     from .compiler.compile import compile_library
@@ -133,10 +137,10 @@ def stored_library(export_dir: str):
     if why is not None:
         raise ValueError(f"{export_dir}: the check-only form of its step (the float16 tensors "
                          f"it stores) is built for untuned mixed16 exports only: {why}")
-    key = (os.path.abspath(export_dir),
-           os.path.getmtime(os.path.join(export_dir, "manifest.json")))
+    model, _, _ = load_checkpoint(os.path.join(export_dir, "params.npz"))
+    key = json.dumps([model.arch, model.config(), m.batch, list(m.trainable), m.optimizer,
+                      m.batchnorm, m.target], sort_keys=True, default=str)
     if key not in _STORED_LIBRARIES:
-        model, _, _ = load_checkpoint(os.path.join(export_dir, "params.npz"))
         tg = G.training_module(model, m.batch, list(m.trainable), G.OptimizerConfig(
             **m.optimizer), batchnorm=m.batchnorm)
         mod = step_graph(tg, m.batch, None, "float32").mod
