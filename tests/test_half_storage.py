@@ -317,6 +317,13 @@ def test_a_float16_kernel_is_checked_within_float16_steps():
     step = np.float16(np.nextafter(ref, np.float16(np.inf)))  # one float16 step up
     assert kc.compare({1: step}, {1: ref}, spec.tol) is None
     assert kc.compare({1: np.float16(ref * 1.01)}, {1: ref}, spec.tol) is not None
+    # one that only reads float16 (a backward convolution of a stored activation) computes
+    # in float32, and is checked as float32 kernels are
+    xh = te.placeholder((4, 64), "float16", "xh")
+    k2 = te.reduce_axis((0, 64), "k2")
+    s32 = te.compute((4,), lambda i: te.sum(xh[i, k2].astype("float32"), axis=k2), name="s32")
+    reads = kc.check_spec(te.create_prim_func([xh, s32]))
+    assert not reads.half and reads.tol == kc.tolerance(reads.terms) < kc.HALF_TOLERANCE
 
 
 def test_tune_at_mixed16_measures_and_the_export_applies_its_records(tmp_path):

@@ -70,8 +70,8 @@ class CheckSpec:
     of ``written`` that a block also reads (updated in place: restored before each run, not
     poisoned); ``terms``: the longest chain of summed terms, the product of the reduction
     extents of each reducing block, summed over blocks (1 without a reduction); ``half``:
-    whether a block reads or writes a float16 buffer (the kernel rounds to float16 on the
-    way, ``--precision mixed16``)."""
+    whether a block writes a float16 buffer (the kernel rounds to float16 on the way,
+    ``--precision mixed16``; one that only reads float16 computes in float32)."""
 
     written: tuple[int, ...]
     updated: tuple[int, ...]
@@ -100,11 +100,11 @@ def tolerance(terms: int, half: bool = False) -> float:
     5e-5 for 1,000 terms, 2.4e-3 for 400,000 terms (MobileNetV2's first weight gradient at
     batch 32). A kernel that writes nothing, zeros or the wrong elements is off by about 1.
 
-    ``half``: the kernel rounds to float16 on the way (a float16 buffer, ``--precision
-    mixed16``); where two float32 orders put a value either side of the midpoint between two
-    float16 values, the two evaluations differ by a float16 step, up to 2^-10 of the value,
-    and a later rounding of the same chain can add a step: at least :data:`HALF_TOLERANCE`
-    (a value 1% off is 2.6x over it)."""
+    ``half``: the kernel rounds to float16 on the way (it writes a float16 buffer,
+    ``--precision mixed16``); where two float32 orders put a value either side of the
+    midpoint between two float16 values, the two evaluations differ by a float16 step, up to
+    2^-10 of the value, and a later rounding of the same chain can add a step: at least
+    :data:`HALF_TOLERANCE` (a value 1% off is 2.6x over it)."""
     floor = HALF_TOLERANCE if half else 2e-5
     return max(floor, 64.0 * math.sqrt(max(1, terms)) * U32)
 
@@ -119,8 +119,7 @@ def check_spec(func: tvm.tirx.PrimFunc) -> CheckSpec:
     def walk(block_rv):
         nonlocal terms, half
         block = sch.get(block_rv)
-        half = half or any(str(r.source.dtype) == "float16"
-                           for r in list(block.reads) + list(block.writes))
+        half = half or any(str(r.source.dtype) == "float16" for r in block.writes)
         for region in block.writes:
             for buf, i in index:
                 if region.source.same_as(buf):
