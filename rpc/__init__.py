@@ -115,6 +115,16 @@ def start_tracker(host: str = "127.0.0.1", port: int = 9190, port_end: int | Non
     return rpc_tracker.Tracker(host, port=port, port_end=port_end or port + 100, silent=True)
 
 
+def quiet(tracker) -> None:
+    """Make ``tracker`` (:func:`start_tracker`'s) log errors only, in its own process (Python's
+    ``logging.disable`` of warnings there: the process runs the tracker alone): for a tracker
+    whose servers this process starts and stops (:func:`loopback`), whose connections dropped
+    at their stop TVM's tracker would report as warnings."""
+    import logging
+    tracker.proc.send(logging.disable, [logging.WARNING])
+    tracker.proc.recv()
+
+
 def keep_serving_after_crashes() -> None:
     """Make this process's TVM RPC server survive a session process that crashes.
 
@@ -353,6 +363,7 @@ def loopback(key: str = "local", servers: int = 1, lifetime: float = 3600.0, log
     A server whose process dies (a kernel that kills the device process) is replaced within
     about a second, with one line to ``log``, as ``thomas-tune rpc server`` does."""
     tracker = start_tracker()
+    quiet(tracker)
     procs: list = []
     stop = threading.Event()
     threads = []
