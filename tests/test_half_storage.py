@@ -151,7 +151,8 @@ def test_work_group_tiles_private_values_and_lone_roundings_are_rewritten():
     """A convolution's ``__local half`` tile of its float16 input becomes ``__local ushort``
     of the same size, read and written through ``vload_half`` / ``vstore_half`` on a
     ``__local half*``; its private ``half`` values floats (a literal rounded to float16); a
-    kernel that rounds with ``convert_half`` but has no float16 buffer gets the rounding helper.
+    kernel that rounds with ``convert_half`` but has no float16 buffer gets the rounding helper;
+    vector loads and stores of float16 memory go through ``vload_halfN`` / ``vstore_halfN``.
     (The PoCL builds above compile and check such kernels' values.)"""
     from thomas_tune.half_storage import ROUND_HALF, rewrite_half_access
     tile = ("__kernel void k(__global float* restrict o, __global half* restrict x) {\n"
@@ -174,6 +175,17 @@ def test_work_group_tiles_private_values_and_lone_roundings_are_rewritten():
              "#else\n#error \"Half precision floating point not supported\"\n#endif\n")
     out = rewrite_half_access(block + lone)
     assert f"{ROUND_HALF}(x[0])" in out and "convert_half" not in out and "#error" not in out
+    # a vectorized copy of float16 data into a tile (a float32 schedule's cooperative fetch
+    # carried to the half-storage twin): halfN loads and stores through floatN, exact for
+    # float16 data; a float32 vector load beside it is left as it is
+    vec = ("__kernel void c(__global float* restrict o, __global half* restrict x) {\n"
+           "  __local half t[8];\n  vstore2(vload2(0, x + (get_local_id(0) * 2)), 0, t + "
+           "(get_local_id(0) * 2));\n  vstore2(vload2(0, o + 2), 0, o);\n"
+           "  o[0] = ((float)t[1]);\n}\n")
+    out = rewrite_half_access(vec)
+    assert ("vstore_half2(vload_half2(0, x + (get_local_id(0) * 2)), 0, t + (get_local_id(0) "
+            "* 2))") in out
+    assert "vstore2(vload2(0, o + 2), 0, o)" in out and "vload_half(1, t)" in out
 
 
 def _step_graph():

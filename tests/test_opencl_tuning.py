@@ -230,6 +230,59 @@ def test_records_move_between_kernels_of_one_contraction(tmp_path, target, rng, 
     assert again.transferred["measured"] == 0  # measured once: the log has it
 
 
+def test_records_move_to_the_half_storage_twin_of_a_convolution(tmp_path, target, pocl):
+    """The half-storage step's convolution (``--precision mixed16``: float16 input read
+    through a cast, float32 sums rounded to a float16 output) and the float32 step's are one
+    loop nest with other element types: the anchor key, which hashes the types, tells them
+    apart; the precision key (tuning.twins) does not, and a different convolution has another.
+    Tuning the twin into the float32 kernel's log first measures the float32 record on it (the
+    rounding block inlined where the result is written back), checked against its reference
+    on the device like any trial, once."""
+    import json
+
+    from tvm import topi
+
+    from thomas_tune.logs import TuningLog
+    from thomas_tune.schedules import anchor_key
+    from thomas_tune.tasks import Task
+    from thomas_tune.tuning import rpc_runner, tune
+    from thomas_tune.tuning.twins import precision_key
+
+    n, ci, co, h = 2, 16, 32, 12
+    w = te.placeholder((co, ci, 1, 1), name="w")
+    x32 = te.placeholder((n, ci, h, h), name="x")
+    x16 = te.placeholder((n, ci, h, h), "float16", name="x")
+    plain = prim_module(x32, w, topi.nn.conv2d_nchw(x32, w, 1, 0, 1))
+    sums = topi.nn.conv2d_nchw(x16, w, 1, 0, 1, out_dtype="float32")
+    half = prim_module(x16, w, te.compute(sums.shape, lambda *i: sums(*i).astype("float16"),
+                                          name="compute"))
+    other = prim_module(x32, w, topi.nn.conv2d_nchw(x32, w, 2, 0, 1))
+    assert anchor_key(plain) != anchor_key(half)
+    assert precision_key(plain) == precision_key(half) != precision_key(other)
+    assert precision_key(plain) is not None
+
+    flops = 2.0 * n * co * h * h * ci
+    log = TuningLog(str(tmp_path / "log"))
+    tune([Task("conv", plain, flops, {"train": 1})], target, log, rpc_runner(pocl, "pocl"),
+         trials=2, trials_per_iter=2, population=16, show_progress=False, **ONE, refine_top=0)
+    with open(log.record_path) as f:
+        before = sum(1 for line in f if line.strip())
+    twin = Task("conv_half", half, flops, {"train": 1})
+    report = tune([twin], target, log, rpc_runner(pocl, "pocl"), trials=1, trials_per_iter=1,
+                  population=16, show_progress=False, **ONE, refine_top=1, seed=1)
+    assert report.transferred["measured"] >= 1 and report.transferred["failed"] == 0
+    with open(log.record_path) as f:
+        records = [json.loads(line) for line in f if line.strip()]
+    moved = records[before]  # before the search: the float32 record on the twin
+    assert moved[1][1]  # measured: a run time, not a failure
+    steps = moved[1][0][0]
+    inlined = [i for i, ins in enumerate(steps) if ins[0] == "GetSBlock" and ins[2][0] == "compute"]
+    assert inlined and steps[inlined[0] + 1][0] == "ReverseComputeInline"
+    again = tune([twin], target, log, rpc_runner(pocl, "pocl"), trials=1, trials_per_iter=1,
+                 population=16, show_progress=False, **ONE, refine_top=1, seed=2)
+    assert again.transferred["measured"] == 0  # measured once: the log has it
+
+
 def test_a_search_that_raises_ends_its_task_only(tmp_path, target, monkeypatch, pocl):
     """A design space that MetaSchedule's evolutionary search cannot handle (here a
     cooperative-fetch annotation given as a constant, which the postprocessor rejects with a

@@ -374,6 +374,43 @@ def _accesses(kernel: str, ptrs: set[str]) -> str:
             pos = end + 1
 
 
+def _split_args(args: str) -> list[str]:
+    """A call's argument text split at its top-level commas."""
+    out, depth, start = [], 0, 0
+    for i, ch in enumerate(args):
+        if ch in "([":
+            depth += 1
+        elif ch in ")]":
+            depth -= 1
+        elif ch == "," and depth == 0:
+            out.append(args[start:i])
+            start = i + 1
+    return out + [args[start:]]
+
+
+def _vector_accesses(kernel: str, ptrs: set[str]) -> str:
+    """``kernel`` with each vector load ``vloadN(o, p + i)`` and store ``vstoreN(v, o, p + i)``
+    of a float16 pointer ``p`` (TVM writes them for a vectorized copy, as a cooperative fetch
+    into work-group memory) through ``vload_halfN`` / ``vstore_halfN``: floatN values, exact for
+    float16 data, where OpenCL C without ``cl_khr_fp16`` has no ``halfN`` to load."""
+    def on_half(arg: str) -> bool:
+        return re.match(r"\(*\s*(" + "|".join(sorted(ptrs)) + r")\b", arg.strip()) is not None
+
+    for kind, at in (("vload", 1), ("vstore", 2)):
+        pat = re.compile(rf"\b{kind}(\d+)\(")
+        pos = 0
+        while True:
+            m = pat.search(kernel, pos)
+            if m is None:
+                break
+            end = _close(kernel, m.end() - 1, "(", ")")
+            args = _split_args(kernel[m.end():end])
+            if len(args) == at + 1 and on_half(args[at]):
+                kernel = f"{kernel[:m.start()]}{kind}_half{m.group(1)}({kernel[m.end():]}"
+            pos = m.end()
+    return kernel
+
+
 _LOCAL_HALF_ARRAY = re.compile(r"__local half (\w+)\[(\d+)\];")
 _LOCAL_HALF_PTR = re.compile(r"__local half\*")
 _HALF_SCALAR = re.compile(r"(?<![\w*])half (\w+);")
@@ -404,11 +441,12 @@ def rewrite_half_access(source: str) -> str:
     ``vload_half`` / ``vstore_half`` and every other float16 value held in a float (module
     docstring): loads ``p[i]`` -> ``vload_half(i, p)``, stores ``p[i] = convert_half(e);`` ->
     ``vstore_half(e, i, p);``, a rounding ``convert_half(e)`` elsewhere -> a float with
-    ``e``'s float16 value (:data:`ROUND_HALF`); the ``cl_khr_fp16`` block that fails to compile
-    without the extension becomes a plain ``#ifdef``. Source without ``half`` (neither a
-    float16 type nor a rounding to it) is returned as it is. Raises :class:`HalfAccessError`
-    naming the kernel where ``half`` is left in another form (a vector, a ``__local``
-    array)."""
+    ``e``'s float16 value (:data:`ROUND_HALF`); vector loads and stores ``vloadN`` /
+    ``vstoreN`` of float16 memory -> ``vload_halfN`` / ``vstore_halfN``; the ``cl_khr_fp16``
+    block that fails to compile without the extension becomes a plain ``#ifdef``. Source
+    without ``half`` (neither a float16 type nor a rounding to it) is returned as it is.
+    Raises :class:`HalfAccessError` naming the kernel where ``half`` is left in another form
+    (a ``halfN`` value)."""
     if not (_HALF_WORD.search(source) or "convert_half(" in source):
         return source
     source = _FP16_BLOCK.sub("#ifdef cl_khr_fp16\n#pragma OPENCL EXTENSION cl_khr_fp16 : "
@@ -423,7 +461,7 @@ def rewrite_half_access(source: str) -> str:
             continue
         body, local = _half_locals(kernel[body_at:])
         ptrs |= local
-        body = _accesses(body, ptrs) if ptrs else body
+        body = _accesses(_vector_accesses(body, ptrs), ptrs) if ptrs else body
         body = _calls(body, "convert_half", lambda e: f"{ROUND_HALF}({e})")
         left = [w for w in _HALF_WORD.findall(_LOCAL_HALF_PTR.sub("", body))]
         if left:

@@ -10,11 +10,12 @@ import tvm_ffi
 from tvm.s_tir import meta_schedule as ms
 
 from ..measure.builder import Builder
-from ..schedules import (anchor_key, plain_json, postprocessed, transferred, with_padding_in_fill,
+from ..schedules import (anchor_key, plain_json, postprocessed, with_padding_in_fill,
                          with_unroll)
 from ..logs import FAILED_RUN_S, TrialErrors, mean_run_seconds
 from .defaults import measure_kernels
 from .report import TaskProgress
+from .twins import precision_key, twin_trace
 
 
 def refinement_line(result: dict, what: str) -> str:
@@ -76,9 +77,10 @@ def refine_transfer(contexts, progress: list[TaskProgress], database: ms.Databas
                     errors: TrialErrors | None = None,
                     measured: list[set[int]] | None = None, references=None) -> dict:
     """Measure the ``top_k`` best records of every other workload of ``workloads`` (the tuning
-    log's, :meth:`~thomas_tune.logs.TuningLog.workloads`) that shares a task's
-    contraction (:func:`thomas_tune.schedules.anchor_key`) on that task, rewritten for its
-    blocks (:func:`thomas_tune.schedules.transferred`), and add the results to ``database``.
+    log's, :meth:`~thomas_tune.logs.TuningLog.workloads`) that is a task's twin
+    (:func:`twin_keys`: the same contraction with other element-wise blocks after it, or at
+    another storage precision) on that task, rewritten for its blocks
+    (:func:`.twins.twin_trace`), and add the results to ``database``.
 
     The same convolution or linear layer is a kernel with ReLU fused in the inference graph
     and in a graph whose layer is frozen, and one without it where the training step keeps the
@@ -87,25 +89,29 @@ def refine_transfer(contexts, progress: list[TaskProgress], database: ms.Databas
     ms and the best without it 0.399 ms, with the same 7-loop nest to tile. Run before the
     search, so that a transfer that wins seeds the evolutionary search like any record. Only
     a twin's records faster on the twin than the task's best record on the task are tried
-    (the twins' kernels differ by an element-wise epilogue). Arguments and result as
+    (the twins' kernels differ by an element-wise epilogue). The half-storage step's
+    convolutions (``--precision mixed16``) are twins of the float32 step's: tuning them into a
+    log of the float32 graphs starts from those graphs' schedules. Arguments and result as
     :func:`refine_unroll`'s."""
-    keys = {}
+    keys: dict[tuple[str, int], list[tvm.IRModule]] = {}
     for mod in workloads:
-        key = anchor_key(mod)
-        if key is not None:
+        for key in twin_keys(mod):
             keys.setdefault(key, []).append(mod)
 
     def candidates(c, ctx, workload, best_s):
-        key = anchor_key(ctx.mod)
         own = tvm_ffi.structural_hash(ctx.mod)
-        for donor in keys.get(key, []) if key is not None else []:
-            if tvm_ffi.structural_hash(donor) == own:
+        donors = {}  # one donor once, though both its keys match
+        for key in twin_keys(ctx.mod):
+            for donor in keys.get(key, []):
+                donors.setdefault(tvm_ffi.structural_hash(donor), donor)
+        for h, donor in donors.items():
+            if h == own:
                 continue
             for rec in database.get_top_k(database.commit_workload(donor), top_k):
                 if mean_run_seconds(rec.run_secs) >= best_s:
                     break  # best first: no faster record of this twin left to try
                 try:
-                    trace_json = transferred(rec.trace.as_json(), donor, ctx.mod)
+                    trace_json = twin_trace(rec.trace.as_json(), donor, ctx.mod)
                 except TypeError:  # an object with no JSON form: no transfer
                     continue
                 if trace_json is not None:
@@ -113,6 +119,22 @@ def refine_transfer(contexts, progress: list[TaskProgress], database: ms.Databas
 
     return _measure_variants(contexts, progress, database, target, runner, builder,
                              candidates, errors, measured, references)
+
+
+def twin_keys(mod: tvm.IRModule) -> list[tuple[str, int]]:
+    """The keys under which ``mod`` meets its twins: its anchor key
+    (:func:`thomas_tune.schedules.anchor_key`: the same contraction with other element-wise
+    blocks after it) and its :func:`.twins.precision_key` (the same at other storage
+    precisions); either may be missing."""
+    out = []
+    for kind, key_of in (("anchor", anchor_key), ("precision", precision_key)):
+        try:
+            key = key_of(mod)
+        except Exception:  # a kernel the block analysis cannot read: no twin by this key
+            key = None
+        if key is not None:
+            out.append((kind, key))
+    return out
 
 
 def _own_variants(database: ms.Database, top_k: int, variants):
