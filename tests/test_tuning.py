@@ -421,6 +421,33 @@ def test_builder_processes_run_at_raised_niceness():
     assert worker == min(os.getpriority(os.PRIO_PROCESS, 0) + COMPILE_NICE, 19)
 
 
+def test_workers_are_kept_for_the_next_run_of_the_same_environment(monkeypatch):
+    """A run hands its build and lane processes to the next run of the process, never to one
+    whose environment differs (a build process's ``TVM_NDK_CC`` is fixed when it starts)."""
+    from thomas_tune.measure import kept
+    builder = kept.take_builder(1, 60.0)
+    first = builder._get_pool().submit(os.getpid).result()
+    kept.keep_builder(builder)
+    lane, key = kept.take_lane_worker()
+    lane.send(os.getpid)
+    lane_pid = lane.recv()
+    kept.keep_lane_worker(lane, key)
+    monkeypatch.setenv("TVM_NDK_CC", "/elsewhere/clang++")
+    other = kept.take_builder(1, 60.0)
+    assert other is not builder and kept.take_lane_worker()[0] is not lane
+    other.shutdown()
+    monkeypatch.undo()  # the first environment again: its processes, already started
+    again = kept.take_builder(1, 60.0)
+    assert again is builder and again._get_pool().submit(os.getpid).result() == first
+    lane_again, _ = kept.take_lane_worker()
+    lane_again.send(os.getpid)
+    assert lane_again is lane and lane_again.recv() == lane_pid
+    lane_again.kill()
+    monkeypatch.setenv("TVM_NDK_CC", "/elsewhere/clang++")
+    kept.keep_builder(again)  # made in another environment than this one: shut down
+    assert again._pool is None
+
+
 def test_remeasure_replaces_noisy_times_in_place(tmp_path, small_tasks, cpu_server):
     """A record timed under load (here: its times inflated 1000x in the file) is timed again
     through the device server and its new time replaces the old; every other line of the log
