@@ -202,17 +202,17 @@ def test_index_arguments_are_measured_in_range(cpu_server):
     from tvm.s_tir.meta_schedule.arg_info import ArgInfo
     from tvm.s_tir.meta_schedule.runner import RunnerInput
 
-    from thomas_tune.measure.builder import Builder
+    from thomas_tune.measure.kept import keep_builder, take_builder
     table = te.placeholder((2,), name="table")
     idx = te.placeholder((4096,), dtype="int64", name="idx")
     out = te.compute((4096,), lambda i: table[idx[i]] * 2.0, name="out")
     mod = tvm.IRModule({"main": te.create_prim_func([table, idx, out])})
     target = parse_target("llvm")
-    builder = Builder(max_workers=1)
+    builder = take_builder(1, 60.0)  # as a tuning run's
     try:
         (built,) = builder.build([ms.builder.BuilderInput(mod, target)])
     finally:
-        builder.shutdown()
+        keep_builder(builder)
     assert built.error_msg is None, built.error_msg
     runner = rpc_runner(cpu_server, "test-cpu", trial_timeout_s=30)
     try:
@@ -411,13 +411,13 @@ def test_resumed_tasks_start_from_their_best_record_and_skip_the_first_round():
 
 def test_builder_processes_run_at_raised_niceness():
     """Candidate builds leave the CPU to timed runs on a machine that does both."""
-    from thomas_tune.measure.builder import Builder
+    from thomas_tune.measure.kept import keep_builder, take_builder
     from thomas_tune.measure.priority import COMPILE_NICE
-    builder = Builder(max_workers=1)
+    builder = take_builder(1, 60.0)  # as a tuning run's
     try:
         worker = builder._get_pool().submit(os.getpriority, os.PRIO_PROCESS, 0).result()
     finally:
-        builder.shutdown()
+        keep_builder(builder)
     assert worker == min(os.getpriority(os.PRIO_PROCESS, 0) + COMPILE_NICE, 19)
 
 
