@@ -446,6 +446,13 @@ def test_workers_are_kept_for_the_next_run_of_the_same_environment(monkeypatch):
     monkeypatch.setenv("TVM_NDK_CC", "/elsewhere/clang++")
     kept.keep_builder(again)  # made in another environment than this one: shut down
     assert again._pool is None
+    monkeypatch.undo()
+    # however many settings and environments a process goes through, few wait
+    many = [kept.take_builder(1, 1000.0 + n) for n in range(kept.KEEP_BUILDERS + 1)]
+    for b in many:
+        kept.keep_builder(b)
+    waiting = [b for _, b in kept._BUILDERS]
+    assert len(waiting) == kept.KEEP_BUILDERS and not any(b is many[0] for b in waiting)
 
 
 def test_remeasure_replaces_noisy_times_in_place(tmp_path, small_tasks, cpu_server):

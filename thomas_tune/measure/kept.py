@@ -16,8 +16,9 @@ started with (:func:`_key`; pytest's name of the running test, :data:`UNREAD`, a
 other run starts its own. A lane's worker is kept only after
 its session was closed in it (the server freed, nothing of the session left,
 :func:`.lane.lane_close`); a worker that failed, timed out or was killed is never kept. At most
-:data:`KEEP_BUILDERS` builders and :data:`KEEP_LANES` lane processes per key wait here; the
-rest are shut down, as all of them are when the process exits.
+:data:`KEEP_BUILDERS` builders and :data:`KEEP_LANES` lane processes wait here, whatever their
+keys (a process whose environment changes from run to run leaves no more): beyond that the one
+kept longest is shut down, as all of them are when the process exits.
 """
 
 from __future__ import annotations
@@ -27,9 +28,9 @@ import hashlib
 import os
 import threading
 
-#: idle builders kept per key (one run uses one builder at a time)
-KEEP_BUILDERS = 1
-#: idle lane processes kept per key (one per device server of a run)
+#: idle builders kept, all keys together (a run uses one or two at a time, of two settings)
+KEEP_BUILDERS = 4
+#: idle lane processes kept, all keys together (one per device server of a run)
 KEEP_LANES = 4
 
 #: environment variables no worker reads that change while a process runs: pytest's name of
@@ -37,8 +38,8 @@ KEEP_LANES = 4
 UNREAD = frozenset({"PYTEST_CURRENT_TEST"})
 
 _LOCK = threading.Lock()
-_BUILDERS: dict[tuple, list] = {}
-_LANES: dict[tuple, list] = {}
+_BUILDERS: list[tuple[tuple, object]] = []  # (key, builder), the one kept longest first
+_LANES: list[tuple[tuple, object]] = []  # (key, PopenWorker), likewise
 
 
 def _key(*settings) -> tuple:
@@ -47,6 +48,28 @@ def _key(*settings) -> tuple:
     env = hashlib.sha256(repr(sorted((k, v) for k, v in os.environ.items()
                                      if k not in UNREAD)).encode()).hexdigest()
     return (*settings, os.getcwd(), env)
+
+
+def _take(kept: list, key: tuple):
+    """The worker of ``key`` kept last in ``kept``, removed from it; None if there is none."""
+    with _LOCK:
+        for i in range(len(kept) - 1, -1, -1):
+            if kept[i][0] == key:
+                return kept.pop(i)[1]
+    return None
+
+
+def _keep(kept: list, key: tuple, worker, limit: int, end) -> None:
+    """Keep ``worker`` of ``key`` in ``kept`` if this process's environment is still the one
+    of ``key``, ending the one kept longest beyond ``limit`` (``end(worker)`` ends one)."""
+    if key is None or key != _key(*key[:-2]):
+        end(worker)  # not made by take_*, or made in another environment than this one
+        return
+    with _LOCK:
+        kept.append((key, worker))
+        out = kept.pop(0)[1] if len(kept) > limit else None
+    if out is not None:
+        end(out)
 
 
 def take_builder(max_workers: int, timeout_s: float, phases=None):
@@ -58,9 +81,7 @@ def take_builder(max_workers: int, timeout_s: float, phases=None):
     from .phases import Phases
     phases = phases if phases is not None else Phases()
     key = _key(max_workers, float(timeout_s))
-    with _LOCK:
-        idle = _BUILDERS.get(key)
-        builder = idle.pop() if idle else None
+    builder = _take(_BUILDERS, key)
     if builder is None:
         builder = Builder(max_workers=max_workers, timeout_s=timeout_s, phases=phases)
         builder.kept_key = key
@@ -70,19 +91,11 @@ def take_builder(max_workers: int, timeout_s: float, phases=None):
 
 
 def keep_builder(builder) -> None:
-    """Keep ``builder`` (made by :func:`take_builder`) for the next run of this process, or
-    shut it down when :data:`KEEP_BUILDERS` of its key already wait (or the environment it
-    was made in has changed since)."""
-    key = getattr(builder, "kept_key", None)
-    if key is None:  # not made by take_builder
-        builder.shutdown()
-        return
-    with _LOCK:
-        idle = _BUILDERS.setdefault(key, [])
-        if key == _key(*key[:2]) and len(idle) < KEEP_BUILDERS:
-            idle.append(builder)
-            return
-    builder.shutdown()
+    """Keep ``builder`` (made by :func:`take_builder`) for the next run of this process; shut
+    it down when the environment it was made in has changed since (or it was not made by
+    :func:`take_builder`), or the one kept longest when :data:`KEEP_BUILDERS` wait."""
+    _keep(_BUILDERS, getattr(builder, "kept_key", None), builder, KEEP_BUILDERS,
+          lambda b: b.shutdown())
 
 
 def take_lane_worker():
@@ -91,29 +104,22 @@ def take_lane_worker():
     Returns ``(worker, key)``; hand it back with :func:`keep_lane_worker`."""
     from tvm.support.popen_pool import PopenWorker
     key = _key("lane")
-    with _LOCK:
-        idle = _LANES.get(key)
-        worker = idle.pop() if idle else None
+    worker = _take(_LANES, key)
     return (worker if worker is not None else PopenWorker()), key
 
 
 def keep_lane_worker(worker, key: tuple) -> None:
     """Keep a lane's worker whose session was closed in it (:func:`.lane.lane_close`) for the
-    next run, or kill it when :data:`KEEP_LANES` of its key already wait."""
-    with _LOCK:
-        idle = _LANES.setdefault(key, [])
-        if key == _key("lane") and len(idle) < KEEP_LANES:
-            idle.append(worker)
-            return
-    worker.kill()
+    next run (as :func:`keep_builder` keeps a builder; :data:`KEEP_LANES` at most)."""
+    _keep(_LANES, key, worker, KEEP_LANES, lambda w: w.kill())
 
 
 @atexit.register
 def _shut_down_kept() -> None:
     """End every kept worker when the process exits."""
     with _LOCK:
-        builders = [b for idle in _BUILDERS.values() for b in idle]
-        lanes = [w for idle in _LANES.values() for w in idle]
+        builders = [b for _, b in _BUILDERS]
+        lanes = [w for _, w in _LANES]
         _BUILDERS.clear()
         _LANES.clear()
     for b in builders:
