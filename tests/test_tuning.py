@@ -425,7 +425,9 @@ def test_workers_are_kept_for_the_next_run_of_the_same_environment(monkeypatch):
     """A run hands its build and lane processes to the next run of the process, never to one
     whose environment differs (a build process's ``TVM_NDK_CC`` is fixed when it starts)."""
     from thomas_tune.measure import kept
-    builder = kept.take_builder(1, 60.0)
+    # settings of this test alone: a builder kept by an earlier test may be due to replace
+    # its process (Builder.recycle_after), which would change the pid compared below
+    builder = kept.take_builder(1, 999.0)
     first = builder._get_pool().submit(os.getpid).result()
     kept.keep_builder(builder)
     lane, key = kept.take_lane_worker()
@@ -433,11 +435,11 @@ def test_workers_are_kept_for_the_next_run_of_the_same_environment(monkeypatch):
     lane_pid = lane.recv()
     kept.keep_lane_worker(lane, key)
     monkeypatch.setenv("TVM_NDK_CC", "/elsewhere/clang++")
-    other = kept.take_builder(1, 60.0)
+    other = kept.take_builder(1, 999.0)
     assert other is not builder and kept.take_lane_worker()[0] is not lane
     other.shutdown()
     monkeypatch.undo()  # the first environment again: its processes, already started
-    again = kept.take_builder(1, 60.0)
+    again = kept.take_builder(1, 999.0)
     assert again is builder and again._get_pool().submit(os.getpid).result() == first
     lane_again, _ = kept.take_lane_worker()
     lane_again.send(os.getpid)
