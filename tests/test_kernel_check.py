@@ -244,14 +244,14 @@ def test_inputs_drawn_on_the_device_are_the_hosts_and_wrong_kernels_still_fail(t
     uploaded inputs; a kernel whose inputs are signed where its reference is not finite is
     drawn again positive; and compared there, the right matmul passes while each wrong one
     fails."""
-    from thomas_tune.measure.builder import Builder
+    from thomas_tune.measure.kept import keep_builder, take_builder
     seed = int(rng.integers(1 << 62))
     mods = [_matmul(), _scaled_sqrt(), _shifted_labels()]
-    builder = Builder(max_workers=1, timeout_s=120)
+    builder = take_builder(1, 120.0)  # as the tuner's references
     try:
         refs, paths = kr.build_references(mods, target, builder, seed)
     finally:
-        builder.shutdown()
+        keep_builder(builder)
     assert all(paths) and len(paths) == 3
     dev = tvm.opencl(0)
     libs = [tvm.runtime.load_module(p) for p in paths]
@@ -318,18 +318,18 @@ def test_a_kernel_writing_one_value_gets_its_reference_and_check(target, rng):
     value each), and on PoCL its own default schedule passes the comparison while a loss 1%
     off fails it."""
     from thomas_tune.training_graph.loss import CrossEntropyLoss, cross_entropy
-    from thomas_tune.measure.builder import Builder
+    from thomas_tune.measure.kept import keep_builder, take_builder
     from tvm import relax
     kernel = CrossEntropyLoss(relax.TensorType((4, 10), "float32"),
                               relax.TensorType((4,), "int64")).kernel.with_attr(
         "global_symbol", "main")
     seed = int(rng.integers(1 << 62))
-    builder = Builder(max_workers=1, timeout_s=120)
+    builder = take_builder(1, 120.0)  # as the tuner's references
     try:
         refs, paths = kr.build_references([tvm.IRModule({"main": kernel})], target, builder,
                                           seed)
     finally:
-        builder.shutdown()
+        keep_builder(builder)
     assert all(paths)
     dev, lib = tvm.opencl(0), tvm.runtime.load_module(paths[0])
     _, comparison, _ = kr.device_reference(lib, dev, kernel, seed, refs[0].spec)

@@ -402,8 +402,9 @@ def test_builder_refuses_candidates_with_large_private_arrays(target, rng):
     # 8 KiB of private memory as the generated kernel declares it (runner.MAX_PRIVATE_BYTES)
     from tvm.s_tir import meta_schedule as ms
 
-    from thomas_tune.measure.builder import (MAX_PRIVATE_BYTES, Builder, build_candidate,
+    from thomas_tune.measure.builder import (MAX_PRIVATE_BYTES, build_candidate,
                                              check_private_memory)
+    from thomas_tune.measure.kept import keep_builder, take_builder
     n = 128
     a, b = te.placeholder((n, n), name="a"), te.placeholder((n, n), name="b")
     k = te.reduce_axis((0, n), name="k")
@@ -427,12 +428,12 @@ def test_builder_refuses_candidates_with_large_private_arrays(target, rng):
     with pytest.raises(ValueError, match="private memory 8192 bytes per work-item"):
         check_private_memory(build_candidate(huge, target), target)
     assert 4 * 4 * 4 < MAX_PRIVATE_BYTES < 64 * 32 * 4
-    builder = Builder(max_workers=1)
+    builder = take_builder(1, 60.0)  # as a tuning run's
     try:
         ok, refused = builder.build([ms.builder.BuilderInput(small, target),
                                      ms.builder.BuilderInput(huge, target)])
     finally:
-        builder.shutdown()
+        keep_builder(builder)
     assert ok.error_msg is None, ok.error_msg
     assert refused.artifact_path is None and "private memory 8192 bytes" in refused.error_msg
     an, bn = rng.standard_normal((n, n)), rng.standard_normal((n, n))

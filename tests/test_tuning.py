@@ -202,17 +202,17 @@ def test_index_arguments_are_measured_in_range(cpu_server):
     from tvm.s_tir.meta_schedule.arg_info import ArgInfo
     from tvm.s_tir.meta_schedule.runner import RunnerInput
 
-    from thomas_tune.measure.builder import Builder
+    from thomas_tune.measure.kept import keep_builder, take_builder
     table = te.placeholder((2,), name="table")
     idx = te.placeholder((4096,), dtype="int64", name="idx")
     out = te.compute((4096,), lambda i: table[idx[i]] * 2.0, name="out")
     mod = tvm.IRModule({"main": te.create_prim_func([table, idx, out])})
     target = parse_target("llvm")
-    builder = Builder(max_workers=1)
+    builder = take_builder(1, 60.0)  # as a tuning run's
     try:
         (built,) = builder.build([ms.builder.BuilderInput(mod, target)])
     finally:
-        builder.shutdown()
+        keep_builder(builder)
     assert built.error_msg is None, built.error_msg
     runner = rpc_runner(cpu_server, "test-cpu", trial_timeout_s=30)
     try:
@@ -411,14 +411,50 @@ def test_resumed_tasks_start_from_their_best_record_and_skip_the_first_round():
 
 def test_builder_processes_run_at_raised_niceness():
     """Candidate builds leave the CPU to timed runs on a machine that does both."""
-    from thomas_tune.measure.builder import Builder
+    from thomas_tune.measure.kept import keep_builder, take_builder
     from thomas_tune.measure.priority import COMPILE_NICE
-    builder = Builder(max_workers=1)
+    builder = take_builder(1, 60.0)  # as a tuning run's
     try:
         worker = builder._get_pool().submit(os.getpriority, os.PRIO_PROCESS, 0).result()
     finally:
-        builder.shutdown()
+        keep_builder(builder)
     assert worker == min(os.getpriority(os.PRIO_PROCESS, 0) + COMPILE_NICE, 19)
+
+
+def test_workers_are_kept_for_the_next_run_of_the_same_environment(monkeypatch):
+    """A run hands its build and lane processes to the next run of the process, never to one
+    whose environment differs (a build process's ``TVM_NDK_CC`` is fixed when it starts)."""
+    from thomas_tune.measure import kept
+    # settings of this test alone: a builder kept by an earlier test may be due to replace
+    # its process (Builder.recycle_after), which would change the pid compared below
+    builder = kept.take_builder(1, 999.0)
+    first = builder._get_pool().submit(os.getpid).result()
+    kept.keep_builder(builder)
+    lane, key = kept.take_lane_worker()
+    lane.send(os.getpid)
+    lane_pid = lane.recv()
+    kept.keep_lane_worker(lane, key)
+    monkeypatch.setenv("TVM_NDK_CC", "/elsewhere/clang++")
+    other = kept.take_builder(1, 999.0)
+    assert other is not builder and kept.take_lane_worker()[0] is not lane
+    other.shutdown()
+    monkeypatch.undo()  # the first environment again: its processes, already started
+    again = kept.take_builder(1, 999.0)
+    assert again is builder and again._get_pool().submit(os.getpid).result() == first
+    lane_again, _ = kept.take_lane_worker()
+    lane_again.send(os.getpid)
+    assert lane_again is lane and lane_again.recv() == lane_pid
+    lane_again.kill()
+    monkeypatch.setenv("TVM_NDK_CC", "/elsewhere/clang++")
+    kept.keep_builder(again)  # made in another environment than this one: shut down
+    assert again._pool is None
+    monkeypatch.undo()
+    # however many settings and environments a process goes through, few wait
+    many = [kept.take_builder(1, 1000.0 + n) for n in range(kept.KEEP_BUILDERS + 1)]
+    for b in many:
+        kept.keep_builder(b)
+    waiting = [b for _, b in kept._BUILDERS]
+    assert len(waiting) == kept.KEEP_BUILDERS and not any(b is many[0] for b in waiting)
 
 
 def test_remeasure_replaces_noisy_times_in_place(tmp_path, small_tasks, cpu_server):

@@ -183,7 +183,7 @@ def test_tune_export_train_infer_through_tvm_rpc(tracker, tmp_path, rng, capsys)
                  "--lr", "0.002"]
         assert main(["tune", *small, "--tracker", addr, "--key", key, "--top", "1",
                      "--trials", "4", "--trials-per-iter", "2", "--population", "8",
-                     "--genetic-iters", "1", "--log", str(log)]) == 0
+                     "--genetic-iters", "1", "--build-workers", "1", "--log", str(log)]) == 0
         device = json.loads((log / "device.json").read_text())
         assert device["device_name"] == tvm.opencl(0).device_name  # the server's PoCL
         assert "opencl" not in device  # tvm_rpc has no thomas_tune.opencl.device_info

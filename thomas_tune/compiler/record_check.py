@@ -261,16 +261,18 @@ def run_checks(items, target, dev, seed: int = 0, progress=None,
 
     from tvm.s_tir import meta_schedule as ms
 
-    from ..measure.builder import Builder
+    from ..measure.kept import keep_builder, take_builder
     from ..measure.runner import error_line
     if not items:
         return []
-    builder = Builder(max_workers=build_workers or os.cpu_count() or 1, timeout_s=600)
+    builder = take_builder(build_workers or os.cpu_count() or 1, timeout_s=600)
     try:
         built = builder.build([ms.builder.BuilderInput(m, target) for t, rec in items
                                for m in (kc.default_kernel(t.mod, target), kc.record_kernel(rec))])
-    finally:
-        builder.shutdown()
+    except BaseException:
+        builder.shutdown()  # a build may still be running in it
+        raise
+    keep_builder(builder)  # for the next check of this process (measure.kept)
     out: list[str | None] = []
     for n, (t, _) in enumerate(items):
         ref_b, rec_b = built[2 * n], built[2 * n + 1]

@@ -12,6 +12,7 @@ in this module's ``_LANE``, one per worker process.
 from __future__ import annotations
 
 import collections
+import gc
 import math
 import time
 
@@ -53,8 +54,10 @@ def lane_open(tracker_host: str, tracker_port: int, key: str, session_timeout_s:
 
 
 def lane_close() -> None:
-    """(worker) Drop the session, if any (the server's session process then ends)."""
+    """(worker) Drop the session, if any (the server's session process then ends): what
+    refers to it (its modules, functions and arrays) goes with it, cycles included."""
     _LANE.clear()
+    gc.collect()
 
 
 def lane_ping() -> bool:

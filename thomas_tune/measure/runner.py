@@ -35,7 +35,8 @@ from tvm.ir.utils import derived_object
 from tvm.s_tir import meta_schedule as ms
 from tvm.support.popen_pool import PopenWorker
 
-from .lane import lane_lock, lane_open, lane_ping, lane_prepare, lane_time
+from .kept import keep_lane_worker, take_lane_worker
+from .lane import lane_close, lane_lock, lane_open, lane_ping, lane_prepare, lane_time
 from .phases import Phases
 
 
@@ -89,14 +90,15 @@ class _Lane(threading.Thread):
         self.farm = farm
         self.index = index
         self.worker: PopenWorker | None = None
+        self.worker_key: tuple | None = None  # the environment it started in (.kept)
         self.has_session = False
         self.opened_at = 0.0
         self.waiting_since: float | None = None
         self.lost: str | None = None
 
     def _call(self, fn, args, timeout):
-        if self.worker is None:
-            self.worker = PopenWorker()
+        if self.worker is None:  # a process kept from an earlier run, or a new one
+            self.worker, self.worker_key = take_lane_worker()
         worker = self.worker
         worker.send(fn, args, timeout=timeout)
         # The worker enforces ``timeout`` itself; should it not answer (a call that never lets
@@ -121,6 +123,26 @@ class _Lane(threading.Thread):
             self.worker.kill()
             self.worker = None
         self.has_session = False
+
+    def _close(self) -> bool:
+        """Close the session in the worker, which stays for the next one (a session is
+        renewed, or closed when idle, between calls: none is in flight). A worker that does
+        not answer is killed (:meth:`_drop`). Returns whether the worker is still there."""
+        if self.worker is not None and self.has_session:
+            try:
+                self._call(lane_close, (), timeout=10.0)
+            except Exception:
+                self._drop()
+        self.has_session = False
+        return self.worker is not None
+
+    def _release(self) -> None:
+        """At the lane's end: close the session and hand the worker to the next run of this
+        process (:mod:`.kept`)."""
+        worker, key = self.worker, self.worker_key
+        if worker is not None and self._close():
+            self.worker = None
+            keep_lane_worker(worker, key)
 
     def _open(self) -> bool:
         f = self.farm
@@ -151,7 +173,7 @@ class _Lane(threading.Thread):
                 t_idle = time.perf_counter()
                 while not f.queue and not f.stopped:
                     if not f.cond.wait(timeout=f.idle_close_s) and self.has_session:
-                        self._drop()  # idle: free the server for others
+                        self._close()  # idle: free the server for others
                 if f.stopped:
                     break
                 idle = time.perf_counter() - t_idle
@@ -160,7 +182,7 @@ class _Lane(threading.Thread):
             # keep a session young enough that a trial cannot run into its timeout
             if self.has_session and (time.monotonic() - self.opened_at
                                      > f.session_timeout_s - f.trial_limit_s):
-                self._drop()
+                self._close()
             if not self.has_session and not self._open():
                 f.check_starved()
                 time.sleep(0.2)
@@ -222,7 +244,7 @@ class _Lane(threading.Thread):
                     # the next trial gets a fresh session, so one bad candidate costs itself.
                     self._drop()
                     fut.set(None, f"run failed: {msg}")
-        self._drop()
+        self._release()
 
 
 def error_line(err: BaseException | str, limit: int = 400) -> str:

@@ -16,6 +16,7 @@ from tvm.s_tir import meta_schedule as ms
 from ..files import write_json_atomically
 from ..kernel_check import default_kernel
 from ..measure.builder import Builder
+from ..measure.kept import keep_builder, take_builder
 from ..measure.runner import error_line
 from ..tasks import Task
 from ..tasks import key as workload_key
@@ -62,11 +63,13 @@ def measure_defaults(tasks: list[Task], target, runner, log: TuningLog | None = 
             mods.append(default_kernel(t.mod, target))
             schedules[k] = str(tvm_ffi.structural_hash(mods[-1]["main"]))
             _SCHEDULE_KEYS[(str(tvm_ffi.structural_hash(t.mod)), str(target))] = schedules[k]
-        builder = Builder(max_workers=builder_workers, timeout_s=120)
+        builder = take_builder(builder_workers, timeout_s=120)
         try:
             results = measure_kernels(mods, target, runner, builder)
-        finally:
-            builder.shutdown()
+        except BaseException:
+            builder.shutdown()  # a build may still be running in it
+            raise
+        keep_builder(builder)  # for the next run of this process (measure.kept)
         errors = collections.Counter()
         for (k, _), (secs, why) in zip(todo, results):
             known[k] = math.inf if secs is None else sum(secs) / len(secs)

@@ -15,6 +15,7 @@ from tvm.s_tir import meta_schedule as ms
 
 from ..kernel_reference import build_references
 from ..measure.builder import Builder
+from ..measure.kept import keep_builder, take_builder
 from ..measure.phases import Phases
 from ..measure.runner import FarmRunner, error_line
 from ..schedules import UNROLL_STEPS, unroll_steps
@@ -284,8 +285,8 @@ class _TuningRun:
         enters the log (:mod:`thomas_tune.kernel_check`); its builds count as ``build`` (the
         builder's), the rest as ``references``."""
         opt, phases = self.opt, self.phases
-        self.builder = Builder(max_workers=opt.builder_workers or max(1, (os.cpu_count() or 2)),
-                               timeout_s=60, phases=phases)
+        self.builder = take_builder(opt.builder_workers or max(1, (os.cpu_count() or 2)),
+                                    timeout_s=60, phases=phases)
         t_ref, b_ref = time.perf_counter(), phases.wall.get("build", 0.0)
         contexts = self.found.contexts
         self.references, self.ref_paths = (
@@ -344,8 +345,10 @@ class _TuningRun:
         """Close the progress bar, the builder, the references' files and the runner; write
         the last statistics."""
         callbacks[-1].bar.close()
-        if self.builder is not None:
-            self.builder.shutdown()
+        if self.builder is not None and self.report.ended == "finished":
+            keep_builder(self.builder)  # for the next run of this process (measure.kept)
+        elif self.builder is not None:
+            self.builder.shutdown()  # a build may still be running in it
         for path in self.ref_paths:
             shutil.rmtree(os.path.dirname(path), ignore_errors=True)
         if hasattr(self.runner, "shutdown"):

@@ -27,7 +27,7 @@ import tvm_ffi
 from tvm.s_tir import meta_schedule as ms
 from tvm.s_tir.schedule import Schedule
 
-from ..measure.builder import Builder
+from ..measure.kept import keep_builder, take_builder
 from .defaults import measure_kernels
 from ..logs import RECORDS, TuningLog, mean_seconds, rewrite_atomically, write_stamp
 
@@ -96,7 +96,7 @@ def remeasure(log: TuningLog, target, runner: ms.Runner, workload_keys: set[str]
             picked += idx[:top_k]
             report.best[keys[w]] = (mean_seconds(bodies[idx[0]][1]), math.inf)
         fresh: list[int] = []  # lines measured again here
-        builder = Builder(max_workers=builder_workers, timeout_s=120)
+        builder = take_builder(builder_workers, timeout_s=120)
         try:
             for start in range(0, len(picked), batch):
                 chunk = picked[start:start + batch]
@@ -121,8 +121,10 @@ def remeasure(log: TuningLog, target, runner: ms.Runner, workload_keys: set[str]
                 rewrite_atomically(log.record_path, lines)  # this batch's times are safe now
                 if progress is not None:
                     progress(min(start + batch, len(picked)), len(picked))
-        finally:
-            builder.shutdown()
+        except BaseException:
+            builder.shutdown()  # a build may still be running in it
+            raise
+        keep_builder(builder)  # for the next run of this process (measure.kept)
         for w, idx in by_workload.items():
             report.best[keys[w]] = (report.best[keys[w]][0],
                                     min(mean_seconds(bodies[i][1]) for i in idx))
