@@ -114,9 +114,9 @@ def test_a_build_that_does_not_round_fails(tmp_path):
 def test_kernels_storing_toward_zero_fail(tmp_path, monkeypatch):
     """The rewrite's stores with ``vstore_half_rtz`` (round toward zero): the values are
     float16, but about half of them one step off."""
-    from thomas_tune import half_storage
-    plain = half_storage.rewrite_half_access
-    monkeypatch.setattr(half_storage, "rewrite_half_access",
+    from thomas_tune import half_source
+    plain = half_source.rewrite_half_access
+    monkeypatch.setattr(half_source, "rewrite_half_access",
                         lambda src: plain(src).replace("vstore_half(", "vstore_half_rtz("))
     x, w1, w2, *stored = _run(tmp_path, "opencl")
     y = stored[0]
@@ -130,7 +130,7 @@ def test_float32_source_is_left_as_it_is():
     import tvm
 
     from thomas_tune.compiler.compile import compile_graph
-    from thomas_tune.half_storage import rewrite_half_access
+    from thomas_tune.half_source import rewrite_half_access
     from thomas_tune.target import parse_target
 
     exe = compile_graph(_graph(), parse_target("opencl"))
@@ -154,7 +154,7 @@ def test_work_group_tiles_private_values_and_lone_roundings_are_rewritten():
     kernel that rounds with ``convert_half`` but has no float16 buffer gets the rounding helper;
     vector loads and stores of float16 memory go through ``vload_halfN`` / ``vstore_halfN``.
     (The PoCL builds above compile and check such kernels' values.)"""
-    from thomas_tune.half_storage import ROUND_HALF, rewrite_half_access
+    from thomas_tune.half_source import ROUND_HALF, rewrite_half_access
     tile = ("__kernel void k(__global float* restrict o, __global half* restrict x) {\n"
             "  __local half t[64];\n  half v;\n  v = (half)0.000000e+00f;\n"
             "  if (1) { v = x[get_local_id(0)]; }\n  t[get_local_id(0)] = v;\n"

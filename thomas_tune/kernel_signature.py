@@ -90,10 +90,10 @@ def check_source(source: str) -> str:
 
 
 def _postproc(code: str, target=None) -> str:
-    from . import half_storage, opencl_source
+    from . import half_source, opencl_source
     code = check_source(code)
     if not (_NATIVE_HALF[0] or os.environ.get(NATIVE_HALF_ENV) == "1"):
-        code = half_storage.rewrite_half_access(code)
+        code = half_source.rewrite_half_access(code)
     return opencl_source._postproc(code, target)
 
 
@@ -119,7 +119,7 @@ def native_half():
 def register() -> None:
     """Make TVM's OpenCL code generator pass each module's source through
     :func:`check_source`, then float16 buffers through ``vload_half`` / ``vstore_half``
-    (:func:`thomas_tune.half_storage.rewrite_half_access`: source without ``half`` unchanged),
+    (:func:`thomas_tune.half_source.rewrite_half_access`: source without ``half`` unchanged),
     then :mod:`thomas_tune.opencl_source`'s rewrite (the global function
     ``tvm_callback_opencl_postproc``, in this process; replaces one registered before)."""
     import tvm
