@@ -2,6 +2,14 @@
 # One lease's issue-67 rows from exports made on the development machine (carried in
 # .devcarry/x67/x67.tar.xz): the 1,024 MB budget beside the plain step, timed in one process
 # with peaks; the loss-scaled mixed16 512 MB step's peak; then each float32 build checked.
+# The carried exports: here, 'thomas-tune export --model mobilenet_v2 --trainable all --width 1.0
+# --resolution 224 --classes 1000 --batch 32 --target targets/h100_opencl.json --any-codegen
+# --no-check --log LOG --out DIR' (LOG: tuning_logs/h100/mobilenet_v2-w1-r224-c1000-b32
+# unpacked) plain, with '--memory-budget 1024', and with '--precision mixed16 --loss-scale
+# dynamic --memory-budget 512', into x67/mnv2-all, x67/mnv2-budget, x67/mnv2-scaled512; their
+# params.npz and optim_state.npz (the same in all three) once in x67/shared; then
+# 'tar -cJf .devcarry/x67/x67.tar.xz x67'. Calls: park .devcarry/p1 p3, park p2 last, then this
+# script (carry .devcarry/last and .devcarry/x67) with setsid, and calls that wait for r67/all.done.
 cd "$(dirname "$0")/.."
 TT=/tmp/tt; R=$TT/r67; mkdir -p $R
 G="bash tools/gpu_tune.sh"
