@@ -20,9 +20,13 @@ register until it is killed or the function returns), storages taken from and gi
 a pool of the allocator's kind. Its result is the most bytes the device holds over
 ``steps`` training steps of a :class:`thomas_tune.runtime.Session`, the figure the OpenCL
 sidecar measures (``device_peak_bytes``, :func:`thomas_tune.benchmark.exports.device_memory`).
-Not counted: the workspaces a kernel's host code allocates itself (a schedule that splits a
-reduction may have some; the sidecar keeps them in a pool of its own) and the OpenCL driver's
-own memory.
+With a tuning log (``database``), the scratch buffers its records' kernels allocate in
+global memory (:func:`kernel_scratch`: the partial sums of an ``rfactor``, a padded copy of an
+input) are counted as the sidecar's workspace pool holds them: a kernel's host code takes them
+at each call and gives them back after; a freed buffer serves a later request of half to all
+of its size, and one that serves none is allocated and kept for the life of the process
+(``AllocWorkspace`` in ``thomas_tune/csrc/opencl_runtime.cc``). Not counted: the OpenCL
+driver's own memory.
 """
 
 from __future__ import annotations
@@ -81,6 +85,7 @@ class _Pool:
         self.free: Counter = Counter()
         self.allocated = 0  # bytes the pool took from the device
         self.direct = 0  # bytes allocated outside the pool, alive
+        self.scratch_free: list[int] = []  # the workspace pool's free buffers, sorted
         self.peak = 0
 
     def take(self, nbytes: int) -> int:
@@ -94,6 +99,22 @@ class _Pool:
 
     def give(self, size: int) -> None:
         self.free[size] += 1
+
+    def scratch(self, sizes: list[int]) -> None:
+        """One kernel call's scratch buffers of ``sizes`` bytes, taken from the workspace pool
+        (the smallest free buffer of at least the size and at most twice it plus a page, else
+        a new one, kept) and given back after the call."""
+        import bisect
+        taken = []
+        for n in sizes:
+            i = bisect.bisect_left(self.scratch_free, n)
+            if i < len(self.scratch_free) and self.scratch_free[i] <= 2 * n + PAGE:
+                taken.append(self.scratch_free.pop(i))
+            else:
+                self.direct_alloc(n)
+                taken.append(n)
+        for n in taken:
+            bisect.insort(self.scratch_free, n)
 
     def direct_alloc(self, nbytes: int) -> None:
         self.direct += max(int(nbytes), 1)
@@ -116,8 +137,10 @@ class _Obj:
 class _Run:
     """One call of a lowered Relax function, objects counted by their references."""
 
-    def __init__(self, pool: _Pool, storages: list, mod: tvm.IRModule | None = None):
+    def __init__(self, pool: _Pool, storages: list, mod: tvm.IRModule | None = None,
+                 scratch: dict | None = None):
         self.pool, self.storages, self.regs, self.mod = pool, storages, {}, mod
+        self.scratch = scratch or {}
 
     def hold(self, obj: _Obj) -> _Obj:
         obj.count += 1
@@ -184,11 +207,15 @@ class _Run:
                 self.mod is not None and isinstance(self.mod[v.op], relax.Function):
             # a Relax function of the module (the lifted transform of frozen parameters)
             args = [self.value(a) or _Obj() for a in v.args]
-            out = _Run(self.pool, self.storages, self.mod).call(self.mod[v.op], args)
+            out = _Run(self.pool, self.storages, self.mod, self.scratch).call(self.mod[v.op],
+                                                                             args)
             if out is not None:
                 self.set(b.var, out)
                 self.drop(out)
             return
+        if isinstance(v, relax.Call) and isinstance(v.op, relax.GlobalVar) and \
+                v.op.name_hint in self.scratch:  # a kernel with scratch buffers
+            self.pool.scratch(self.scratch[v.op.name_hint])
         obj = self.value(v)
         if obj is not None:
             self.set(b.var, obj)
@@ -269,10 +296,12 @@ def lowered_training_module(model, batch: int, trainable: str = "all", optimizer
     return mod, tg
 
 
-def step_memory(mod: tvm.IRModule, tg, steps: int = 3) -> StepMemory:
+def step_memory(mod: tvm.IRModule, tg, steps: int = 3, scratch: dict | None = None
+                ) -> StepMemory:
     """Replay ``steps`` calls of the step of ``mod`` (:func:`lowered_training_module`) as a
-    :class:`thomas_tune.runtime.Session` makes them (module docstring); bytes in a
-    :class:`StepMemory`."""
+    :class:`thomas_tune.runtime.Session` makes them (module docstring), each kernel named in
+    ``scratch`` (:func:`kernel_scratch`) taking its scratch buffers from the workspace pool;
+    bytes in a :class:`StepMemory`."""
     from .manifest import TRAIN_STEP, TRAIN_STEP_FROZEN
     from .models import spec
     pool, storages = _Pool(), []
@@ -283,7 +312,7 @@ def step_memory(mod: tvm.IRModule, tg, steps: int = 3) -> StepMemory:
         pool.direct_alloc(np.asarray(a).nbytes)
     resident = pool.direct
     func = mod[TRAIN_STEP]
-    run = _Run(pool, storages, mod)
+    run = _Run(pool, storages, mod, scratch)
     frozen_out = None
     if TRAIN_STEP_FROZEN in [gv.name_hint for gv in mod.get_global_vars()]:
         lifted = mod[TRAIN_STEP_FROZEN]
@@ -294,7 +323,7 @@ def step_memory(mod: tvm.IRModule, tg, steps: int = 3) -> StepMemory:
     kept: list[_Obj] = []  # the running statistics the session holds from the last step
     for step in range(steps):
         pool.direct_alloc(images + labels)  # the batch, uploaded for the call
-        run = _Run(pool, storages if step == 0 else [], mod)
+        run = _Run(pool, storages if step == 0 else [], mod, scratch)
         out = run.call(func, [_Obj() for _ in func.params])
         pool.direct -= images + labels
         # (loss and new states, new parameters, new optimizer state): the session keeps the
@@ -316,28 +345,63 @@ def step_memory(mod: tvm.IRModule, tg, steps: int = 3) -> StepMemory:
 
 def compiled_step_memory(model, batch: int, trainable: str = "all", optimizer=None,
                          winograd=None, budget_plan=None, steps: int = 3,
-                         tg=None, precision: str = "float32", loss_scale=None
-                         ) -> StepMemory:
+                         tg=None, precision: str = "float32", loss_scale=None,
+                         database=None, target=None) -> StepMemory:
     """Bytes the compiled training step of ``model`` at ``batch`` holds on a device over
     ``steps`` steps (module docstring): what ``thomas-tune memory`` reports as the compiled
-    step's peak. Arguments as :func:`lowered_training_module`; raises what it raises."""
+    step's peak. ``database`` (the records an export applies, with their ``target``): their
+    kernels' scratch buffers counted (:func:`kernel_scratch`). Other arguments as
+    :func:`lowered_training_module`; raises what it raises."""
     mod, tg = lowered_training_module(model, batch, trainable, optimizer, winograd, budget_plan,
                                       tg, precision, loss_scale)
-    return step_memory(mod, tg, steps)
+    scratch = kernel_scratch(mod, target, database) if database is not None else None
+    return step_memory(mod, tg, steps, scratch)
+
+
+def kernel_scratch(mod: tvm.IRModule, target: tvm.target.Target, database) -> dict:
+    """The scratch buffers each kernel of ``mod`` allocates in global memory once the records
+    of ``database`` (a MetaSchedule database) for ``target`` are applied: {kernel name: [bytes
+    per buffer]}, for the kernels a record changed that allocate any (an ``rfactor``'s partial
+    sums, a padded copy of an input: blocks' ``alloc_buffers`` in global scope, which the
+    kernel's host code takes from the device's workspace pool at each call). The default
+    schedules of the others allocate none."""
+    import tvm_ffi
+    from tvm.s_tir import meta_schedule as ms  # noqa: F401 (registers ApplyDatabase)
+    before = dict(mod.functions)
+    with target, database, tvm.transform.PassContext(opt_level=3):
+        applied = relax.transform.MetaScheduleApplyDatabase(enable_warning=False)(mod)
+    out = {}
+    for gv, func in applied.functions.items():
+        if not isinstance(func, tvm.tirx.PrimFunc) or tvm_ffi.structural_equal(
+                func, before.get(gv)):
+            continue
+        sch = tvm.s_tir.Schedule(tvm.IRModule({"main": func}))
+        todo, sizes = [sch.get_sblock("root")], []
+        while todo:
+            rv = todo.pop()
+            sizes += [int(np.prod([int(x) for x in b.shape], dtype=np.int64))
+                      * tvm.runtime.DataType(str(b.dtype)).bits // 8
+                      for b in sch.get(rv).alloc_buffers if b.scope() == "global"]
+            todo.extend(sch.get_child_blocks(rv))
+        if sizes:
+            out[gv.name_hint] = sizes
+    return out
 
 
 def plan_for_budget(model, batch: int, trainable: str, optimizer, budget_bytes: int,
                     winograd=None, say=lambda m: None, precision: str = "float32",
-                    loss_scale=None) -> tuple[RecomputePlan, list[dict]]:
+                    loss_scale=None, database=None, target=None
+                    ) -> tuple[RecomputePlan, list[dict]]:
     """The cheapest plan of :data:`LEVELS` whose compiled step at ``precision`` (with
     ``loss_scale``, :func:`step_graph`) fits ``budget_bytes`` (peak device bytes by
-    :func:`compiled_step_memory`), and the figures of every level tried (level, peak bytes,
-    bytes saved, FLOPs added, tensors recomputed, bytes of forward tensors the backward still
-    reads: ``kept_bytes``). The levels are tried in order, the phases of one segment length
-    together (``segments:k@p``, :mod:`thomas_tune.recompute`): of the first group with a plan
-    that fits, the fitting one that adds the fewest FLOPs. Raises :class:`BudgetError` (a
-    ValueError) when no level fits; its message names the smallest budget that does, in MB
-    (10^6 bytes)."""
+    :func:`compiled_step_memory`; with ``database`` and ``target``, the records an export
+    applies, their kernels' scratch buffers counted), and the figures of every level tried
+    (level, peak bytes, bytes saved, FLOPs added, tensors recomputed, bytes of forward
+    tensors the backward still reads: ``kept_bytes``). The levels are tried in order, the
+    phases of one segment length together (``segments:k@p``, :mod:`thomas_tune.recompute`):
+    of the first group with a plan that fits, the fitting one that adds the fewest FLOPs.
+    Raises :class:`BudgetError` (a ValueError) when no level fits; its message names the
+    smallest budget that does, in MB (10^6 bytes)."""
     from .training_graph.graph import ADJOINT, training_module
     from .memory import _liveness_peak
     from .recompute import segment_of
@@ -352,7 +416,8 @@ def plan_for_budget(model, batch: int, trainable: str, optimizer, budget_bytes: 
             plan = RecomputePlan(level)
             mod, planned = lowered_training_module(model, batch, trainable, optimizer,
                                                    winograd, plan, tg, precision, loss_scale)
-            mem = step_memory(mod, planned)
+            scratch = kernel_scratch(mod, target, database) if database is not None else None
+            mem = step_memory(mod, planned, scratch=scratch)
             base = mem.peak if base is None else base
             tried.append({"level": level, "peak_bytes": mem.peak,
                           "saved_bytes": base - mem.peak, "flops_added": plan.flops_added,

@@ -36,7 +36,7 @@ import numpy as np
 import tvm
 
 from ..training_graph import graph as G, lift
-from .compile import compile_library
+from .compile import compile_library, tuned_database
 from .build_plan import BuildPlan, check_plan
 from .record_check import check_in_background, wait_background
 from ..training_graph.library_module import training_library_module
@@ -260,9 +260,11 @@ def _manifest(mods: _GraphModules, built: _Libraries, checks: dict, target: tvm.
 
 def _budget_plan(model, batch: int, trainable: str, optimizer, memory_budget: int | None,
                  cache_features: bool, progress, precision: str = "float32",
-                 loss_scale=None) -> tuple[object, dict | None]:
+                 loss_scale=None, database=None, target=None) -> tuple[object, dict | None]:
     """The recomputation plan of ``memory_budget`` bytes (None: no budget) for the step at
-    ``precision`` and the manifest's
+    ``precision`` (with ``database``, the tuning log's records for ``target``, the scratch
+    buffers of the kernels they schedule counted,
+    :func:`thomas_tune.memory_plan.kernel_scratch`) and the manifest's
     ``memory_budget`` record (the budget, the level chosen, the estimated peak, bytes saved,
     FLOPs added, tensors recomputed). Raises ValueError with ``cache_features``, and
     :class:`thomas_tune.recompute.BudgetError` when no plan fits."""
@@ -275,7 +277,8 @@ def _budget_plan(model, batch: int, trainable: str, optimizer, memory_budget: in
     from ..memory_plan import plan_for_budget
     plan, tried = plan_for_budget(model, batch, trainable, optimizer, int(memory_budget),
                                   say=lambda m: progress(f"memory budget: {m}"),
-                                  precision=precision, loss_scale=loss_scale)
+                                  precision=precision, loss_scale=loss_scale,
+                                  database=database, target=target)
     chosen = next(t for t in tried if t["level"] == plan.level)
     progress(f"memory budget {memory_budget / 1e6:.1f} MB: {plan.level} recomputation "
              f"({len(plan.recomputed)} tensors made again in the backward, "
@@ -288,14 +291,16 @@ def _budget_plan(model, batch: int, trainable: str, optimizer, memory_budget: in
                   "recomputed": [r.name for r in plan.recomputed]}
 
 
-def _budget_with_winograd(budget: dict, tg: G.TrainingGraph, wino: set, progress) -> dict:
+def _budget_with_winograd(budget: dict, tg: G.TrainingGraph, wino: set, progress,
+                          records=None, target=None) -> dict:
     """The manifest's ``memory_budget`` with the estimated peak of the step as built, its
     training convolutions ``wino`` in the Winograd form (their transforms hold more), and a
     message when that is over the budget (the build is kept: its record times chose it).
-    ``tg``: the step's graph as compiled (its plan and precision already applied)."""
+    ``tg``: the step's graph as compiled (its plan and precision already applied);
+    ``records``, ``target``: as :func:`_budget_plan`'s."""
     from ..memory_plan import compiled_step_memory
     peak = compiled_step_memory(tg.model, tg.batch, tg.trainable, tg.optimizer,
-                                winograd=wino, tg=tg).peak
+                                winograd=wino, tg=tg, database=records, target=target).peak
     if peak > budget["budget_bytes"]:
         progress(f"memory budget {budget['budget_bytes'] / 1e6:.1f} MB: with the "
                  f"{len(wino)} training convolution(s) the tuning log puts in the Winograd "
@@ -341,8 +346,10 @@ def export(out_dir: str, model, tensors: dict[str, np.ndarray], target: tvm.targ
                         device, device_profile, progress)
     if loss_scale is not None:
         require_mixed16(precision)
+    # the records the build applies, for the scratch buffers of their kernels
+    records = tuned_database(log, target)[0] if log is not None and memory_budget else None
     plan, budget = _budget_plan(model, batch, trainable, optimizer, memory_budget,
-                                cache_features, progress, precision, loss_scale)
+                                cache_features, progress, precision, loss_scale, records, target)
     os.makedirs(out_dir, exist_ok=True)
     mods = _graph_modules(model, batch, infer_batch, trainable, optimizer, cache_features,
                           precision, plan, loss_scale)
@@ -354,7 +361,8 @@ def export(out_dir: str, model, tensors: dict[str, np.ndarray], target: tvm.targ
     with replacing(os.path.join(out_dir, "optim_state.npz")) as p:
         np.savez(p, **{f"s{i}": a for i, a in enumerate(mods.tg.optim_state)})
     if budget and built.winograd["train"]:  # the plan was measured without the Winograd form
-        budget = _budget_with_winograd(budget, mods.tg, built.winograd["train"], progress)
+        budget = _budget_with_winograd(budget, mods.tg, built.winograd["train"], progress,
+                                       records, target)
     manifest = _manifest(mods, built, checks, target, infer_batch=infer_batch, log=log,
                          version=version, classes=classes, device=device,
                          stock_defaults=stock_defaults, precision=precision,
