@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import re
 
+from .opencl_source import _split_args  # top-level commas of a call's arguments
+
 #: the rounding of a float32 value to float16 and back, in OpenCL C without ``cl_khr_fp16``:
 #: a store to and a load from private memory (``vstore_half`` rounds to nearest even)
 ROUND_HALF = "thomas_tune_round_half"
@@ -86,20 +88,6 @@ def _accesses(kernel: str, ptrs: set[str]) -> str:
         else:
             out.append(f"vload_half({index}, {m.group(1)})")
             pos = end + 1
-
-
-def _split_args(args: str) -> list[str]:
-    """A call's argument text split at its top-level commas."""
-    out, depth, start = [], 0, 0
-    for i, ch in enumerate(args):
-        if ch in "([":
-            depth += 1
-        elif ch in ")]":
-            depth -= 1
-        elif ch == "," and depth == 0:
-            out.append(args[start:i])
-            start = i + 1
-    return out + [args[start:]]
 
 
 def _vector_accesses(kernel: str, ptrs: set[str]) -> str:
