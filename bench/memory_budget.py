@@ -1,6 +1,6 @@
 """An export with a memory budget beside the same export without one, in one process.
 
-    python bench/memory_budget.py PLAIN_EXPORT BUDGET_EXPORT [--steps 30] [--check]
+    python bench/memory_budget.py PLAIN_EXPORT BUDGET_EXPORT [--steps 30] [--check] [--torch]
         [--out bench/results/memory_budget.json]
 
 Both exports (``thomas-tune export``, the second with ``--memory-budget MB``, or at another
@@ -12,7 +12,10 @@ process (``benchmark.device_memory``), the compiled step's estimate
 bytes its kernels
 are given per step and its launches (``benchmark.exports.export_counters``). With ``--check``
 every export's loss and gradients are checked against PyTorch float64
-(``export_check.check_export``). Prints one line per export and writes the JSON.
+(``export_check.check_export``). With ``--torch``, PyTorch eager's float32 step of the plain
+export's network, parameters, trainable set and optimizer (``benchmark.timing.TorchSide``, its
+``cudnn.benchmark`` setting chosen first) is timed in the same rounds ("torch" in the output).
+Prints one line per side and writes the JSON.
 """
 
 from __future__ import annotations
@@ -47,6 +50,23 @@ def _describe(export_dir: str, side, seed: int) -> dict:
             **export_counters(side, export_dir, seed)}
 
 
+def _torch_side(export_dir: str, sides: dict, a) -> dict:
+    """PyTorch eager's side of ``export_dir``'s step added to ``sides`` as "torch"; its
+    ms per step with ``cudnn.benchmark`` off and on (the faster kept)."""
+    from thomas_tune.benchmark.timing import TorchSide
+    from thomas_tune.manifest import Manifest
+    from thomas_tune.models import load_checkpoint
+    from thomas_tune.step_check import manifest_frozen_bn
+    from thomas_tune.training_graph.optimizers import OptimizerConfig
+    m = Manifest.read(export_dir)
+    model, tensors, _ = load_checkpoint(os.path.join(export_dir, "params.npz"))
+    opt = m.optimizer
+    sides["torch"] = TorchSide(model, tensors, list(m.trainable),
+                               OptimizerConfig(**{**opt, "betas": tuple(opt["betas"])}),
+                               m.batch, m.infer_batch, a.seed, frozen_bn=manifest_frozen_bn(m))
+    return sides["torch"].choose_cudnn_benchmark(a.steps, a.warmup)
+
+
 def _write(path: str, res: dict) -> None:
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:
@@ -60,15 +80,21 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--check", action="store_true", help="check each step against float64")
+    p.add_argument("--torch", action="store_true",
+                   help="time PyTorch eager's step of the plain export's network beside them")
     p.add_argument("--out", default="bench/results/memory_budget.json")
     a = p.parse_args()
     from thomas_tune.benchmark.timing import ExportSide, as_result, time_interleaved
     names = ["plain", "budget"]
     sides = {n: ExportSide(d, a.seed) for n, d in zip(names, a.exports)}
+    by_setting = _torch_side(a.exports[0], sides, a) if a.torch else None
     timed = time_interleaved(sides, a.steps, a.warmup)
     res = {}
     for n, d in zip(names, a.exports):
         res[n] = {"export": d, **as_result(timed[n]), **_describe(d, sides[n], a.seed)}
+    if by_setting is not None:
+        from thomas_tune.benchmark.timing import torch_result
+        res["torch"] = torch_result(sides["torch"], by_setting, timed["torch"])
     _write(a.out, res)  # the figures before the checks, which take minutes at 224 px
     if a.check:
         from thomas_tune.export_check import check_export
@@ -78,6 +104,10 @@ def main() -> None:
             _write(a.out, res)
     for n, r in res.items():
         ms = r["train_device_ms"] or r["train_ms"]
+        if n == "torch":
+            print(f" torch: {ms:.2f} ms/step, PyTorch eager float32, peak "
+                  f"{(r['device_peak_bytes'] or 0) / 1e6:.1f} MB (its allocator's)")
+            continue
         args = r["launch_arg_bytes_per_step"]
         print(f"{n:>6}: {ms:.2f} ms/step, peak {r['device_peak_bytes'] / 1e6:.1f} MB measured "
               f"({r['estimate_bytes'] / 1e6:.1f} estimated), "

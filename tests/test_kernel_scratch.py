@@ -58,3 +58,51 @@ def test_the_workspace_pool_reuses_a_buffer_of_up_to_twice_the_request():
     assert pool.direct == 2000 + big + big // 4
     assert pool.peak == pool.direct
     assert np.all(np.diff(pool.scratch_free) >= 0)
+
+
+def test_a_budget_leaves_out_the_records_whose_scratch_costs_least_to_give_up():
+    """``trade_records`` on MobileNetV1 0.25@32's compiled step (batch 8), three of its kernels
+    given scratch buffers of their records: a budget the step fits only without some of them
+    leaves out the record that loses the fewest ms per byte first, puts back one the fit does
+    not need, never leaves out a record with no default time, and its estimate is the step's
+    memory with the rest of the scratch."""
+    from thomas_tune.memory_plan import lowered_training_module, step_memory, trade_records
+    from thomas_tune.models import build
+    from thomas_tune.manifest import TRAIN_STEP
+    from thomas_tune.tasks import callees, workload_key
+    model = build("mobilenet_v1", num_classes=5, resolution=32, width=0.25)
+    mod, tg = lowered_training_module(model, 8, "all")
+    once = sorted(n for n, c in callees(mod[TRAIN_STEP]).items() if c == 1)[:3]
+    small, large, untimed = once
+    bare = step_memory(mod, tg).peak
+    mb = 1 << 20
+    # no buffer within twice another's size: the pool serves none from another's
+    scratch = {small: [mb], large: [4 * mb], untimed: [16 * mb]}
+    full = step_memory(mod, tg, scratch=scratch).peak
+    assert full >= bare + 16 * mb
+    key = {n: workload_key(mod[n]) for n in once}
+    gains = {key[small]: 0.01, key[large]: 0.2}  # ms per call: 0.01 and 0.05 ms per MB
+    seen = []
+
+    def gain(workloads):
+        seen.append(set(workloads))
+        return {k: v for k, v in gains.items() if k in workloads}
+
+    def without(*names):
+        return step_memory(mod, tg, scratch={n: v for n, v in scratch.items()
+                                             if n not in names}).peak
+
+    # over by less than the small one's 1 MB: the cheapest per byte goes, alone
+    mem, left = trade_records(mod, tg, scratch, full - mb // 2, gain)
+    assert seen == [set(key.values())]
+    assert left == {key[small]: {"kernel": small, "scratch_bytes": mb, "ms_added": 0.01}}
+    assert mem.peak == without(small) <= full - mb // 2
+    # over by 3 MB: the small one first, not enough; then the large one, enough without the
+    # small one, which is put back
+    mem, left = trade_records(mod, tg, scratch, full - 3 * mb, gain)
+    assert set(left) == {key[large]}, left
+    assert left[key[large]]["ms_added"] == 0.2
+    assert mem.peak == without(large) <= full - 3 * mb
+    # over by more than the timed ones hold: no fit (the untimed one is never left out)
+    mem, left = trade_records(mod, tg, scratch, full - 6 * mb, gain)
+    assert mem is None and left == {}

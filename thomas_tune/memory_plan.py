@@ -388,18 +388,61 @@ def kernel_scratch(mod: tvm.IRModule, target: tvm.target.Target, database) -> di
     return out
 
 
+def trade_records(mod: tvm.IRModule, tg, scratch: dict, budget_bytes: int, record_gain,
+                  steps: int = 3) -> tuple[StepMemory | None, dict]:
+    """Leave out records of the kernels of ``mod`` with scratch buffers (``scratch``,
+    :func:`kernel_scratch`) until the step (:func:`step_memory`) fits ``budget_bytes``: the
+    records whose kernels' default schedules lose the fewest milliseconds per byte of scratch
+    first, then each of those put back (the costliest first) where the step still fits without
+    it. ``record_gain({workload key: IRModule})`` gives ms per call a record saves over its
+    kernel's default schedule as timed on the device; a record it gives no time for is never
+    left out (what it would cost is not known). Returns the step's memory once it fits (None
+    when it does not with every tradeable record left out) and the records left out:
+    {workload key: {"kernel": name, "scratch_bytes": bytes, "ms_added": ms per step (calls per
+    step x ms per call)}}."""
+    from .manifest import TRAIN_STEP, TRAIN_STEP_FROZEN
+    from .tasks import callees, workload_key, workload_module
+    calls: Counter = Counter()  # kernel calls per step, of the step's functions
+    for gv, func in mod.functions.items():
+        if gv.name_hint in (TRAIN_STEP, TRAIN_STEP_FROZEN):
+            calls.update(callees(func))
+    keys = {name: workload_key(mod[name]) for name in scratch}
+    gain = record_gain({keys[n]: workload_module(mod[n]) for n in scratch})
+    cost = {n: max(gain[keys[n]], 0.0) * max(calls[n], 1) for n in scratch if keys[n] in gain}
+    left: list[str] = []
+    mem = None
+    for name in sorted(cost, key=lambda n: cost[n] / sum(scratch[n])):
+        left.append(name)
+        mem = step_memory(mod, tg, steps, {n: v for n, v in scratch.items() if n not in left})
+        if mem.peak <= budget_bytes:
+            break
+    else:
+        return None, {}
+    for name in sorted(left, key=lambda n: -cost[n]):  # put back what the fit does not need
+        trial = [n for n in left if n != name]
+        again = step_memory(mod, tg, steps, {n: v for n, v in scratch.items() if n not in trial})
+        if again.peak <= budget_bytes:
+            left, mem = trial, again
+    return mem, {keys[n]: {"kernel": n, "scratch_bytes": int(sum(scratch[n])),
+                           "ms_added": cost[n]} for n in left}
+
+
 def plan_for_budget(model, batch: int, trainable: str, optimizer, budget_bytes: int,
                     winograd=None, say=lambda m: None, precision: str = "float32",
-                    loss_scale=None, database=None, target=None
+                    loss_scale=None, database=None, target=None, record_gain=None
                     ) -> tuple[RecomputePlan, list[dict]]:
     """The cheapest plan of :data:`LEVELS` whose compiled step at ``precision`` (with
     ``loss_scale``, :func:`step_graph`) fits ``budget_bytes`` (peak device bytes by
     :func:`compiled_step_memory`; with ``database`` and ``target``, the records an export
     applies, their kernels' scratch buffers counted), and the figures of every level tried
     (level, peak bytes, bytes saved, FLOPs added, tensors recomputed, bytes of forward
-    tensors the backward still reads: ``kept_bytes``). The levels are tried in order, the
-    phases of one segment length together (``segments:k@p``, :mod:`thomas_tune.recompute`):
-    of the first group with a plan that fits, the fitting one that adds the fewest FLOPs.
+    tensors the backward still reads: ``kept_bytes``; ``records_left_out``, below). The levels
+    are tried in order, the phases of one segment length together (``segments:k@p``,
+    :mod:`thomas_tune.recompute`): of the first group with a plan that fits, the fitting one
+    that adds the fewest FLOPs, then the fewest ms of records left out. With ``record_gain``
+    (:func:`trade_records`), a level over the budget with its kernels' scratch buffers may fit
+    with records of scratch-heavy kernels left out (their kernels then run their default
+    schedules): the level's ``records_left_out`` names them, which the build must leave out.
     Raises :class:`BudgetError` (a ValueError) when no level fits; its message names the
     smallest budget that does, in MB (10^6 bytes)."""
     from .training_graph.graph import ADJOINT, training_module
@@ -419,15 +462,23 @@ def plan_for_budget(model, batch: int, trainable: str, optimizer, budget_bytes: 
             scratch = kernel_scratch(mod, target, database) if database is not None else None
             mem = step_memory(mod, planned, scratch=scratch)
             base = mem.peak if base is None else base
+            left = {}
+            if mem.peak > budget_bytes and scratch and record_gain is not None:
+                traded, left = trade_records(mod, planned, scratch, budget_bytes, record_gain)
+                mem = traded or mem
             tried.append({"level": level, "peak_bytes": mem.peak,
                           "saved_bytes": base - mem.peak, "flops_added": plan.flops_added,
                           "recomputed": len(plan.recomputed),
-                          "kept_bytes": _liveness_peak(planned.mod[ADJOINT])[1]})
-            say(f"{level}: {mem.peak / 1e6:.1f} MB")
+                          "kept_bytes": _liveness_peak(planned.mod[ADJOINT])[1],
+                          "records_left_out": left})
+            say(f"{level}: {mem.peak / 1e6:.1f} MB" + (
+                f" with {len(left)} tuning record(s) of kernels with scratch buffers left out"
+                if left else ""))
             if mem.peak <= budget_bytes:
-                fits.append((plan.flops_added, mem.peak, plan))
+                fits.append((plan.flops_added, sum(v["ms_added"] for v in left.values()),
+                             mem.peak, plan))
         if fits:
-            return min(fits, key=lambda f: f[:2])[2], tried
+            return min(fits, key=lambda f: f[:3])[3], tried
     least = min(tried, key=lambda t: t["peak_bytes"])
     smallest = least["peak_bytes"]
     raise BudgetError(

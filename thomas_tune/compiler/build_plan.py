@@ -38,7 +38,9 @@ class BuildPlan:
     default schedule because their best record is slower on the device; ``kernel_ms``: each
     workload's time as built (ms per call, keyed by workload key); ``winograd``: graph name ->
     the set of :class:`thomas_tune.training_graph.winograd_form.Conv` computed in the Winograd form;
-    ``wrong``: workload key -> reason, the records left out (:meth:`without`). ``tasks`` (made
+    ``wrong``: workload key -> reason, the records left out (:meth:`without`); ``left_out``:
+    workload key -> reason, records left out for another reason than a check (a memory
+    budget's, :func:`thomas_tune.memory_plan.trade_records`). ``tasks`` (made
     on first use, once): the kernels the build has, deduplicated by workload."""
 
     log: object
@@ -49,18 +51,22 @@ class BuildPlan:
     kernel_ms: dict[str, float]
     winograd: dict[str, set]
     wrong: dict[str, str] = field(default_factory=dict)
+    left_out: dict[str, str] = field(default_factory=dict)
 
     @classmethod
     def from_log(cls, log, target: tvm.target.Target, graphs: dict[str, tvm.IRModule],
-                 wrong: dict[str, str] | None = None) -> BuildPlan:
+                 wrong: dict[str, str] | None = None, left_out: dict[str, str] | None = None
+                 ) -> BuildPlan:
         """The plan of a build of ``graphs`` with ``log``, without the records of ``wrong``
-        (workload key -> reason; those kernels keep their default schedule). Raises what
-        :func:`thomas_tune.compiler.compile.tuned_build` raises for an unreadable log."""
-        wrong = dict(wrong or {})
-        database, slower, kernel_ms = tuned_build(log, target, exclude=set(wrong))
+        and ``left_out`` (workload key -> reason; those kernels keep their default schedule).
+        Raises what :func:`thomas_tune.compiler.compile.tuned_build` raises for an unreadable
+        log."""
+        wrong, left_out = dict(wrong or {}), dict(left_out or {})
+        database, slower, kernel_ms = tuned_build(log, target,
+                                                  exclude=set(wrong) | set(left_out))
         chosen = {name: winograd_choice(mod, kernel_ms, log, target)
                   for name, mod in graphs.items()}
-        return cls(log, target, graphs, database, slower, kernel_ms, chosen, wrong)
+        return cls(log, target, graphs, database, slower, kernel_ms, chosen, wrong, left_out)
 
     @functools.cached_property
     def tasks(self) -> list[Task]:
@@ -71,7 +77,8 @@ class BuildPlan:
     def without(self, wrong: dict[str, str]) -> BuildPlan:
         """This plan made again with the records of ``wrong`` (workload key -> reason) left out
         as well as those it left out already."""
-        return BuildPlan.from_log(self.log, self.target, self.graphs, {**self.wrong, **wrong})
+        return BuildPlan.from_log(self.log, self.target, self.graphs, {**self.wrong, **wrong},
+                                  self.left_out)
 
 
 def check_plan(plan: BuildPlan, say=print, started: float | None = None

@@ -141,6 +141,23 @@ def tuned_database(log, target: tvm.target.Target) -> tuple[ms.Database, int]:
     return database, slower
 
 
+def record_gains(log, target: tvm.target.Target, kernel_ms: dict[str, float]):
+    """``gain(workloads)`` for :func:`thomas_tune.memory_plan.trade_records`: for each of
+    ``workloads`` ({workload key: IRModule}) that has a time as built in ``kernel_ms``
+    (:func:`tuned_build`) and a default-schedule time in ``log``'s folder (``tune
+    --time-share`` timed it on the device, :func:`thomas_tune.tuning.read_default_times`), the
+    ms per call its record saves: default minus as built."""
+    import math
+
+    from ..tuning.defaults import read_default_times
+
+    def gain(workloads: dict[str, tvm.IRModule]) -> dict[str, float]:
+        secs = read_default_times(log.path, target, workloads) or {}
+        return {k: s * 1e3 - kernel_ms[k] for k, s in secs.items()
+                if math.isfinite(s) and k in kernel_ms}
+    return gain
+
+
 def winograd_choice(mod: tvm.IRModule, times: dict[str, float] | None, log=None,
                     target: tvm.target.Target | None = None) -> set:
     """The convolutions of ``mod`` (unfused Relax) that a build computes in the Winograd form,

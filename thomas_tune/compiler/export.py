@@ -36,7 +36,7 @@ import numpy as np
 import tvm
 
 from ..training_graph import graph as G, lift
-from .compile import compile_library, tuned_database
+from .compile import compile_library, record_gains, tuned_build
 from .build_plan import BuildPlan, check_plan
 from .record_check import check_in_background, wait_background
 from ..training_graph.library_module import training_library_module
@@ -182,8 +182,8 @@ def _write_libraries(out_dir: str, mods: _GraphModules, target: tvm.target.Targe
 
 
 def _build_with_log(log: TuningLog | None, version, target: tvm.target.Target,
-                    mods: _GraphModules, write, check_records: bool, progress
-                    ) -> tuple[_Libraries, dict]:
+                    mods: _GraphModules, write, check_records: bool, progress,
+                    left_out: dict | None = None) -> tuple[_Libraries, dict]:
     """Write the libraries (``write(plan)``, :func:`_write_libraries`) with the records of
     ``log`` (of code-generation ``version``, :meth:`thomas_tune.logs.TuningLog.version`) that
     pass the record check, or with default schedules without a log. The build's plan
@@ -192,14 +192,17 @@ def _build_with_log(log: TuningLog | None, version, target: tvm.target.Target,
     compiling again with the plan made without it
     (:func:`thomas_tune.compiler.build_plan.check_plan`). Returns what the build chose
     (:class:`_Libraries`) and the manifest's ``record_check`` (``checked``, ``wrong``,
-    ``unchecked``)."""
+    ``unchecked``). The records of ``left_out`` (workload keys: the memory budget's,
+    :func:`thomas_tune.memory_plan.trade_records`) are not applied."""
     if version is not None and version.status != "current":
         progress(f"tuning log {log.path}: its records were measured with {version.line()}; "
                  "their times are used as they are ('thomas-tune export' refuses such a log "
                  "without --any-codegen)")
     if log is None:
         return write(None), {"checked": None, "wrong": {}, "unchecked": "no tuning log"}
-    plan = BuildPlan.from_log(log, target, {"infer": mods.infer, "train": mods.train})
+    plan = BuildPlan.from_log(log, target, {"infer": mods.infer, "train": mods.train},
+                              left_out={k: "its scratch buffers hold the step over the memory "
+                                        "budget" for k in left_out or {}})
     if not check_records:
         checked, checks = plan, {"checked": None, "wrong": {},
                                  "unchecked": "--no-check: the records were applied unchecked"}
@@ -260,13 +263,16 @@ def _manifest(mods: _GraphModules, built: _Libraries, checks: dict, target: tvm.
 
 def _budget_plan(model, batch: int, trainable: str, optimizer, memory_budget: int | None,
                  cache_features: bool, progress, precision: str = "float32",
-                 loss_scale=None, database=None, target=None) -> tuple[object, dict | None]:
+                 loss_scale=None, database=None, target=None, record_gain=None
+                 ) -> tuple[object, dict | None]:
     """The recomputation plan of ``memory_budget`` bytes (None: no budget) for the step at
     ``precision`` (with ``database``, the tuning log's records for ``target``, the scratch
     buffers of the kernels they schedule counted,
     :func:`thomas_tune.memory_plan.kernel_scratch`) and the manifest's
     ``memory_budget`` record (the budget, the level chosen, the estimated peak, bytes saved,
-    FLOPs added, tensors recomputed). Raises ValueError with ``cache_features``, and
+    FLOPs added, tensors recomputed, the tuning records left out for their kernels' scratch
+    buffers with ``record_gain``: :func:`thomas_tune.memory_plan.trade_records`). Raises
+    ValueError with ``cache_features``, and
     :class:`thomas_tune.recompute.BudgetError` when no plan fits."""
     if memory_budget is None:
         return None, None
@@ -278,17 +284,24 @@ def _budget_plan(model, batch: int, trainable: str, optimizer, memory_budget: in
     plan, tried = plan_for_budget(model, batch, trainable, optimizer, int(memory_budget),
                                   say=lambda m: progress(f"memory budget: {m}"),
                                   precision=precision, loss_scale=loss_scale,
-                                  database=database, target=target)
+                                  database=database, target=target,
+                                  record_gain=record_gain)
     chosen = next(t for t in tried if t["level"] == plan.level)
+    left = chosen["records_left_out"]
     progress(f"memory budget {memory_budget / 1e6:.1f} MB: {plan.level} recomputation "
              f"({len(plan.recomputed)} tensors made again in the backward, "
              f"{chosen['saved_bytes'] / 1e6:.1f} MB saved, "
              f"{plan.flops_added / 1e9:.3f} GFLOP added), estimated peak "
-             f"{chosen['peak_bytes'] / 1e6:.1f} MB")
+             f"{chosen['peak_bytes'] / 1e6:.1f} MB" + (
+                 f"; {len(left)} tuning record(s) left out for their kernels' scratch buffers "
+                 f"({', '.join(v['kernel'] for v in left.values())}: "
+                 f"{sum(v['scratch_bytes'] for v in left.values()) / 1e6:.1f} MB of scratch, "
+                 f"{sum(v['ms_added'] for v in left.values()):.3f} ms per step added as timed "
+                 "on the device)" if left else ""))
     return plan, {"budget_bytes": int(memory_budget), "level": plan.level,
                   "estimated_peak_bytes": chosen["peak_bytes"],
                   "saved_bytes": chosen["saved_bytes"], "flops_added": plan.flops_added,
-                  "recomputed": [r.name for r in plan.recomputed]}
+                  "recomputed": [r.name for r in plan.recomputed], "records_left_out": left}
 
 
 def _budget_with_winograd(budget: dict, tg: G.TrainingGraph, wino: set, progress,
@@ -347,16 +360,24 @@ def export(out_dir: str, model, tensors: dict[str, np.ndarray], target: tvm.targ
     if loss_scale is not None:
         require_mixed16(precision)
     # the records the build applies, for the scratch buffers of their kernels
-    records = tuned_database(log, target)[0] if log is not None and memory_budget else None
+    records = gain = None
+    if log is not None and memory_budget:
+        records, _, kernel_ms = tuned_build(log, target)
+        gain = record_gains(log, target, kernel_ms)
     plan, budget = _budget_plan(model, batch, trainable, optimizer, memory_budget,
-                                cache_features, progress, precision, loss_scale, records, target)
+                                cache_features, progress, precision, loss_scale, records, target,
+                                gain)
+    left_out = (budget or {}).get("records_left_out") or {}
+    if left_out:  # the scratch buffers the step is planned without
+        records = tuned_build(log, target, exclude=set(left_out))[0]
     os.makedirs(out_dir, exist_ok=True)
     mods = _graph_modules(model, batch, infer_batch, trainable, optimizer, cache_features,
                           precision, plan, loss_scale)
     write = functools.partial(_write_libraries, out_dir, mods, target,
                               STOCK_RULES if stock_defaults else None, progress)
     version = log.version() if log is not None else None
-    built, checks = _build_with_log(log, version, target, mods, write, check_records, progress)
+    built, checks = _build_with_log(log, version, target, mods, write, check_records, progress,
+                                    left_out)
     save_checkpoint(os.path.join(out_dir, "params.npz"), model, tensors, classes)
     with replacing(os.path.join(out_dir, "optim_state.npz")) as p:
         np.savez(p, **{f"s{i}": a for i, a in enumerate(mods.tg.optim_state)})
