@@ -1,10 +1,14 @@
 """The scratch buffers of tuned kernels in the step's memory estimate
 (``memory_plan.kernel_scratch``, the workspace pool of ``memory_plan._Pool.scratch``)."""
 
+import os
+
 import numpy as np
 import tvm
 from tvm import te
 from tvm.s_tir import meta_schedule as ms
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _row_sums(n: int = 64, m: int = 256) -> tvm.IRModule:
@@ -106,3 +110,30 @@ def test_a_budget_leaves_out_the_records_whose_scratch_costs_least_to_give_up():
     # over by more than the timed ones hold: no fit (the untimed one is never left out)
     mem, left = trade_records(mod, tg, scratch, full - 6 * mb, gain)
     assert mem is None and left == {}
+
+
+def test_the_memory_verb_counts_a_logs_scratch_and_trades_records_for_a_budget(capsys):
+    """``thomas-tune memory --log`` with the shipped PoCL log (three of its records allocate
+    scratch buffers in the demo's step): a budget one page above the step without them fits
+    at no recomputation with records left out, each named with the ms its default schedule
+    adds; without ``--log`` the same budget also fits, with nothing left out."""
+    import json
+
+    from thomas_tune.cli.main import main
+    from thomas_tune.memory_plan import PAGE, compiled_step_memory
+    from thomas_tune.models import load_checkpoint
+    ckpt = os.path.join(ROOT, "models", "pretrained", "mobilenet_v2-w0.35-r64-mnist0to4.npz")
+    model, _, _ = load_checkpoint(ckpt)
+    bare = compiled_step_memory(model, 8, "all").peak
+    budget = bare + PAGE
+    assert main(["memory", "--checkpoint", ckpt, "--batch", "8", "--trainable", "all",
+                 "--json", "--memory-budget", f"{budget / 1e6}", "--target", "opencl",
+                 "--log", os.path.join(ROOT, "tuning_logs", "pocl-x86_64",
+                                       "mobilenet_v2-w0.35-r64-c5-b8")]) == 0
+    out = json.loads(capsys.readouterr().out)
+    first = out["tried"][0]
+    assert out["plan"]["level"] == "none" == first["level"]
+    assert bare <= first["peak_bytes"] <= budget
+    assert first["saved_bytes"] > 0 and first["records_left_out"]
+    assert all(v["ms_added"] > 0 and v["scratch_bytes"] > 0
+               for v in first["records_left_out"].values())

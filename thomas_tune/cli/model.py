@@ -6,7 +6,8 @@ import json
 import re
 
 from .options import (add_loss_scale_args, add_memory_budget_arg, add_model_args,
-                      add_precision_arg, load_model, loss_scale_of, optimizer_config)
+                      add_precision_arg, add_target_arg, load_model, loss_scale_of,
+                      optimizer_config)
 
 
 def cmd_import_onnx(args) -> int:
@@ -73,8 +74,9 @@ def cmd_memory(args) -> int:
     if budget is not None and len(modes) > 1:
         raise ValueError("--memory-budget plans one trainable set: give --trainable, not "
                          "--modes")
+    records = _log_records(args)
     if budget is not None:
-        return _memory_plan(args, model, modes[0], budget)
+        return _memory_plan(args, model, modes[0], budget, records)
     rows = []
     for mode in modes:
         m = training_memory(model, args.batch, mode, optimizer_config(args),
@@ -83,7 +85,8 @@ def cmd_memory(args) -> int:
         # the compiled step's own plan (memory_plan); the step on cached features has none
         m["compiled_peak"] = None if args.cache_features else compiled_step_memory(
             model, args.batch, mode, optimizer_config(args), precision=args.precision,
-            loss_scale=loss_scale_of(args)).peak
+            loss_scale=loss_scale_of(args), database=records["database"],
+            target=records["target"]).peak
         rows.append({"trainable": mode, "precision": args.precision,
                      "loss_scale": args.loss_scale, **m})
     if args.json:
@@ -103,12 +106,30 @@ def cmd_memory(args) -> int:
     return 0
 
 
-def _memory_plan(args, model, mode: str, budget: int) -> int:
+def _log_records(args) -> dict:
+    """``memory --log``: the records an export with that tuning log applies for ``--target``
+    (their kernels' scratch buffers counted) and what leaving each out costs (the budget
+    may leave some out, as the export does); None values without ``--log``."""
+    if not args.log:
+        return {"database": None, "target": None, "gain": None}
+    from ..compiler.compile import record_gains, tuned_build
+    from ..logs import TuningLog
+    from ..target import parse_target
+    target, log = parse_target(args.target, args.host), TuningLog(args.log)
+    database, _, kernel_ms = tuned_build(log, target)
+    return {"database": database, "target": target,
+            "gain": record_gains(log, target, kernel_ms)}
+
+
+def _memory_plan(args, model, mode: str, budget: int, records: dict) -> int:
     """``memory --memory-budget``: the recomputation plan that fits (what is kept, what is
-    recomputed, bytes saved, FLOPs added), or the refusal naming the smallest budget."""
+    recomputed, bytes saved, FLOPs added, tuning records left out for their scratch buffers),
+    or the refusal naming the smallest budget."""
     from ..memory_plan import plan_for_budget
     plan, tried = plan_for_budget(model, args.batch, mode, optimizer_config(args), budget,
-                                  precision=args.precision, loss_scale=loss_scale_of(args))
+                                  precision=args.precision, loss_scale=loss_scale_of(args),
+                                  database=records["database"], target=records["target"],
+                                  record_gain=records["gain"])
     chosen = next(t for t in tried if t["level"] == plan.level)
     if args.json:
         print(json.dumps({"trainable": mode, "precision": args.precision,
@@ -124,6 +145,9 @@ def _memory_plan(args, model, mode: str, budget: int) -> int:
               f"added, {t['recomputed']} tensors recomputed, {t['kept_bytes'] / 1e6:.2f} MB "
               "kept from the forward for the backward")
     print(f"plan: {plan.level} (fits: {chosen['peak_bytes'] / 1e6:.2f} MB)")
+    for v in chosen["records_left_out"].values():
+        print(f"  tuning record left out: {v['kernel']} ({v['scratch_bytes'] / 1e6:.2f} MB of "
+              f"scratch buffers; its default schedule adds {v['ms_added']:.3f} ms per step)")
     by_op: dict = {}
     for r in plan.recomputed:
         op = re.sub(r"\d+$", "", r.op)  # bn_act7 -> bn_act: one kernel per shape
@@ -169,4 +193,8 @@ def add_memory(sub) -> None:
                           "bytes saved, FLOPs added")
     add_precision_arg(s)
     add_loss_scale_args(s)
+    s.add_argument("--log", help="a tuning log: the compiled step counts the scratch buffers "
+                   "of the kernels its records schedule for --target, and a budget may leave "
+                   "records out, as 'export --log' does")
+    add_target_arg(s)
     s.set_defaults(fn=cmd_memory)
