@@ -5,7 +5,8 @@
 #   mixed16 export (made here from the tuned log, records checked on this card) beside the
 #     float32 one and PyTorch eager ('bench/memory_budget.py PLAIN MIXED16 --torch');
 #   the 1,024 MB budget's export beside the float32 one, then its check;
-#   AlexNet@224 all, float32 beside mixed16 and PyTorch eager (exported here by 'rows').
+#   AlexNet@224 all, its mixed16 workloads tuned too, float32 beside mixed16 and PyTorch eager
+#     (exported here by 'rows'); last, the budget's export checked.
 # Carried: .devcarry/x68/x68.tar.xz, exports made on the development machine ('thomas-tune
 # export --model mobilenet_v2 --trainable all --width 1.0 --resolution 224 --classes 1000
 # --batch 32 --target targets/h100_opencl.json --any-codegen --no-check --log LOG --out DIR',
@@ -13,8 +14,9 @@
 # 1024'; their params.npz and optim_state.npz once in x68/shared), and .devcarry/last.
 # Calls: 'park' with .devcarry/p1 p3, 'park' with p2 last, then this script with setsid
 # (carry .devcarry/last and .devcarry/x68), then calls that wait for $TT/r68/all.done.
-# TUNE_S (default 600): seconds the tuning may run; TRIALS (default 2000).
+# TUNE_S (default 480), TUNE_S_ALEX (200): seconds each tuning may run; TRIALS (default 2000).
 cd "$(dirname "$0")/.."
+{  # read whole before it runs: later calls replace the work tree
 TT=/tmp/tt; R=$TT/r68; mkdir -p $R
 G="bash tools/gpu_tune.sh"
 PY="python3 -P -m thomas_tune.cli"
@@ -26,24 +28,35 @@ for d in mnv2-all mnv2-budget; do  # one copy of the shared tensors was carried
   for f in params.npz optim_state.npz; do [ -e $TT/x68/$d/$f ] || cp $TT/x68/shared/$f $TT/x68/$d/; done
 done
 date > $R/unpacked
-JOBS=mobilenet_v2-w1-r224-c1000-b32:mixed16 TRIALS=${TRIALS:-2000} WATCH=0 \
-  TUNE_ARGS="--trials-per-iter 16" $G start > $R/start.out 2>&1
-( sleep ${TUNE_S:-600}; pkill -TERM -f "thomas_tune.cli tune" ) &
-watchdog=$!
-sleep 5; flock $TT/device.lock true  # the tuning job holds it until it ends
-kill $watchdog 2>/dev/null
-date > $R/tuned
-cp $LOG/*.json $LOG/*.jsonl $R/ 2>/dev/null
+# tune_job JOB SECONDS: the job of tools/gpu_jobs.txt, stopped (its log flushed per record)
+# after SECONDS at most
+tune_job() {
+  JOBS=$1 TRIALS=${TRIALS:-2000} WATCH=0 TUNE_ARGS="--trials-per-iter 16" $G start \
+    > $R/start_${1%%:*}.out 2>&1
+  ( sleep $2; pkill -TERM -f "thomas_tune.cli tune" ) &
+  local watchdog=$!
+  sleep 5; flock $TT/device.lock true  # the tuning job holds it until it ends
+  kill $watchdog 2>/dev/null
+  date > $R/tuned_${1%%:*}
+}
 C="--width 1.0 --resolution 224 --classes 1000 --batch 32 --target targets/h100_opencl.json"
+tune_job mobilenet_v2-w1-r224-c1000-b32:mixed16 ${TUNE_S:-480}
+cp $LOG/*.json $LOG/*.jsonl $R/ 2>/dev/null
 $PY export --model mobilenet_v2 --trainable all $C --precision mixed16 --any-codegen \
   --log $LOG --out $TT/x68/mnv2-mixed16 > $R/export_mixed16.out 2>&1
 $G py $R/memory_budget.py $TT/x68/mnv2-all $TT/x68/mnv2-mixed16 --steps 20 --torch \
   --out $R/mixed16.json > $R/mixed16.out 2>&1
 $G py $R/memory_budget.py $TT/x68/mnv2-all $TT/x68/mnv2-budget --steps 20 \
   --out $R/budget1024.json > $R/budget.out 2>&1
-$G py -c "from thomas_tune.export_check import check_export; c = check_export('$TT/x68/mnv2-budget'); \
-print(c.ok, c.line())" > $R/check_budget.out 2>&1
+date > $R/mnv2.done
+tune_job alexnet-w1-r224-c1000-b32:mixed16 ${TUNE_S_ALEX:-200}
+mkdir -p $R/alexnet_log && cp $TT/logs/alexnet-w1-r224-c1000-b32/*.json* $R/alexnet_log/ 2>/dev/null
 ROWS="alexnet-all alexnet-all-mixed16" EXPORT_ONLY=1 $G rows-job > $R/alexnet_rows.out 2>&1
 $G py $R/memory_budget.py $TT/rows/alexnet-all $TT/rows/alexnet-all-mixed16 --steps 20 --torch \
   --out $R/alexnet_mixed16.json > $R/alexnet.out 2>&1
+date > $R/alexnet.done
+$G py -c "from thomas_tune.export_check import check_export; c = check_export('$TT/x68/mnv2-budget'); \
+print(c.ok, c.line())" > $R/check_budget.out 2>&1
 date > $R/all.done
+exit
+}
