@@ -12,10 +12,19 @@
 # --batch 32 --target targets/h100_opencl.json --any-codegen --no-check --log LOG --out DIR',
 # LOG the committed log unpacked; DIR x68/mnv2-all, and x68/mnv2-budget with '--memory-budget
 # 1024'; their params.npz and optim_state.npz once in x68/shared), and .devcarry/last.
-# Calls: 'park' with .devcarry/p1 p3, 'park' with p2 last, then this script with setsid
-# (carry .devcarry/last and .devcarry/x68), then calls that wait for $TT/r68/all.done.
-# TUNE_S (default 480), TUNE_S_ALEX (200): seconds each tuning may run; TRIALS (default 2000).
+# Calls: 'park' with .devcarry/p1 p3; 'park' then this script with setsid, with p2 and last;
+# 'tools/gpu_run67b.sh unpack' with .devcarry/x68 while it tunes (the rows wait for it); then
+# calls that wait for $TT/r68/all.done.
+# TUNE_S (default 360), TUNE_S_ALEX (150): seconds each tuning may run; TRIALS (default 2000).
 cd "$(dirname "$0")/.."
+if [ "${1:-}" = unpack ]; then  # a call carrying .devcarry/x68, while the tuning runs
+  tar -C /tmp/tt -xJf .devcarry/x68/x68.tar.xz || exit 4
+  for d in mnv2-all mnv2-budget; do  # one copy of the shared tensors was carried
+    for f in params.npz optim_state.npz; do
+      [ -e /tmp/tt/x68/$d/$f ] || cp /tmp/tt/x68/shared/$f /tmp/tt/x68/$d/; done
+  done
+  date > /tmp/tt/x68/unpacked; exit 0
+fi
 {  # read whole before it runs: later calls replace the work tree
 TT=/tmp/tt; R=$TT/r68; mkdir -p $R
 G="bash tools/gpu_tune.sh"
@@ -23,11 +32,6 @@ PY="python3 -P -m thomas_tune.cli"
 LOG=$TT/logs/mobilenet_v2-w1-r224-c1000-b32
 cp bench/memory_budget.py $R/memory_budget.py
 $G setup > $R/setup.out 2>&1 || { echo "setup failed" > $R/all.done; exit 3; }
-tar -C $TT -xJf .devcarry/x68/x68.tar.xz || { echo "unpack failed" > $R/all.done; exit 4; }
-for d in mnv2-all mnv2-budget; do  # one copy of the shared tensors was carried
-  for f in params.npz optim_state.npz; do [ -e $TT/x68/$d/$f ] || cp $TT/x68/shared/$f $TT/x68/$d/; done
-done
-date > $R/unpacked
 # tune_job JOB SECONDS: the job of tools/gpu_jobs.txt, stopped (its log flushed per record)
 # after SECONDS at most
 tune_job() {
@@ -40,8 +44,9 @@ tune_job() {
   date > $R/tuned_${1%%:*}
 }
 C="--width 1.0 --resolution 224 --classes 1000 --batch 32 --target targets/h100_opencl.json"
-tune_job mobilenet_v2-w1-r224-c1000-b32:mixed16 ${TUNE_S:-480}
+tune_job mobilenet_v2-w1-r224-c1000-b32:mixed16 ${TUNE_S:-360}
 cp $LOG/*.json $LOG/*.jsonl $R/ 2>/dev/null
+for _ in $(seq 120); do [ -e $TT/x68/unpacked ] && break; sleep 5; done  # 'unpack' of a later call
 $PY export --model mobilenet_v2 --trainable all $C --precision mixed16 --any-codegen \
   --log $LOG --out $TT/x68/mnv2-mixed16 > $R/export_mixed16.out 2>&1
 $G py $R/memory_budget.py $TT/x68/mnv2-all $TT/x68/mnv2-mixed16 --steps 20 --torch \
@@ -49,7 +54,7 @@ $G py $R/memory_budget.py $TT/x68/mnv2-all $TT/x68/mnv2-mixed16 --steps 20 --tor
 $G py $R/memory_budget.py $TT/x68/mnv2-all $TT/x68/mnv2-budget --steps 20 \
   --out $R/budget1024.json > $R/budget.out 2>&1
 date > $R/mnv2.done
-tune_job alexnet-w1-r224-c1000-b32:mixed16 ${TUNE_S_ALEX:-200}
+tune_job alexnet-w1-r224-c1000-b32:mixed16 ${TUNE_S_ALEX:-150}
 mkdir -p $R/alexnet_log && cp $TT/logs/alexnet-w1-r224-c1000-b32/*.json* $R/alexnet_log/ 2>/dev/null
 ROWS="alexnet-all alexnet-all-mixed16" EXPORT_ONLY=1 $G rows-job > $R/alexnet_rows.out 2>&1
 $G py $R/memory_budget.py $TT/rows/alexnet-all $TT/rows/alexnet-all-mixed16 --steps 20 --torch \
