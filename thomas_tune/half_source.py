@@ -21,6 +21,17 @@ ROUND_HALF = "thomas_tune_round_half"
 _HELPER = (f"#ifndef THOMAS_TUNE_ROUND_HALF\n#define THOMAS_TUNE_ROUND_HALF\ninline float "
            f"{ROUND_HALF}(float x) {{ ushort h; vstore_half(x, 0, (half*)&h); "
            "return vload_half(0, (const half*)&h); }\n#endif\n")
+#: vector widths of ``vstore_halfN`` / ``vload_halfN`` (OpenCL C 3.0, section 6.15.8)
+_WIDTHS = (2, 3, 4, 8, 16)
+
+
+def _vector_helper(n: int) -> str:
+    """:data:`ROUND_HALF` of an ``n``-wide float vector, component by component."""
+    return (f"#ifndef THOMAS_TUNE_ROUND_HALF{n}\n#define THOMAS_TUNE_ROUND_HALF{n}\ninline "
+            f"float{n} {ROUND_HALF}{n}(float{n} x) {{ ushort{n} h; vstore_half{n}(x, 0, "
+            f"(half*)&h); return vload_half{n}(0, (const half*)&h); }}\n#endif\n")
+
+
 _DEFINITION = re.compile(r"^__kernel void \w+\([^;{]*\)\s*\{", re.M)
 _FP16_BLOCK = re.compile(r"#ifdef cl_khr_fp16\n#pragma OPENCL EXTENSION cl_khr_fp16 : enable\n"
                          r"#elif defined\(cl_amd_fp16\)\n.*?#endif\n", re.S)
@@ -113,7 +124,9 @@ def _vector_accesses(kernel: str, ptrs: set[str]) -> str:
     return kernel
 
 
-_LOCAL_HALF_ARRAY = re.compile(r"__local half (\w+)\[(\d+)\];")
+_LOCAL_HALF_ARRAY = re.compile(
+    r"__local half (\w+)\[(\d+)\]((?:\s*__attribute__\(\(\w+\(\d+\)\)\))?);")
+_HALF_VECTOR = re.compile(r"(?<![\w*])half(\d+) (\w+)(?=\s*[=;])")
 _LOCAL_HALF_PTR = re.compile(r"__local half\*")
 _HALF_SCALAR = re.compile(r"(?<![\w*])half (\w+);")
 _HALF_LITERAL = re.compile(r"\(half\)(-?[0-9][0-9.]*(?:e[+-]?[0-9]+)?f?)")
@@ -125,15 +138,20 @@ def _half_locals(body: str) -> tuple[str, set[str]]:
     ``__local ushort`` array of the same bytes, read and written through a ``__local half*``
     of the same name (returned, for :func:`_accesses` to rewrite like a buffer); a private
     ``half`` scalar a ``float`` (it holds float16 values only: what it is given is a load of
-    float16 memory or a literal rounded to float16 here)."""
+    float16 memory or a literal rounded to float16 here), and a private ``halfN`` vector
+    (TVM writes one for a vectorized epilogue, ``halfN v = convert_halfN(e);``, then stores
+    its components one by one) a ``floatN`` given ``e`` rounded to float16."""
     names = set()
 
     def local(m):
         names.add(m.group(1))
-        return (f"__local ushort {m.group(1)}_bits[{m.group(2)}]; __local half* "
+        return (f"__local ushort {m.group(1)}_bits[{m.group(2)}]{m.group(3)}; __local half* "
                 f"{m.group(1)} = (__local half*){m.group(1)}_bits;")
     body = _LOCAL_HALF_ARRAY.sub(local, body)
     body = _HALF_SCALAR.sub(r"float \1;", body)
+    body = _HALF_VECTOR.sub(r"float\1 \2", body)
+    for n in _WIDTHS:
+        body = _calls(body, f"convert_half{n}", lambda e, n=n: f"{ROUND_HALF}{n}({e})")
     body = _HALF_LITERAL.sub(lambda m: f"{ROUND_HALF}({m.group(1)})", body)
     return body, names
 
@@ -141,14 +159,15 @@ def _half_locals(body: str) -> tuple[str, set[str]]:
 def rewrite_half_access(source: str) -> str:
     """``source`` (OpenCL C as TVM writes it) with its float16 buffers read and written through
     ``vload_half`` / ``vstore_half`` and every other float16 value held in a float (module
-    docstring): loads ``p[i]`` -> ``vload_half(i, p)``, stores ``p[i] = convert_half(e);`` ->
-    ``vstore_half(e, i, p);``, a rounding ``convert_half(e)`` elsewhere -> a float with
-    ``e``'s float16 value (:data:`ROUND_HALF`); vector loads and stores ``vloadN`` /
+    docstring; a ``halfN`` value in a ``floatN``, rounded by ``vstore_halfN`` / ``vload_halfN``
+    through private memory): loads ``p[i]`` -> ``vload_half(i, p)``, stores ``p[i] =
+    convert_half(e);`` -> ``vstore_half(e, i, p);``, a rounding ``convert_half(e)`` elsewhere
+    -> a float with ``e``'s float16 value (:data:`ROUND_HALF`); vector loads and stores ``vloadN`` /
     ``vstoreN`` of float16 memory -> ``vload_halfN`` / ``vstore_halfN``; the ``cl_khr_fp16``
     block that fails to compile without the extension becomes a plain ``#ifdef``. Source
     without ``half`` (neither a float16 type nor a rounding to it) is returned as it is.
     Raises :class:`HalfAccessError` naming the kernel where ``half`` is left in another form
-    (a ``halfN`` value)."""
+    (a ``halfN`` cast or parameter)."""
     if not (_HALF_WORD.search(source) or "convert_half(" in source):
         return source
     source = _FP16_BLOCK.sub("#ifdef cl_khr_fp16\n#pragma OPENCL EXTENSION cl_khr_fp16 : "
@@ -178,5 +197,8 @@ def rewrite_half_access(source: str) -> str:
     for i, sec in enumerate(sections):
         m = _DEFINITION.search(sec)
         if m is not None and ROUND_HALF in sec[m.start():]:
-            sections[i] = sec[:m.start()] + _HELPER + sec[m.start():]
+            helpers = [_vector_helper(n) for n in _WIDTHS if f"{ROUND_HALF}{n}(" in sec]
+            if re.search(rf"\b{ROUND_HALF}\(", sec[m.start():]):
+                helpers.insert(0, _HELPER)
+            sections[i] = sec[:m.start()] + "".join(helpers) + sec[m.start():]
     return "// Function: ".join(sections)
