@@ -52,9 +52,11 @@ def test_the_plan_holds_activation_gradients_as_float16():
 
     from thomas_tune.manifest import ADJOINT
     from thomas_tune.memory_plan import lowered_training_module, step_memory
+    from thomas_tune.training_graph import graph as G
     model = build("mobilenet_v2", num_classes=5, resolution=64, width=0.35)
-    plain, tg_plain = lowered_training_module(model, 8, "all", precision="mixed16")
-    scaled, tg = lowered_training_module(model, 8, "all", precision="mixed16",
+    step = G.training_module(model, 8, "all")  # (one graph for both: it is not changed)
+    plain, tg_plain = lowered_training_module(model, 8, "all", tg=step, precision="mixed16")
+    scaled, tg = lowered_training_module(model, 8, "all", tg=step, precision="mixed16",
                                          loss_scale=LossScale())
     f32 = (_alloc_bytes(plain, "float32", 8), _alloc_bytes(scaled, "float32", 8))
     f16 = (_alloc_bytes(plain, "float16", 8), _alloc_bytes(scaled, "float16", 8))

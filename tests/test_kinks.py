@@ -6,6 +6,8 @@ gradient 1% off on top of the same flips is explained by no set of flips. PyTorc
 float64; the AlexNet of the tests (0.1@67, ReLU and max pools) and MobileNetV2 0.35@32 (ReLU6).
 """
 
+import functools
+
 import numpy as np
 import pytest
 
@@ -15,16 +17,24 @@ NETS = {"alexnet": dict(num_classes=5, resolution=67, width=0.1),
         "mobilenet_v2": dict(num_classes=5, resolution=32, width=0.35)}
 
 
-def _forward(arch, seed, dtype="float64"):
-    from thomas_tune.kink_step import torch_forward
+@functools.lru_cache(maxsize=None)
+def _inputs(arch, seed):
+    """The model, tensors, check batch, dropout masks and parameter names of ``seed`` (each a
+    trace of the model: made once per seed, the tests run a seed's step up to four times;
+    ``torch_forward`` copies them)."""
     from thomas_tune.models import build, init_params, spec
     from thomas_tune.step_check import batch, dropout_masks
     model = build(arch, **NETS[arch])
     tensors = init_params(model, seed=int(seed) % 1000)
     x, y = batch(model, 8, int(seed))
     masks = dropout_masks(model, 8, int(seed))
-    return torch_forward(model, tensors, [p.name for p in spec(model).params], x, y,
-                         device="cpu", dtype=dtype, masks=masks)
+    return model, tensors, x, y, masks, [p.name for p in spec(model).params]
+
+
+def _forward(arch, seed, dtype="float64"):
+    from thomas_tune.kink_step import torch_forward
+    model, tensors, x, y, masks, names = _inputs(arch, int(seed))
+    return torch_forward(model, tensors, names, x, y, device="cpu", dtype=dtype, masks=masks)
 
 
 def _made_up_build(arch, seed, rng, noise, monkeypatch):

@@ -20,6 +20,7 @@ MobileNetV2 is checked with BatchNorm in training form (kept and fused); both ne
 BatchNorm frozen; the command line with MobileNetV1.
 """
 
+import functools
 import warnings
 
 import numpy as np
@@ -109,6 +110,13 @@ def compiled():
     return get
 
 
+@functools.lru_cache(maxsize=None)
+def _spec(model):
+    """``spec(model)``, a trace of the model: made once per model (a reference is made per
+    batch below); not to be changed."""
+    return spec(model)
+
+
 def _t(a, dtype="float64"):
     a = np.asarray(a, dtype=dtype)
     return tvm.runtime.tensor(a if a.flags.c_contiguous else a.copy())
@@ -139,7 +147,7 @@ class Ours:
         return float(ret[0].numpy()), {n: g.numpy() for n, g in zip(tg.trainable, grads)}
 
     def accuracy(self, data):
-        s = spec(self.tg.model)
+        s = _spec(self.tg.model)
         args = [self.t[q.name] for q in s.params + s.states]
         n = len(data.y) // BATCH * BATCH
         pred = np.concatenate([
@@ -152,7 +160,7 @@ class Theirs:
     """The same steps in PyTorch float64 on the original network (momentum SGD, lr ``lr``)."""
 
     def __init__(self, model, tensors, trainable, frozen_bn=False, lr=LR):
-        names = {q.name for q in spec(model).params}
+        names = {q.name for q in _spec(model).params}
         self.model, self.frozen_bn = model, frozen_bn
         self.p = {k: torch.tensor(np.asarray(v, "float64"), requires_grad=k in trainable)
                   for k, v in tensors.items() if k in names}
