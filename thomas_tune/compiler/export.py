@@ -263,31 +263,36 @@ def _manifest(mods: _GraphModules, built: _Libraries, checks: dict, target: tvm.
 
 def _budget_plan(model, batch: int, trainable: str, optimizer, memory_budget: int | None,
                  cache_features: bool, progress, precision: str = "float32",
-                 loss_scale=None, database=None, target=None, record_gain=None
-                 ) -> tuple[object, dict | None]:
+                 loss_scale=None, log: TuningLog | None = None, target=None
+                 ) -> tuple[object, dict | None, object]:
     """The recomputation plan of ``memory_budget`` bytes (None: no budget) for the step at
-    ``precision`` (with ``database``, the tuning log's records for ``target``, the scratch
-    buffers of the kernels they schedule counted,
-    :func:`thomas_tune.memory_plan.kernel_scratch`) and the manifest's
-    ``memory_budget`` record (the budget, the level chosen, the estimated peak, bytes saved,
-    FLOPs added, tensors recomputed, the tuning records left out for their kernels' scratch
-    buffers with ``record_gain``: :func:`thomas_tune.memory_plan.trade_records`). Raises
-    ValueError with ``cache_features``, and
-    :class:`thomas_tune.recompute.BudgetError` when no plan fits."""
+    ``precision``, the manifest's ``memory_budget`` record (the budget, the level chosen, the
+    estimated peak, bytes saved, FLOPs added, tensors recomputed, the tuning records left out
+    for their kernels' scratch buffers) and the records the build applies (a MetaSchedule
+    database; None without ``log``). With ``log``, its records for ``target`` as the build
+    applies them: the scratch buffers of their kernels counted
+    (:func:`thomas_tune.memory_plan.kernel_scratch`), and records left out where that fits
+    (:func:`thomas_tune.memory_plan.trade_records`). Raises ValueError with
+    ``cache_features``, and :class:`thomas_tune.recompute.BudgetError` when no plan fits."""
     if memory_budget is None:
-        return None, None
+        return None, None, None
     if cache_features:
         raise ValueError("--memory-budget plans the whole step; the step on cached features "
                          "(--cache-features) keeps only the last layers' tensors: drop one "
                          "of the two")
     from ..memory_plan import plan_for_budget
+    records = gain = None
+    if log is not None:
+        records, _, kernel_ms = tuned_build(log, target)
+        gain = record_gains(log, target, kernel_ms)
     plan, tried = plan_for_budget(model, batch, trainable, optimizer, int(memory_budget),
                                   say=lambda m: progress(f"memory budget: {m}"),
                                   precision=precision, loss_scale=loss_scale,
-                                  database=database, target=target,
-                                  record_gain=record_gain)
+                                  database=records, target=target, record_gain=gain)
     chosen = next(t for t in tried if t["level"] == plan.level)
     left = chosen["records_left_out"]
+    if left:  # the build leaves them out: its records as planned
+        records = tuned_build(log, target, exclude=set(left))[0]
     progress(f"memory budget {memory_budget / 1e6:.1f} MB: {plan.level} recomputation "
              f"({len(plan.recomputed)} tensors made again in the backward, "
              f"{chosen['saved_bytes'] / 1e6:.1f} MB saved, "
@@ -301,7 +306,8 @@ def _budget_plan(model, batch: int, trainable: str, optimizer, memory_budget: in
     return plan, {"budget_bytes": int(memory_budget), "level": plan.level,
                   "estimated_peak_bytes": chosen["peak_bytes"],
                   "saved_bytes": chosen["saved_bytes"], "flops_added": plan.flops_added,
-                  "recomputed": [r.name for r in plan.recomputed], "records_left_out": left}
+                  "recomputed": [r.name for r in plan.recomputed],
+                  "records_left_out": left}, records
 
 
 def _budget_with_winograd(budget: dict, tg: G.TrainingGraph, wino: set, progress,
@@ -360,16 +366,10 @@ def export(out_dir: str, model, tensors: dict[str, np.ndarray], target: tvm.targ
     if loss_scale is not None:
         require_mixed16(precision)
     # the records the build applies, for the scratch buffers of their kernels
-    records = gain = None
-    if log is not None and memory_budget:
-        records, _, kernel_ms = tuned_build(log, target)
-        gain = record_gains(log, target, kernel_ms)
-    plan, budget = _budget_plan(model, batch, trainable, optimizer, memory_budget,
-                                cache_features, progress, precision, loss_scale, records, target,
-                                gain)
+    plan, budget, records = _budget_plan(model, batch, trainable, optimizer, memory_budget,
+                                         cache_features, progress, precision, loss_scale, log,
+                                         target)
     left_out = (budget or {}).get("records_left_out") or {}
-    if left_out:  # the scratch buffers the step is planned without
-        records = tuned_build(log, target, exclude=set(left_out))[0]
     os.makedirs(out_dir, exist_ok=True)
     mods = _graph_modules(model, batch, infer_batch, trainable, optimizer, cache_features,
                           precision, plan, loss_scale)
