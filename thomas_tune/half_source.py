@@ -18,18 +18,17 @@ from .opencl_source import _split_args  # top-level commas of a call's arguments
 #: the rounding of a float32 value to float16 and back, in OpenCL C without ``cl_khr_fp16``:
 #: a store to and a load from private memory (``vstore_half`` rounds to nearest even)
 ROUND_HALF = "thomas_tune_round_half"
-_HELPER = (f"#ifndef THOMAS_TUNE_ROUND_HALF\n#define THOMAS_TUNE_ROUND_HALF\ninline float "
-           f"{ROUND_HALF}(float x) {{ ushort h; vstore_half(x, 0, (half*)&h); "
-           "return vload_half(0, (const half*)&h); }\n#endif\n")
 #: vector widths of ``vstore_halfN`` / ``vload_halfN`` (OpenCL C 3.0, section 6.15.8)
 _WIDTHS = (2, 3, 4, 8, 16)
 
 
-def _vector_helper(n: int) -> str:
-    """:data:`ROUND_HALF` of an ``n``-wide float vector, component by component."""
-    return (f"#ifndef THOMAS_TUNE_ROUND_HALF{n}\n#define THOMAS_TUNE_ROUND_HALF{n}\ninline "
-            f"float{n} {ROUND_HALF}{n}(float{n} x) {{ ushort{n} h; vstore_half{n}(x, 0, "
-            f"(half*)&h); return vload_half{n}(0, (const half*)&h); }}\n#endif\n")
+def _helper(width: str = "") -> str:
+    """The definition of :data:`ROUND_HALF` (``width`` ""), or of its ``floatN`` form
+    ``ROUND_HALF + N`` (``width`` "N"), component by component."""
+    w = width
+    return (f"#ifndef THOMAS_TUNE_ROUND_HALF{w}\n#define THOMAS_TUNE_ROUND_HALF{w}\ninline "
+            f"float{w} {ROUND_HALF}{w}(float{w} x) {{ ushort{w} h; vstore_half{w}(x, 0, "
+            f"(half*)&h); return vload_half{w}(0, (const half*)&h); }}\n#endif\n")
 
 
 _DEFINITION = re.compile(r"^__kernel void \w+\([^;{]*\)\s*\{", re.M)
@@ -197,8 +196,7 @@ def rewrite_half_access(source: str) -> str:
     for i, sec in enumerate(sections):
         m = _DEFINITION.search(sec)
         if m is not None and ROUND_HALF in sec[m.start():]:
-            helpers = [_vector_helper(n) for n in _WIDTHS if f"{ROUND_HALF}{n}(" in sec]
-            if re.search(rf"\b{ROUND_HALF}\(", sec[m.start():]):
-                helpers.insert(0, _HELPER)
-            sections[i] = sec[:m.start()] + "".join(helpers) + sec[m.start():]
+            used = [w for w in ("",) + tuple(map(str, _WIDTHS))
+                    if f"{ROUND_HALF}{w}(" in sec[m.start():]]
+            sections[i] = sec[:m.start()] + "".join(map(_helper, used)) + sec[m.start():]
     return "// Function: ".join(sections)

@@ -409,18 +409,22 @@ def trade_records(mod: tvm.IRModule, tg, scratch: dict, budget_bytes: int, recor
     keys = {name: workload_key(mod[name]) for name in scratch}
     gain = record_gain({keys[n]: workload_module(mod[n]) for n in scratch})
     cost = {n: max(gain[keys[n]], 0.0) * max(calls[n], 1) for n in scratch if keys[n] in gain}
+
+    def without(names: list[str]) -> StepMemory:
+        return step_memory(mod, tg, steps, {n: v for n, v in scratch.items() if n not in names})
+
     left: list[str] = []
     mem = None
     for name in sorted(cost, key=lambda n: cost[n] / sum(scratch[n])):
         left.append(name)
-        mem = step_memory(mod, tg, steps, {n: v for n, v in scratch.items() if n not in left})
+        mem = without(left)
         if mem.peak <= budget_bytes:
             break
     else:
         return None, {}
     for name in sorted(left, key=lambda n: -cost[n]):  # put back what the fit does not need
         trial = [n for n in left if n != name]
-        again = step_memory(mod, tg, steps, {n: v for n, v in scratch.items() if n not in trial})
+        again = without(trial)
         if again.peak <= budget_bytes:
             left, mem = trial, again
     return mem, {keys[n]: {"kernel": n, "scratch_bytes": int(sum(scratch[n])),

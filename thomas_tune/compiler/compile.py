@@ -141,21 +141,29 @@ def tuned_database(log, target: tvm.target.Target) -> tuple[ms.Database, int]:
     return database, slower
 
 
-def record_gains(log, target: tvm.target.Target, kernel_ms: dict[str, float]):
-    """``gain(workloads)`` for :func:`thomas_tune.memory_plan.trade_records`: for each of
-    ``workloads`` ({workload key: IRModule}) that has a time as built in ``kernel_ms``
-    (:func:`tuned_build`) and a default-schedule time in ``log``'s folder (``tune
-    --time-share`` timed it on the device, :func:`thomas_tune.tuning.read_default_times`), the
-    ms per call its record saves: default minus as built."""
+def default_ms(log, target: tvm.target.Target):
+    """``ms(workloads)``: for each of ``workloads`` ({workload key: IRModule}) whose default
+    schedule ``tune --time-share`` timed on the device under ``target`` (cached in ``log``'s
+    folder, :func:`thomas_tune.tuning.read_default_times`), its ms per call; kernels that
+    failed to run, and the others, are left out."""
     import math
 
     from ..tuning.defaults import read_default_times
 
-    def gain(workloads: dict[str, tvm.IRModule]) -> dict[str, float]:
+    def ms(workloads: dict[str, tvm.IRModule]) -> dict[str, float]:
         secs = read_default_times(log.path, target, workloads) or {}
-        return {k: s * 1e3 - kernel_ms[k] for k, s in secs.items()
-                if math.isfinite(s) and k in kernel_ms}
-    return gain
+        return {k: s * 1e3 for k, s in secs.items() if math.isfinite(s)}
+    return ms
+
+
+def record_gains(log, target: tvm.target.Target, kernel_ms: dict[str, float]):
+    """``gain(workloads)`` for :func:`thomas_tune.memory_plan.trade_records`: for each of
+    ``workloads`` ({workload key: IRModule}) that has a time as built in ``kernel_ms``
+    (:func:`tuned_build`) and a default-schedule time (:func:`default_ms`), the ms per call
+    its record saves: default minus as built."""
+    defaults = default_ms(log, target)
+    return lambda workloads: {k: d - kernel_ms[k] for k, d in defaults(workloads).items()
+                              if k in kernel_ms}
 
 
 def winograd_choice(mod: tvm.IRModule, times: dict[str, float] | None, log=None,
@@ -172,15 +180,7 @@ def winograd_choice(mod: tvm.IRModule, times: dict[str, float] | None, log=None,
     never be chosen)."""
     if not times:
         return set()
-    untimed_ms = None
-    if log is not None and target is not None:
-        import math
-
-        from ..tuning.defaults import read_default_times
-
-        def untimed_ms(workloads):
-            secs = read_default_times(log.path, target, workloads) or {}
-            return {k: s * 1e3 for k, s in secs.items() if math.isfinite(s)}
+    untimed_ms = default_ms(log, target) if log is not None and target is not None else None
     return choose_winograd(mod, times.get, untimed_ms)
 
 

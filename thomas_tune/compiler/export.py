@@ -140,10 +140,12 @@ class _Libraries(NamedTuple):
     form (``{"infer": set, "train": set}`` of
     :class:`thomas_tune.training_graph.winograd_form.Conv`) and ``slots`` the frozen slots of each
     library's lifted functions as built (``{"infer": {name: slots}, "train": {name: slots}}``,
-    :func:`thomas_tune.compiler.compile.compile_library`)."""
+    :func:`thomas_tune.compiler.compile.compile_library`); ``database`` the records compiled
+    with (None: default schedules)."""
 
     winograd: dict
     slots: dict
+    database: object = None
 
 
 def _refuse_before_work(target: tvm.target.Target, log: TuningLog | None, check_records: bool,
@@ -178,7 +180,7 @@ def _write_libraries(out_dir: str, mods: _GraphModules, target: tvm.target.Targe
         progress(f"compiled {what} module in {time.perf_counter() - t0:.1f} s")
         with replacing(os.path.join(out_dir, file), executable=True) as p:
             export_shared(exe, p, target)
-    return _Libraries(wino, slots)
+    return _Libraries(wino, slots, database)
 
 
 def _build_with_log(log: TuningLog | None, version, target: tvm.target.Target,
@@ -264,18 +266,17 @@ def _manifest(mods: _GraphModules, built: _Libraries, checks: dict, target: tvm.
 def _budget_plan(model, batch: int, trainable: str, optimizer, memory_budget: int | None,
                  cache_features: bool, progress, precision: str = "float32",
                  loss_scale=None, log: TuningLog | None = None, target=None
-                 ) -> tuple[object, dict | None, object]:
+                 ) -> tuple[object, dict | None]:
     """The recomputation plan of ``memory_budget`` bytes (None: no budget) for the step at
     ``precision``, the manifest's ``memory_budget`` record (the budget, the level chosen, the
     estimated peak, bytes saved, FLOPs added, tensors recomputed, the tuning records left out
-    for their kernels' scratch buffers) and the records the build applies (a MetaSchedule
-    database; None without ``log``). With ``log``, its records for ``target`` as the build
+    for their kernels' scratch buffers). With ``log``, its records for ``target`` as the build
     applies them: the scratch buffers of their kernels counted
     (:func:`thomas_tune.memory_plan.kernel_scratch`), and records left out where that fits
     (:func:`thomas_tune.memory_plan.trade_records`). Raises ValueError with
     ``cache_features``, and :class:`thomas_tune.recompute.BudgetError` when no plan fits."""
     if memory_budget is None:
-        return None, None, None
+        return None, None
     if cache_features:
         raise ValueError("--memory-budget plans the whole step; the step on cached features "
                          "(--cache-features) keeps only the last layers' tensors: drop one "
@@ -291,8 +292,6 @@ def _budget_plan(model, batch: int, trainable: str, optimizer, memory_budget: in
                                   database=records, target=target, record_gain=gain)
     chosen = next(t for t in tried if t["level"] == plan.level)
     left = chosen["records_left_out"]
-    if left:  # the build leaves them out: its records as planned
-        records = tuned_build(log, target, exclude=set(left))[0]
     progress(f"memory budget {memory_budget / 1e6:.1f} MB: {plan.level} recomputation "
              f"({len(plan.recomputed)} tensors made again in the backward, "
              f"{chosen['saved_bytes'] / 1e6:.1f} MB saved, "
@@ -307,7 +306,7 @@ def _budget_plan(model, batch: int, trainable: str, optimizer, memory_budget: in
                   "estimated_peak_bytes": chosen["peak_bytes"],
                   "saved_bytes": chosen["saved_bytes"], "flops_added": plan.flops_added,
                   "recomputed": [r.name for r in plan.recomputed],
-                  "records_left_out": left}, records
+                  "records_left_out": left}
 
 
 def _budget_with_winograd(budget: dict, tg: G.TrainingGraph, wino: set, progress,
@@ -316,7 +315,8 @@ def _budget_with_winograd(budget: dict, tg: G.TrainingGraph, wino: set, progress
     training convolutions ``wino`` in the Winograd form (their transforms hold more), and a
     message when that is over the budget (the build is kept: its record times chose it).
     ``tg``: the step's graph as compiled (its plan and precision already applied);
-    ``records``, ``target``: as :func:`_budget_plan`'s."""
+    ``records``: the records it was compiled with (their kernels' scratch buffers counted),
+    for ``target``."""
     from ..memory_plan import compiled_step_memory
     peak = compiled_step_memory(tg.model, tg.batch, tg.trainable, tg.optimizer,
                                 winograd=wino, tg=tg, database=records, target=target).peak
@@ -365,10 +365,8 @@ def export(out_dir: str, model, tensors: dict[str, np.ndarray], target: tvm.targ
                         device, device_profile, progress)
     if loss_scale is not None:
         require_mixed16(precision)
-    # the records the build applies, for the scratch buffers of their kernels
-    plan, budget, records = _budget_plan(model, batch, trainable, optimizer, memory_budget,
-                                         cache_features, progress, precision, loss_scale, log,
-                                         target)
+    plan, budget = _budget_plan(model, batch, trainable, optimizer, memory_budget,
+                                cache_features, progress, precision, loss_scale, log, target)
     left_out = (budget or {}).get("records_left_out") or {}
     os.makedirs(out_dir, exist_ok=True)
     mods = _graph_modules(model, batch, infer_batch, trainable, optimizer, cache_features,
@@ -383,7 +381,7 @@ def export(out_dir: str, model, tensors: dict[str, np.ndarray], target: tvm.targ
         np.savez(p, **{f"s{i}": a for i, a in enumerate(mods.tg.optim_state)})
     if budget and built.winograd["train"]:  # the plan was measured without the Winograd form
         budget = _budget_with_winograd(budget, mods.tg, built.winograd["train"], progress,
-                                       records, target)
+                                       built.database, target)
     manifest = _manifest(mods, built, checks, target, infer_batch=infer_batch, log=log,
                          version=version, classes=classes, device=device,
                          stock_defaults=stock_defaults, precision=precision,
