@@ -89,6 +89,7 @@ COST: dict[str, float] = {
     "test_tune_export_train_infer_through_tvm_rpc": 115,
     "test_adreno_export_trains_on_the_aarch64_tvm_rpc": 82,
     "test_session_bounds_are_those_of_tvm_rpc": 25,
+    "test_a_vectorized_float16_epilogue_runs_on_tvm_rpc": 15,
     # test_adreno.py, one unit per test
     "test_tuned_records_for_the_adreno_target_compute_the_float64_step": 130,
     "test_adreno_builds_compute_the_float64_step_on_pocl[adreno540-mobilenet_v2]": 77,

@@ -10,8 +10,8 @@ from tvm.s_tir import meta_schedule as ms
 
 from thomas_tune.schedules import space_generator
 
-from opencl_kernels import (NEEDS_OPENCL, conv3x3_same, dense_layer, padding_in_fill,
-                            prim_module, run_kernel)
+from opencl_kernels import (NEEDS_OPENCL, HalfEpilogueConv, conv3x3_same, dense_layer,
+                            padding_in_fill, prim_module, run_kernel, vector_half_epilogues)
 
 pytestmark = NEEDS_OPENCL
 
@@ -522,69 +522,30 @@ def test_skinny_split_spaces_match_numpy(target, rng):
 
 
 def test_a_vectorized_float16_epilogue_builds_and_rounds_on_the_device(rng):
-    """The half-storage step's convolution (float16 input, float32 sums, bias and ReLU, a
-    float16 output): schedules of thomas_tune's space whose epilogue TVM vectorizes into a
-    private ``halfN`` (``halfN v = convert_halfN(e);``, then one store per component) build
-    through the half-storage rewrite, which OpenCL C without ``cl_khr_fp16`` cannot compile
-    as TVM writes it, and store the float16 nearest each float64 output (within one float16
-    step where float32's sums reach a midpoint). Sampled for the H100 target (whose space
-    vectorizes such epilogues), run on PoCL."""
-    import os
+    """The half-storage step's convolution: schedules of thomas_tune's space whose epilogue
+    TVM vectorizes into a private ``halfN`` (``halfN v = convert_halfN(e);``, then one store
+    per component) build through the half-storage rewrite, which OpenCL C without
+    ``cl_khr_fp16`` cannot compile as TVM writes it, and store the float16 nearest each
+    float64 output (:meth:`opencl_kernels.HalfEpilogueConv.check`). Sampled for the H100
+    target (whose space vectorizes such epilogues), run on PoCL."""
     import re
 
-    from tvm import topi
-
     from thomas_tune import half_source
-    from thomas_tune.kernel_signature import native_half
+    conv = HalfEpilogueConv(rng)
+    found = vector_half_epilogues(conv.mod, _h100_target(), rng, want=2)
+    assert found, "no sampled schedule had a vectorized float16 epilogue"
+    dev = tvm.opencl(0)
+    for sch, raw in found:
+        out = half_source.rewrite_half_access(raw)
+        assert not re.search(r"\bhalf\d+ |convert_half\d", out)
+        args = [tvm.runtime.tensor(a, dev) for a in conv.inputs()]
+        tvm.compile(sch.mod, _h100_target())["main"](*args)
+        conv.check(args[-1].numpy())
+
+
+def _h100_target():
+    import os
+
     from thomas_tune.target import parse_target
-    target = parse_target(os.path.join(os.path.dirname(os.path.dirname(
+    return parse_target(os.path.join(os.path.dirname(os.path.dirname(
         os.path.abspath(__file__))), "targets", "h100_opencl.json"))
-    n, ci, co, h = 4, 16, 64, 16
-    x16 = te.placeholder((n, ci, h, h), "float16", name="x")
-    w = te.placeholder((co, ci, 3, 3), name="w")
-    b = te.placeholder((co,), name="b")
-    xf = te.compute(x16.shape, lambda *i: x16(*i).astype("float32"), name="xcast")
-    s = topi.nn.conv2d_nchw(xf, w, 1, 1, 1, out_dtype="float32")
-    r = te.compute(s.shape, lambda a, c, i, j: te.max(s[a, c, i, j] + b[c], 0.0), name="relu")
-    mod = prim_module(x16, w, b, te.compute(s.shape, lambda *i: r(*i).astype("float16"),
-                                            name="out"))
-    xn = rng.standard_normal((n, ci, h, h)).astype("float16")
-    wn, bn = rng.standard_normal((co, ci, 3, 3)), rng.standard_normal(co)
-    ref = np.maximum(conv3x3_same(xn.astype("float64"), wn) + bn[None, :, None, None], 0)
-    checked = 0
-    for _ in range(24):
-        ctx = ms.TuneContext(mod=mod, target=target, space_generator=space_generator(target),
-                             search_strategy="replay-trace", task_name="t",
-                             rand_state=int(rng.integers(1 << 20)), num_threads=1)
-        for sch in ctx.generate_design_space():
-            for post in ctx.space_generator.postprocs:
-                post.apply(sch)
-            try:
-                with native_half():  # TVM's OpenCL C as it is
-                    raw = tvm.compile(sch.mod, target).mod.imports[0].inspect_source()
-            except tvm.error.InternalError as err:  # the pinned TVM's vectorizer check
-                assert "eval_vec_" in str(err)
-                continue
-            if not re.search(r"\bhalf\d+ \w+ = convert_half\d+\(", raw):
-                continue
-            out = half_source.rewrite_half_access(raw)
-            assert not re.search(r"\bhalf\d+ |convert_half\d", out)
-            dev = tvm.opencl(0)
-            args = [tvm.runtime.tensor(xn, dev), tvm.runtime.tensor(wn.astype("float32"), dev),
-                    tvm.runtime.tensor(bn.astype("float32"), dev),
-                    tvm.runtime.tensor(np.zeros(ref.shape, "float16"), dev)]
-            tvm.compile(sch.mod, target)["main"](*args)
-            got = args[-1].numpy().astype("float64")
-            nearest = ref.astype("float16").astype("float64")
-            step = np.spacing(np.abs(nearest).astype("float16")).astype("float64")
-            # float32's sum of ci x 9 products and the bias: within that many unit roundoffs
-            # of the sum of their magnitudes (Higham, Accuracy and Stability of Numerical
-            # Algorithms, 2nd ed., eq. 3.5)
-            bound = (ci * 9 + 1) * 2.0 ** -24 * (conv3x3_same(
-                np.abs(xn.astype("float64")), np.abs(wn)) + np.abs(bn)[None, :, None, None])
-            assert np.all(np.abs(got - ref) <= step + bound), np.max(np.abs(got - ref) / step)
-            assert np.mean(got == nearest) > 0.99
-            checked += 1
-            if checked == 2:
-                return
-    assert checked, "no sampled schedule had a vectorized float16 epilogue"

@@ -40,7 +40,7 @@ from thomas_tune.step_check import export_step, manifest_frozen_bn, reference_st
 from thomas_tune.target import parse_target
 
 from build_cache import export  # the session's build of these inputs
-from opencl_kernels import NEEDS_OPENCL
+from opencl_kernels import NEEDS_OPENCL, HalfEpilogueConv, vector_half_epilogues
 
 pytestmark = [NEEDS_OPENCL, pytest.mark.tvm_rpc]
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -160,6 +160,40 @@ def test_session_bounds_are_those_of_tvm_rpc(tracker, tmp_path, rng):
             pass
         assert server.proc.wait(20) != 0
         assert "Timeout is not valid" in server.text()
+    finally:
+        server.stop()
+
+
+# ---- x86-64 tvm_rpc: a half-storage kernel of the vector form --------------------------------
+def test_a_vectorized_float16_epilogue_runs_on_tvm_rpc(tracker, tmp_path, rng):
+    """A half-storage convolution whose float16 epilogue TVM vectorizes (a private ``halfN``,
+    which OpenCL C without ``cl_khr_fp16`` cannot compile as TVM writes it), sampled from the
+    H100 target's space: the library's OpenCL C holds no half type after the half-storage
+    rewrite, and TVM's own OpenCL runtime in ``tvm_rpc`` (PoCL, no ``cl_khr_fp16``) builds and
+    launches it, storing the float16 nearest each float64 output
+    (:meth:`opencl_kernels.HalfEpilogueConv.check`)."""
+    import re
+
+    import tvm
+    build_dir = _build("THOMAS_TUNE_TVM_RPC")
+    conv = HalfEpilogueConv(rng)
+    target = parse_target(os.path.join(ROOT, "targets", "h100_opencl.json"))
+    found = vector_half_epilogues(conv.mod, target, rng, want=1)
+    assert found, "no sampled schedule had a vectorized float16 epilogue"
+    lib = tvm.compile(found[0][0].mod, target)
+    assert not re.search(r"\bhalf\d* |convert_half", lib.mod.imports[0].inspect_source())
+    lib.export_library(str(tmp_path / "epilogue.so"))
+    key = "tvm-rpc-half"
+    server = Server(build_dir, tracker, key, 9940, tmp_path, lifetime=300)
+    try:
+        rpc.wait_for_key(tracker, key, timeout=60)
+        sess = rpc.request_session(tracker, key, 120)
+        sess.upload(str(tmp_path / "epilogue.so"))
+        dev = sess.cl(0)
+        args = [tvm.runtime.tensor(a, dev) for a in conv.inputs()]
+        sess.load_module("epilogue.so")["main"](*args)
+        conv.check(args[-1].numpy())
+        del sess
     finally:
         server.stop()
 
