@@ -143,6 +143,25 @@ def test_programs_compiled_once_per_device(tmp_path, rng, monkeypatch):
         print("tvm_rpc log:\n" + server.text()[-1500:])
 
 
+def test_a_fetch_after_a_renewal_is_weighed_by_the_slowest_first_call(tmp_path):
+    """A renewed session's first call finds its programs stored and takes well under a
+    second, while another library (the inference module, never called) has none: its fetch
+    would build them, which takes about what the first session's first call took (35 s
+    here). With 57 s left of a session it is postponed, as in the first session; weighed by
+    the renewed session's own first call (5.4 s wanted), it was started and outlasted a
+    slow machine's session (seen in the tvm_rpc product test)."""
+    from thomas_tune.programs import SessionPrograms
+    progs = SessionPrograms(cache=ProgramCache(str(tmp_path)))
+    left = lambda: 57.0  # noqa: E731 (the session's seconds left, less the next call's)
+    progs._pending = [(None, None, "/export/train.so", "device")]
+    progs.after_first_call(35.0, left)  # programs built from source: 75 s wanted
+    progs._pending = [(None, None, "/export/inference.so", "device")]
+    progs.after_first_call(0.2, left)  # after a renewal, its programs set from the cache
+    assert [(e["library"], e["action"]) for e in progs.events] == [
+        ("train.so", "postponed"), ("inference.so", "postponed")], progs.events
+    assert "75 s wanted" in progs.events[1]["reason"]
+
+
 def test_program_stream_round_trip_and_refusals(tmp_path, rng):
     """The stream format of TVM's ``GetPreCompiledPrograms`` read and written; streams that
     ``SetPreCompiledPrograms`` would read past the end of are refused, and the cache drops a

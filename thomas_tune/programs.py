@@ -286,6 +286,7 @@ class SessionPrograms:
         self.triple = triple
         self.events: list[dict] = []
         self._pending: list[tuple] = []  # (rpc session, module, local path, device key)
+        self._slowest_first_call_s = 0.0  # of every session so far (renewals included)
 
     def _event(self, library: str, action: str, **info) -> None:
         self.events.append({"library": os.path.basename(library), "action": action, **info})
@@ -325,14 +326,17 @@ class SessionPrograms:
         ``remaining``: a function giving the seconds the session has left for this (its
         bound less what the next call needs), or None where the bound is not known (a
         session given as it is rather than through a RemoteDevice). A library's fetch starts
-        only with at least twice ``first_call_s`` (the first call's seconds, about what
-        building a library's programs takes) plus 5 s left; otherwise, and where the bound
-        is not known, it is ``postponed`` to a later session: a fetch that outlasted its
-        session would take the session's state with it."""
+        only with at least twice the slowest first call of this object's sessions (s; a first
+        call that built programs takes about what building a library's programs takes, and
+        after a renewal the first call may have found its programs stored while another
+        library still has none) plus 5 s left; otherwise, and where the bound is not known,
+        it is ``postponed`` to a later session: a fetch that outlasted its session would
+        take the session's state with it."""
         pending, self._pending = self._pending, []
+        self._slowest_first_call_s = max(self._slowest_first_call_s, first_call_s)
         helper = None
         for rpc_session, module, local_path, key in pending:
-            need = 2.0 * first_call_s + 5.0
+            need = 2.0 * self._slowest_first_call_s + 5.0
             left = remaining() if remaining is not None else None
             if left is None or left < need:
                 why = ("the session's bound is not known" if left is None else
