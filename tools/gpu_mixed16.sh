@@ -1,0 +1,84 @@
+#!/usr/bin/env bash
+# One lease of the GPU machine for the half-storage (mixed16) rows: the mixed16 step's own
+# workloads of AlexNet@224 and MobileNetV2 1.0@224 tuned into their committed H100 logs
+# ('tune --precision mixed16', starting from the float32 twins' records), then, on this card:
+#   AlexNet all, float32 and mixed16, exported here with the logs just tuned (records checked
+#     on this card), timed in one process beside PyTorch eager ('bench/memory_budget.py PLAIN
+#     MIXED16 --torch');
+#   MobileNetV2 all mixed16, exported here, beside the carried float32 export and PyTorch eager;
+#   step checks on this card ('export_check.check_export', PyTorch float64 on its CPUs) of the
+#     carried float32 and 1,024 MB budget exports and of the AlexNet exports, one after
+#     another beside the tuning (their PyTorch reference needs more memory than a 23 GB
+#     machine has), never beside a timing (both take $TT/r68/timing.lock).
+# Carried: .devcarry/x68/x68.tar.xz, exports made on the development machine ('thomas-tune
+# export --model mobilenet_v2 --trainable all --width 1.0 --resolution 224 --classes 1000
+# --batch 32 --target targets/h100_opencl.json --any-codegen --no-check --log LOG --out DIR',
+# LOG the committed log unpacked; DIR x68/mnv2-all, and x68/mnv2-budget with '--memory-budget
+# 1024'; their params.npz and optim_state.npz once in x68/shared), and .devcarry/last.
+# Calls: 'tools/gpu_tune.sh park' with each .devcarry/pK that fits beside the work tree; 'park'
+# then this script with setsid, with the last part and .devcarry/last; 'tools/gpu_mixed16.sh
+# unpack' with .devcarry/x68 while it tunes (the MobileNetV2 rows and checks wait for it); then
+# calls that wait for $TT/r68/all.done and copy $TT/r68 to $OUT.
+# TUNE_S_ALEX (default 240), TUNE_S (240): seconds each tuning may run (TUNE_S=0: no MobileNetV2
+# tuning and mixed16 row); TRIALS (default 2000).
+cd "$(dirname "$0")/.."
+if [ "${1:-}" = unpack ]; then  # a call carrying .devcarry/x68, while the tuning runs
+  tar -C /tmp/tt -xJf .devcarry/x68/x68.tar.xz || exit 4
+  for d in mnv2-all mnv2-budget; do  # one copy of the shared tensors was carried
+    for f in params.npz optim_state.npz; do
+      [ -e /tmp/tt/x68/$d/$f ] || cp /tmp/tt/x68/shared/$f /tmp/tt/x68/$d/; done
+  done
+  date > /tmp/tt/x68/unpacked; exit 0
+fi
+{  # read whole before it runs: later calls replace the work tree
+TT=/tmp/tt; R=$TT/r68; mkdir -p $R
+G="bash tools/gpu_tune.sh"
+PY="python3 -P -m thomas_tune.cli"
+cp bench/memory_budget.py $R/memory_budget.py
+$G setup > $R/setup.out 2>&1 || { echo "setup failed" > $R/all.done; exit 3; }
+# tune_job JOB SECONDS: the job of tools/gpu_jobs.txt, stopped (its log flushed per record)
+# after SECONDS at most
+tune_job() {
+  JOBS=$1 TRIALS=${TRIALS:-2000} WATCH=0 TUNE_ARGS="--trials-per-iter 16" $G start \
+    > $R/start_${1%%:*}.out 2>&1
+  ( sleep $2; pkill -TERM -f "thomas_tune.cli tune" ) &
+  local watchdog=$!
+  sleep 5; flock $TT/device.lock true  # the tuning job holds it until it ends
+  kill $watchdog 2>/dev/null
+  date > $R/tuned_${1%%:*}
+}
+# check DIR NAME: the step check of an export, its result line in $R/check_NAME.out
+check() {
+  flock $R/timing.lock $G py -c "from thomas_tune.export_check import check_export; c = check_export('$1', \
+say=print); print(c.ok, c.line())" > $R/check_$2.out 2>&1
+}
+( for _ in $(seq 180); do [ -e $TT/x68/unpacked ] && break; sleep 5; done
+  check $TT/x68/mnv2-budget budget1024
+  check $TT/x68/mnv2-all mnv2-all
+  for _ in $(seq 360); do [ -e $R/alexnet_exported ] && break; sleep 5; done
+  check $TT/rows/alexnet-all alexnet-all
+  check $TT/rows/alexnet-all-mixed16 alexnet-all-mixed16
+  date > $R/checks.done ) &
+tune_job alexnet-w1-r224-c1000-b32:mixed16 ${TUNE_S_ALEX:-240}
+mkdir -p $R/alexnet_log && cp $TT/logs/alexnet-w1-r224-c1000-b32/*.json* $R/alexnet_log/ 2>/dev/null
+ROWS="alexnet-all alexnet-all-mixed16" EXPORT_ONLY=1 $G rows-job > $R/alexnet_rows.out 2>&1
+cp $TT/rows/*.export.out $R/ 2>/dev/null
+date > $R/alexnet_exported
+flock $R/timing.lock $G py $R/memory_budget.py $TT/rows/alexnet-all $TT/rows/alexnet-all-mixed16 --steps 20 --torch \
+  --out $R/alexnet_mixed16.json > $R/alexnet.out 2>&1
+date > $R/alexnet.done
+[ "${TUNE_S:-240}" = 0 ] && { date > $R/all.done; exit; }  # AlexNet's rows and the checks only
+tune_job mobilenet_v2-w1-r224-c1000-b32:mixed16 ${TUNE_S:-240}
+mkdir -p $R/mnv2_log && cp $TT/logs/mobilenet_v2-w1-r224-c1000-b32/*.json* $R/mnv2_log/ 2>/dev/null
+C="--width 1.0 --resolution 224 --classes 1000 --batch 32 --target targets/h100_opencl.json"
+$PY export --model mobilenet_v2 --trainable all $C --precision mixed16 --any-codegen \
+  --log $TT/logs/mobilenet_v2-w1-r224-c1000-b32 --out $TT/x68/mnv2-mixed16 \
+  > $R/export_mixed16.out 2>&1
+for _ in $(seq 120); do [ -e $TT/x68/unpacked ] && break; sleep 5; done
+flock $R/timing.lock $G py $R/memory_budget.py $TT/x68/mnv2-all $TT/x68/mnv2-mixed16 --steps 20 --torch \
+  --out $R/mixed16.json > $R/mixed16.out 2>&1
+date > $R/mnv2.done
+check $TT/x68/mnv2-mixed16 mnv2-mixed16
+date > $R/all.done
+exit
+}
