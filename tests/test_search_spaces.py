@@ -528,24 +528,20 @@ def test_a_vectorized_float16_epilogue_builds_and_rounds_on_the_device(rng):
     ``cl_khr_fp16`` cannot compile as TVM writes it, and store the float16 nearest each
     float64 output (:meth:`opencl_kernels.HalfEpilogueConv.check`). Sampled for the H100
     target (whose space vectorizes such epilogues), run on PoCL."""
+    import os
     import re
 
     from thomas_tune import half_source
+    from thomas_tune.target import parse_target
+    target = parse_target(os.path.join(os.path.dirname(os.path.dirname(
+        os.path.abspath(__file__))), "targets", "h100_opencl.json"))
     conv = HalfEpilogueConv(rng)
-    found = vector_half_epilogues(conv.mod, _h100_target(), rng, want=2)
+    found = vector_half_epilogues(conv.mod, target, rng, want=2)
     assert found, "no sampled schedule had a vectorized float16 epilogue"
     dev = tvm.opencl(0)
     for sch, raw in found:
         out = half_source.rewrite_half_access(raw)
         assert not re.search(r"\bhalf\d+ |convert_half\d", out)
         args = [tvm.runtime.tensor(a, dev) for a in conv.inputs()]
-        tvm.compile(sch.mod, _h100_target())["main"](*args)
+        tvm.compile(sch.mod, target)["main"](*args)
         conv.check(args[-1].numpy())
-
-
-def _h100_target():
-    import os
-
-    from thomas_tune.target import parse_target
-    return parse_target(os.path.join(os.path.dirname(os.path.dirname(
-        os.path.abspath(__file__))), "targets", "h100_opencl.json"))
