@@ -174,10 +174,11 @@ def rewrite_half_access(source: str) -> str:
     parts = source.split("__kernel ")
     for i, kernel in enumerate(parts[1:], 1):
         body_at = kernel.find("{")
-        head = kernel[:body_at] if body_at >= 0 else kernel
+        if body_at < 0:  # a declaration (TVM declares every kernel of the module in each section)
+            continue
+        head = kernel[:body_at]
         ptrs = set(_HALF_PTR.findall(head))
-        if body_at < 0 or not (ptrs or "convert_half" in kernel
-                               or _HALF_WORD.search(kernel[body_at:])):
+        if not (ptrs or "convert_half" in kernel or _HALF_WORD.search(kernel[body_at:])):
             continue
         body, local = _half_locals(kernel[body_at:])
         ptrs |= local

@@ -24,6 +24,7 @@ times (:mod:`thomas_tune.logs.codegen` fingerprints ``opencl_source.py``, not th
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import re
 
@@ -45,18 +46,22 @@ class UnlaunchableKernel(ValueError):
 def signatures(source: str) -> dict[str, list[tuple[str, str]]]:
     """The ``__kernel`` functions of OpenCL C ``source``: name -> [(type, argument name), ...]
     in order; a pointer's type keeps its ``*`` and address space (``"__global float*"``)."""
-    out = {}
-    for m in _KERNEL.finditer(source):
-        args = []
-        for arg in (a.strip() for a in m.group(2).split(",")):
-            if not arg:
-                continue
-            words = arg.replace("*", " * ").split()
-            name = words[-1]
-            kept = [w for w in words[:-1] if w not in _QUALIFIERS]
-            args.append((" ".join(kept).replace(" *", "*"), name))
-        out[m.group(1)] = args
-    return out
+    return {m.group(1): list(_arguments(m.group(2))) for m in _KERNEL.finditer(source)}
+
+
+@functools.lru_cache(maxsize=4096)
+def _arguments(text: str) -> tuple[tuple[str, str], ...]:
+    """(type, name) of each argument of a kernel's parameter list ``text``. Kept per text: TVM's
+    code generator declares every kernel of a module in the source of each of them, so one
+    module's kernels are read once per kernel of it."""
+    args = []
+    for arg in (a.strip() for a in text.split(",")):
+        if not arg:
+            continue
+        words = arg.replace("*", " * ").split()
+        kept = [w for w in words[:-1] if w not in _QUALIFIERS]
+        args.append((" ".join(kept).replace(" *", "*"), words[-1]))
+    return tuple(args)
 
 
 def unlaunchable(source: str) -> list[tuple[str, str, str]]:

@@ -214,8 +214,23 @@ def compile_graph(mod: tvm.IRModule, target: tvm.target.Target,
     levels). A module with autocast float16's arithmetic (``--precision autocast16``) is built
     in the native form: its OpenCL C keeps ``half`` arithmetic and the ``cl_khr_fp16`` pragma
     (:func:`thomas_tune.half_arith.native_for`).
+
+    The kernels' host wrappers are built without TIR's assertions (:data:`BUILD_CONFIG`).
     """
     return compile_library(mod, target, database, winograd, rule_classes)[0]
+
+
+#: The pass configuration of a library's build: TIR's assertions left out
+#: (``tirx.disable_assert``). They are the argument checks of each kernel's host wrapper (the
+#: type, rank, shape, strides and device of every buffer), made for callers that may pass
+#: anything. A library's kernels are called by its own Relax VM code only, with the buffers its
+#: memory plan made for them, and the VM checks the tensors a caller passes to the step and
+#: the inference function itself (``vm.builtin.check_tensor_info``). The checks are about
+#: four fifths of the host module's LLVM IR, and its code generation is most of
+#: ``export_library``'s time (``docs/journal/suite.md``). Tuning builds
+#: (:mod:`thomas_tune.measure.builder`) keep them: their kernels are called by MetaSchedule's
+#: runner.
+BUILD_CONFIG = {"tirx.disable_assert": True}
 
 
 def compile_library(mod: tvm.IRModule, target: tvm.target.Target,
@@ -226,7 +241,7 @@ def compile_library(mod: tvm.IRModule, target: tvm.target.Target,
     fusion; what an export's manifest keeps)."""
     from ..half_arith import native_for
     slots: dict[str, list[str] | None] = {}
-    with native_for(mod), tvm.transform.PassContext(opt_level=3):
+    with native_for(mod), tvm.transform.PassContext(opt_level=3, config=BUILD_CONFIG):
         exe = tvm.compile(mod, codegen_target(target),
                           relax_pipeline=_pipeline(target, database, winograd, rule_classes,
                                                    slots),

@@ -30,6 +30,7 @@ import numpy as np
 import tvm
 from tvm import relax
 
+from ..kept_ir import kept
 from . import multi_tensor as MT
 
 #: the shared scalars the loss-scaled update reads (beside the optimizer's own)
@@ -100,7 +101,7 @@ def nonfinite_kernel(shapes: list[tuple[int, ...]], dtype: str = "float32"
         f"                found[()] = T.{dtype}(0)",
         f"            found[()] = found[()] + {_tree(offsets, 0, len(shapes), dtype)}",
         ""])
-    return tvm.script.from_source(text)
+    return kept("update_kernels", [text], lambda: tvm.script.from_source(text))
 
 
 def emit_nonfinite(bb: relax.BlockBuilder, grads: list[relax.Expr],

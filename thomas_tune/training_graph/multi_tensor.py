@@ -29,6 +29,8 @@ import numpy as np
 import tvm
 from tvm import relax
 
+from ..kept_ir import kept
+
 MAX_BUFFERS = 128  # buffer arguments of one kernel: OpenCL's 1,024 bytes of arguments / 8
 
 
@@ -108,7 +110,7 @@ def update_kernel(shapes: list[tuple[int, ...]], inputs: tuple[str, ...],
         f"            T.writes({layout.writes()})",
         *("            " + v for v in views),
         *body, ""])
-    return tvm.script.from_source(text)
+    return kept("update_kernels", [text], lambda: tvm.script.from_source(text))
 
 
 def _in_place_outputs(shapes, inputs, outputs, inplace, counter) -> dict[str, str]:
