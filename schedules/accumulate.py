@@ -236,10 +236,18 @@ def two_level_sums(func: tirx.PrimFunc, chain: int | None = None,
 
     tvm_ffi.structural_walk(func.body, [(tirx.AttrStmt, on_attr)])
     copies = math.prod(vthreads)
+    summed = []  # the buffers some store accumulates into: only those can be rewritten
+
+    def on_store(node):
+        if _accumulation(node, node.buffer) is not None:
+            summed.append(node.buffer)
+
+    tvm_ffi.structural_walk(func.body, [(tirx.BufferStore, on_store)])
     targets = {}
     for alloc in found:
         buffer = alloc.buffer
-        if int(buffer.shape[0]) * copies > max_accumulators:
+        if (int(buffer.shape[0]) * copies > max_accumulators
+                or not any(b.same_as(buffer) for b in summed)):
             continue
         uses = _Uses(buffer)
         uses.visit(func.body, [])

@@ -170,9 +170,10 @@ def test_default_schedules_are_kept_on_disk_per_kernel(tmp_path, monkeypatch, ta
     import pytest
     import tvm_ffi
 
-    from thomas_tune.schedules import defaults, schedule_cache
+    from thomas_tune import kept_ir
+    from thomas_tune.schedules import defaults
     monkeypatch.setenv("THOMAS_TUNE_CACHE", str(tmp_path))
-    monkeypatch.setattr(schedule_cache, "_SCHEDULED", {})
+    monkeypatch.setattr(kept_ir, "_KEPT", {})
     a = te.placeholder((48, 40), name="a")
     b = te.placeholder((40, 24), name="b")
     k = te.reduce_axis((0, 40), name="k")
@@ -182,7 +183,7 @@ def test_default_schedules_are_kept_on_disk_per_kernel(tmp_path, monkeypatch, ta
     files = list((tmp_path / "default_schedules").rglob("*.json"))
     assert len(files) == 1
     made = defaults._schedule_one
-    monkeypatch.setattr(schedule_cache, "_SCHEDULED", {})
+    monkeypatch.setattr(kept_ir, "_KEPT", {})
     monkeypatch.setattr(defaults, "_schedule_one", lambda *_: pytest.fail("scheduled again"))
     second = default_gpu_schedules(mod, target)
     assert tvm_ffi.structural_equal(first["main"], second["main"])
@@ -191,7 +192,7 @@ def test_default_schedules_are_kept_on_disk_per_kernel(tmp_path, monkeypatch, ta
     ref = x.astype("float32").astype("float64") @ y.astype("float32").astype("float64")
     np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
     files[0].write_text("{damaged")
-    monkeypatch.setattr(schedule_cache, "_SCHEDULED", {})
+    monkeypatch.setattr(kept_ir, "_KEPT", {})
     monkeypatch.setattr(defaults, "_schedule_one", made)
     third = default_gpu_schedules(mod, target)
     assert tvm_ffi.structural_equal(first["main"], third["main"])

@@ -20,35 +20,38 @@ from tvm_ffi.serialization import from_json_graph_str
 
 from .files import write_atomically
 
-_KEPT: dict[str, object] = {}  # path of the kept file -> object, for this process
+_KEPT: dict[tuple[str | None, str], object] = {}  # (folder, key) -> object, this process's
 
 
-def kept(folder: str, parts: Iterable[str], make: Callable[[], object]) -> object:
+def kept(folder: str | None, parts: Iterable[str], make: Callable[[], object | None]):
     """``make()``, kept per key: the sha256 of TVM's version and the strings ``parts`` (every
     input ``make`` depends on). Kept in this process and in ``folder`` of the project's cache
-    folder (:func:`thomas_tune.opencl.cache_dir`), one JSON file per key written atomically.
-    A kept file that does not load is made again and rewritten; where the cache cannot be
-    written (read-only, full) the object is kept for this process only. Raises what ``make``
-    raises."""
+    folder (:func:`thomas_tune.opencl.cache_dir`; None: in this process only), one JSON file
+    per key written atomically. A kept file that does not load is made again and rewritten;
+    where the cache cannot be written (read-only, full) the object is kept for this process
+    only; a ``make()`` that returns None is not kept. Raises what ``make`` raises."""
     from .opencl import cache_dir
     h = hashlib.sha256(tvm.__version__.encode())
     for part in parts:
         h.update(b"\0" + part.encode())
     key = h.hexdigest()
-    path = os.path.join(cache_dir(), folder, key[:2], key + ".json")
-    if path in _KEPT:
-        return _KEPT[path]
-    if os.path.exists(path):
+    path = os.path.join(cache_dir(), folder, key[:2], key + ".json") if folder else None
+    if (folder, key) in _KEPT:
+        return _KEPT[folder, key]
+    if path is not None and os.path.exists(path):
         try:
             with open(path) as f:
-                _KEPT[path] = from_json_graph_str(f.read())
-            return _KEPT[path]
+                _KEPT[folder, key] = from_json_graph_str(f.read())
+            return _KEPT[folder, key]
         except Exception:  # damaged or torn (TVM raises its own errors): make it again
             pass
     obj = make()
-    _KEPT[path] = obj
-    try:
-        write_atomically(path, tvm.ir.save_json(obj), sync=False)
-    except OSError:
-        pass
+    if obj is None:
+        return None
+    _KEPT[folder, key] = obj
+    if path is not None:
+        try:
+            write_atomically(path, tvm.ir.save_json(obj), sync=False)
+        except OSError:
+            pass
     return obj

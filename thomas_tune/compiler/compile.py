@@ -225,9 +225,8 @@ def compile_graph(mod: tvm.IRModule, target: tvm.target.Target,
 #: type, rank, shape, strides and device of every buffer), made for callers that may pass
 #: anything. A library's kernels are called by its own Relax VM code only, with the buffers its
 #: memory plan made for them, and the VM checks the tensors a caller passes to the step and
-#: the inference function itself (``vm.builtin.check_tensor_info``). The checks are about
-#: four fifths of the host module's LLVM IR, and its code generation is most of
-#: ``export_library``'s time (``docs/journal/suite.md``). Tuning builds
+#: the inference function itself. The checks are more than half of the host module's LLVM IR
+#: and nine tenths of the time its object code takes (``docs/opencl.md``). Tuning builds
 #: (:mod:`thomas_tune.measure.builder`) keep them: their kernels are called by MetaSchedule's
 #: runner.
 BUILD_CONFIG = {"tirx.disable_assert": True}
