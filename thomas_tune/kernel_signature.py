@@ -52,8 +52,8 @@ def signatures(source: str) -> dict[str, list[tuple[str, str]]]:
 @functools.lru_cache(maxsize=4096)
 def _arguments(text: str) -> tuple[tuple[str, str], ...]:
     """(type, name) of each argument of a kernel's parameter list ``text``. Kept per text: TVM's
-    code generator declares every kernel of a module in the source of each of them, so one
-    module's kernels are read once per kernel of it."""
+    code generator writes a declaration of every kernel of a module into each kernel's source,
+    so each parameter list comes back once per kernel of the module."""
     args = []
     for arg in (a.strip() for a in text.split(",")):
         if not arg:
