@@ -414,3 +414,44 @@ def test_the_runtime_counts_device_memory_and_launch_bytes(target, rng):
     assert after["launches"] - before["launches"] == 1
     assert after["launch_arg_bytes"] - before["launch_arg_bytes"] == 8 * n
     np.testing.assert_allclose(out.numpy(), a.numpy() * 2.0)
+
+
+def _opencl_module_parts(monkeypatch, chunk: int, mod, target) -> tuple[dict, dict]:
+    """``mod`` compiled for ``target`` with TVM's OpenCL code generator run ``chunk`` kernels
+    at a time: (kernel name -> its definition, prototypes and blank lines left out; kernel
+    name -> its argument types and launch tags), as the OpenCL module is made from them."""
+    from thomas_tune import opencl
+    from thomas_tune.compiler.compile import compile_graph
+    from thomas_tune.limits import _FUNCTION
+    monkeypatch.setattr(opencl, "CODEGEN_CHUNK", chunk)
+    made: list = []
+    opencl._pieces.out = made
+    try:
+        compile_graph(mod, target)
+    finally:
+        opencl._pieces.out = None
+    assert len(made) == 1, len(made)
+    source, fmap = made[0]
+    parts = _FUNCTION.split(source)
+    kept = {name: "\n".join(line for line in body.splitlines()
+                            if line.strip() and not opencl._PROTOTYPE.match(line))
+            for name, body in zip(parts[1::2], parts[2::2])}
+    types = {str(k): (str(v.name), [str(t) for t in v.arg_types],
+                      [str(t) for t in v.launch_param_tags], [int(t) for t in v.arg_extra_tags])
+             for k, v in fmap.items()}
+    return kept, types
+
+
+def test_code_generation_in_pieces_writes_every_kernel_as_in_one(monkeypatch, target):
+    """TVM's OpenCL code generator run a few kernels at a time (``opencl._chunked_build``,
+    whose time grows linearly, not with the square of the kernel count) gives every kernel of
+    a training step the definition, argument types and launch tags one call gives it."""
+    from thomas_tune.models import build
+    from thomas_tune.training_graph import graph as G
+    model = build("alexnet", num_classes=5, resolution=67, width=0.1)
+    mod = G.training_module(model, 4, "last:3", None).mod
+    whole, whole_types = _opencl_module_parts(monkeypatch, 10 ** 6, mod, target)
+    pieces, piece_types = _opencl_module_parts(monkeypatch, 3, mod, target)
+    assert len(whole) > 3 * 3 and whole.keys() == whole_types.keys()
+    assert pieces == whole
+    assert piece_types == whole_types

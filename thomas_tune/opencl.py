@@ -19,6 +19,7 @@ import re
 import shutil
 import subprocess
 import sysconfig
+import threading
 
 import tvm
 import tvm_ffi
@@ -27,6 +28,12 @@ from .files import replacing
 
 SOURCE = os.path.join(os.path.dirname(__file__), "csrc", "opencl_runtime.cc")
 _loaded: str | None = None
+#: kernels per call of TVM's OpenCL code generator in a library build (:func:`_chunked_build`)
+CODEGEN_CHUNK = 40
+#: TVM's own ``target.build.opencl``, kept when :func:`load` puts :func:`_chunked_build` there
+_tvm_build_opencl = None
+#: the pieces :func:`_create_module` collects for :func:`_chunked_build` in this thread
+_pieces = threading.local()
 
 
 class OpenCLUnavailable(RuntimeError):
@@ -160,7 +167,38 @@ def _create_module(data, fmt, fmap, source):
         raise ValueError(f"OpenCL module format {fmt!r} is not supported (only 'cl' source)")
     loader = tvm_ffi.get_global_func("ffi.Module.load_from_bytes.opencl")
     source_text = data if isinstance(data, str) else bytes(data).decode()
+    collected = getattr(_pieces, "out", None)
+    if collected is not None:
+        collected.append((source_text, dict(fmap.items())))
     return loader(serialize("cl", fmap, compact_source(source_text)))
+
+
+def _chunked_build(mod: tvm.IRModule, target: tvm.target.Target):
+    """TVM's OpenCL code generator (``target.build.opencl``) on ``mod``, :data:`CODEGEN_CHUNK`
+    kernels at a time, the pieces joined into one module: their OpenCL C one after the other,
+    their maps of kernel names to argument types merged.
+
+    The generator writes, before each kernel, a prototype of every kernel of its module, so
+    its time grows with the square of the kernel count: on a 2-core x86-64 host, 0.12 s for
+    the first 40 kernels of MobileNetV2 0.35@64's training step, 1.93 s for 160, 8.95 s for all
+    318. Each kernel's definition is the generator's own either way; only the prototypes,
+    which :func:`compact_source` keeps once per module, sit in other places
+    (``tests/test_opencl_runtime.py`` compares both builds kernel by kernel)."""
+    funcs = list(mod.functions.items())
+    if len(funcs) <= CODEGEN_CHUNK:
+        return _tvm_build_opencl(mod, target)
+    pieces: list = []
+    outer, _pieces.out = getattr(_pieces, "out", None), pieces
+    try:
+        for i in range(0, len(funcs), CODEGEN_CHUNK):
+            _tvm_build_opencl(tvm.IRModule(dict(funcs[i:i + CODEGEN_CHUNK]), attrs=mod.attrs),
+                              target)
+    finally:
+        _pieces.out = outer  # a collector around this build sees the joined module only
+    fmap: dict = {}
+    for _, part in pieces:
+        fmap.update(part)
+    return _create_module("\n".join(text for text, _ in pieces), "cl", fmap, None)
 
 
 def load() -> str:
@@ -170,6 +208,11 @@ def load() -> str:
         path = build()
         ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
         tvm.register_global_func("ffi.Module.create.opencl", _create_module, override=True)
+        global _tvm_build_opencl
+        if _tvm_build_opencl is None:  # absent where TVM loaded its runtime library only
+            _tvm_build_opencl = tvm_ffi.get_global_func("target.build.opencl", allow_missing=True)
+        if _tvm_build_opencl is not None:
+            tvm.register_global_func("target.build.opencl", _chunked_build, override=True)
         _loaded = path
     return _loaded
 
