@@ -152,8 +152,9 @@ def test_work_group_tiles_private_values_and_lone_roundings_are_rewritten():
     of the same size, read and written through ``vload_half`` / ``vstore_half`` on a
     ``__local half*``; its private ``half`` values floats (a literal rounded to float16); a
     kernel that rounds with ``convert_half`` but has no float16 buffer gets the rounding helper;
-    vector loads and stores of float16 memory go through ``vload_halfN`` / ``vstore_halfN``.
-    (The PoCL builds above compile and check such kernels' values.)"""
+    vector loads and stores of float16 memory go through ``vload_halfN`` / ``vstore_halfN``, and
+    a gathered ``halfN`` literal becomes a ``floatN`` one. (The PoCL builds above compile and
+    check such kernels' values.)"""
     from thomas_tune.half_source import ROUND_HALF, rewrite_half_access
     tile = ("__kernel void k(__global float* restrict o, __global half* restrict x) {\n"
             "  __local half t[64];\n  half v;\n  v = (half)0.000000e+00f;\n"
@@ -186,6 +187,15 @@ def test_work_group_tiles_private_values_and_lone_roundings_are_rewritten():
     assert ("vstore_half2(vload_half2(0, x + (get_local_id(0) * 2)), 0, t + (get_local_id(0) "
             "* 2))") in out
     assert "vstore2(vload2(0, o + 2), 0, o)" in out and "vload_half(1, t)" in out
+    # a gathered copy: a halfN literal of float16 loads, held as floatN rounded to float16
+    gather = ("__kernel void g(__global float* restrict o, __global half* restrict x) {\n"
+              "  __local half t[8];\n  int2 i = (int2)(3, 5);\n"
+              "  half2 v = (half2)(x[i.s0],x[i.s1]);\n  vstore2(v, 0, t + 2);\n"
+              "  o[0] = ((float)t[3]);\n}\n")
+    out = rewrite_half_access(gather)
+    assert (f"float2 v = {ROUND_HALF}2((float2)(vload_half(i.s0, x),vload_half(i.s1, x)));"
+            in out), out
+    assert "vstore_half2(v, 0, t + 2)" in out and f"inline float2 {ROUND_HALF}2(" in out
 
 
 def _step_graph():

@@ -139,7 +139,8 @@ def _half_locals(body: str) -> tuple[str, set[str]]:
     ``half`` scalar a ``float`` (it holds float16 values only: what it is given is a load of
     float16 memory or a literal rounded to float16 here), and a private ``halfN`` vector
     (TVM writes one for a vectorized epilogue, ``halfN v = convert_halfN(e);``, then stores
-    its components one by one) a ``floatN`` given ``e`` rounded to float16."""
+    its components one by one, or for a gathered copy, :func:`_vector_literals`) a ``floatN``
+    given ``e`` rounded to float16."""
     names = set()
 
     def local(m):
@@ -151,8 +152,25 @@ def _half_locals(body: str) -> tuple[str, set[str]]:
     body = _HALF_VECTOR.sub(r"float\1 \2", body)
     for n in _WIDTHS:
         body = _calls(body, f"convert_half{n}", lambda e, n=n: f"{ROUND_HALF}{n}({e})")
+    body = _vector_literals(body)
     body = _HALF_LITERAL.sub(lambda m: f"{ROUND_HALF}({m.group(1)})", body)
     return body, names
+
+
+_HALF_VECTOR_LITERAL = re.compile(r"\(half(\d+)\)\(")
+
+
+def _vector_literals(body: str) -> str:
+    """``body`` with each vector literal ``(halfN)(a, b, ...)`` (TVM writes one for a
+    vectorized copy whose elements are gathered, ``halfN v = (halfN)(x[i.s0], x[i.s1]);``) a
+    ``floatN`` of the same components rounded to float16 (exact for float16 data)."""
+    while True:
+        m = _HALF_VECTOR_LITERAL.search(body)
+        if m is None:
+            return body
+        n, end = m.group(1), _close(body, m.end() - 1, "(", ")")
+        body = (f"{body[:m.start()]}{ROUND_HALF}{n}((float{n})({body[m.end():end]}))"
+                f"{body[end + 1:]}")
 
 
 def rewrite_half_access(source: str) -> str:
