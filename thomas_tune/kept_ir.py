@@ -35,9 +35,9 @@ def kept(folder: str | None, parts: Iterable[str], make: Callable[[], object | N
     for part in parts:
         h.update(b"\0" + part.encode())
     key = h.hexdigest()
-    path = os.path.join(cache_dir(), folder, key[:2], key + ".json") if folder else None
     if (folder, key) in _KEPT:
         return _KEPT[folder, key]
+    path = os.path.join(cache_dir(), folder, key[:2], key + ".json") if folder else None
     if path is not None and os.path.exists(path):
         try:
             with open(path) as f:

@@ -203,12 +203,11 @@ def _chunked_build(mod: tvm.IRModule, target: tvm.target.Target):
 
 def load() -> str:
     """Build (if needed) and load the sidecar once per process; returns its path."""
-    global _loaded
+    global _loaded, _tvm_build_opencl
     if _loaded is None:
         path = build()
         ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
         tvm.register_global_func("ffi.Module.create.opencl", _create_module, override=True)
-        global _tvm_build_opencl
         if _tvm_build_opencl is None:  # absent where TVM loaded its runtime library only
             _tvm_build_opencl = tvm_ffi.get_global_func("target.build.opencl", allow_missing=True)
         if _tvm_build_opencl is not None:
