@@ -18,7 +18,9 @@
 # Calls: 'tools/gpu_tune.sh park' with each .devcarry/pK that fits beside the work tree; 'park'
 # then this script with setsid, with the last part and .devcarry/last; 'tools/gpu_mixed16.sh
 # unpack' with .devcarry/x68 while it tunes (the MobileNetV2 rows and checks wait for it); then
-# calls that wait for $TT/r68/all.done and copy $TT/r68 to $OUT.
+# 'tools/gpu_mixed16.sh collect' calls until $TT/r68/all.done: each brings back $TT/r68 and
+# the logs tuned so far as $OUT/r68.tgz.
+# CARRIED=0: no carried exports (.devcarry/x68 is not unpacked; their checks are skipped).
 # TUNE_S_ALEX (default 240), TUNE_S (240): seconds each tuning may run (TUNE_S=0: no MobileNetV2
 # tuning and mixed16 row; TUNE_S_ALEX=0: the carried exports' checks only); TRIALS (default 2000).
 cd "$(dirname "$0")/.."
@@ -29,6 +31,15 @@ if [ "${1:-}" = unpack ]; then  # a call carrying .devcarry/x68, while the tunin
       [ -e /tmp/tt/x68/$d/$f ] || cp /tmp/tt/x68/shared/$f /tmp/tt/x68/$d/; done
   done
   date > /tmp/tt/x68/unpacked; exit 0
+fi
+if [ "${1:-}" = collect ]; then  # each later call: wait up to WAIT s (default 500) for the
+  # run to end, then bring back what it has made so far (the machine can be taken back
+  # between calls, and /tmp/tt with it)
+  for _ in $(seq $(( ${WAIT:-500} / 10 ))); do
+    [ -e /tmp/tt/r68/all.done ] && [ -e /tmp/tt/r68/checks.done ] && break; sleep 10; done
+  ls -la /tmp/tt/r68; tail -n 3 /tmp/tt/r68/*.out
+  [ -n "${OUT:-}" ] && tar -C /tmp/tt -czf $OUT/r68.tgz --exclude='*.so' --exclude='*.npz' r68 logs
+  exit 0
 fi
 {  # read whole before it runs: later calls replace the work tree
 TT=/tmp/tt; R=$TT/r68; mkdir -p $R
@@ -52,9 +63,11 @@ check() {
   flock $R/timing.lock $G py -c "from thomas_tune.export_check import check_export; c = check_export('$1', \
 say=print); print(c.ok, c.line())" > $R/check_$2.out 2>&1
 }
-( for _ in $(seq 180); do [ -e $TT/x68/unpacked ] && break; sleep 5; done
-  check $TT/x68/mnv2-budget budget1024
-  check $TT/x68/mnv2-all mnv2-all
+( if [ "${CARRIED:-1}" != 0 ]; then
+    for _ in $(seq 180); do [ -e $TT/x68/unpacked ] && break; sleep 5; done
+    check $TT/x68/mnv2-budget budget1024
+    check $TT/x68/mnv2-all mnv2-all
+  fi
   if [ "${TUNE_S_ALEX:-240}" != 0 ]; then
     for _ in $(seq 360); do [ -e $R/alexnet_exported ] && break; sleep 5; done
     check $TT/rows/alexnet-all alexnet-all
