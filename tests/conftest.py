@@ -8,13 +8,6 @@ import os
 import numpy as np
 import pytest
 
-# PoCL compiles each kernel's work-group function with the simple "loops" method in the tests,
-# in this process and the device servers it starts (they inherit the environment), unless
-# POCL_WORK_GROUP_METHOD is set: the same kernels give the same numbers (to the bit on a small
-# AlexNet step), and compiling them from source takes about a quarter of the time of PoCL's
-# default work-group vectorizer (docs/journal/suite.md). Set here, before PoCL is loaded.
-os.environ.setdefault("POCL_WORK_GROUP_METHOD", "loops")
-
 from thomas_tune.reference import TorchGraph, torch_module  # noqa: F401 (re-exported)
 from thomas_tune.compiler.compile import reference_target
 from thomas_tune.target import parse_target
