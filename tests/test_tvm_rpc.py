@@ -233,6 +233,10 @@ def test_tune_export_train_infer_through_tvm_rpc(tracker, tmp_path, rng, capsys)
                     and not e["reason"].startswith("run timed out")], errors
         measured = [r for r in records if min(r[1][1]) < 1e9]
         assert len(records) == 4 and len(measured) == 4 - len(errors) >= 1, (records, errors)
+        # the export applies each workload's best record and checks it through tvm_rpc:
+        # without the default schedules' times none is left out as slower than its default
+        # (on a loaded machine a few trials can all be slower: nothing was checked)
+        (log / "default_latency.json").unlink(missing_ok=True)
         assert main(["export", *small, "--log", str(log), "--out", str(out)]) == 0
         manifest = Manifest.read(str(out))
         assert manifest.record_check["checked"] >= 1 and not manifest.record_check["wrong"]
