@@ -242,7 +242,7 @@ def test_records_move_to_the_half_storage_twin_of_a_convolution(tmp_path, target
 
     from tvm import topi
 
-    from thomas_tune.logs import TuningLog
+    from thomas_tune.logs import TuningLog, read_errors
     from thomas_tune.schedules import anchor_key
     from thomas_tune.tasks import Task
     from thomas_tune.tuning import rpc_runner, tune
@@ -270,15 +270,13 @@ def test_records_move_to_the_half_storage_twin_of_a_convolution(tmp_path, target
     twin = Task("conv_half", half, flops, {"train": 1})
     report = tune([twin], target, log, rpc_runner(pocl, "pocl"), trials=1, trials_per_iter=1,
                   population=16, show_progress=False, **ONE, refine_top=1, seed=1)
-    errors_path = tmp_path / "log" / "trial_errors.jsonl"
-    errors = [json.loads(line) for line in open(errors_path) if line.strip()] \
-        if errors_path.exists() else []
+    errors = read_errors(log)
     # (a timed run cut by its bound on a loaded machine is no fault of the moved record: seen
     # once, 'the timed runs took over 20 s' beside another test's work)
     timed_out = [e for e in errors if e["task"] == "conv_half"
                  and e["reason"].startswith("run timed out")]
     assert report.transferred["measured"] >= 1, report.transferred
-    assert report.transferred["failed"] == 0 or timed_out, (report.transferred, errors)
+    assert report.transferred["failed"] <= len(timed_out), (report.transferred, errors)
     with open(log.record_path) as f:
         records = [json.loads(line) for line in f if line.strip()]
     moved = records[before]  # before the search: the float32 record on the twin
