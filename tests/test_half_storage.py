@@ -198,6 +198,50 @@ def test_work_group_tiles_private_values_and_lone_roundings_are_rewritten():
     assert "vstore_half2(v, 0, t + 2)" in out and f"inline float2 {ROUND_HALF}2(" in out
 
 
+
+def test_private_float16_tiles_and_vector_roundings_compile_and_round_on_the_device(rng):
+    """Two forms the H100's mixed16 tuning met (docs/journal/memory.md): a private ``half``
+    array (a work-item's tile of a stored input) becomes a ``float`` array holding float16
+    values, and a kernel whose only float16 is a vectorized rounding (``convert_half4`` of a
+    float32 epilogue read back as float32, no ``half`` word) gets the vector helper. Both
+    rewritten sources compile on this machine's device (no ``cl_khr_fp16``) and give numpy's
+    float16 values of fresh inputs."""
+    cl = pytest.importorskip("pyopencl")
+    from thomas_tune.half_source import ROUND_HALF, rewrite_half_access
+    devs = [d for p in cl.get_platforms() for d in p.get_devices()]
+    if not devs:
+        pytest.skip("no OpenCL device")
+    tile = ("__kernel void p(__global float* restrict o, __global half* restrict x) {\n"
+            "  half t[4];\n  for (int i = 0; i < 4; ++i) { t[i] = x[(get_global_id(0) * 4) + i]; }\n"
+            "  for (int i = 0; i < 4; ++i) { o[(get_global_id(0) * 4) + i] = "
+            "(((float)t[3 - i]) * 2.000000e+00f); }\n}\n")
+    out = rewrite_half_access(tile)
+    assert "float t[4];" in out and "t[i] = vload_half(" in out and ", x); }" in out
+    vround = ("__kernel void v(__global float* restrict o, __global float* restrict x) {\n"
+              "  float4 a = convert_float4((convert_half4(max(vload4(0, x + (get_global_id(0) "
+              "* 4)), ((float4)(0.000000e+00f, 0.000000e+00f, 0.000000e+00f, "
+              "0.000000e+00f))))));\n  vstore4(a, 0, o + (get_global_id(0) * 4));\n}\n")
+    out2 = rewrite_half_access(vround)
+    assert "convert_half" not in out2 and f"inline float4 {ROUND_HALF}4(" in out2
+    ctx = cl.Context([devs[0]])
+    queue = cl.CommandQueue(ctx)
+    n = 64
+    x16 = (rng.standard_normal(4 * n) * 100).astype("float16")
+    x32 = (rng.standard_normal(4 * n) * 100).astype("float32")
+    mf = cl.mem_flags
+    got = {}
+    for name, src, host in (("p", out, x16), ("v", out2, x32)):
+        prog = cl.Program(ctx, src).build()
+        xb = cl.Buffer(ctx, mf.READ_ONLY | mf.COPY_HOST_PTR, hostbuf=host)
+        ob = cl.Buffer(ctx, mf.WRITE_ONLY, 4 * 4 * n)
+        getattr(prog, name)(queue, (n,), None, ob, xb)
+        got[name] = np.empty(4 * n, "float32")
+        cl.enqueue_copy(queue, got[name], ob)
+    want_p = x16.astype("float64").reshape(n, 4)[:, ::-1].reshape(-1) * 2
+    np.testing.assert_array_equal(got["p"], want_p)
+    want_v = np.maximum(x32, 0).astype("float16").astype("float64")
+    np.testing.assert_array_equal(got["v"], want_v)
+
 def _step_graph():
     """``g(x, w1, w2) -> (loss, y, c, a)`` with :func:`_graph`'s layers and ``loss = sum(a
     * a)``, and its adjoint ``g_adjoint`` (gradients of ``w1`` and ``w2``) built by Relax,

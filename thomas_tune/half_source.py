@@ -128,6 +128,10 @@ _LOCAL_HALF_ARRAY = re.compile(
 _HALF_VECTOR = re.compile(r"(?<![\w*])half(\d+) (\w+)(?=\s*[=;])")
 _LOCAL_HALF_PTR = re.compile(r"__local half\*")
 _HALF_SCALAR = re.compile(r"(?<![\w*])half (\w+);")
+_HALF_PRIVATE_ARRAY = re.compile(r"(?<![\w*])half (\w+)\[(\d+)\];")
+#: a rounding to float16 of a scalar or a vector (``convert_half4``: TVM writes one for a
+#: vectorized epilogue whose float16 value is read back as float32 in the same kernel)
+_CONVERT_HALF = re.compile(r"\bconvert_half\d*\(")
 _HALF_LITERAL = re.compile(r"\(half\)(-?[0-9][0-9.]*(?:e[+-]?[0-9]+)?f?)")
 
 
@@ -136,8 +140,9 @@ def _half_locals(body: str) -> tuple[str, set[str]]:
     that OpenCL C without ``cl_khr_fp16`` compiles them: a ``__local half`` array becomes a
     ``__local ushort`` array of the same bytes, read and written through a ``__local half*``
     of the same name (returned, for :func:`_accesses` to rewrite like a buffer); a private
-    ``half`` scalar a ``float`` (it holds float16 values only: what it is given is a load of
-    float16 memory or a literal rounded to float16 here), and a private ``halfN`` vector
+    ``half`` scalar or array a ``float`` one (it holds float16 values only: what it is given
+    is a load of float16 memory, a value rounded to float16 or a literal rounded to float16
+    here; a private tile of a stored input is such an array), and a private ``halfN`` vector
     (TVM writes one for a vectorized epilogue, ``halfN v = convert_halfN(e);``, then stores
     its components one by one, or for a gathered copy, :func:`_vector_literals`) a ``floatN``
     given ``e`` rounded to float16."""
@@ -149,6 +154,7 @@ def _half_locals(body: str) -> tuple[str, set[str]]:
                 f"{m.group(1)} = (__local half*){m.group(1)}_bits;")
     body = _LOCAL_HALF_ARRAY.sub(local, body)
     body = _HALF_SCALAR.sub(r"float \1;", body)
+    body = _HALF_PRIVATE_ARRAY.sub(r"float \1[\2];", body)
     body = _HALF_VECTOR.sub(r"float\1 \2", body)
     for n in _WIDTHS:
         body = _calls(body, f"convert_half{n}", lambda e, n=n: f"{ROUND_HALF}{n}({e})")
@@ -185,7 +191,7 @@ def rewrite_half_access(source: str) -> str:
     without ``half`` (neither a float16 type nor a rounding to it) is returned as it is.
     Raises :class:`HalfAccessError` naming the kernel where ``half`` is left in another form
     (a ``halfN`` cast or parameter)."""
-    if not (_HALF_WORD.search(source) or "convert_half(" in source):
+    if not (_HALF_WORD.search(source) or _CONVERT_HALF.search(source)):
         return source
     source = _FP16_BLOCK.sub("#ifdef cl_khr_fp16\n#pragma OPENCL EXTENSION cl_khr_fp16 : "
                              "enable\n#endif\n", source)
