@@ -212,7 +212,8 @@ def test_private_float16_tiles_and_vector_roundings_compile_and_round_on_the_dev
     if not devs:
         pytest.skip("no OpenCL device")
     tile = ("__kernel void p(__global float* restrict o, __global half* restrict x) {\n"
-            "  half t[4];\n  for (int i = 0; i < 4; ++i) { t[i] = x[(get_global_id(0) * 4) + i]; }\n"
+            "  half t[4];\n"
+            "  for (int i = 0; i < 4; ++i) { t[i] = x[(get_global_id(0) * 4) + i]; }\n"
             "  for (int i = 0; i < 4; ++i) { o[(get_global_id(0) * 4) + i] = "
             "(((float)t[3 - i]) * 2.000000e+00f); }\n}\n")
     out = rewrite_half_access(tile)
