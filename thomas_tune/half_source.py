@@ -63,14 +63,19 @@ def _strip_parens(e: str) -> str:
 
 
 def _calls(src: str, name: str, make) -> str:
-    """``src`` with each call ``name(arg)`` (innermost first) replaced by ``make(arg)``."""
+    """``src`` with each call ``name(arg)`` replaced by ``make(arg)`` (outermost first; calls
+    nested in ``arg`` are replaced in what ``make`` returns). The search goes on from where
+    the replacement starts: text before it holds no call left, so a kernel of k calls is read
+    once, not k times."""
     pat = re.compile(rf"\b{name}\(")
+    pos = 0
     while True:
-        m = pat.search(src)
+        m = pat.search(src, pos)
         if m is None:
             return src
         end = _close(src, m.end() - 1, "(", ")")
         src = src[:m.start()] + make(src[m.end():end]) + src[end + 1:]
+        pos = m.start()
 
 
 def _accesses(kernel: str, ptrs: set[str]) -> str:
