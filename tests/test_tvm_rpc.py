@@ -6,8 +6,9 @@ at the bound with the session's files left, no bound at 0, the whole server ende
 timeout that is not digits), and the product through it: ``tune`` (a few trials), ``export``,
 a training run renewed across sessions, ``infer``. With the aarch64 build under qemu-user
 (``rpc/tvm_rpc_server.sh``, Debian's arm64 PoCL in an arm64 root): an export for the Adreno
-target linked for ``linux-aarch64`` runs its training step there, loss and gradients checked
-against PyTorch in float64, and trains as the same export does on this machine.
+target linked for ``linux-aarch64`` (its last three layers trainable) runs its training step
+there, loss and gradients checked against PyTorch in float64, and trains as the same export
+does on this machine.
 
 The builds are found through ``THOMAS_TUNE_TVM_RPC`` (x86-64) and
 ``THOMAS_TUNE_TVM_RPC_AARCH64``: the ``--out`` folders of ``rpc/build_tvm_rpc.sh`` (``tvm_rpc``
@@ -306,8 +307,14 @@ def test_adreno_export_trains_on_the_aarch64_tvm_rpc(tracker, tmp_path, rng, mon
     try:
         model = build("alexnet", **MODEL)
         tensors = init_params(model, seed=int(rng.integers(1 << 30)))
-        # (infer_batch 2: the x86-64 build is then tests/test_adreno.py's, built once)
-        quiet = dict(batch=BATCH, infer_batch=2, trainable="all", progress=lambda *_: None)
+        # The last three layers train: the frozen convolutions run forward only. The kernels'
+        # OpenCL C is the target's, whatever the host; what the aarch64 device adds is the
+        # host code linked for linux-aarch64 and tvm_rpc's aarch64 build, which every kernel
+        # goes through alike. Its PoCL compiles each kernel under emulation at its first
+        # launch (on an empty cache most of this test's time: 443 s with every layer
+        # trainable, 75 s with a warm cache), and the backward kernels of the convolutions
+        # run on PoCL in tests/test_adreno.py.
+        quiet = dict(batch=BATCH, infer_batch=2, trainable="last:3", progress=lambda *_: None)
         arm, x86 = str(tmp_path / "arm"), str(tmp_path / "x86")
         export(arm, model, tensors, parse_target("qcom/adreno-opencl", "linux-aarch64"), **quiet)
         export(x86, model, tensors, parse_target("qcom/adreno-opencl"), **quiet)
