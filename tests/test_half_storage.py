@@ -198,7 +198,6 @@ def test_work_group_tiles_private_values_and_lone_roundings_are_rewritten():
     assert "vstore_half2(v, 0, t + 2)" in out and f"inline float2 {ROUND_HALF}2(" in out
 
 
-
 def test_private_float16_tiles_and_vector_roundings_compile_and_round_on_the_device(rng):
     """Two forms the H100's mixed16 tuning met (docs/journal/memory.md): a private ``half``
     array (a work-item's tile of a stored input) becomes a ``float`` array holding float16
@@ -242,6 +241,7 @@ def test_private_float16_tiles_and_vector_roundings_compile_and_round_on_the_dev
     np.testing.assert_array_equal(got["p"], want_p)
     want_v = np.maximum(x32, 0).astype("float16").astype("float64")
     np.testing.assert_array_equal(got["v"], want_v)
+
 
 def _step_graph():
     """``g(x, w1, w2) -> (loss, y, c, a)`` with :func:`_graph`'s layers and ``loss = sum(a

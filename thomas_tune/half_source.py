@@ -132,8 +132,8 @@ _LOCAL_HALF_ARRAY = re.compile(
     r"__local half (\w+)\[(\d+)\]((?:\s*__attribute__\(\(\w+\(\d+\)\)\))?);")
 _HALF_VECTOR = re.compile(r"(?<![\w*])half(\d+) (\w+)(?=\s*[=;])")
 _LOCAL_HALF_PTR = re.compile(r"__local half\*")
-_HALF_SCALAR = re.compile(r"(?<![\w*])half (\w+);")
-_HALF_PRIVATE_ARRAY = re.compile(r"(?<![\w*])half (\w+)\[(\d+)\];")
+#: a private ``half`` scalar or array declaration (``half v;``, ``half t[8];``)
+_HALF_PRIVATE = re.compile(r"(?<![\w*])half (\w+(?:\[\d+\])?);")
 #: a rounding to float16 of a scalar or a vector (``convert_half4``: TVM writes one for a
 #: vectorized epilogue whose float16 value is read back as float32 in the same kernel)
 _CONVERT_HALF = re.compile(r"\bconvert_half\d*\(")
@@ -158,8 +158,7 @@ def _half_locals(body: str) -> tuple[str, set[str]]:
         return (f"__local ushort {m.group(1)}_bits[{m.group(2)}]{m.group(3)}; __local half* "
                 f"{m.group(1)} = (__local half*){m.group(1)}_bits;")
     body = _LOCAL_HALF_ARRAY.sub(local, body)
-    body = _HALF_SCALAR.sub(r"float \1;", body)
-    body = _HALF_PRIVATE_ARRAY.sub(r"float \1[\2];", body)
+    body = _HALF_PRIVATE.sub(r"float \1;", body)
     body = _HALF_VECTOR.sub(r"float\1 \2", body)
     for n in _WIDTHS:
         body = _calls(body, f"convert_half{n}", lambda e, n=n: f"{ROUND_HALF}{n}({e})")

@@ -26,16 +26,8 @@ from thomas_tune.tuning.defaults import read_default_times
 
 split = sys.argv.index("--")
 log_path, precisions, options = sys.argv[1], sys.argv[2:split], sys.argv[split + 1:]
-database = TuningLog(log_path).database()
-
-
-def best_seconds(mod) -> float:
-    """The mean run time (s) of the best record of ``mod``'s workload, nan without one."""
-    if not database.has_workload(mod):
-        return math.nan
-    top = database.get_top_k(database.commit_workload(mod), 1)
-    return sum(map(float, top[0].run_secs)) / len(top[0].run_secs) if top else math.nan
-
+log = TuningLog(log_path)
+database = log.database()
 
 for precision in precisions or ["float32"]:
     args = parser().parse_args(["tasks", *options, "--precision", precision])
@@ -47,7 +39,8 @@ for precision in precisions or ["float32"]:
         defaults = read_default_times(log_path, target, {key(t): t.mod for t in tasks}) or {}
         rows = []
         for t in tasks:
-            default, best = defaults.get(key(t), math.nan), best_seconds(t.mod)
+            default = defaults.get(key(t), math.nan)
+            best = log.best_seconds(database, t.mod) or math.nan
             used = min((s for s in (default, best) if math.isfinite(s)), default=math.nan)
             rows.append((used * t.weight, t.weight, default, best, t.name))
         rows.sort(key=lambda r: -r[0] if math.isfinite(r[0]) else 0.0)
