@@ -314,7 +314,7 @@ def test_adreno_export_trains_on_the_aarch64_tvm_rpc(tracker, tmp_path, rng, mon
         # launch (on an empty cache most of this test's time: 443 s with every layer
         # trainable, 75 s with a warm cache), and the backward kernels of the convolutions
         # run on PoCL in tests/test_adreno.py.
-        quiet = dict(batch=BATCH, infer_batch=2, trainable="last:3", progress=lambda *_: None)
+        quiet = dict(batch=BATCH, trainable="last:3", progress=lambda *_: None)
         arm, x86 = str(tmp_path / "arm"), str(tmp_path / "x86")
         export(arm, model, tensors, parse_target("qcom/adreno-opencl", "linux-aarch64"), **quiet)
         export(x86, model, tensors, parse_target("qcom/adreno-opencl"), **quiet)
