@@ -23,6 +23,11 @@
 # CARRIED=0: no carried exports (.devcarry/x68 is not unpacked; their checks are skipped).
 # TUNE_S_ALEX (default 240), TUNE_S (240): seconds each tuning may run (TUNE_S=0: no MobileNetV2
 # tuning and mixed16 row; TUNE_S_ALEX=0: the carried exports' checks only); TRIALS (default 2000).
+# F32_MATCH=REGEX, F32_S
+# (default 90): before AlexNet's rows, its float32 tasks whose names match REGEX tuned for
+# F32_S seconds (the job 'alexnet-w1-r224-c1000-b32' with '--match REGEX'). CHECK16=0: no step
+# check of AlexNet's mixed16 export (a tuned one's check weighs every element near a kink
+# without the build's roundings: 335 s per batch on the H100's host, and says little).
 cd "$(dirname "$0")/.."
 if [ "${1:-}" = unpack ]; then  # a call carrying .devcarry/x68, while the tuning runs
   tar -C /tmp/tt -xJf .devcarry/x68/x68.tar.xz || exit 4
@@ -47,16 +52,16 @@ G="bash tools/gpu_tune.sh"
 PY="python3 -P -m thomas_tune.cli"
 cp bench/memory_budget.py $R/memory_budget.py
 $G setup > $R/setup.out 2>&1 || { echo "setup failed" > $R/all.done; exit 3; }
-# tune_job JOB SECONDS: the job of tools/gpu_jobs.txt, stopped (its log flushed per record)
+# tune_job JOB SECONDS [OPTIONS]: the job of tools/gpu_jobs.txt, stopped (its log flushed per record)
 # after SECONDS at most
 tune_job() {
-  JOBS=$1 TRIALS=${TRIALS:-2000} WATCH=0 TUNE_ARGS="--trials-per-iter 16" $G start \
-    > $R/start_${1%%:*}.out 2>&1
+  JOBS=$1 TRIALS=${TRIALS:-2000} WATCH=0 TUNE_ARGS="--trials-per-iter 16 ${3:-}" $G start \
+    > $R/start_${1//:/@}.out 2>&1
   ( sleep $2; pkill -TERM -f "thomas_tune.cli tune" ) &
   local watchdog=$!
   sleep 5; flock $TT/device.lock true  # the tuning job holds it until it ends
   kill $watchdog 2>/dev/null
-  date > $R/tuned_${1%%:*}
+  date > $R/tuned_${1//:/@}
 }
 # check DIR NAME: the step check of an export, its result line in $R/check_NAME.out
 check() {
@@ -71,11 +76,12 @@ say=print); print(c.ok, c.line())" > $R/check_$2.out 2>&1
   if [ "${TUNE_S_ALEX:-240}" != 0 ]; then
     for _ in $(seq 360); do [ -e $R/alexnet_exported ] && break; sleep 5; done
     check $TT/rows/alexnet-all alexnet-all
-    check $TT/rows/alexnet-all-mixed16 alexnet-all-mixed16
+    [ "${CHECK16:-1}" != 0 ] && check $TT/rows/alexnet-all-mixed16 alexnet-all-mixed16
   fi
   date > $R/checks.done ) &
 [ "${TUNE_S_ALEX:-240}" = 0 ] && { date > $R/all.done; exit; }  # the carried exports' checks only
 tune_job alexnet-w1-r224-c1000-b32:mixed16 ${TUNE_S_ALEX:-240}
+[ -n "${F32_MATCH:-}" ] && tune_job alexnet-w1-r224-c1000-b32 ${F32_S:-90} "--match $F32_MATCH"
 mkdir -p $R/alexnet_log && cp $TT/logs/alexnet-w1-r224-c1000-b32/*.json* $R/alexnet_log/ 2>/dev/null
 ROWS="alexnet-all alexnet-all-mixed16" EXPORT_ONLY=1 $G rows-job > $R/alexnet_rows.out 2>&1
 cp $TT/rows/*.export.out $R/ 2>/dev/null
