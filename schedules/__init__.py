@@ -11,9 +11,10 @@ One rule family per module: :mod:`.space` (the design space per target), :mod:`.
 :mod:`.padding`, :mod:`.split_reduction`, :mod:`.matmul_tiles`, :mod:`.skinny`, :mod:`.unroll`,
 :mod:`.transfer` (schedules moved between twin kernels), :mod:`.defaults` (default schedules of
 untuned kernels: the rules in :mod:`.default_rules`, kept by :mod:`.schedule_cache`; the CPU
-passes in :mod:`.cpu_splits`), :mod:`.winograd`, :mod:`.accumulate` (long sums in two levels, after
-scheduling); :mod:`.traces`, :mod:`.blocks` and :mod:`.intrinsics` hold
-what they share. This package re-exports their public names.
+passes in :mod:`.cpu_splits`), :mod:`.winograd`, :mod:`.accumulate` (long sums in two levels,
+after scheduling), :mod:`.bool_casts` (vector casts of comparisons, after vectorizing);
+:mod:`.traces`, :mod:`.blocks` and :mod:`.intrinsics` hold what they share. This package
+re-exports their public names.
 """
 
 from .accumulate import (CHAIN, MAX_ACCUMULATORS, TwoLevelSums, tir_pipeline,

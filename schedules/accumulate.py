@@ -322,11 +322,13 @@ def to_loops() -> tvm.transform.Pass:
 def gpu_tir_pipeline():
     """TVM's default TIR pipeline (``s_tir``) with :class:`TwoLevelSums` made first: the kernels
     whose sums it splits reach the default pipeline lowered (its passes up to ``FlattenBuffer``
-    find nothing left to do in them), the others as scheduled. Returns what a TIR pipeline
-    factory returns (``tvm.tirx.get_tir_pipeline``): the pass, and the host and device
-    finalisation passes. Registered as :data:`PIPELINE`."""
+    find nothing left to do in them), the others as scheduled; and
+    :class:`~.bool_casts.VectorBoolCasts` made last, on the vectorized kernels. Returns what a
+    TIR pipeline factory returns (``tvm.tirx.get_tir_pipeline``): the pass, and the host and
+    device finalisation passes. Registered as :data:`PIPELINE`."""
+    from .bool_casts import VectorBoolCasts
     base, host, device = tvm.tirx.get_tir_pipeline("s_tir")
-    return tvm.transform.Sequential([TwoLevelSums, base]), host, device
+    return tvm.transform.Sequential([TwoLevelSums, base, VectorBoolCasts]), host, device
 
 
 tvm.tirx.register_tir_pipeline(PIPELINE, gpu_tir_pipeline)

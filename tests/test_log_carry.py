@@ -5,12 +5,13 @@ one kernel is refused, naming that record, and the stamp stays as it was."""
 import dataclasses
 import json
 import os
+import shutil
 
 import pytest
 import tvm
 
 from thomas_tune import cli
-from thomas_tune.logs import RECORDS, WORKLOADS, TuningLog, codegen
+from thomas_tune.logs import RECORDS, WORKLOADS, TuningLog, codegen, pack
 from thomas_tune.logs import carry as carrying
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -68,18 +69,15 @@ def test_identical_kernels_carry_the_log(tmp_path, capsys):
     assert TuningLog(log).version().status == "current"
 
 
-def test_a_change_that_alters_one_kernel_is_refused(tmp_path):
-    """A mutant of code generation (the OpenCL source of record line 2's kernel changed by one
-    comment after the project's rewrite) makes other digests for that record only: the carry
-    is refused, naming that line, and the old stamp stays."""
+def _digests_with_one_kernel_changed(log: str, index: int) -> tuple[int, carrying.Digests]:
+    """The digests of ``log`` under a mutant of code generation that changes the OpenCL source
+    of its record ``index``'s kernel (one comment after the project's rewrite), and that
+    record's line."""
     from thomas_tune.measure.builder import build_candidate
     from tvm.s_tir import meta_schedule as ms
     from tvm.s_tir.schedule import Schedule
 
-    log = _small_log(tmp_path)
-    old = _as_old(carrying.compute_digests(log))
-    stamp_before = (tmp_path / "log" / codegen.STAMP).read_text()
-    _, workload, body, _, line = carrying._log_records(log)[1]
+    _, workload, body, _, line = carrying._log_records(log)[index]
     rec = ms.database.TuningRecord.from_json(body, workload)
     sch = Schedule(workload.mod)
     rec.trace.apply_to_schedule(sch, remove_postproc=False)
@@ -92,9 +90,19 @@ def test_a_change_that_alters_one_kernel_is_refused(tmp_path):
 
     tvm.register_global_func("tvm_callback_opencl_postproc", mutant, override=True)
     try:
-        new = carrying.compute_digests(log)
+        return line, carrying.compute_digests(log)
     finally:
         tvm.register_global_func("tvm_callback_opencl_postproc", original, override=True)
+
+
+def test_a_change_that_alters_one_kernel_is_refused(tmp_path):
+    """A mutant of code generation (the OpenCL source of record line 2's kernel changed by one
+    comment after the project's rewrite) makes other digests for that record only: the carry
+    is refused, naming that line, and the old stamp stays."""
+    log = _small_log(tmp_path)
+    old = _as_old(carrying.compute_digests(log))
+    stamp_before = (tmp_path / "log" / codegen.STAMP).read_text()
+    line, new = _digests_with_one_kernel_changed(log, 1)
     differ = [k for k in old.records if old.records[k] != new.records[k]]
     assert len(differ) == 1 and new.defaults == old.defaults
     with pytest.raises(carrying.CarryRefused, match=rf"1 of 3 records .*record line {line}:"):
@@ -102,6 +110,37 @@ def test_a_change_that_alters_one_kernel_is_refused(tmp_path):
     assert (tmp_path / "log" / codegen.STAMP).read_text() == stamp_before
     # the same digests under the stamped version and this one carry (the mutant undone)
     assert carrying.carry(log, old, carrying.compute_digests(log)).records == 3
+
+
+def test_a_failed_trial_of_a_changed_kernel_is_set_aside_and_the_log_carried(tmp_path, capsys):
+    """The same mutant with record line 2 a failed trial (MetaSchedule's 1e10 s): its failure
+    was the old kernel's, so ``log carry`` moves it to the stale file with the reason and
+    restamps the log with the other two; a packed log is refused, naming the fix."""
+    from thomas_tune.logs import STALE
+    log = _small_log(tmp_path)
+    path = os.path.join(log, RECORDS)
+    lines = open(path).read().splitlines(keepends=True)
+    w, body = json.loads(lines[1])
+    body[1] = [1e10]
+    lines[1] = json.dumps([w, body]) + "\n"
+    open(path, "w").write("".join(lines))
+    old = _as_old(carrying.compute_digests(log))
+    line, new = _digests_with_one_kernel_changed(log, 1)
+    assert line == 2
+    packed = tmp_path / "packed"
+    shutil.copytree(log, packed)
+    pack(str(packed))
+    with pytest.raises(carrying.CarryRefused, match="is packed.*log unpack"):
+        carrying.carry(str(packed), old, new)
+    report = carrying.carry(log, old, new)
+    assert (report.records, report.set_aside) == (3, 1)
+    assert open(path).read() == lines[0] + lines[2]
+    stale = [json.loads(x) for x in open(os.path.join(log, STALE))]
+    assert [x["text"] + "\n" for x in stale] == [lines[1]]
+    assert "no longer makes" in stale[0]["reason"]
+    stamp = json.loads((tmp_path / "log" / codegen.STAMP).read_text())
+    assert stamp["how"].endswith("; 1 failed trials of changed kernels set aside")
+    assert TuningLog(log).version().status == "current"
 
 
 def test_digests_of_another_version_or_other_records_are_refused(tmp_path):

@@ -234,8 +234,12 @@ def cmd_carry(args) -> int:
         print(f"refused: {err}")
         return 1
     print(f"carried {args.log} from code generation {report.old} to {report.new}: "
-          f"{report.records} records' kernels ({report.errors} failing to build under both) "
-          f"and {report.defaults} default schedules identical")
+          f"{report.records - report.set_aside} records' kernels ({report.errors} failing to "
+          f"build under both) and {report.defaults} default schedules identical")
+    if report.set_aside:
+        from ..logs import STALE
+        print(f"set aside: {report.set_aside} failed trials whose kernels changed, moved to "
+              f"{os.path.join(args.log, STALE)} (a search may measure them again)")
     return 0
 
 

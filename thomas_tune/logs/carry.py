@@ -25,6 +25,13 @@ digests of the old version were made by the version the log is stamped with and 
 the log's records, is the log restamped with this installation's version (``"how"``: ``carried:
 N records' kernels identical to version OLD``; the old stamp kept as ``"carried_from"``).
 Otherwise nothing is written and :class:`CarryRefused` names the records that differ.
+
+One difference is taken: a record of a failed trial (no time: MetaSchedule's stand-in, or
+:data:`~thomas_tune.logs.FAILED_RUN_S`) whose kernel is another now. Its failure was the old
+kernel's (a change of the code generation that fixes what made such kernels fail is the usual
+cause: ``schedules/bool_casts.py``), so it holds nothing of the new one: it is moved to
+:data:`~thomas_tune.logs.STALE` with the reason, and a later search may measure its schedule
+again. Every measured time stays tied to an identical kernel.
 """
 
 from __future__ import annotations
@@ -212,13 +219,15 @@ def read_digests(path: str) -> Digests:
 class CarryReport:
     """What :func:`carry` found: the version carried from and to, ``records`` compared (all of
     the log's, distinct), ``defaults`` (the default schedules of their workloads, per target),
-    ``errors`` (records whose build fails under both, identically)."""
+    ``errors`` (records whose build fails under both, identically), ``set_aside`` (records of
+    failed trials whose kernels changed, moved to :data:`~thomas_tune.logs.STALE`)."""
 
     old: str
     new: str
     records: int
     defaults: int
     errors: int
+    set_aside: int = 0
 
 
 def carry(log_path: str, old: Digests, new: Digests | None = None, progress=None
@@ -269,6 +278,9 @@ def carry(log_path: str, old: Digests, new: Digests | None = None, progress=None
                 f" default schedules differ in the two lists); make them from this log as it is")
     both = {**old.records, **old.defaults}, {**new.records, **new.defaults}
     differ = [k for k in where if both[0][k] != both[1][k]]
+    failed = _failed_keys(records)
+    aside = {k for k in differ if k in failed}
+    differ = [k for k in differ if k not in aside]
     if differ:
         names = "; ".join(f"{where[k]}: {both[0][k][:16]} -> {both[1][k][:16]}"
                           for k in differ[:10])
@@ -278,10 +290,47 @@ def carry(log_path: str, old: Digests, new: Digests | None = None, progress=None
             f"make other kernels under this installation ({names}); their times are not those "
             f"of the new kernels: measure the log again ('thomas-tune remeasure --restamp "
             f"--log {log_path} ...')")
-    errors = sum(1 for k in keys if new.records[k].startswith("error:"))
-    write_stamp(log_path, f"carried: {len(keys)} records' kernels identical to version "
-                          f"{stamped}", carried_from=version.stamp)
-    return CarryReport(stamped, now["id"], len(keys), len(default_keys), errors)
+    moved = _set_aside(log_path, [r[4] for r in records if r[0] in aside],
+                       f"a failed trial of a kernel that code generation {now['id']} no longer "
+                       f"makes (log carried from {stamped})") if aside else 0
+    errors = sum(1 for k in keys - aside if new.records[k].startswith("error:"))
+    how = f"carried: {len(keys) - len(aside)} records' kernels identical to version {stamped}"
+    if moved:
+        how += f"; {moved} failed trials of changed kernels set aside"
+    write_stamp(log_path, how, carried_from=version.stamp)
+    return CarryReport(stamped, now["id"], len(keys), len(default_keys), errors, moved)
+
+
+def _failed_keys(records: list) -> set[str]:
+    """The keys of ``records`` (:func:`_log_records`) whose every line is a failed trial."""
+    from .database import mean_run_seconds
+    ok, failed = set(), set()
+    for key, _, body, _, _ in records:
+        (failed if mean_run_seconds(body[1] or ()) == float("inf") else ok).add(key)
+    return failed - ok
+
+
+def _set_aside(log_path: str, line_numbers: list[int], reason: str) -> int:
+    """Move the record lines ``line_numbers`` (from 1) of the unpacked log ``log_path`` to
+    :data:`~thomas_tune.logs.STALE` with ``reason``; returns how many moved. Raises
+    CarryRefused for a packed log (its files are read-only)."""
+    from .tuning_log import RECORDS, STALE, TuningLog
+    from ..files import write_atomically
+    if TuningLog(log_path).packed:
+        raise CarryRefused(f"tuning log {log_path!r} is packed, and {len(line_numbers)} failed "
+                           "trials of changed kernels must be set aside: 'thomas-tune log "
+                           f"unpack {log_path}', carry, then 'thomas-tune log pack {log_path}'")
+    path = os.path.join(log_path, RECORDS)
+    with open(path) as f:
+        lines = f.readlines()
+    drop = set(line_numbers)
+    with open(os.path.join(log_path, STALE), "a") as f:
+        for n in sorted(drop):
+            f.write(json.dumps({"reason": reason, "text": lines[n - 1].rstrip("\n")}) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    write_atomically(path, "".join(x for i, x in enumerate(lines) if i + 1 not in drop))
+    return len(drop)
 
 
 def digests_name(log_path: str) -> str:

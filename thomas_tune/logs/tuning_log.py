@@ -25,6 +25,9 @@ from .database import LogDatabase, json_line, mean_run_seconds
 
 WORKLOADS = "database_workload.json"
 RECORDS = "database_tuning_record.json"
+# records set aside when a log changes code generation (remeasure --restamp, log carry), one JSON
+# object per line: the reason and the record's line
+STALE = RECORDS + ".stale"
 LOCK = ".lock"
 PACKED = ".xz"  # suffix of a packed log's files (xz, Python's lzma)
 ERRORS = "trial_errors.jsonl"

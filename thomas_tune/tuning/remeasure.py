@@ -29,9 +29,7 @@ from tvm.s_tir.schedule import Schedule
 
 from ..measure.kept import keep_builder, take_builder
 from .defaults import measure_kernels
-from ..logs import RECORDS, TuningLog, mean_seconds, rewrite_atomically, write_stamp
-
-STALE = RECORDS + ".stale"  # records set aside by a restamp, one JSON object per line
+from ..logs import STALE, TuningLog, mean_seconds, rewrite_atomically, write_stamp
 
 
 @dataclass
