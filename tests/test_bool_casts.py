@@ -4,6 +4,7 @@ numpy's values on PoCL when built as a step or a tuning candidate is built; TVM'
 selects the wrong side, and kernels without such casts are left as they are."""
 
 import numpy as np
+import pytest
 import tvm
 from tvm import te
 
@@ -35,6 +36,7 @@ def _relu_mask(lanes: int) -> tvm.IRModule:
     return sch.mod
 
 
+@pytest.mark.quick
 @needs_opencl
 def test_a_vectorized_relu_mask_selects_as_numpy_on_the_device(rng):
     """Fresh inputs of both signs: the product's pipeline gives numpy's values for 1 and 4
@@ -63,6 +65,7 @@ def test_a_vectorized_relu_mask_selects_as_numpy_on_the_device(rng):
     np.testing.assert_array_equal(run(tvms), np.zeros(N, "float32"))
 
 
+@pytest.mark.quick
 def test_kernels_without_vector_casts_of_comparisons_are_left_alone():
     """A scalar mask and a vectorized kernel with no comparison cast: the same objects back."""
     from thomas_tune.schedules.accumulate import to_loops

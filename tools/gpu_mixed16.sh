@@ -25,7 +25,10 @@
 # tuning and mixed16 row; TUNE_S_ALEX=0: the carried exports' checks only); TRIALS (default 2000).
 # F32_MATCH=REGEX, F32_S
 # (default 90): before AlexNet's rows, its float32 tasks whose names match REGEX tuned for
-# F32_S seconds (the job 'alexnet-w1-r224-c1000-b32' with '--match REGEX'). CHECK16=0: no step
+# F32_S seconds (the job 'alexnet-w1-r224-c1000-b32' with '--match REGEX'); NO_TUNE=1: AlexNet's
+# rows and checks from the committed log, no tuning. A job started here on a log of another code
+# generation re-measures it first ('remeasure --restamp', keeping each workload's best record
+# only): carry the committed logs to the tree's code generation before a lease. CHECK16=0: no step
 # check of AlexNet's mixed16 export (a tuned one's check weighs every element near a kink
 # without the build's roundings: 335 s per batch on the H100's host, and says little).
 cd "$(dirname "$0")/.."
@@ -80,8 +83,10 @@ say=print); print(c.ok, c.line())" > $R/check_$2.out 2>&1
   fi
   date > $R/checks.done ) &
 [ "${TUNE_S_ALEX:-240}" = 0 ] && { date > $R/all.done; exit; }  # the carried exports' checks only
-tune_job alexnet-w1-r224-c1000-b32:mixed16 ${TUNE_S_ALEX:-240}
-[ -n "${F32_MATCH:-}" ] && tune_job alexnet-w1-r224-c1000-b32 ${F32_S:-90} "--match $F32_MATCH"
+if [ "${NO_TUNE:-0}" != 1 ]; then
+  tune_job alexnet-w1-r224-c1000-b32:mixed16 ${TUNE_S_ALEX:-240}
+  [ -n "${F32_MATCH:-}" ] && tune_job alexnet-w1-r224-c1000-b32 ${F32_S:-90} "--match $F32_MATCH"
+fi
 mkdir -p $R/alexnet_log && cp $TT/logs/alexnet-w1-r224-c1000-b32/*.json* $R/alexnet_log/ 2>/dev/null
 ROWS="alexnet-all alexnet-all-mixed16" EXPORT_ONLY=1 $G rows-job > $R/alexnet_rows.out 2>&1
 cp $TT/rows/*.export.out $R/ 2>/dev/null
