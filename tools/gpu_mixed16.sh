@@ -23,10 +23,10 @@
 # CARRIED=0: no carried exports (.devcarry/x68 is not unpacked; their checks are skipped).
 # TUNE_S_ALEX (default 240), TUNE_S (240): seconds each tuning may run (TUNE_S=0: no MobileNetV2
 # tuning and mixed16 row; TUNE_S_ALEX=0: the carried exports' checks only); TRIALS (default 2000).
-# F32_MATCH=REGEX, F32_S
-# (default 90): before AlexNet's rows, its float32 tasks whose names match REGEX tuned for
-# F32_S seconds (the job 'alexnet-w1-r224-c1000-b32' with '--match REGEX'); NO_TUNE=1: AlexNet's
-# rows and checks from the committed log, no tuning. A job started here on a log of another code
+# F32_MATCH=REGEX, F32_S (default 90): before AlexNet's rows, its float32 tasks whose names match
+# REGEX tuned for F32_S seconds (the job 'alexnet-w1-r224-c1000-b32' with '--match REGEX');
+# NO_TUNE=1: AlexNet's rows and checks from the committed log, no tuning; MNV2_ROWS=0:
+# MobileNetV2's mixed16 tuning only, no rows. A job started here on a log of another code
 # generation re-measures it first ('remeasure --restamp', keeping each workload's best record
 # only): carry the committed logs to the tree's code generation before a lease. CHECK16=0: no step
 # check of AlexNet's mixed16 export (a tuned one's check weighs every element near a kink
@@ -46,7 +46,8 @@ if [ "${1:-}" = collect ]; then  # each later call: wait up to WAIT s (default 5
   for _ in $(seq $(( ${WAIT:-500} / 10 ))); do
     [ -e /tmp/tt/r68/all.done ] && [ -e /tmp/tt/r68/checks.done ] && break; sleep 10; done
   ls -la /tmp/tt/r68; tail -n 3 /tmp/tt/r68/*.out
-  [ -n "${OUT:-}" ] && tar -C /tmp/tt -czf $OUT/r68.tgz --exclude='*.so' --exclude='*.npz' r68 logs
+  [ -n "${OUT:-}" ] && tar -C /tmp/tt -czf $OUT/r68.tgz --exclude='*.so' --exclude='*.npz' \
+    --exclude='*.stale' r68 logs
   exit 0
 fi
 {  # read whole before it runs: later calls replace the work tree
@@ -87,7 +88,7 @@ if [ "${NO_TUNE:-0}" != 1 ]; then
   tune_job alexnet-w1-r224-c1000-b32:mixed16 ${TUNE_S_ALEX:-240}
   [ -n "${F32_MATCH:-}" ] && tune_job alexnet-w1-r224-c1000-b32 ${F32_S:-90} "--match $F32_MATCH"
 fi
-mkdir -p $R/alexnet_log && cp $TT/logs/alexnet-w1-r224-c1000-b32/*.json* $R/alexnet_log/ 2>/dev/null
+mkdir -p $R/alexnet_log && cp $TT/logs/alexnet-w1-r224-c1000-b32/*.json $R/alexnet_log/ 2>/dev/null
 ROWS="alexnet-all alexnet-all-mixed16" EXPORT_ONLY=1 $G rows-job > $R/alexnet_rows.out 2>&1
 cp $TT/rows/*.export.out $R/ 2>/dev/null
 date > $R/alexnet_exported
@@ -96,7 +97,8 @@ flock $R/timing.lock $G py $R/memory_budget.py $TT/rows/alexnet-all $TT/rows/ale
 date > $R/alexnet.done
 [ "${TUNE_S:-240}" = 0 ] && { date > $R/all.done; exit; }  # AlexNet's rows and the checks only
 tune_job mobilenet_v2-w1-r224-c1000-b32:mixed16 ${TUNE_S:-240}
-mkdir -p $R/mnv2_log && cp $TT/logs/mobilenet_v2-w1-r224-c1000-b32/*.json* $R/mnv2_log/ 2>/dev/null
+mkdir -p $R/mnv2_log && cp $TT/logs/mobilenet_v2-w1-r224-c1000-b32/*.json $R/mnv2_log/ 2>/dev/null
+[ "${MNV2_ROWS:-1}" = 0 ] && { date > $R/all.done; exit; }  # MobileNetV2's tuning only
 C="--width 1.0 --resolution 224 --classes 1000 --batch 32 --target targets/h100_opencl.json"
 $PY export --model mobilenet_v2 --trainable all $C --precision mixed16 --any-codegen \
   --log $TT/logs/mobilenet_v2-w1-r224-c1000-b32 --out $TT/x68/mnv2-mixed16 \
