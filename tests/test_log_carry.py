@@ -133,7 +133,7 @@ def test_a_failed_trial_of_a_changed_kernel_is_set_aside_and_the_log_carried(tmp
     with pytest.raises(carrying.CarryRefused, match="is packed.*log unpack"):
         carrying.carry(str(packed), old, new)
     report = carrying.carry(log, old, new)
-    assert (report.records, report.set_aside) == (3, 1)
+    assert (report.records, report.changed, report.set_aside) == (3, 1, 1)
     assert open(path).read() == lines[0] + lines[2]
     stale = [json.loads(x) for x in open(os.path.join(log, STALE))]
     assert [x["text"] + "\n" for x in stale] == [lines[1]]

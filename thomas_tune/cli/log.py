@@ -234,7 +234,7 @@ def cmd_carry(args) -> int:
         print(f"refused: {err}")
         return 1
     print(f"carried {args.log} from code generation {report.old} to {report.new}: "
-          f"{report.records - report.set_aside} records' kernels ({report.errors} failing to "
+          f"{report.records - report.changed} records' kernels ({report.errors} failing to "
           f"build under both) and {report.defaults} default schedules identical")
     if report.set_aside:
         from ..logs import STALE

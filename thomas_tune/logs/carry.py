@@ -219,14 +219,16 @@ def read_digests(path: str) -> Digests:
 class CarryReport:
     """What :func:`carry` found: the version carried from and to, ``records`` compared (all of
     the log's, distinct), ``defaults`` (the default schedules of their workloads, per target),
-    ``errors`` (records whose build fails under both, identically), ``set_aside`` (records of
-    failed trials whose kernels changed, moved to :data:`~thomas_tune.logs.STALE`)."""
+    ``errors`` (records whose build fails under both, identically), ``changed`` (distinct
+    records of failed trials whose kernels changed) and ``set_aside`` (their lines, moved to
+    :data:`~thomas_tune.logs.STALE`)."""
 
     old: str
     new: str
     records: int
     defaults: int
     errors: int
+    changed: int = 0
     set_aside: int = 0
 
 
@@ -298,7 +300,8 @@ def carry(log_path: str, old: Digests, new: Digests | None = None, progress=None
     if moved:
         how += f"; {moved} failed trials of changed kernels set aside"
     write_stamp(log_path, how, carried_from=version.stamp)
-    return CarryReport(stamped, now["id"], len(keys), len(default_keys), errors, moved)
+    return CarryReport(stamped, now["id"], len(keys), len(default_keys), errors, len(aside),
+                       moved)
 
 
 def _failed_keys(records: list) -> set[str]:
