@@ -1,8 +1,8 @@
 """A step's kernel time as a tuning log states it, task by task, for each precision.
 
-For each task of a model's training and inference graphs (``thomas-tune tasks`` with the same
-options), its calls per graph run, its default-schedule time measured on the device
-(``default_latency.json`` in the log folder), the mean time of its best record in the log, and
+For each task of a model's training step (the training module's functions but its own
+``predict``) and inference graph (``thomas-tune tasks`` with the same options), its calls per
+run, its default-schedule time measured on the device (``default_latency.json`` in the log folder), the mean time of its best record in the log, and
 the smaller of the two times its calls: what an export of that log would spend in the task, as
 the device measured each kernel alone. The sum over the tasks is the graph's kernel time so
 estimated (tasks with neither time count nothing). Prints the sums and the 25 costliest tasks.
@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import math
 import sys
+
+import tvm
 
 from thomas_tune.cli.main import parser
 from thomas_tune.cli.options import load_model, model_graphs
@@ -34,6 +36,11 @@ for precision in precisions or ["float32"]:
     model, _, _ = load_model(args)
     target = parse_target(args.target, args.host)
     graphs = model_graphs(args, model)
+    # one training step runs the training module's forward-and-backward and optimizer
+    # functions, not its own ``predict`` (a forward pass of its own)
+    train = graphs["train"]
+    graphs["train"] = tvm.IRModule({gv: f for gv, f in train.functions.items()
+                                    if gv.name_hint != "predict"}, attrs=train.attrs)
     for graph in ("train", "infer"):
         tasks = extract({graph: graphs[graph]}, target)
         defaults = read_default_times(log_path, target, {key(t): t.mod for t in tasks}) or {}
