@@ -2,10 +2,12 @@
 
 For each task of a model's training step (the training module's functions but its own
 ``predict``) and inference graph (``thomas-tune tasks`` with the same options), its calls per
-run, its default-schedule time measured on the device (``default_latency.json`` in the log folder), the mean time of its best record in the log, and
-the smaller of the two times its calls: what an export of that log would spend in the task, as
-the device measured each kernel alone. The sum over the tasks is the graph's kernel time so
-estimated (tasks with neither time count nothing). Prints the sums and the 25 costliest tasks.
+run, its default-schedule time measured on the device (``default_latency.json`` in the log
+folder), the mean time of its best record in the log, and the smaller of the two times its
+calls: what an export of that log would spend in the task, as the device measured each kernel
+alone. Both forms of a convolution that the Winograd form takes are counted (an export runs
+one). The sum over the tasks is the graph's kernel time so estimated (tasks with neither time
+count nothing). Prints the sums and the 25 costliest tasks.
 
     python bench/experiments/log_time_by_task.py LOG float32 mixed16 -- --model alexnet \\
         --width 1 --resolution 224 --classes 1000 --batch 32 --trainable all \\
