@@ -152,12 +152,20 @@ start_jobs() {
     log=$TT/logs/$name
     committed_log $name
     echo "$job: starting ($args)"
-    # a log whose times are of another or an unknown code generation (the committed logs are
-    # unstamped) is re-measured first: each workload's best record and the defaults, the other
-    # records set aside in .stale ('remeasure --restamp'); tune refuses it otherwise
+    # a log of an unknown code generation (unstamped) is re-measured first: each workload's best
+    # record and the defaults, the other records set aside in .stale ('remeasure --restamp');
+    # tune refuses it otherwise. A log stamped with another version is not: the restamp keeps one
+    # record per workload, where 'log carry' (on the development machine, before the lease)
+    # keeps every record whose kernel is the same; RESTAMP=1 re-measures it anyway
     restamp=""
-    if ! python3 -P -c "import sys; from thomas_tune.logs import TuningLog; \
-sys.exit(TuningLog(sys.argv[1]).version().status != 'current')" $log 2>/dev/null; then
+    status=$(python3 -P -c "import sys; from thomas_tune.logs import TuningLog; \
+print(TuningLog(sys.argv[1]).version().status)" $log 2>/dev/null)
+    if [ "$status" = other ] && [ "${RESTAMP:-0}" != 1 ]; then
+      echo "$job: not started: $log is stamped with another code generation than this tree's;" \
+        "carry it ('thomas-tune log carry', docs/cli.md) and commit it, or RESTAMP=1"
+      continue
+    fi
+    if [ "$status" != current ]; then
       keep=$(python3 tools/job_options.py "$args" --model --width --resolution --classes \
         --batch --trainable --target --servers --build-workers)
       restamp="$PY remeasure $keep --restamp --top-k 1 --defaults logged --tracker 127.0.0.1:$PORT --key $KEY --log $log;"
