@@ -26,9 +26,8 @@
 # F32_MATCH=REGEX, F32_S (default 90): before AlexNet's rows, its float32 tasks whose names match
 # REGEX tuned for F32_S seconds (the job 'alexnet-w1-r224-c1000-b32' with '--match REGEX');
 # NO_TUNE=1: AlexNet's rows and checks from the committed log, no tuning; MNV2_ROWS=0:
-# MobileNetV2's mixed16 tuning only, no rows. A job started here on a log of another code
-# generation re-measures it first ('remeasure --restamp', keeping each workload's best record
-# only): carry the committed logs to the tree's code generation before a lease. CHECK16=0: no step
+# MobileNetV2's mixed16 tuning only, no rows. A job on a log of another code generation than
+# the tree's is not started (gpu_tune.sh): carry the committed logs before a lease. CHECK16=0: no step
 # check of AlexNet's mixed16 export (a tuned one's check weighs every element near a kink
 # without the build's roundings: 335 s per batch on the H100's host, and says little).
 cd "$(dirname "$0")/.."
