@@ -108,12 +108,13 @@ def dlight_target(target: tvm.target.Target) -> tvm.target.Target:
     Adreno configurations), which is given with ``device`` ``generic``, without the ``adreno``
     key and with a plain ``llvm`` host; its limits are unchanged.
 
-    Why: with the Adreno configuration, dlight's ``Matmul`` schedules the data gradient of a
-    1x1 convolution fused with the ReLU6 gradient mask (``conv2d_transpose ... where``) into a
-    kernel that computes wrong numbers (relative error about 1 against the same kernel's
-    generic schedule, on PoCL, for 11 kernels of MobileNetV2's training step;
-    ``tests/test_adreno.py``), and a wrong default schedule would also be the reference that
-    every tuned candidate is checked against."""
+    Why: with the Adreno configuration, dlight's ``Matmul`` vectorizes the ReLU6 gradient mask
+    fused into a 1x1 convolution's data gradient (``conv2d_transpose ... where``), which TVM's
+    OpenCL wrote wrong (relative error about 1, for 11 kernels of MobileNetV2's training step,
+    on PoCL) until the build's vector-cast rewrite (``schedules/bool_casts.py``); a default
+    schedule is the reference every tuned candidate is checked against. The generic
+    configuration stays the default: both compute right now (``tests/test_adreno.py``), and
+    which is faster on an Adreno has not been measured."""
     if target.kind.name != "opencl":
         return target
     host = str(target.host) if target.host is not None else ""
