@@ -6,10 +6,9 @@ reaches the kernel as a cast of ``0 < x``. TVM's OpenCL generator writes a vecto
 conversion of the comparison's value (``convert_int4(a < b)``), but in OpenCL C a comparison of
 vectors gives -1 (every bit set) where it holds, 0 elsewhere (OpenCL C specification 3.0,
 section 6.15.5, "Relational Operators"), so the cast gives -1 where TIR means 1, and
-``0 < convert_int4(a < b)`` is false exactly where it should be true: the kernel selects the
-wrong side wherever its mask loop is vectorized (on the H100, 44 trials of AlexNet's
-transposed convolutions with a ReLU mask failed their check so). A scalar comparison is 0 or 1
-in C and OpenCL C alike.
+``0 < convert_int4(a < b)`` is false everywhere: the kernel selects the ``else`` side wherever
+its mask loop is vectorized (the tuner's kernel check fails such candidates, so their fast
+schedules were lost). A scalar comparison is 0 or 1 in C and OpenCL C alike.
 
 The rewrite (:func:`vector_bool_casts`) replaces each cast of a vector of ``bool`` to a number
 by ``Select(cond, 1, 0)`` of the same lanes, which the generator writes as OpenCL's
