@@ -67,7 +67,8 @@ def test_a_vectorized_relu_mask_selects_as_numpy_on_the_device(rng):
 
 @pytest.mark.quick
 def test_kernels_without_vector_casts_of_comparisons_are_left_alone():
-    """A scalar mask and a vectorized kernel with no comparison cast: the same objects back."""
+    """Lowered and vectorized: the 1-lane mask (a scalar cast only) comes back as the same
+    object; the 4-lane one is rewritten to a ``Select``."""
     from thomas_tune.schedules.accumulate import to_loops
     target = parse_target("opencl")
     with target:

@@ -42,10 +42,10 @@ def _schedule_hash(mod, trace_json) -> int:
 def test_seeds_are_measured_here_and_versions_are_flagged(tmp_path, target, rng, capsys):
     from thomas_tune import cli
     from thomas_tune.training_graph import graph as G
-    from thomas_tune.logs import CodegenMismatch, TuningLog, mean_seconds, read_version
+    from thomas_tune.logs import STALE, CodegenMismatch, TuningLog, mean_seconds, read_version
     from thomas_tune.logs.codegen import STAMP, current, version_id
     from thomas_tune.models import build
-    from thomas_tune.tuning.remeasure import STALE, remeasure
+    from thomas_tune.tuning.remeasure import remeasure
     from thomas_tune.tasks import extract
     from thomas_tune.tasks import key as workload_key
     from thomas_tune.tuning import rpc_runner, tune

@@ -77,7 +77,7 @@ def cmd_remeasure(args) -> int:
     for why, n in sorted(report.reasons.items(), key=lambda kv: -kv[1])[:5]:
         print(f"  {n} x {why}")
     if args.restamp:
-        from ..tuning.remeasure import STALE
+        from ..logs import STALE
         print(f"restamped: {report.stale} record(s) not measured again moved to "
               f"{os.path.join(log.path, STALE)}; the log is now of {log.version().line()}")
     return 1 if report.failed else 0

@@ -46,12 +46,13 @@ from .errors import TrialErrors, read_errors
 from ..files import write_atomically as rewrite_atomically
 from .reading import LogContents, MergeReport, merge, read_log, summarize
 from .tuning_log import (ERRORS, HASHES, LOCK, PACKED, RECORDS, STALE, WORKLOADS, CheckReport,
-                         LogInUse, LogLock, TuningLog, is_packed, pack, unpack)
+                         LogInUse, LogLock, TuningLog, is_packed, pack, set_aside, unpack)
 
 __all__ = [
     "ERRORS", "FAILED_RUN_S", "HASHES", "LOCK", "PACKED", "RECORDS", "STALE", "STAMP", "WORKLOADS",
     "CheckReport", "CodegenMismatch", "LogContents", "LogDatabase", "LogInUse", "LogLock",
     "LogVersion", "MergeReport", "TrialErrors", "TuningLog", "is_packed", "json_line",
     "mean_run_seconds", "mean_seconds", "merge", "pack", "read_errors", "read_log",
-    "read_version", "rewrite_atomically", "summarize", "trace_json", "unpack", "write_stamp",
+    "read_version", "rewrite_atomically", "set_aside", "summarize", "trace_json", "unpack",
+    "write_stamp",
 ]

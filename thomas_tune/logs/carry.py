@@ -315,25 +315,17 @@ def _failed_keys(records: list) -> set[str]:
 
 def _set_aside(log_path: str, line_numbers: list[int], reason: str) -> int:
     """Move the record lines ``line_numbers`` (from 1) of the unpacked log ``log_path`` to
-    :data:`~thomas_tune.logs.STALE` with ``reason``; returns how many moved. Raises
-    CarryRefused for a packed log (its files are read-only)."""
-    from .tuning_log import RECORDS, STALE, TuningLog
-    from ..files import write_atomically
-    if TuningLog(log_path).packed:
+    :data:`~thomas_tune.logs.STALE` with ``reason`` (:func:`.tuning_log.set_aside`); returns
+    how many moved. Raises CarryRefused for a packed log (its files are read-only)."""
+    from .tuning_log import TuningLog, set_aside
+    log = TuningLog(log_path)
+    if log.packed:
         raise CarryRefused(f"tuning log {log_path!r} is packed, and {len(line_numbers)} failed "
                            "trials of changed kernels must be set aside: 'thomas-tune log "
                            f"unpack {log_path}', carry, then 'thomas-tune log pack {log_path}'")
-    path = os.path.join(log_path, RECORDS)
-    with open(path) as f:
+    with open(log.record_path) as f:
         lines = f.readlines()
-    drop = set(line_numbers)
-    with open(os.path.join(log_path, STALE), "a") as f:
-        for n in sorted(drop):
-            f.write(json.dumps({"reason": reason, "text": lines[n - 1].rstrip("\n")}) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    write_atomically(path, "".join(x for i, x in enumerate(lines) if i + 1 not in drop))
-    return len(drop)
+    return set_aside(log_path, lines, (n - 1 for n in line_numbers), reason)
 
 
 def digests_name(log_path: str) -> str:

@@ -35,6 +35,23 @@ ERRORS = "trial_errors.jsonl"
 HASHES = "schedule_hashes.json"
 
 
+def set_aside(path: str, lines: list[str], drop, reason: str) -> int:
+    """Move the record lines ``drop`` (indices from 0 into ``lines``, the record file of the
+    unpacked log folder ``path`` in order, newlines kept) to :data:`STALE`, each with
+    ``reason`` (appended and on disk before the record file changes), and rewrite the record
+    file with the other lines in their order. Returns how many moved."""
+    drop = set(drop)
+    if drop:
+        with open(os.path.join(path, STALE), "a") as f:
+            for i in sorted(drop):
+                f.write(json.dumps({"reason": reason, "text": lines[i].rstrip("\n")}) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+    write_atomically(os.path.join(path, RECORDS),
+                     [line for i, line in enumerate(lines) if i not in drop])
+    return len(drop)
+
+
 class LogInUse(ValueError):
     """Another process holds the tuning log's lock (the message names its pid and the fix)."""
 

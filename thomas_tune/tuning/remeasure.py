@@ -29,7 +29,7 @@ from tvm.s_tir.schedule import Schedule
 
 from ..measure.kept import keep_builder, take_builder
 from .defaults import measure_kernels
-from ..logs import STALE, TuningLog, mean_seconds, rewrite_atomically, write_stamp
+from ..logs import TuningLog, mean_seconds, rewrite_atomically, set_aside, write_stamp
 
 
 @dataclass
@@ -61,7 +61,8 @@ def remeasure(log: TuningLog, target, runner: ms.Runner, workload_keys: set[str]
     :func:`thomas_tune.tasks.key`) is in it (None: all). Records are built and run in
     batches of ``batch``; ``progress(done, total)`` is called after each. ``restamp``: after
     the re-measure, every record not re-measured here (``stale`` counts them) is moved to
-    :data:`STALE` and the log is stamped with this installation's code-generation version
+    :data:`~thomas_tune.logs.STALE` and the log is stamped with this installation's
+    code-generation version
     (see the module docstring); without it the log must be of this version. Raises
     :class:`thomas_tune.logs.LogInUse` when a tuner holds the log, ValueError when the
     log has no records, :class:`thomas_tune.logs.CodegenMismatch` for a log of another
@@ -127,21 +128,12 @@ def remeasure(log: TuningLog, target, runner: ms.Runner, workload_keys: set[str]
             report.best[keys[w]] = (report.best[keys[w]][0],
                                     min(mean_seconds(bodies[i][1]) for i in idx))
         if restamp:
-            report.stale = _set_aside_stale(log, lines, set(fresh), was.line())
+            keep = set(fresh)
+            report.stale = set_aside(
+                log.path, lines, (i for i in range(len(lines)) if i not in keep),
+                f"not measured again when the log was restamped (it was measured with "
+                f"{was.line()})")
             write_stamp(log.path, "remeasure --restamp")
     return report
 
 
-def _set_aside_stale(log: TuningLog, lines: list[str], keep: set[int], was: str) -> int:
-    """Move every record line of ``lines`` (the log's, in order) not in ``keep`` to
-    :data:`STALE` (appended, with the reason); returns how many moved."""
-    import os
-    stale = [i for i in range(len(lines)) if i not in keep]
-    if stale:
-        with open(os.path.join(log.path, STALE), "a") as f:
-            for i in stale:
-                f.write(json.dumps({"reason": f"not measured again when the log was restamped "
-                                              f"(it was measured with {was})",
-                                    "text": lines[i].rstrip("\n")}) + "\n")
-    rewrite_atomically(log.record_path, [lines[i] for i in sorted(keep)])
-    return len(stale)
