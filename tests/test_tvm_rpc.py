@@ -199,6 +199,38 @@ def test_a_vectorized_float16_epilogue_runs_on_tvm_rpc(tracker, tmp_path, rng):
         server.stop()
 
 
+def test_a_vectorized_relu_mask_runs_right_on_tvm_rpc(tracker, tmp_path, rng):
+    """A ReLU mask in Relax's form with its loop vectorized by 4 (``test_bool_casts.py``),
+    built by the GPU pipeline with its vector-cast rewrite: TVM's own OpenCL runtime in
+    ``tvm_rpc`` (PoCL) gives numpy's values on fresh inputs of both signs."""
+    import numpy as np
+    import tvm
+    from test_bool_casts import N, _relu_mask
+
+    from thomas_tune.schedules import tir_pipeline
+    from thomas_tune.target import codegen_target
+    build_dir = _build("THOMAS_TUNE_TVM_RPC")
+    target = parse_target("opencl")
+    lib = tvm.compile(_relu_mask(4), codegen_target(target), tir_pipeline=tir_pipeline(target))
+    lib.export_library(str(tmp_path / "mask.so"))
+    x = rng.standard_normal(N).astype("float32")
+    dy = rng.standard_normal(N).astype("float32")
+    key = "tvm-rpc-mask"
+    server = Server(build_dir, tracker, key, 9941, tmp_path, lifetime=300)
+    try:
+        rpc.wait_for_key(tracker, key, timeout=60)
+        sess = rpc.request_session(tracker, key, 120)
+        sess.upload(str(tmp_path / "mask.so"))
+        dev = sess.cl(0)
+        out = tvm.runtime.tensor(np.full(N, np.nan, "float32"), dev)
+        sess.load_module("mask.so")["main"](tvm.runtime.tensor(x, dev),
+                                            tvm.runtime.tensor(dy, dev), out)
+        np.testing.assert_array_equal(out.numpy(), np.where(x > 0, dy, 0.0))
+        del sess
+    finally:
+        server.stop()
+
+
 # ---- x86-64 tvm_rpc: the product -----------------------------------------------------------
 def test_tune_export_train_infer_through_tvm_rpc(tracker, tmp_path, rng, capsys):
     import tvm
