@@ -68,6 +68,17 @@ def _plausible(profile: dict) -> None:
     assert 0.5 < p["global_memory_bytes"] / dev.global_mem_size < 2
 
 
+@pytest.fixture(scope="module", autouse=True)
+def optimised_pocl():
+    """PoCL's own optimisations on, in this module's processes and the servers it starts: a
+    probe measures the device as users' builds compile for it (tests/run.sh turns them off
+    for the rest of the suite; unoptimised, PoCL's copy kernel ran at a tenth of numpy's copy
+    rate and failed the plausibility bound)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delenv("POCL_EXTRA_BUILD_FLAGS", raising=False)
+        yield
+
+
 @pytest.fixture(scope="module")
 def tracker():
     t = rpc.start_tracker("127.0.0.1", 9540, 9550)

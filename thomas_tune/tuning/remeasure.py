@@ -50,6 +50,23 @@ class RemeasureReport:
                    if math.isfinite(a) and math.isfinite(b) and max(a / b, b / a) > factor)
 
 
+def _pick(bodies: list, keys: list[str], workload_keys: set[str] | None, top_k: int,
+          report: RemeasureReport) -> tuple[dict[int, list[int]], list[int]]:
+    """The valid record lines of each workload asked for, fastest first, and the ``top_k``
+    fastest of each (line numbers); each workload's best time so far goes into ``report``."""
+    by_workload: dict[int, list[int]] = {}
+    for i, (w, body) in enumerate(bodies):
+        if workload_keys is None or keys[w] in workload_keys:
+            if math.isfinite(mean_seconds(body)):
+                by_workload.setdefault(w, []).append(i)
+    picked = []
+    for w, idx in by_workload.items():
+        idx.sort(key=lambda i: mean_seconds(bodies[i][1]))
+        picked += idx[:top_k]
+        report.best[keys[w]] = (mean_seconds(bodies[idx[0]][1]), math.inf)
+    return by_workload, picked
+
+
 def remeasure(log: TuningLog, target, runner: ms.Runner, workload_keys: set[str] | None = None,
               top_k: int = 2, batch: int = 64, builder_workers: int | None = None,
               progress=None, restamp: bool = False) -> RemeasureReport:
@@ -84,16 +101,7 @@ def remeasure(log: TuningLog, target, runner: ms.Runner, workload_keys: set[str]
         with open(log.record_path) as f:
             lines = [line if line.endswith("\n") else line + "\n" for line in f if line.strip()]
         bodies = [json.loads(line) for line in lines]
-        by_workload: dict[int, list[int]] = {}
-        for i, (w, body) in enumerate(bodies):
-            if workload_keys is None or keys[w] in workload_keys:
-                if math.isfinite(mean_seconds(body)):
-                    by_workload.setdefault(w, []).append(i)
-        picked = []
-        for w, idx in by_workload.items():
-            idx.sort(key=lambda i: mean_seconds(bodies[i][1]))
-            picked += idx[:top_k]
-            report.best[keys[w]] = (mean_seconds(bodies[idx[0]][1]), math.inf)
+        by_workload, picked = _pick(bodies, keys, workload_keys, top_k, report)
         fresh: list[int] = []  # lines measured again here
         builder = take_builder(builder_workers, timeout_s=120)
         try:
