@@ -5,12 +5,21 @@ from __future__ import annotations
 
 import os
 
-import numpy as np
-import pytest
+# PoCL compiles each OpenCL program for this machine's CPU when a test first launches it: on a
+# fresh machine (as CI's) most of the suite's PoCL time. The tests check what kernels compute,
+# not how fast PoCL's code runs, so PoCL skips its optimisations for them: every clBuildProgram
+# of the tests' processes and of the servers they start (the tvm_rpc ones, the emulated aarch64
+# one included) takes the flag. Neither build contracts or reorders float arithmetic (no
+# -cl-mad-enable or -cl-fast-relaxed-math): the same numbers (docs/journal/suite.md). Set
+# before anything loads an OpenCL driver; tests/test_probe.py turns it off for its probes.
+os.environ.setdefault("POCL_EXTRA_BUILD_FLAGS", "-cl-opt-disable")
 
-from thomas_tune.reference import TorchGraph, torch_module  # noqa: F401 (re-exported)
-from thomas_tune.compiler.compile import reference_target
-from thomas_tune.target import parse_target
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+from thomas_tune.reference import TorchGraph, torch_module  # noqa: F401, E402 (re-exported)
+from thomas_tune.compiler.compile import reference_target  # noqa: E402
+from thomas_tune.target import parse_target  # noqa: E402
 
 # llvm builds whose numbers are a reference and whose speed does not matter (LLVM opt-level 0)
 REFERENCE = reference_target(parse_target("llvm"))

@@ -10,13 +10,6 @@ cd "$(dirname "$0")/.."
 # oversubscribe the cores and slow both workers (docs/journal/suite.md). PoCL, the device
 # under test, keeps its own threads.
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" TVM_NUM_THREADS="${TVM_NUM_THREADS:-1}"
-# PoCL compiles each OpenCL program for this machine's CPU when a test first launches it: on a
-# fresh machine (as CI's) most of the suite's PoCL time. The tests check what kernels compute,
-# not how fast PoCL's code runs, so PoCL skips its optimisations for them (the same numbers:
-# without -cl-mad-enable or -cl-fast-relaxed-math neither build contracts or reorders float
-# arithmetic); every clBuildProgram of the suite's processes, the tvm_rpc servers' (and the
-# emulated aarch64 one's) included, takes it (docs/journal/suite.md).
-export POCL_EXTRA_BUILD_FLAGS="${POCL_EXTRA_BUILD_FLAGS:--cl-opt-disable}"
 # The phone's own server for tests/test_tvm_rpc.py: TVM's C++ RPC server tvm_rpc with TVM's own
 # OpenCL runtime, built by rpc/build_tvm_rpc.sh (docs/android.md). Where the variables name no
 # build, the archives in ../shared/tvm_rpc/ are unpacked once per archive (by its checksum)
