@@ -19,6 +19,7 @@ run goes through both servers). They are marked ``tvm_rpc``.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -165,6 +166,24 @@ def test_session_bounds_are_those_of_tvm_rpc(tracker, tmp_path, rng):
         server.stop()
 
 
+@contextlib.contextmanager
+def _loaded(lib, build_dir: str, key: str, port: int, tracker, tmp_path):
+    """``lib`` (a built module) exported, uploaded to a tvm_rpc server of ``build_dir``
+    registered as ``key`` and loaded there: yields its ``main`` and the server's OpenCL device;
+    the session is dropped and the server stopped after."""
+    name = f"{key}.so"
+    lib.export_library(str(tmp_path / name))
+    server = Server(build_dir, tracker, key, port, tmp_path, lifetime=300)
+    try:
+        rpc.wait_for_key(tracker, key, timeout=60)
+        sess = rpc.request_session(tracker, key, 120)
+        sess.upload(str(tmp_path / name))
+        yield sess.load_module(name)["main"], sess.cl(0)
+        del sess
+    finally:
+        server.stop()
+
+
 # ---- x86-64 tvm_rpc: a half-storage kernel of the vector form --------------------------------
 def test_a_vectorized_float16_epilogue_runs_on_tvm_rpc(tracker, tmp_path, rng):
     """A half-storage convolution whose float16 epilogue TVM vectorizes (a private ``halfN``,
@@ -183,20 +202,10 @@ def test_a_vectorized_float16_epilogue_runs_on_tvm_rpc(tracker, tmp_path, rng):
     assert found, "no sampled schedule had a vectorized float16 epilogue"
     lib = tvm.compile(found[0][0].mod, target)
     assert not re.search(r"\bhalf\d* |convert_half", lib.mod.imports[0].inspect_source())
-    lib.export_library(str(tmp_path / "epilogue.so"))
-    key = "tvm-rpc-half"
-    server = Server(build_dir, tracker, key, 9940, tmp_path, lifetime=300)
-    try:
-        rpc.wait_for_key(tracker, key, timeout=60)
-        sess = rpc.request_session(tracker, key, 120)
-        sess.upload(str(tmp_path / "epilogue.so"))
-        dev = sess.cl(0)
+    with _loaded(lib, build_dir, "tvm-rpc-half", 9940, tracker, tmp_path) as (main, dev):
         args = [tvm.runtime.tensor(a, dev) for a in conv.inputs()]
-        sess.load_module("epilogue.so")["main"](*args)
+        main(*args)
         conv.check(args[-1].numpy())
-        del sess
-    finally:
-        server.stop()
 
 
 def test_a_vectorized_relu_mask_runs_right_on_tvm_rpc(tracker, tmp_path, rng):
@@ -212,23 +221,12 @@ def test_a_vectorized_relu_mask_runs_right_on_tvm_rpc(tracker, tmp_path, rng):
     build_dir = _build("THOMAS_TUNE_TVM_RPC")
     target = parse_target("opencl")
     lib = tvm.compile(_relu_mask(4), codegen_target(target), tir_pipeline=tir_pipeline(target))
-    lib.export_library(str(tmp_path / "mask.so"))
     x = rng.standard_normal(N).astype("float32")
     dy = rng.standard_normal(N).astype("float32")
-    key = "tvm-rpc-mask"
-    server = Server(build_dir, tracker, key, 9941, tmp_path, lifetime=300)
-    try:
-        rpc.wait_for_key(tracker, key, timeout=60)
-        sess = rpc.request_session(tracker, key, 120)
-        sess.upload(str(tmp_path / "mask.so"))
-        dev = sess.cl(0)
+    with _loaded(lib, build_dir, "tvm-rpc-mask", 9941, tracker, tmp_path) as (main, dev):
         out = tvm.runtime.tensor(np.full(N, np.nan, "float32"), dev)
-        sess.load_module("mask.so")["main"](tvm.runtime.tensor(x, dev),
-                                            tvm.runtime.tensor(dy, dev), out)
+        main(tvm.runtime.tensor(x, dev), tvm.runtime.tensor(dy, dev), out)
         np.testing.assert_array_equal(out.numpy(), np.where(x > 0, dy, 0.0))
-        del sess
-    finally:
-        server.stop()
 
 
 # ---- x86-64 tvm_rpc: the product -----------------------------------------------------------
