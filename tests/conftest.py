@@ -80,9 +80,10 @@ SMALL = {
 # there. Units are ordered by their cost, the costliest first, so that the long ones start
 # first and the short ones fill the end of both workers, instead of one worker finishing a
 # long unit alone. COST: seconds on 2 cores (docs/journal/suite.md: a clean clone's run on
-# empty caches, --durations=0; units under 10 s left out), per test file, or per test
-# in the files of SPLIT (the test's name, parameters included); only the order matters, and
-# a unit not listed costs nothing and keeps its place (collection order) after the others.
+# empty caches, --durations=0; files under 10 s and split tests under 5 s left out), per test
+# file, or per test in the files of SPLIT (the test's name, parameters included); only the
+# order matters, and a unit not listed costs nothing and keeps its place (collection order)
+# after the others.
 SPLIT = {"test_step_check.py": {"right"}, "test_adreno.py": set(), "test_tvm_rpc.py": set()}
 COST: dict[str, float] = {
     "test_onnx_finetune.py": 205, "test_faults.py": 201, "test_half_reference.py": 195,
