@@ -25,7 +25,9 @@
 # tuning and mixed16 row; TUNE_S_ALEX=0: the carried exports' checks only); TRIALS (default 2000).
 # F32_MATCH=REGEX, F32_S (default 90): before AlexNet's rows, its float32 tasks whose names match
 # REGEX tuned for F32_S seconds (the job 'alexnet-w1-r224-c1000-b32' with '--match REGEX');
-# NO_TUNE=1: AlexNet's rows and checks from the committed log, no tuning; MNV2_ROWS=0:
+# NO_TUNE=1: AlexNet's rows and checks from the committed log, no tuning; ALEX=0: no AlexNet
+# tuning, rows or checks (MobileNetV2's part only); CHECKS (default "mnv2-budget mnv2-all"): the
+# carried exports whose steps are checked; MNV2_ROWS=0:
 # MobileNetV2's mixed16 tuning only, no rows. A job on a log of another code generation than
 # the tree's is not started (gpu_tune.sh): carry the committed logs before a lease. CHECK16=0: no step
 # check of AlexNet's mixed16 export (a tuned one's check weighs every element near a kink
@@ -73,20 +75,21 @@ say=print); print(c.ok, c.line())" > $R/check_$2.out 2>&1
 }
 ( if [ "${CARRIED:-1}" != 0 ]; then
     for _ in $(seq 180); do [ -e $TT/x68/unpacked ] && break; sleep 5; done
-    check $TT/x68/mnv2-budget budget1024
-    check $TT/x68/mnv2-all mnv2-all
+    for c in ${CHECKS:-mnv2-budget mnv2-all}; do check $TT/x68/$c $c; done
   fi
-  if [ "${TUNE_S_ALEX:-240}" != 0 ]; then
+  if [ "${TUNE_S_ALEX:-240}" != 0 ] && [ "${ALEX:-1}" != 0 ]; then
     for _ in $(seq 360); do [ -e $R/alexnet_exported ] && break; sleep 5; done
     check $TT/rows/alexnet-all alexnet-all
     [ "${CHECK16:-1}" != 0 ] && check $TT/rows/alexnet-all-mixed16 alexnet-all-mixed16
   fi
   date > $R/checks.done ) &
 [ "${TUNE_S_ALEX:-240}" = 0 ] && { date > $R/all.done; exit; }  # the carried exports' checks only
-if [ "${NO_TUNE:-0}" != 1 ]; then
+if [ "${ALEX:-1}" = 0 ]; then :
+elif [ "${NO_TUNE:-0}" != 1 ]; then
   tune_job alexnet-w1-r224-c1000-b32:mixed16 ${TUNE_S_ALEX:-240}
   [ -n "${F32_MATCH:-}" ] && tune_job alexnet-w1-r224-c1000-b32 ${F32_S:-90} "--match $F32_MATCH"
 fi
+if [ "${ALEX:-1}" != 0 ]; then
 mkdir -p $R/alexnet_log && cp $TT/logs/alexnet-w1-r224-c1000-b32/*.json $R/alexnet_log/ 2>/dev/null
 ROWS="alexnet-all alexnet-all-mixed16" EXPORT_ONLY=1 $G rows-job > $R/alexnet_rows.out 2>&1
 cp $TT/rows/*.export.out $R/ 2>/dev/null
@@ -94,6 +97,7 @@ date > $R/alexnet_exported
 flock $R/timing.lock $G py $R/memory_budget.py $TT/rows/alexnet-all $TT/rows/alexnet-all-mixed16 --steps 20 --torch \
   --out $R/alexnet_mixed16.json > $R/alexnet.out 2>&1
 date > $R/alexnet.done
+fi
 [ "${TUNE_S:-240}" = 0 ] && { date > $R/all.done; exit; }  # AlexNet's rows and the checks only
 tune_job mobilenet_v2-w1-r224-c1000-b32:mixed16 ${TUNE_S:-240}
 mkdir -p $R/mnv2_log && cp $TT/logs/mobilenet_v2-w1-r224-c1000-b32/*.json $R/mnv2_log/ 2>/dev/null
@@ -106,7 +110,7 @@ for _ in $(seq 120); do [ -e $TT/x68/unpacked ] && break; sleep 5; done
 flock $R/timing.lock $G py $R/memory_budget.py $TT/x68/mnv2-all $TT/x68/mnv2-mixed16 --steps 20 --torch \
   --out $R/mixed16.json > $R/mixed16.out 2>&1
 date > $R/mnv2.done
-check $TT/x68/mnv2-mixed16 mnv2-mixed16
+[ "${CHECK16:-1}" != 0 ] && check $TT/x68/mnv2-mixed16 mnv2-mixed16
 date > $R/all.done
 exit
 }
