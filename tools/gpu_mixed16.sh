@@ -25,7 +25,7 @@
 # tuning and mixed16 row; TUNE_S_ALEX=0: the carried exports' checks only); TRIALS (default 2000).
 # F32_MATCH=REGEX, F32_S (default 90): before AlexNet's rows, its float32 tasks whose names match
 # REGEX tuned for F32_S seconds (the job 'alexnet-w1-r224-c1000-b32' with '--match REGEX');
-# NO_TUNE=1: AlexNet's rows and checks from the committed log, no tuning; ALEX=0: no AlexNet
+# NO_TUNE=1: the rows and checks from the committed logs, no tuning; ALEX=0: no AlexNet
 # tuning, rows or checks (MobileNetV2's part only); CHECKS (default "mnv2-budget mnv2-all"): the
 # carried exports whose steps are checked; MNV2_ROWS=0:
 # MobileNetV2's mixed16 tuning only, no rows. A job on a log of another code generation than
@@ -57,6 +57,10 @@ G="bash tools/gpu_tune.sh"
 PY="python3 -P -m thomas_tune.cli"
 cp bench/memory_budget.py $R/memory_budget.py
 $G setup > $R/setup.out 2>&1 || { echo "setup failed" > $R/all.done; exit 3; }
+M=$TT/logs/mobilenet_v2-w1-r224-c1000-b32  # NO_TUNE=1: the committed log, as 'start' unpacks it
+if [ "${NO_TUNE:-0}" = 1 ] && ! [ -s $M/database_tuning_record.json ]; then
+  mkdir -p $M && cp tuning_logs/h100/$(basename $M)/* $M/ && xz -d -f $M/*.xz
+fi
 # tune_job JOB SECONDS [OPTIONS]: the job of tools/gpu_jobs.txt, stopped (its log flushed per record)
 # after SECONDS at most
 tune_job() {
@@ -99,11 +103,12 @@ flock $R/timing.lock $G py $R/memory_budget.py $TT/rows/alexnet-all $TT/rows/ale
 date > $R/alexnet.done
 fi
 [ "${TUNE_S:-240}" = 0 ] && { date > $R/all.done; exit; }  # AlexNet's rows and the checks only
-tune_job mobilenet_v2-w1-r224-c1000-b32:mixed16 ${TUNE_S:-240}
+[ "${NO_TUNE:-0}" != 1 ] && tune_job mobilenet_v2-w1-r224-c1000-b32:mixed16 ${TUNE_S:-240}
 mkdir -p $R/mnv2_log && cp $TT/logs/mobilenet_v2-w1-r224-c1000-b32/*.json $R/mnv2_log/ 2>/dev/null
 [ "${MNV2_ROWS:-1}" = 0 ] && { date > $R/all.done; exit; }  # MobileNetV2's tuning only
 C="--width 1.0 --resolution 224 --classes 1000 --batch 32 --target targets/h100_opencl.json"
-$PY export --model mobilenet_v2 --trainable all $C --precision mixed16 --any-codegen \
+# in gpu_tune.sh's environment (the installed copy under $TT/site), as the tuning and checks
+$G py -m thomas_tune.cli export --model mobilenet_v2 --trainable all $C --precision mixed16 --any-codegen \
   --log $TT/logs/mobilenet_v2-w1-r224-c1000-b32 --out $TT/x68/mnv2-mixed16 \
   > $R/export_mixed16.out 2>&1
 for _ in $(seq 120); do [ -e $TT/x68/unpacked ] && break; sleep 5; done
