@@ -54,13 +54,10 @@ fi
 {  # read whole before it runs: later calls replace the work tree
 TT=/tmp/tt; R=$TT/r68; mkdir -p $R
 G="bash tools/gpu_tune.sh"
-PY="python3 -P -m thomas_tune.cli"
 cp bench/memory_budget.py $R/memory_budget.py
 $G setup > $R/setup.out 2>&1 || { echo "setup failed" > $R/all.done; exit 3; }
-M=$TT/logs/mobilenet_v2-w1-r224-c1000-b32  # NO_TUNE=1: the committed log, as 'start' unpacks it
-if [ "${NO_TUNE:-0}" = 1 ] && ! [ -s $M/database_tuning_record.json ]; then
-  mkdir -p $M && cp tuning_logs/h100/$(basename $M)/* $M/ && xz -d -f $M/*.xz
-fi
+# NO_TUNE=1: MobileNetV2's committed log unpacked now (the work tree is replaced by later calls)
+[ "${NO_TUNE:-0}" = 1 ] && $G committed-log mobilenet_v2-w1-r224-c1000-b32
 # tune_job JOB SECONDS [OPTIONS]: the job of tools/gpu_jobs.txt, stopped (its log flushed per record)
 # after SECONDS at most
 tune_job() {
@@ -88,12 +85,11 @@ say=print); print(c.ok, c.line())" > $R/check_$2.out 2>&1
   fi
   date > $R/checks.done ) &
 [ "${TUNE_S_ALEX:-240}" = 0 ] && { date > $R/all.done; exit; }  # the carried exports' checks only
-if [ "${ALEX:-1}" = 0 ]; then :
-elif [ "${NO_TUNE:-0}" != 1 ]; then
+if [ "${ALEX:-1}" != 0 ]; then
+if [ "${NO_TUNE:-0}" != 1 ]; then
   tune_job alexnet-w1-r224-c1000-b32:mixed16 ${TUNE_S_ALEX:-240}
   [ -n "${F32_MATCH:-}" ] && tune_job alexnet-w1-r224-c1000-b32 ${F32_S:-90} "--match $F32_MATCH"
 fi
-if [ "${ALEX:-1}" != 0 ]; then
 mkdir -p $R/alexnet_log && cp $TT/logs/alexnet-w1-r224-c1000-b32/*.json $R/alexnet_log/ 2>/dev/null
 ROWS="alexnet-all alexnet-all-mixed16" EXPORT_ONLY=1 $G rows-job > $R/alexnet_rows.out 2>&1
 cp $TT/rows/*.export.out $R/ 2>/dev/null

@@ -14,6 +14,8 @@
 #   watch   status every minute for WATCH seconds (default 540), then once more
 #   stop    stop everything
 #   setup   install TVM and the project in /tmp/tt/site only (carry .devcarry/last)
+#   committed-log NAME...  the committed logs unpacked in /tmp/tt/logs/NAME, as 'start' does
+#           (a log there already is kept)
 #   seeding set up, start tracker and servers, then a seeded session and one from nothing in the
 #           background (see seeding_job for its variables); 'seeding-status' prints progress and
 #           returns each session folder as $OUT/NAME.tgz, 'seeding-watch' does so every minute
@@ -375,6 +377,7 @@ case "${1:-status}" in
   status) status ;;
   watch) watch ;;
   setup) setup ;;
+  committed-log) shift; for name in "$@"; do committed_log "$name"; done ;;  # unpacked in $TT/logs
   remeasure) setup && start_services && start_remeasure && watch ;;
   compile-cost) setup && start_compile_cost ;;
   bench) shift; setup >/dev/null || exit $?; mkdir -p $TT/bench
