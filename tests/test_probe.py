@@ -71,8 +71,8 @@ def _plausible(profile: dict) -> None:
 @pytest.fixture(scope="module", autouse=True)
 def optimised_pocl():
     """PoCL's own optimisations on, in this module's processes and the servers it starts: a
-    probe measures the device as users' builds compile for it (tests/run.sh turns them off
-    for the rest of the suite; unoptimised, PoCL's copy kernel ran at a tenth of numpy's copy
+    probe measures the device as users' builds compile for it (tests/conftest.py turns them
+    off for the rest of the suite; unoptimised, PoCL's copy kernel ran at a tenth of numpy's copy
     rate and failed the plausibility bound)."""
     with pytest.MonkeyPatch.context() as mp:
         mp.delenv("POCL_EXTRA_BUILD_FLAGS", raising=False)
