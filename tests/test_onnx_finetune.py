@@ -192,18 +192,18 @@ class Theirs:
         return float(np.mean(logits.argmax(1).numpy() == data.y[:n]))
 
 
-def _check_lr0(pre, model, tg, vm, tensors, rng, steps=10, within=0.0, drift=0.05):
+def _check_lr0(pre, model, tg, vm, tensors, rng, steps=10, drift=0.05):
     """(b): ``steps`` training steps at learning rate 0 on the pretraining task (only the
     running statistics move) leave the held-out accuracy where PyTorch's ends after the same
-    steps on the original network, within ``within`` (default: the same accuracy), and both
-    within ``drift`` (5 points) of where they started, so that the comparison is made on a
-    network that still classifies. PyTorch runs the BatchNorms of the frozen layers as ours
+    steps on the same imported network (``tensors``) in float64, and within ``drift`` (5
+    points) of where it started, so that the comparison is made on a network that still
+    classifies. PyTorch runs the BatchNorms of the frozen layers as ours
     does (``tg.frozen_bn``: in eval form, their statistics kept): with every BatchNorm in
     training form on its side only, the two accuracies parted by up to 0.6 point on some
     draws of the batches. The running statistics of batches of 8 move both accuracies, by a
     pretraining- and batch-dependent amount (2.0 points for one pair of seeds)."""
     ours = Ours(tg, vm, tensors)
-    theirs = Theirs(model, pre.tensors, set(), frozen_bn=tg.frozen_bn)
+    theirs = Theirs(model, tensors, set(), frozen_bn=tg.frozen_bn)
     before = ours.accuracy(pre.test)
     assert before == theirs.accuracy(pre.test) and before > 0.8, before
     batches = pre.train.batches(BATCH, rng)
@@ -214,7 +214,7 @@ def _check_lr0(pre, model, tg, vm, tensors, rng, steps=10, within=0.0, drift=0.0
         theirs.step(x, y, masks, update=False)
     after, want = ours.accuracy(pre.test), theirs.accuracy(pre.test)
     print(f"held-out accuracy {before:.4f} -> {after:.4f} (PyTorch {want:.4f})")
-    assert abs(after - want) <= within and abs(after - before) <= drift, (before, after, want)
+    assert after == want and abs(after - before) <= drift, (before, after, want)
 
 
 def _torch_batchnorm_output_statistics(model, tensors, images, batch=64):
@@ -249,8 +249,8 @@ def _rel(got, ref):
 @pytest.mark.parametrize("arch", sorted(TRAINABLE))
 def test_kept_batchnorm_trains_as_pytorch(arch, pretrained, compiled, rng):
     """BatchNorm kept in the file: (a) the first step's loss, gradients and running statistics
-    equal PyTorch's on the original network; (b) 10 steps at learning rate 0 keep held-out
-    accuracy within 0.5 point; (c) 5 fine-tuning steps on digits 5-9 follow PyTorch's
+    equal PyTorch's on the original network; (b) 10 steps at learning rate 0 end at PyTorch's
+    held-out accuracy; (c) 5 fine-tuning steps on digits 5-9 follow PyTorch's
     losses."""
     pre = pretrained(arch)
     model, tensors, report = import_onnx(pre.files["kept"], arch, width=ARCHS[arch])
@@ -282,8 +282,8 @@ def test_fused_batchnorm_calibrated_trains_as_pytorch(arch, pretrained, compiled
     mean and variance of the original BatchNorm's output in PyTorch (float64, eval mode) on
     those images, and the first training loss is nearer PyTorch's on the original network
     than the uncalibrated import's (how near is a property of the pretrained network: how well
-    its running statistics match the images' statistics); (b) 10 steps at learning rate 0 keep
-    held-out accuracy within 1 point of PyTorch's; (c) 5 fine-tuning steps on digits 5-9
+    its running statistics match the images' statistics); (b) 10 steps at learning rate 0 on
+    the calibrated network end at PyTorch's held-out accuracy on it; (c) 5 fine-tuning steps on digits 5-9
     follow PyTorch's losses."""
     pre = pretrained(arch)
     model, fused, report = import_onnx(pre.files["fused"], arch, width=ARCHS[arch])
@@ -341,9 +341,10 @@ def test_fused_batchnorm_calibrated_trains_as_pytorch(arch, pretrained, compiled
     # was 2.3x to 8.5x the calibrated one over 24 batches, the calibrated gap 0.1 to 0.63
     assert gap["uncalibrated"] > gap["calibrated"], gap
 
-    # the fused import's running statistics start from a one-batch calibration, not
-    # PyTorch's: a clean-clone run ended 3 held-out images (0.6 point) from PyTorch's
-    _check_lr0(pre, model, tg, vm, tensors, rng, within=0.01)
+    # PyTorch on the calibrated network too: on the original network its running statistics
+    # start elsewhere, and the two accuracies after 10 steps parted by 3 to 5 held-out images
+    # of 496 on clean-clone runs, a property of the draw, not of the build
+    _check_lr0(pre, model, tg, vm, tensors, rng)
 
     # (c) fine-tuning on digits 5-9 with a new head, from the calibrated weights on both
     # sides: the same network, batches and masks in float64, so the losses agree step by step
