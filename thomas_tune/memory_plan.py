@@ -448,7 +448,7 @@ def plan_for_budget(model, batch: int, trainable: str, optimizer, budget_bytes: 
     with records of scratch-heavy kernels left out (their kernels then run their default
     schedules): the level's ``records_left_out`` names them, which the build must leave out.
     Raises :class:`BudgetError` (a ValueError) when no level fits; its message names the
-    smallest budget that does, in MB (10^6 bytes)."""
+    smallest budget that does, in MB (10^6 bytes), and it holds the levels tried."""
     from .training_graph.graph import ADJOINT, training_module
     from .memory import _liveness_peak
     from .recompute import segment_of
@@ -490,4 +490,4 @@ def plan_for_budget(model, batch: int, trainable: str, optimizer, budget_bytes: 
         f"smallest step ({least['level']} recomputation) needs "
         f"{-(-smallest // 10**5) / 10:.1f} MB; give --memory-budget "
         f"{-(-smallest // 10**5) / 10:.1f} or more, a smaller --batch, or train fewer layers "
-        "(--trainable last:K)", smallest)
+        "(--trainable last:K)", smallest, tried)

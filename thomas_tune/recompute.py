@@ -54,11 +54,13 @@ BN_ACT_FLOPS_PER_ELEMENT = 7
 
 
 class BudgetError(ValueError):
-    """No plan fits the budget; ``smallest`` is the smallest budget one fits (bytes)."""
+    """No plan fits the budget; ``smallest`` is the smallest budget one fits (bytes);
+    ``tried``: the figures of every level tried (as ``plan_for_budget`` returns them)."""
 
-    def __init__(self, message: str, smallest: int):
+    def __init__(self, message: str, smallest: int, tried: list[dict] | None = None):
         super().__init__(message)
         self.smallest = smallest
+        self.tried = tried or []
 
 
 @dataclass
