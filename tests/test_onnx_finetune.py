@@ -283,8 +283,8 @@ def test_fused_batchnorm_calibrated_trains_as_pytorch(arch, pretrained, compiled
     those images, and the first training loss is nearer PyTorch's on the original network
     than the uncalibrated import's (how near is a property of the pretrained network: how well
     its running statistics match the images' statistics); (b) 10 steps at learning rate 0 on
-    the calibrated network end at PyTorch's held-out accuracy on it; (c) 5 fine-tuning steps on digits 5-9
-    follow PyTorch's losses."""
+    the calibrated network end at PyTorch's held-out accuracy on it; (c) 5 fine-tuning steps
+    on digits 5-9 follow PyTorch's losses."""
     pre = pretrained(arch)
     model, fused, report = import_onnx(pre.files["fused"], arch, width=ARCHS[arch])
     assert sorted(report.fused_batchnorms) == sorted(identity_batchnorms(model, fused))
