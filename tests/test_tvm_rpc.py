@@ -350,12 +350,16 @@ def test_adreno_export_trains_on_the_aarch64_tvm_rpc(tracker, tmp_path, rng, mon
         export(x86, model, tensors, parse_target("qcom/adreno-opencl"), **quiet)
         rpc.wait_for_key(tracker, key, timeout=120)
 
-        # the step's loss and every gradient on the device against PyTorch in float64
+        # the step's loss and every gradient on the device against PyTorch in float64, through
+        # the library the training session below loaded there (as bench checks before timing:
+        # the device loads train.so and builds its OpenCL programs once)
         seed = int(rng.integers(1 << 30))
         sess = connect(tracker, key, session_timeout_s=1200)
+        remote = Session(arm, rpc_session=sess, seed=seed)
         m = Manifest.read(arm)
         ref = reference_steps(model, tensors, m.trainable, BATCH, seed, manifest_frozen_bn(m))
-        checked = check_export(arm, seed=seed, rpc_session=sess, reference=ref)
+        checked = check_export(arm, seed=seed, rpc_session=sess, reference=ref,
+                               train_lib=remote.train_library)
         print(checked.line())
         assert checked.ok, checked.line()
         # the first check batch (its dropout masks and the tensors it was checked from) here
@@ -367,7 +371,6 @@ def test_adreno_export_trains_on_the_aarch64_tvm_rpc(tracker, tmp_path, rng, mon
         y = rng.integers(0, MODEL["num_classes"], BATCH).astype("int64")
 
         # training steps there follow the same steps on this machine
-        remote = Session(arm, rpc_session=sess, seed=seed)
         local = Session(x86, seed=seed)
         r_loss = [remote.train_step(x, y) for _ in range(3)]
         l_loss = [local.train_step(x, y) for _ in range(3)]
