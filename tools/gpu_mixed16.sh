@@ -86,17 +86,17 @@ say=print); print(c.ok, c.line())" > $R/check_$2.out 2>&1
   date > $R/checks.done ) &
 [ "${TUNE_S_ALEX:-240}" = 0 ] && { date > $R/all.done; exit; }  # the carried exports' checks only
 if [ "${ALEX:-1}" != 0 ]; then
-if [ "${NO_TUNE:-0}" != 1 ]; then
-  tune_job alexnet-w1-r224-c1000-b32:mixed16 ${TUNE_S_ALEX:-240}
-  [ -n "${F32_MATCH:-}" ] && tune_job alexnet-w1-r224-c1000-b32 ${F32_S:-90} "--match $F32_MATCH"
-fi
-mkdir -p $R/alexnet_log && cp $TT/logs/alexnet-w1-r224-c1000-b32/*.json $R/alexnet_log/ 2>/dev/null
-ROWS="alexnet-all alexnet-all-mixed16" EXPORT_ONLY=1 $G rows-job > $R/alexnet_rows.out 2>&1
-cp $TT/rows/*.export.out $R/ 2>/dev/null
-date > $R/alexnet_exported
-flock $R/timing.lock $G py $R/memory_budget.py $TT/rows/alexnet-all $TT/rows/alexnet-all-mixed16 --steps 20 --torch \
-  --out $R/alexnet_mixed16.json > $R/alexnet.out 2>&1
-date > $R/alexnet.done
+  if [ "${NO_TUNE:-0}" != 1 ]; then
+    tune_job alexnet-w1-r224-c1000-b32:mixed16 ${TUNE_S_ALEX:-240}
+    [ -n "${F32_MATCH:-}" ] && tune_job alexnet-w1-r224-c1000-b32 ${F32_S:-90} "--match $F32_MATCH"
+  fi
+  mkdir -p $R/alexnet_log && cp $TT/logs/alexnet-w1-r224-c1000-b32/*.json $R/alexnet_log/ 2>/dev/null
+  ROWS="alexnet-all alexnet-all-mixed16" EXPORT_ONLY=1 $G rows-job > $R/alexnet_rows.out 2>&1
+  cp $TT/rows/*.export.out $R/ 2>/dev/null
+  date > $R/alexnet_exported
+  flock $R/timing.lock $G py $R/memory_budget.py $TT/rows/alexnet-all $TT/rows/alexnet-all-mixed16 --steps 20 --torch \
+    --out $R/alexnet_mixed16.json > $R/alexnet.out 2>&1
+  date > $R/alexnet.done
 fi
 [ "${TUNE_S:-240}" = 0 ] && { date > $R/all.done; exit; }  # AlexNet's rows and the checks only
 [ "${NO_TUNE:-0}" != 1 ] && tune_job mobilenet_v2-w1-r224-c1000-b32:mixed16 ${TUNE_S:-240}
